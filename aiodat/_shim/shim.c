@@ -1,0 +1,352 @@
+/* aiodat/_shim/shim.c: the C half of aiodat (see shim.h for what Python sees).
+ *
+ * Only the work that runs per request or per event lives here, so Python pays
+ * one crossing per batch: posting a list of requests, draining a completion
+ * channel and its CQ, and copying rdma_cm and async events out of the
+ * libraries (then acking them at once, so librdmacm never waits on Python).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <stdlib.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include "shim.h"
+
+#define AIODAT_CHUNK 64   /* requests chained per ibv_post_* call */
+
+int aiodat_set_nonblocking(int fd)
+{
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0)
+        return errno;
+    return 0;
+}
+
+static void fill_sges(struct ibv_sge *dst, const struct aiodat_sge *src, int n)
+{
+    for (int i = 0; i < n; i++) {
+        dst[i].addr = src[i].addr;
+        dst[i].length = src[i].length;
+        dst[i].lkey = src[i].lkey;
+    }
+}
+
+/* Post n send requests, AIODAT_CHUNK at a time.  Returns 0 or the errno of
+ * the first failure; *n_posted says how many were accepted before it. */
+int aiodat_post_send(struct ibv_qp *qp, const struct aiodat_send_wr *wrs, int n,
+                     const struct aiodat_sge *sges, int *n_posted)
+{
+    struct ibv_send_wr wr[AIODAT_CHUNK], *bad;
+    struct ibv_sge sg[AIODAT_CHUNK * 32];
+    int done = 0;
+
+    *n_posted = 0;
+    while (done < n) {
+        int count = 0, sg_used = 0;
+        while (done + count < n && count < AIODAT_CHUNK) {
+            const struct aiodat_send_wr *w = &wrs[done + count];
+            struct ibv_send_wr *d = &wr[count];
+            if (w->num_sge < 0 || w->num_sge > 32)
+                return EINVAL;
+            if (sg_used + w->num_sge > AIODAT_CHUNK * 32)
+                break;
+            memset(d, 0, sizeof(*d));
+            d->wr_id = w->wr_id;
+            d->opcode = (enum ibv_wr_opcode)w->opcode;
+            d->send_flags = w->send_flags;
+            d->imm_data = htonl(w->imm_data);
+            d->num_sge = w->num_sge;
+            d->sg_list = w->num_sge ? &sg[sg_used] : NULL;
+            fill_sges(&sg[sg_used], &sges[w->sge_start], w->num_sge);
+            sg_used += w->num_sge;
+            switch (d->opcode) {
+            case IBV_WR_ATOMIC_CMP_AND_SWP:
+            case IBV_WR_ATOMIC_FETCH_AND_ADD:
+                d->wr.atomic.remote_addr = w->remote_addr;
+                d->wr.atomic.rkey = w->rkey;
+                d->wr.atomic.compare_add = w->compare_add;
+                d->wr.atomic.swap = w->swap;
+                break;
+            case IBV_WR_BIND_MW:
+                d->bind_mw.mw = w->mw;
+                d->bind_mw.rkey = w->mw_rkey;
+                d->bind_mw.bind_info.mr = w->bind_mr;
+                d->bind_mw.bind_info.addr = w->bind_addr;
+                d->bind_mw.bind_info.length = w->bind_length;
+                d->bind_mw.bind_info.mw_access_flags = w->bind_access;
+                break;
+            case IBV_WR_LOCAL_INV:
+                d->invalidate_rkey = w->mw_rkey;
+                break;
+            default:
+                if (w->ah) {
+                    d->wr.ud.ah = w->ah;
+                    d->wr.ud.remote_qpn = w->remote_qpn;
+                    d->wr.ud.remote_qkey = w->remote_qkey;
+                } else {
+                    d->wr.rdma.remote_addr = w->remote_addr;
+                    d->wr.rdma.rkey = w->rkey;
+                }
+            }
+            d->next = NULL;
+            if (count)
+                wr[count - 1].next = d;
+            count++;
+        }
+        int rc = ibv_post_send(qp, wr, &bad);
+        if (rc) {
+            *n_posted = done + (int)(bad - wr);
+            return rc;
+        }
+        done += count;
+        *n_posted = done;
+    }
+    return 0;
+}
+
+/* Post n receives to a QP (srq NULL) or to an SRQ. */
+int aiodat_post_recv(struct ibv_qp *qp, struct ibv_srq *srq, const uint64_t *wr_ids,
+                     const int *sge_starts, const int *num_sges, int n,
+                     const struct aiodat_sge *sges, int *n_posted)
+{
+    struct ibv_recv_wr wr[AIODAT_CHUNK], *bad;
+    struct ibv_sge sg[AIODAT_CHUNK * 32];
+    int done = 0;
+
+    *n_posted = 0;
+    while (done < n) {
+        int count = 0, sg_used = 0;
+        while (done + count < n && count < AIODAT_CHUNK) {
+            int i = done + count;
+            if (num_sges[i] < 0 || num_sges[i] > 32)
+                return EINVAL;
+            if (sg_used + num_sges[i] > AIODAT_CHUNK * 32)
+                break;
+            wr[count].wr_id = wr_ids[i];
+            wr[count].num_sge = num_sges[i];
+            wr[count].sg_list = num_sges[i] ? &sg[sg_used] : NULL;
+            fill_sges(&sg[sg_used], &sges[sge_starts[i]], num_sges[i]);
+            sg_used += num_sges[i];
+            wr[count].next = NULL;
+            if (count)
+                wr[count - 1].next = &wr[count];
+            count++;
+        }
+        int rc = srq ? ibv_post_srq_recv(srq, wr, &bad) : ibv_post_recv(qp, wr, &bad);
+        if (rc) {
+            *n_posted = done + (int)(bad - wr);
+            return rc;
+        }
+        done += count;
+        *n_posted = done;
+    }
+    return 0;
+}
+
+static void copy_wc(struct aiodat_wc *d, const struct ibv_wc *s)
+{
+    d->wr_id = s->wr_id;
+    d->status = s->status;
+    d->opcode = s->opcode;
+    d->vendor_err = s->vendor_err;
+    d->byte_len = s->byte_len;
+    d->imm_data = (s->wc_flags & IBV_WC_WITH_IMM) ? ntohl(s->imm_data) : 0;
+    d->qp_num = s->qp_num;
+    d->src_qp = s->src_qp;
+    d->wc_flags = s->wc_flags;
+    d->slid = s->slid;
+    d->sl = s->sl;
+}
+
+/* Poll up to max completions without touching the channel. */
+int aiodat_cq_poll(struct ibv_cq *cq, struct aiodat_wc *out, int max)
+{
+    struct ibv_wc wc[32];
+    int total = 0;
+    while (total < max) {
+        int want = max - total < 32 ? max - total : 32;
+        int got = ibv_poll_cq(cq, want, wc);
+        if (got < 0)
+            return -EIO;
+        for (int i = 0; i < got; i++)
+            copy_wc(&out[total + i], &wc[i]);
+        total += got;
+        if (got < want)
+            break;
+    }
+    return total;
+}
+
+/* The loop's reader callback for a completion channel, in one call: read and
+ * ack every pending channel event (the fd is non-blocking), re-arm the CQ,
+ * then poll it.  Arming before polling means a completion that lands after
+ * the poll raises a new channel event, so none is stranded.  Returns the
+ * number of completions copied (== max means: call again). */
+int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int solicited_only,
+                    struct aiodat_wc *out, int max, int *n_channel_events)
+{
+    struct ibv_cq *ev_cq;
+    void *ev_ctx;
+    unsigned int events = 0;
+
+    while (channel && ibv_get_cq_event(channel, &ev_cq, &ev_ctx) == 0) {
+        /* one CQ per channel in aiodat; ack on the CQ the event named */
+        ibv_ack_cq_events(ev_cq, 1);
+        events++;
+    }
+    *n_channel_events = (int)events;
+    if (channel && ibv_req_notify_cq(cq, solicited_only))
+        return -EIO;
+    return aiodat_cq_poll(cq, out, max);
+}
+
+/* Copy out up to max pending rdma_cm events and ack each at once.  For UD
+ * and multicast events an address handle is created on pd (when given). */
+int aiodat_cm_get_events(struct rdma_event_channel *channel, struct ibv_pd *pd,
+                         struct aiodat_cm_event *out, int max)
+{
+    struct rdma_cm_event *ev;
+    int n = 0;
+
+    while (n < max) {
+        if (rdma_get_cm_event(channel, &ev)) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                break;
+            return n ? n : -errno;
+        }
+        struct aiodat_cm_event *d = &out[n++];
+        memset(d, 0, sizeof(*d));
+        d->id = ev->id;
+        d->listen_id = ev->listen_id;
+        d->event = ev->event;
+        d->status = ev->status;
+        int is_ud = ev->id && (ev->id->ps == RDMA_PS_UDP || ev->id->ps == RDMA_PS_IPOIB);
+        const void *pdata = is_ud ? ev->param.ud.private_data : ev->param.conn.private_data;
+        int plen = is_ud ? ev->param.ud.private_data_len : ev->param.conn.private_data_len;
+        if (pdata && plen > 0) {
+            if (plen > AIODAT_CM_PRIVATE_DATA_MAX)
+                plen = AIODAT_CM_PRIVATE_DATA_MAX;
+            memcpy(d->private_data, pdata, plen);
+            d->private_data_len = plen;
+        }
+        if (is_ud) {
+            d->ud_qp_num = ev->param.ud.qp_num;
+            d->ud_qkey = ev->param.ud.qkey;
+            if (pd && (ev->event == RDMA_CM_EVENT_ESTABLISHED ||
+                       ev->event == RDMA_CM_EVENT_MULTICAST_JOIN))
+                d->ah = ibv_create_ah(pd, &ev->param.ud.ah_attr);
+        } else {
+            d->responder_resources = ev->param.conn.responder_resources;
+            d->initiator_depth = ev->param.conn.initiator_depth;
+            d->retry_count = ev->param.conn.retry_count;
+            d->rnr_retry_count = ev->param.conn.rnr_retry_count;
+            d->srq = ev->param.conn.srq;
+            d->qp_num = ev->param.conn.qp_num;
+        }
+        rdma_ack_cm_event(ev);
+    }
+    return n;
+}
+
+/* Copy out up to max pending device events from the context's async fd. */
+int aiodat_async_get_events(struct ibv_context *context, struct aiodat_async_event *out, int max)
+{
+    struct ibv_async_event ev;
+    int n = 0;
+
+    while (n < max) {
+        if (ibv_get_async_event(context, &ev)) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                break;
+            return n ? n : -errno;
+        }
+        struct aiodat_async_event *d = &out[n++];
+        d->event_type = ev.event_type;
+        d->element = NULL;
+        d->port_num = 0;
+        switch (ev.event_type) {
+        case IBV_EVENT_CQ_ERR:
+            d->element = ev.element.cq;
+            break;
+        case IBV_EVENT_QP_FATAL: case IBV_EVENT_QP_REQ_ERR: case IBV_EVENT_QP_ACCESS_ERR:
+        case IBV_EVENT_COMM_EST: case IBV_EVENT_SQ_DRAINED: case IBV_EVENT_PATH_MIG:
+        case IBV_EVENT_PATH_MIG_ERR: case IBV_EVENT_QP_LAST_WQE_REACHED:
+            d->element = ev.element.qp;
+            break;
+        case IBV_EVENT_SRQ_ERR: case IBV_EVENT_SRQ_LIMIT_REACHED:
+            d->element = ev.element.srq;
+            break;
+        case IBV_EVENT_PORT_ACTIVE: case IBV_EVENT_PORT_ERR: case IBV_EVENT_LID_CHANGE:
+        case IBV_EVENT_PKEY_CHANGE: case IBV_EVENT_SM_CHANGE: case IBV_EVENT_CLIENT_REREGISTER:
+        case IBV_EVENT_GID_CHANGE:
+            d->port_num = ev.element.port_num;
+            break;
+        default:
+            break;
+        }
+        ibv_ack_async_event(&ev);
+    }
+    return n;
+}
+
+/* Let librdmacm drive a QP aiodat created itself (as rdma_create_qp would
+ * have): it then moves the QP through RTR/RTS on connect and accept and to
+ * ERR on disconnect.  The QP must belong to the id's device. */
+int aiodat_cm_attach_qp(struct rdma_cm_id *id, struct ibv_qp *qp)
+{
+    if (qp && id->verbs && qp->context != id->verbs)
+        return EXDEV;
+    id->qp = qp;
+    return 0;
+}
+
+int aiodat_sockaddr(const char *host, uint16_t port, struct sockaddr_storage *out)
+{
+    memset(out, 0, sizeof(*out));
+    struct sockaddr_in *v4 = (struct sockaddr_in *)out;
+    struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)out;
+    if (inet_pton(AF_INET, host, &v4->sin_addr) == 1) {
+        v4->sin_family = AF_INET;
+        v4->sin_port = htons(port);
+        return 0;
+    }
+    if (inet_pton(AF_INET6, host, &v6->sin6_addr) == 1) {
+        v6->sin6_family = AF_INET6;
+        v6->sin6_port = htons(port);
+        return 0;
+    }
+    return EINVAL;
+}
+
+int aiodat_sockaddr_str(const struct sockaddr *addr, char *host, int host_len, uint16_t *port)
+{
+    if (!addr)
+        return EINVAL;
+    if (addr->sa_family == AF_INET) {
+        const struct sockaddr_in *v4 = (const struct sockaddr_in *)addr;
+        if (!inet_ntop(AF_INET, &v4->sin_addr, host, host_len))
+            return errno;
+        *port = ntohs(v4->sin_port);
+        return 0;
+    }
+    if (addr->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *v6 = (const struct sockaddr_in6 *)addr;
+        if (!inet_ntop(AF_INET6, &v6->sin6_addr, host, host_len))
+            return errno;
+        *port = ntohs(v6->sin6_port);
+        return 0;
+    }
+    return EAFNOSUPPORT;
+}
+
+int aiodat_gid_str(const union ibv_gid *gid, char *out, int out_len)
+{
+    return inet_ntop(AF_INET6, gid->raw, out, out_len) ? 0 : errno;
+}
+
+size_t aiodat_sockaddr_storage_size(void)
+{
+    return sizeof(struct sockaddr_storage);
+}
