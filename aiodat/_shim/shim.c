@@ -293,10 +293,12 @@ int aiodat_async_get_events(struct ibv_context *context, struct aiodat_async_eve
 
 /* Let librdmacm drive a QP aiodat created itself (as rdma_create_qp would
  * have): it then moves the QP through RTR/RTS on connect and accept and to
- * ERR on disconnect.  The QP must belong to the id's device. */
+ * ERR on disconnect.  The QP must be on the id's device; librdmacm opens its
+ * own ibv_context for it, so compare devices, not contexts. */
 int aiodat_cm_attach_qp(struct rdma_cm_id *id, struct ibv_qp *qp)
 {
-    if (qp && id->verbs && qp->context != id->verbs)
+    if (qp && id->verbs && qp->context != id->verbs &&
+        strcmp(qp->context->device->name, id->verbs->device->name) != 0)
         return EXDEV;
     id->qp = qp;
     return 0;

@@ -1,0 +1,585 @@
+"""Connections: the rdma_cm event channel on the loop, PSPs, CRs, connect/accept/reject/disconnect.
+
+Each IA owns one rdma_cm event channel.  Its fd is non-blocking and watched by
+the running loop; on a wake-up the shim copies each event out of librdmacm
+(type, status, private data, the cm_id) and acks it at once, and
+:meth:`CMChannel.dispatch` routes it by cm_id to its owner:
+
+* a PSP's listening id: CONNECT_REQUEST becomes a :class:`CR` on the PSP's cr_evd;
+* an EP's id: address and route resolution drive the active side on to
+  rdma_connect; ESTABLISHED, REJECTED, UNREACHABLE, DISCONNECTED (a DREQ from
+  the peer, or the DREP to ours) become DAT connection events.
+
+A connection event goes to the task awaiting that outcome (``await
+ep.connect()``, ``await cr.accept()``, ``await ep.disconnect()``) if there is
+one, otherwise to the EP's connect_evd: the ``*_nowait`` forms leave every
+outcome on the EVD, as DAT does.
+
+The QP stays aiodat's (created in ep.py and moved to INIT at once, so receives
+can be posted before connecting); it is handed to librdmacm by setting the
+cm_id's ``qp`` as rdma_create_qp would, so librdmacm moves it through RTR/RTS
+on connect and accept and to ERR on disconnect.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
+
+from aiodat._fdwatch import FdWatch
+from aiodat._handle import Handle
+from aiodat._lib import ffi, lib
+from aiodat.errors import (
+    ConnectionRejected,
+    ConnQualInUse,
+    InvalidParameter,
+    InvalidState,
+    TimeoutExpired,
+    Unreachable,
+    error_from_errno,
+)
+from aiodat.evd import ConnectionEvent, ConnectionRequestEvent, EvdFlags, EventType, AsyncEvent
+
+if TYPE_CHECKING:
+    from aiodat.ep import EP
+    from aiodat.evd import EVD
+    from aiodat.ia import IA
+
+#: private data limits of the IB CM as rdma_cm uses it (REQ keeps 36 bytes for rdma_cm's header)
+CONNECT_PRIVATE_DATA_MAX = 56
+ACCEPT_PRIVATE_DATA_MAX = 196
+REJECT_PRIVATE_DATA_MAX = 148
+
+# enum rdma_cm_event_type
+(ADDR_RESOLVED, ADDR_ERROR, ROUTE_RESOLVED, ROUTE_ERROR, CONNECT_REQUEST, CONNECT_RESPONSE,
+ CONNECT_ERROR, UNREACHABLE, REJECTED, ESTABLISHED, DISCONNECTED, DEVICE_REMOVAL,
+ MULTICAST_JOIN, MULTICAST_ERROR, ADDR_CHANGE, TIMEWAIT_EXIT) = range(16)
+
+_CONSUMER_REJECT = 28  # IB_CM_REJ_CONSUMER_DEFINED: the peer application said no
+_ETIMEDOUT = 110
+_RESOLVE_MS = 2000
+
+
+def _key(cm_id: Any) -> int:
+    return int(ffi.cast("uintptr_t", cm_id))
+
+
+def _private(data: Union[bytes, bytearray, memoryview, None], limit: int, what: str) -> bytes:
+    if data is None:
+        return b""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidParameter(f"{what} private data must be bytes, not {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > limit:
+        raise InvalidParameter(
+            f"{what} private data is {len(data)} bytes; the provider's maximum is {limit} "
+            f"(max_private_data_size)"
+        )
+    return data
+
+
+def _sockaddr(host: str, port: int) -> Any:
+    if not isinstance(host, str):
+        raise InvalidParameter(f"host must be an IP address string, not {type(host).__name__}")
+    if not isinstance(port, int) or not 0 <= port <= 0xFFFF:
+        raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
+    addr = ffi.new("struct sockaddr_storage *")
+    if lib.aiodat_sockaddr(host.encode(), port, addr):
+        import socket
+
+        try:  # a host name: resolve it the ordinary way
+            host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError:
+            raise InvalidParameter(f"cannot resolve host {host!r}") from None
+        lib.aiodat_sockaddr(host.encode(), port, addr)
+    return addr
+
+
+def _address(sa: Any) -> Optional[Tuple[str, int]]:
+    if sa == ffi.NULL:
+        return None
+    host = ffi.new("char[64]")
+    port = ffi.new("uint16_t *")
+    if lib.aiodat_sockaddr_str(sa, host, 64, port):
+        return None
+    return ffi.string(host).decode(), port[0]
+
+
+def cm_addresses(cm_id: Any) -> Tuple[Optional[Tuple[str, int]], Optional[Tuple[str, int]]]:
+    """(local, remote) (host, port) of a cm_id, or Nones when it has none."""
+    if cm_id == ffi.NULL:
+        return None, None
+    return _address(lib.rdma_get_local_addr(cm_id)), _address(lib.rdma_get_peer_addr(cm_id))
+
+
+class CMChannel:
+    """An IA's rdma_cm event channel, watched by the loop, and the routing of its events."""
+
+    def __init__(self, ia: "IA") -> None:
+        self._ia = ia
+        self.channel = lib.rdma_create_event_channel()
+        if self.channel == ffi.NULL:
+            raise error_from_errno(ffi.errno, "creating the rdma_cm event channel (is rdma_ucm loaded?)")
+        self.owners: Dict[int, Any] = {}  # cm_id -> EP, PSP or CR
+        self._buf = ffi.new("struct aiodat_cm_event *")
+        self.watch = FdWatch(self.channel.fd, self._on_readable, "rdma_cm event channel")
+
+    def create_id(self, owner: Any, port_space: int) -> Any:
+        """A new cm_id on this channel, routed to ``owner``."""
+        idp = ffi.new("struct rdma_cm_id **")
+        if lib.rdma_create_id(self.channel, idp, ffi.NULL, port_space):
+            raise error_from_errno(ffi.errno, "creating an rdma_cm id")
+        self.owners[_key(idp[0])] = owner
+        return idp[0]
+
+    def destroy_id(self, cm_id: Any) -> None:
+        """Forget and destroy a cm_id (any QP must already be detached)."""
+        if cm_id != ffi.NULL:
+            self.owners.pop(_key(cm_id), None)
+            lib.rdma_destroy_id(cm_id)
+
+    def drain(self) -> None:
+        """Dispatch every pending event, one at a time (an id may die while dispatching)."""
+        while self.channel != ffi.NULL:
+            got = lib.aiodat_cm_get_events(self.channel, ffi.NULL, self._buf, 1)
+            if got <= 0:
+                return
+            self.dispatch(self._buf)
+
+    def _on_readable(self) -> None:
+        if not self._ia.closed:
+            self.drain()
+
+    def dispatch(self, ev: Any) -> None:
+        """Route one copied-out event to the PSP, CR or EP that owns its cm_id."""
+        kind = ev.event
+        pdata = bytes(ffi.buffer(ev.private_data, ev.private_data_len))
+        if kind == CONNECT_REQUEST:
+            psp = self.owners.get(_key(ev.listen_id))
+            if isinstance(psp, PSP) and not psp.closed:
+                psp._on_request(ev.id, pdata, ev.responder_resources, ev.initiator_depth)
+            else:
+                lib.rdma_reject(ev.id, ffi.NULL, 0)
+                lib.rdma_destroy_id(ev.id)
+            return
+        if kind == DEVICE_REMOVAL or kind == ADDR_CHANGE:
+            etype = EventType.ASYNC_DEVICE_REMOVAL if kind == DEVICE_REMOVAL else EventType.ASYNC_ADDRESS_CHANGE
+            evd = self._ia.async_evd
+            evd._push(AsyncEvent(etype, evd, obj=self.owners.get(_key(ev.id)), reason=_event_name(kind)))
+            return
+        owner = self.owners.get(_key(ev.id))
+        from aiodat.ep import EP
+
+        if isinstance(owner, EP):
+            _ep_event(owner, kind, ev.status, pdata)
+
+    def destroy(self) -> None:
+        """Stop watching and destroy the channel (every id is gone by now)."""
+        self.watch.detach()
+        for owner in list(self.owners.values()):
+            if isinstance(owner, Handle):
+                owner.close()
+        if self.channel != ffi.NULL:
+            lib.rdma_destroy_event_channel(self.channel)
+            self.channel = ffi.NULL
+
+
+def _event_name(kind: int) -> str:
+    return ffi.string(lib.rdma_event_str(kind)).decode()
+
+
+# -- the active side and the events of an EP ---------------------------------------
+
+
+def _check_can_connect(ep: "EP") -> None:
+    from aiodat.ep import EPState, ServiceType
+
+    ep._check()
+    if ep.attrs.service_type is not ServiceType.RC:
+        raise InvalidParameter("only RC endpoints connect; UD endpoints use resolve_datagram")
+    if ep._state is not EPState.UNCONNECTED:
+        hint = " (call ep.reset() first)" if ep._state in (EPState.DISCONNECTED, EPState.ERROR) else ""
+        raise InvalidState(f"cannot connect an EP in state {ep._state.value}{hint}")
+
+
+def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: Optional[float],
+                  waiter: Optional["asyncio.Future[ConnectionEvent]"]) -> None:
+    """Resolve, route and connect; the outcome goes to ``waiter`` or the connect EVD."""
+    from aiodat.ep import EPState
+
+    _check_can_connect(ep)
+    pdata = _private(private_data, CONNECT_PRIVATE_DATA_MAX, "connect")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise InvalidParameter(f"timeout must be None or > 0 seconds, got {timeout!r}")
+    dst = _sockaddr(host, port)
+    ia = ep._ia
+    cm = ia._cm
+    cm_id = cm.create_id(ep, lib.RDMA_PS_TCP)
+    src = _sockaddr(ia.address, 0) if ia.address else ffi.NULL
+    resolve_ms = int(min(timeout, _RESOLVE_MS / 1000) * 1000) if timeout else _RESOLVE_MS
+    if lib.rdma_resolve_addr(cm_id, ffi.cast("struct sockaddr *", src), ffi.cast("struct sockaddr *", dst),
+                             resolve_ms):
+        err = ffi.errno
+        cm.destroy_id(cm_id)
+        raise error_from_errno(err, f"resolving {host}:{port}")
+    ep._cm_id = cm_id
+    ep._pending_private = pdata
+    ep._connect_waiter = waiter
+    ep._state = EPState.ACTIVE_CONNECTION_PENDING
+    ia._attach_loop()
+    _start_timer(ep, timeout, EventType.CONNECTION_EVENT_TIMED_OUT, f"connect to {host}:{port}")
+
+
+def _start_timer(ep: "EP", timeout: Optional[float], etype: EventType, what: str) -> None:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return  # no loop: rdma_cm's own retries bound the wait
+    if timeout is not None:
+        ep._cm_timer = loop.call_later(timeout, _timed_out, ep, ep._cm_id, etype, f"{what} timed out after {timeout}s")
+
+
+def _cancel_timer(ep: "EP") -> None:
+    timer = getattr(ep, "_cm_timer", None)
+    if timer is not None:
+        timer.cancel()
+        ep._cm_timer = None
+
+
+def _timed_out(ep: "EP", cm_id: Any, etype: EventType, reason: str) -> None:
+    from aiodat.ep import EPState
+
+    if ep.closed or ep._cm_id != cm_id:
+        return
+    if etype is EventType.CONNECTION_EVENT_TIMED_OUT and ep._state is EPState.CONNECTED:
+        return
+    if etype is EventType.CONNECTION_EVENT_DISCONNECTED and ep._state is EPState.DISCONNECTED:
+        return
+    # Give up on the peer: drop the id (the QP goes to ERR, flushing its requests).
+    _drop_connection(ep)
+    ep._state = EPState.DISCONNECTED
+    _deliver(ep, ConnectionEvent(etype, ep.connect_evd, ep, reason=reason))
+
+
+def _conn_param(ep: "EP", pdata: bytes, responder: int, initiator: int) -> Tuple[Any, Any]:
+    param = ffi.new("struct rdma_conn_param *")
+    keep = ffi.new("char[]", pdata) if pdata else ffi.NULL
+    param.private_data = keep
+    param.private_data_len = len(pdata)
+    param.responder_resources = responder
+    param.initiator_depth = initiator
+    param.retry_count = 7
+    param.rnr_retry_count = 7
+    return param, keep
+
+
+def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
+    """What an event on an EP's cm_id does."""
+    from aiodat.ep import EPState
+
+    cm_id = ep._cm_id
+    if kind == ADDR_RESOLVED:
+        if lib.rdma_resolve_route(cm_id, _RESOLVE_MS):
+            _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_resolve_route: errno {ffi.errno}")
+        return
+    if kind == ROUTE_RESOLVED:
+        err = lib.aiodat_cm_attach_qp(cm_id, ep._qp)
+        param, _keep = _conn_param(ep, ep._pending_private, ep.attrs.max_rdma_read_in, ep.attrs.max_rdma_read_out)
+        if err or lib.rdma_connect(cm_id, param):
+            _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_connect: errno {err or ffi.errno}")
+        return
+    if kind in (ADDR_ERROR, ROUTE_ERROR, UNREACHABLE, CONNECT_ERROR):
+        etype = (EventType.CONNECTION_EVENT_TIMED_OUT if status == -_ETIMEDOUT
+                 else EventType.CONNECTION_EVENT_UNREACHABLE)
+        if ep._state is EPState.PASSIVE_CONNECTION_PENDING:
+            etype = EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR
+        _fail_connect(ep, etype, f"{_event_name(kind)} (status {status})")
+        return
+    if kind == REJECTED:
+        etype = (EventType.CONNECTION_EVENT_PEER_REJECTED if status == _CONSUMER_REJECT
+                 else EventType.CONNECTION_EVENT_NON_PEER_REJECTED)
+        _fail_connect(ep, etype, f"rejected (reason {status})", pdata)
+        return
+    if kind == ESTABLISHED:
+        _cancel_timer(ep)
+        ep._state = EPState.CONNECTED
+        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_ESTABLISHED, ep.connect_evd, ep, pdata))
+        return
+    if kind == DISCONNECTED:
+        _cancel_timer(ep)
+        if ep._state is EPState.CONNECTED:
+            lib.rdma_disconnect(cm_id)  # the peer's DREQ: our QP to ERR, flushing what is posted
+        ep._state = EPState.DISCONNECTED
+        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep, pdata))
+        return
+    # CONNECT_RESPONSE (not seen with a QP attached), TIMEWAIT_EXIT, multicast: nothing to do here
+
+
+def _fail_connect(ep: "EP", etype: EventType, reason: str, pdata: bytes = b"") -> None:
+    from aiodat.ep import EPState
+
+    _cancel_timer(ep)
+    ep._state = EPState.DISCONNECTED
+    _deliver(ep, ConnectionEvent(etype, ep.connect_evd, ep, pdata, reason))
+
+
+def _deliver(ep: "EP", event: ConnectionEvent) -> None:
+    waiter = ep._connect_waiter
+    if waiter is not None and not waiter.done():
+        ep._connect_waiter = None
+        waiter.set_result(event)
+    else:
+        ep.connect_evd._push(event)
+
+
+def _outcome(ep: "EP", event: ConnectionEvent, what: str) -> bytes:
+    """Turn the event that ended a connect/accept into a return value or the DAT error."""
+    t = event.type
+    if t is EventType.CONNECTION_EVENT_ESTABLISHED:
+        return event.private_data
+    if t is EventType.CONNECTION_EVENT_PEER_REJECTED:
+        raise ConnectionRejected(f"{what}: the peer rejected the connection", private_data=event.private_data)
+    if t is EventType.CONNECTION_EVENT_NON_PEER_REJECTED:
+        raise ConnectionRejected(f"{what}: rejected by the peer's CM ({event.reason}); "
+                                 f"is anything listening there?", private_data=event.private_data)
+    if t is EventType.CONNECTION_EVENT_TIMED_OUT:
+        raise TimeoutExpired(f"{what}: {event.reason}")
+    raise Unreachable(f"{what}: {event.type.name} ({event.reason})")
+
+
+async def _await_outcome(ep: "EP", fut: "asyncio.Future[ConnectionEvent]") -> ConnectionEvent:
+    try:
+        return await fut
+    finally:
+        if ep._connect_waiter is fut:
+            ep._connect_waiter = None
+
+
+async def connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: Optional[float]) -> bytes:
+    """``await ep.connect(...)``: see :meth:`aiodat.EP.connect`."""
+    fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
+    start_connect(ep, host, port, private_data, timeout, fut)
+    try:
+        event = await _await_outcome(ep, fut)
+    except asyncio.CancelledError:
+        _abandon(ep)
+        raise
+    return _outcome(ep, event, f"connect to {host}:{port}")
+
+
+def _abandon(ep: "EP") -> None:
+    """A cancelled connect/accept: drop the half-made connection so the EP is not left pending."""
+    from aiodat.ep import EPState
+
+    if not ep.closed and ep._state in (EPState.ACTIVE_CONNECTION_PENDING, EPState.PASSIVE_CONNECTION_PENDING):
+        _cancel_timer(ep)
+        _drop_connection(ep)
+        ep._state = EPState.DISCONNECTED
+
+
+# -- disconnect ----------------------------------------------------------------
+
+
+def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[ConnectionEvent]"],
+                     timeout: Optional[float] = None) -> None:
+    """Send DREQ (after moving the QP to ERR if abrupt); DISCONNECTED follows on the DREP."""
+    from aiodat.ep import EPState
+
+    ep._check()
+    if ep._state in (EPState.ACTIVE_CONNECTION_PENDING, EPState.PASSIVE_CONNECTION_PENDING):
+        _abandon(ep)
+        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep,
+                                     reason="disconnected before the connection was established"))
+        return
+    if ep._state is not EPState.CONNECTED:
+        raise InvalidState(f"cannot disconnect an EP in state {ep._state.value}")
+    if not graceful:
+        ep._to_error()
+    ep._connect_waiter = waiter
+    ep._state = EPState.DISCONNECT_PENDING
+    if lib.rdma_disconnect(ep._cm_id):
+        err = ffi.errno
+        ep._state = EPState.DISCONNECTED
+        raise error_from_errno(err, "rdma_disconnect")
+    ep._ia._attach_loop()
+    _start_timer(ep, timeout, EventType.CONNECTION_EVENT_DISCONNECTED, "waiting for the DREP")
+
+
+async def disconnect(ep: "EP", graceful: bool, timeout: Optional[float]) -> None:
+    """``await ep.disconnect()``: see :meth:`aiodat.EP.disconnect`."""
+    from aiodat.ep import EPState
+
+    if ep._state in (EPState.DISCONNECTED, EPState.UNCONNECTED) and not ep.closed:
+        return  # already down (the peer may have disconnected first)
+    fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
+    start_disconnect(ep, graceful, fut, timeout)
+    if fut.done() or ep._connect_waiter is not fut:
+        return
+    await _await_outcome(ep, fut)
+
+
+def _drop_connection(ep: "EP") -> None:
+    """Disconnect if needed and destroy the EP's cm_id, leaving the QP (in ERR if it was connected) to the EP."""
+    from aiodat.ep import EPState
+
+    cm_id = ep._cm_id
+    if cm_id == ffi.NULL:
+        return
+    if ep._state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING, EPState.PASSIVE_CONNECTION_PENDING,
+                     EPState.ACTIVE_CONNECTION_PENDING):
+        lib.rdma_disconnect(cm_id)
+    lib.aiodat_cm_attach_qp(cm_id, ffi.NULL)
+    ep._cm_id = ffi.NULL
+    ep._ia._cm.destroy_id(cm_id)
+
+
+def detach_cm_id(ep: "EP") -> None:
+    """Used by EP.reset/free: end any connection and destroy the EP's cm_id."""
+    _cancel_timer(ep)
+    _drop_connection(ep)
+
+
+# -- the passive side ---------------------------------------------------------------
+
+
+class PSP(Handle):
+    """A Public Service Point: listens on a port for connection requests (dat_psp_create)."""
+
+    _kind = "psp"
+    _close_rank = 0  # before PZs and EVDs: stop new requests first
+
+    def __init__(self, ia: "IA", port: int, cr_evd: "EVD", backlog: int) -> None:
+        from aiodat.evd import EVD
+
+        ia._check()
+        if not isinstance(cr_evd, EVD):
+            raise InvalidParameter(f"cr_evd must be an EVD, not {type(cr_evd).__name__}")
+        cr_evd._check()
+        if cr_evd._ia is not ia:
+            raise InvalidParameter("cr_evd belongs to another IA")
+        if not cr_evd.streams & EvdFlags.CR:
+            raise InvalidParameter("cr_evd does not accept the CR (connection request) stream")
+        if not isinstance(backlog, int) or backlog < 1:
+            raise InvalidParameter(f"backlog must be an int >= 1, got {backlog!r}")
+        addr = _sockaddr(ia.address or "0.0.0.0", port)
+        super().__init__(ia)
+        self._ia = ia
+        self.cr_evd = cr_evd
+        self._cm_id = ia._cm.create_id(self, lib.RDMA_PS_TCP)
+        if lib.rdma_bind_addr(self._cm_id, ffi.cast("struct sockaddr *", addr)):
+            err = ffi.errno
+            self.close()
+            if err == 98:  # EADDRINUSE
+                raise ConnQualInUse(f"port {port} is already listened on ({ia.address})")
+            raise error_from_errno(err, f"binding port {port}")
+        if lib.rdma_listen(self._cm_id, backlog):
+            err = ffi.errno
+            self.close()
+            raise error_from_errno(err, f"listening on port {port}")
+        #: the port (connection qualifier) listened on
+        bound = _address(lib.rdma_get_local_addr(self._cm_id))
+        self.port: int = bound[1] if bound else port
+        #: the address listened on
+        self.address: Optional[str] = ia.address
+        ia._attach_loop()
+
+    def _on_request(self, cm_id: Any, pdata: bytes, responder: int, initiator: int) -> None:
+        cr = CR(self, cm_id, pdata, responder, initiator)
+        self.cr_evd._push(ConnectionRequestEvent(EventType.CONNECTION_REQUEST, self.cr_evd, cr, self))
+
+    def query(self) -> Dict[str, Any]:
+        """Return the PSP's parameters (dat_psp_query): ia, port, address, cr_evd."""
+        self._check()
+        return {"ia": self._ia, "port": self.port, "address": self.address, "cr_evd": self.cr_evd}
+
+    def free(self) -> None:
+        """Stop listening (dat_psp_free); pending requests are rejected."""
+        self._check()
+        self.close()
+
+    def _release(self) -> None:
+        self._ia._cm.destroy_id(self._cm_id)
+        self._cm_id = ffi.NULL
+
+    def __repr__(self) -> str:
+        return f"<aiodat.PSP port={getattr(self, 'port', '?')}{' closed' if self._closed else ''}>"
+
+
+class CR(Handle):
+    """A connection request (DAT_CR_HANDLE): answer it with :meth:`accept` or :meth:`reject`, once."""
+
+    _kind = "cr"
+
+    def __init__(self, psp: PSP, cm_id: Any, pdata: bytes, responder: int, initiator: int) -> None:
+        super().__init__(psp)
+        self.psp = psp
+        self._ia = psp._ia
+        self._cm_id = cm_id
+        self._responder = responder
+        self._initiator = initiator
+        #: the private data the peer sent with its request
+        self.private_data: bytes = pdata
+        local, remote = cm_addresses(cm_id)
+        #: the peer's (host, port)
+        self.remote_address: Optional[Tuple[str, int]] = remote
+        #: our (host, port) the request arrived on
+        self.local_address: Optional[Tuple[str, int]] = local
+        self._ia._cm.owners[_key(cm_id)] = self
+
+    def accept_nowait(self, ep: "EP", private_data: bytes = b"") -> None:
+        """Accept on ``ep`` (dat_cr_accept); ESTABLISHED arrives on the EP's connect_evd."""
+        self._accept(ep, private_data, None)
+
+    async def accept(self, ep: "EP", private_data: bytes = b"", timeout: Optional[float] = 10.0) -> None:
+        """Accept on ``ep`` and return once the connection is ESTABLISHED."""
+        fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
+        self._accept(ep, private_data, fut, timeout)
+        try:
+            event = await _await_outcome(ep, fut)
+        except asyncio.CancelledError:
+            _abandon(ep)
+            raise
+        _outcome(ep, event, "accept")
+
+    def _accept(self, ep: "EP", private_data: bytes, waiter: Any, timeout: Optional[float] = None) -> None:
+        from aiodat.ep import EP, EPState
+
+        self._check()
+        if not isinstance(ep, EP):
+            raise InvalidParameter(f"accept needs an EP, not {type(ep).__name__}")
+        _check_can_connect(ep)
+        if ep._ia is not self._ia:
+            raise InvalidParameter("the EP belongs to another IA")
+        pdata = _private(private_data, ACCEPT_PRIVATE_DATA_MAX, "accept")
+        err = lib.aiodat_cm_attach_qp(self._cm_id, ep._qp)
+        if err:
+            raise error_from_errno(err, "accepting on an EP of another device")
+        param, _keep = _conn_param(ep, pdata, min(ep.attrs.max_rdma_read_in, self._initiator),
+                                   min(ep.attrs.max_rdma_read_out, self._responder))
+        if lib.rdma_accept(self._cm_id, param):
+            err = ffi.errno
+            lib.aiodat_cm_attach_qp(self._cm_id, ffi.NULL)
+            raise error_from_errno(err, "rdma_accept")
+        # The request's cm_id now belongs to the EP.
+        ep._cm_id, self._cm_id = self._cm_id, ffi.NULL
+        self._ia._cm.owners[_key(ep._cm_id)] = ep
+        ep._connect_waiter = waiter
+        ep._state = EPState.PASSIVE_CONNECTION_PENDING
+        self.close()
+        _start_timer(ep, timeout, EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR, "accept")
+
+    def reject(self, private_data: bytes = b"") -> None:
+        """Refuse the request (dat_cr_reject); the peer's connect fails with ConnectionRejected."""
+        self._check()
+        pdata = _private(private_data, REJECT_PRIVATE_DATA_MAX, "reject")
+        keep = ffi.new("char[]", pdata) if pdata else ffi.NULL
+        lib.rdma_reject(self._cm_id, keep, len(pdata))
+        self.close()
+
+    def _release(self) -> None:
+        if self._cm_id != ffi.NULL:  # never answered: refuse it
+            lib.rdma_reject(self._cm_id, ffi.NULL, 0)
+            self._ia._cm.destroy_id(self._cm_id)
+            self._cm_id = ffi.NULL
+
+    def __repr__(self) -> str:
+        return f"<aiodat.CR from {self.remote_address}{' answered' if self._closed else ''}>"

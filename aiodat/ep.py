@@ -1,0 +1,606 @@
+"""Endpoints: a queue pair, its DTO posts and its states (dat_ep_*).
+
+Posting goes through the C shim, one crossing per call (or per batch with
+:meth:`EP.post_send_batch`).  Each posted request is remembered with its
+cookie and the LMR segments it uses; the completion that comes back through
+the EVD (evd.py) finds it again, so the event carries the cookie, and the
+LMRs cannot be freed while the hardware may still touch them.  Requests posted
+without a completion (suppressed or unsignalled) are retired when a later
+request of the same send queue completes, as the send queue is ordered.
+Connection set-up and tear-down live in cm.py.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from aiodat._handle import Handle
+from aiodat._lib import ffi, lib
+from aiodat.errors import (
+    InvalidHandle,
+    InvalidParameter,
+    InvalidState,
+    LengthError,
+    QueueFull,
+    error_from_errno,
+)
+from aiodat.evd import DTOCompletionEvent, DTOOp, EvdFlags, EventType, ConnectionEvent, RMRBindEvent
+from aiodat.memory import LMR, Segment
+
+if TYPE_CHECKING:
+    from aiodat.cm import CR
+    from aiodat.evd import EVD
+    from aiodat.ia import IA, PZ
+    from aiodat.memory import RemoteRegion
+    from aiodat.srq import SRQ
+
+Segments = Union[Segment, LMR, Sequence[Segment], None]
+
+
+class CompletionFlags(enum.IntFlag):
+    """DAT completion flags of a posted request (DAT_COMPLETION_*_FLAG)."""
+
+    DEFAULT = 0x00
+    #: no completion event if the request succeeds (a failure still completes)
+    SUPPRESS = 0x01
+    #: the peer's receive completion is solicited: it wakes a solicited-only wait
+    SOLICITED_WAIT = 0x02
+    #: like SUPPRESS on verbs: no completion unless the request fails
+    UNSIGNALLED = 0x04
+    #: do not start until every earlier RDMA read and atomic of this EP has completed
+    BARRIER_FENCE = 0x08
+
+
+class EPState(enum.Enum):
+    """DAT endpoint states (DAT_EP_STATE_*)."""
+
+    UNCONNECTED = "UNCONNECTED"
+    RESERVED = "RESERVED"
+    PASSIVE_CONNECTION_PENDING = "PASSIVE_CONNECTION_PENDING"
+    ACTIVE_CONNECTION_PENDING = "ACTIVE_CONNECTION_PENDING"
+    TENTATIVE_CONNECTION_PENDING = "TENTATIVE_CONNECTION_PENDING"
+    CONNECTED = "CONNECTED"
+    DISCONNECT_PENDING = "DISCONNECT_PENDING"
+    DISCONNECTED = "DISCONNECTED"
+    ERROR = "ERROR"
+
+
+class ServiceType(enum.Enum):
+    """Transport service of an EP (DAT_SERVICE_TYPE): reliable connected or (aiodat) unreliable datagram."""
+
+    RC = "RC"
+    UD = "UD"
+
+
+@dataclass(frozen=True)
+class EPAttr:
+    """Endpoint attributes (DAT_EP_ATTR): queue depths, segment limits and RDMA read depth."""
+
+    max_recv_dtos: int = 64
+    max_request_dtos: int = 64
+    max_recv_iov: int = 1
+    max_request_iov: int = 1
+    max_rdma_read_in: int = 4
+    max_rdma_read_out: int = 4
+    max_inline_data: int = 0
+    service_type: ServiceType = ServiceType.RC
+
+    def _validate(self, ia: "IA") -> None:
+        dev = ia._device_attr
+        limits = {
+            "max_recv_dtos": dev.max_qp_wr, "max_request_dtos": dev.max_qp_wr,
+            "max_recv_iov": min(dev.max_sge, 32), "max_request_iov": min(dev.max_sge, 32),
+            "max_rdma_read_in": dev.max_qp_rd_atom, "max_rdma_read_out": dev.max_qp_init_rd_atom,
+        }
+        for name, limit in limits.items():
+            value = getattr(self, name)
+            low = 0 if name.startswith("max_rdma_read") else 1
+            if not isinstance(value, int) or not low <= value <= limit:
+                raise InvalidParameter(f"EPAttr.{name} must be between {low} and {limit}, got {value!r}")
+
+
+# ibv_wr_opcode values (enum ibv_wr_opcode, stable ABI)
+WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_SEND, WR_SEND_WITH_IMM = 0, 1, 2, 3
+WR_RDMA_READ, WR_ATOMIC_CMP_AND_SWP, WR_ATOMIC_FETCH_AND_ADD = 4, 5, 6
+WR_LOCAL_INV, WR_BIND_MW = 7, 8
+# ibv_send_flags
+SEND_FENCE, SEND_SIGNALED, SEND_SOLICITED, SEND_INLINE = 1, 2, 4, 8
+WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
+
+
+def _wc_status_name(status: int) -> str:
+    return _WC_STATUS[status] if status < len(_WC_STATUS) else f"IBV_WC_STATUS_{status}"
+
+
+_WC_STATUS = [
+    "IBV_WC_SUCCESS", "IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR", "IBV_WC_LOC_EEC_OP_ERR",
+    "IBV_WC_LOC_PROT_ERR", "IBV_WC_WR_FLUSH_ERR", "IBV_WC_MW_BIND_ERR", "IBV_WC_BAD_RESP_ERR",
+    "IBV_WC_LOC_ACCESS_ERR", "IBV_WC_REM_INV_REQ_ERR", "IBV_WC_REM_ACCESS_ERR", "IBV_WC_REM_OP_ERR",
+    "IBV_WC_RETRY_EXC_ERR", "IBV_WC_RNR_RETRY_EXC_ERR", "IBV_WC_LOC_RDD_VIOL_ERR",
+    "IBV_WC_REM_INV_RD_REQ_ERR", "IBV_WC_REM_ABORT_ERR", "IBV_WC_INV_EECN_ERR",
+    "IBV_WC_INV_EEC_STATE_ERR", "IBV_WC_FATAL_ERR", "IBV_WC_RESP_TIMEOUT_ERR", "IBV_WC_GENERAL_ERR",
+    "IBV_WC_TM_ERR", "IBV_WC_TM_RNDV_INCOMPLETE",
+]
+
+
+def as_segments(segments: Segments, what: str = "segments") -> Tuple[Segment, ...]:
+    """Normalise what a post accepts (a Segment, a whole LMR, a list of them, or None) to a tuple."""
+    if segments is None:
+        return ()
+    if isinstance(segments, Segment):
+        return (segments,)
+    if isinstance(segments, LMR):
+        return (segments.segment(),)
+    try:
+        items = tuple(segments)
+    except TypeError:
+        raise InvalidParameter(
+            f"{what} must be a Segment (lmr[a:b]), an LMR or a list of them, not {type(segments).__name__}"
+        ) from None
+    out = []
+    for item in items:
+        if isinstance(item, LMR):
+            item = item.segment()
+        if not isinstance(item, Segment):
+            raise InvalidParameter(f"{what} must hold Segments (lmr[a:b]), found {type(item).__name__}")
+        out.append(item)
+    return tuple(out)
+
+
+class EP(Handle):
+    """An Endpoint (dat_ep_create): a queue pair with its EVDs, in a PZ."""
+
+    _kind = "ep"
+    _close_rank = 0  # QPs go first: before the RMRs, LMRs and SRQs of their PZ
+
+    def __init__(
+        self,
+        ia: "IA",
+        pz: "PZ",
+        recv_evd: Optional["EVD"],
+        request_evd: Optional["EVD"],
+        connect_evd: Optional["EVD"],
+        srq: Optional["SRQ"],
+        attrs: Optional[EPAttr],
+    ) -> None:
+        from aiodat.ia import PZ
+
+        ia._check()
+        if not isinstance(pz, PZ):
+            raise InvalidParameter(f"pz must be a PZ, not {type(pz).__name__}")
+        pz._check()
+        if pz.ia is not ia:
+            raise InvalidParameter("the PZ belongs to another IA")
+        attrs = attrs or EPAttr()
+        if not isinstance(attrs, EPAttr):
+            raise InvalidParameter(f"attrs must be an EPAttr, not {type(attrs).__name__}")
+        attrs._validate(ia)
+        for name, evd, stream in (("recv_evd", recv_evd, EvdFlags.DTO), ("request_evd", request_evd, EvdFlags.DTO),
+                                  ("connect_evd", connect_evd, EvdFlags.CONNECTION)):
+            if evd is not None:
+                evd._check()
+                if evd._ia is not ia:
+                    raise InvalidParameter(f"{name} belongs to another IA")
+                if not evd.streams & stream:
+                    raise InvalidParameter(f"{name} does not accept the {stream.name} stream")
+        if srq is not None:
+            srq._check()
+            if srq._ia is not ia:
+                raise InvalidParameter("the SRQ belongs to another IA")
+        super().__init__(pz)
+        self._ia, self._pz, self._srq, self.attrs = ia, pz, srq, attrs
+        self._own_evds: List["EVD"] = []
+        self.recv_evd: "EVD" = recv_evd or self._private_evd(attrs.max_recv_dtos, EvdFlags.DTO)
+        self.request_evd: "EVD" = request_evd or self._private_evd(
+            attrs.max_request_dtos, EvdFlags.DTO | EvdFlags.RMR_BIND)
+        self.connect_evd: "EVD" = connect_evd or self._private_evd(16, EvdFlags.CONNECTION)
+        self._state = EPState.UNCONNECTED
+        self._ids = itertools.count(1)
+        self._send_q: Deque[Tuple[int, Any, DTOOp, Tuple[Segment, ...], Any]] = deque()
+        self._recv_q: Deque[Tuple[int, Any, Tuple[Segment, ...]]] = deque()
+        self._cm_id: Any = ffi.NULL
+        self._connect_waiter: Any = None  # future of an awaited connect/accept/disconnect
+        self._cm_timer: Any = None
+        self._pending_private = b""
+        self._wr = ffi.new("struct aiodat_send_wr *")
+        self._sges = ffi.new("struct aiodat_sge[]", 32)
+        self._posted = ffi.new("int *")
+        self._qp = self._create_qp()
+        self.qp_num: int = self._qp.qp_num
+        ia._qpn_owner[self.qp_num] = self
+        if srq is not None:
+            srq._eps[self] = None
+
+    def _private_evd(self, qlen: int, streams: EvdFlags) -> "EVD":
+        from aiodat.evd import EVD
+
+        evd = EVD(self._ia, max(qlen, 1), streams)
+        self._own_evds.append(evd)
+        return evd
+
+    def _create_qp(self) -> Any:
+        a = self.attrs
+        init = ffi.new("struct ibv_qp_init_attr *")
+        init.send_cq = self.request_evd._cq
+        init.recv_cq = self.recv_evd._cq
+        init.srq = self._srq._srq if self._srq is not None else ffi.NULL
+        init.cap.max_send_wr = a.max_request_dtos
+        init.cap.max_recv_wr = 0 if self._srq is not None else a.max_recv_dtos
+        init.cap.max_send_sge = a.max_request_iov
+        init.cap.max_recv_sge = 0 if self._srq is not None else a.max_recv_iov
+        init.cap.max_inline_data = a.max_inline_data
+        init.qp_type = lib.IBV_QPT_UD if a.service_type is ServiceType.UD else lib.IBV_QPT_RC
+        init.sq_sig_all = 0
+        qp = lib.ibv_create_qp(self._pz._pd, init)
+        if qp == ffi.NULL:
+            err = ffi.errno
+            self._destroy_own_evds()
+            self._closed = True
+            self._pz._children.pop(self, None)
+            raise error_from_errno(err, f"creating the queue pair ({a})")
+        # Move to INIT now so receives can be posted before connecting (as DAT allows);
+        # rdma_cm takes the QP on through RTR and RTS when the connection forms.
+        attr = ffi.new("struct ibv_qp_attr *")
+        attr.qp_state = lib.IBV_QPS_INIT
+        attr.pkey_index = 0
+        attr.port_num = self._ia.port
+        mask = lib.IBV_QP_STATE | lib.IBV_QP_PKEY_INDEX | lib.IBV_QP_PORT
+        if a.service_type is ServiceType.UD:
+            attr.qkey = lib.RDMA_UDP_QKEY
+            mask |= lib.IBV_QP_QKEY
+        else:
+            attr.qp_access_flags = (lib.IBV_ACCESS_REMOTE_WRITE | lib.IBV_ACCESS_REMOTE_READ
+                                    | lib.IBV_ACCESS_REMOTE_ATOMIC)
+            mask |= lib.IBV_QP_ACCESS_FLAGS
+        err = lib.ibv_modify_qp(qp, attr, mask)
+        if err:
+            lib.ibv_destroy_qp(qp)
+            self._destroy_own_evds()
+            self._closed = True
+            self._pz._children.pop(self, None)
+            raise error_from_errno(err, "moving the new queue pair to INIT")
+        return qp
+
+    # -- state -------------------------------------------------------------
+    @property
+    def state(self) -> EPState:
+        """The DAT state of the endpoint."""
+        return self._state
+
+    @property
+    def ia(self) -> "IA":
+        """The IA the endpoint belongs to."""
+        return self._ia
+
+    @property
+    def pz(self) -> "PZ":
+        """The PZ the endpoint belongs to."""
+        return self._pz
+
+    @property
+    def srq(self) -> Optional["SRQ"]:
+        """The SRQ the endpoint receives from, if any."""
+        return self._srq
+
+    def _evds(self) -> Tuple["EVD", ...]:
+        return (self.recv_evd, self.request_evd, self.connect_evd)
+
+    def query(self) -> "EPParam":
+        """Return the endpoint's parameters (dat_ep_query)."""
+        self._check()
+        from aiodat.cm import cm_addresses
+
+        local, remote = cm_addresses(self._cm_id)
+        return EPParam(ia=self._ia, pz=self._pz, state=self._state, attrs=self.attrs, qp_num=self.qp_num,
+                       local_address=local, remote_address=remote, recv_evd=self.recv_evd,
+                       request_evd=self.request_evd, connect_evd=self.connect_evd, srq=self._srq,
+                       outstanding_requests=len(self._send_q), outstanding_recvs=len(self._recv_q))
+
+    # -- posting -----------------------------------------------------------
+    def _check_post(self, segs: Tuple[Segment, ...], limit: int, what: str) -> None:
+        self._check()
+        if len(segs) > limit:
+            raise InvalidParameter(f"{what} takes at most {limit} segment(s) on this EP "
+                                   f"(EPAttr max iov), got {len(segs)}")
+        for seg in segs:
+            seg.lmr._check()
+            if seg.lmr._pz is not self._pz:
+                from aiodat.errors import ProtectionViolation
+
+                raise ProtectionViolation(f"{what}: an LMR of another PZ cannot be used on this EP")
+
+    def _fill_sges(self, sges: Any, start: int, segs: Tuple[Segment, ...]) -> None:
+        for i, seg in enumerate(segs):
+            sge = sges[start + i]
+            sge.addr = seg.lmr.address + seg.offset
+            sge.length = seg.length
+            sge.lkey = seg.lmr.lmr_context
+
+    def _track(self, segs: Tuple[Segment, ...], delta: int) -> None:
+        for seg in segs:
+            seg.lmr._inflight += delta
+
+    def post_recv(self, segments: Segments, cookie: Any = None,
+                  flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
+        """Post a receive into ``segments`` (dat_ep_post_recv); it completes on ``recv_evd``."""
+        segs = as_segments(segments)
+        self._check_post(segs, self.attrs.max_recv_iov, "post_recv")
+        if self._srq is not None:
+            raise InvalidState("this EP receives from an SRQ: post to srq.post_recv")
+        if self._state in (EPState.DISCONNECTED, EPState.ERROR):
+            raise InvalidState(f"cannot post a receive on an EP in state {self._state.value}")
+        wr_id = next(self._ids) * 2 + 1
+        self._fill_sges(self._sges, 0, segs)
+        ids = ffi.new("uint64_t[1]", [wr_id])
+        starts = ffi.new("int[1]", [0])
+        counts = ffi.new("int[1]", [len(segs)])
+        err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, 1, self._sges, self._posted)
+        if err:
+            raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
+        self._recv_q.append((wr_id, cookie, segs))
+        self._track(segs, 1)
+
+    def _post_error(self, err: int, what: str, outstanding: int, limit: int) -> Exception:
+        if err == 12:  # ENOMEM from a full work queue
+            return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding)")
+        return error_from_errno(err, what)
+
+    def _send_flags(self, flags: CompletionFlags) -> int:
+        send_flags = 0
+        if not flags & (CompletionFlags.SUPPRESS | CompletionFlags.UNSIGNALLED):
+            send_flags |= SEND_SIGNALED
+        if flags & CompletionFlags.SOLICITED_WAIT:
+            send_flags |= SEND_SOLICITED
+        if flags & CompletionFlags.BARRIER_FENCE:
+            send_flags |= SEND_FENCE
+        return send_flags
+
+    def _post_one(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookie: Any,
+                  flags: CompletionFlags, *, imm_data: Optional[int] = None,
+                  remote: Optional["RemoteRegion"] = None, compare_add: int = 0, swap: int = 0,
+                  target: Any = None, ah: Any = None, remote_qpn: int = 0, remote_qkey: int = 0,
+                  bind: Optional[Tuple[Any, int, Any, int, int, int]] = None) -> None:
+        """Fill the EP's single request and post it; remember it for its completion."""
+        if self._state is not EPState.CONNECTED and self.attrs.service_type is ServiceType.RC and opcode != WR_BIND_MW:
+            raise InvalidState(f"cannot post {op.value} on an EP in state {self._state.value} (connect it first)")
+        wr = self._wr
+        wr_id = next(self._ids) * 2
+        wr.wr_id = wr_id
+        wr.opcode = opcode
+        wr.send_flags = self._send_flags(CompletionFlags(flags))
+        wr.imm_data = imm_data or 0
+        wr.sge_start, wr.num_sge = 0, len(segs)
+        wr.remote_addr = remote.address if remote is not None else 0
+        wr.rkey = remote.rmr_context if remote is not None else 0
+        wr.compare_add, wr.swap = compare_add, swap
+        wr.ah = ah if ah is not None else ffi.NULL
+        wr.remote_qpn, wr.remote_qkey = remote_qpn, remote_qkey
+        if bind is not None:
+            wr.mw, wr.mw_rkey, wr.bind_mr, wr.bind_addr, wr.bind_length, wr.bind_access = bind
+        else:
+            wr.mw, wr.mw_rkey, wr.bind_mr = ffi.NULL, 0, ffi.NULL
+        self._fill_sges(self._sges, 0, segs)
+        err = lib.aiodat_post_send(self._qp, wr, 1, self._sges, self._posted)
+        if err:
+            raise self._post_error(err, f"post {op.value}", len(self._send_q), self.attrs.max_request_dtos)
+        self._send_q.append((wr_id, cookie, op, segs, target))
+        self._track(segs, 1)
+
+    def post_send(self, segments: Segments, cookie: Any = None,
+                  flags: CompletionFlags = CompletionFlags.DEFAULT, *, imm_data: Optional[int] = None) -> None:
+        """Send the bytes of ``segments`` to the peer (dat_ep_post_send); with ``imm_data``, a send with immediate."""
+        segs = as_segments(segments)
+        self._check_post(segs, self.attrs.max_request_iov, "post_send")
+        if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
+            raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {imm_data!r}")
+        opcode = WR_SEND if imm_data is None else WR_SEND_WITH_IMM
+        self._post_one(DTOOp.SEND, opcode, segs, cookie, flags, imm_data=imm_data)
+
+    def post_send_batch(self, items: Iterable[Tuple[Segments, Any]],
+                        flags: CompletionFlags = CompletionFlags.DEFAULT) -> int:
+        """Post many sends in one crossing into C; ``items`` are (segments, cookie) pairs. Returns how many were posted."""
+        batch = [(as_segments(segs), cookie) for segs, cookie in items]
+        for segs, _ in batch:
+            self._check_post(segs, self.attrs.max_request_iov, "post_send_batch")
+        return self._post_many(DTOOp.SEND, WR_SEND, batch, flags)
+
+    def _post_many(self, op: DTOOp, opcode: int, batch: List[Tuple[Tuple[Segment, ...], Any]],
+                   flags: CompletionFlags, remotes: Optional[Sequence["RemoteRegion"]] = None) -> int:
+        if self._state is not EPState.CONNECTED:
+            raise InvalidState(f"cannot post on an EP in state {self._state.value} (connect it first)")
+        n = len(batch)
+        if n == 0:
+            return 0
+        wrs = ffi.new("struct aiodat_send_wr[]", n)
+        sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
+        send_flags = self._send_flags(CompletionFlags(flags))
+        entries = []
+        start = 0
+        for i, (segs, cookie) in enumerate(batch):
+            wr = wrs[i]
+            wr_id = next(self._ids) * 2
+            wr.wr_id, wr.opcode, wr.send_flags = wr_id, opcode, send_flags
+            wr.sge_start, wr.num_sge = start, len(segs)
+            if remotes is not None:
+                wr.remote_addr, wr.rkey = remotes[i].address, remotes[i].rmr_context
+            self._fill_sges(sges, start, segs)
+            start += len(segs)
+            entries.append((wr_id, cookie, op, segs, None))
+        err = lib.aiodat_post_send(self._qp, wrs, n, sges, self._posted)
+        posted = self._posted[0]
+        for entry in entries[:posted]:
+            self._send_q.append(entry)
+            self._track(entry[3], 1)
+        if err:
+            raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
+                                   len(self._send_q), self.attrs.max_request_dtos)
+        return posted
+
+    # -- completions (called by evd.py) ---------------------------------------
+    def _completion_event(self, wc: Any, evd: "EVD") -> Any:
+        status = _wc_status_name(wc.status) if wc.status else "IBV_WC_SUCCESS"
+        if wc.wr_id & 1:
+            if self._srq is not None:
+                cookie, segs = self._srq._complete(wc.wr_id)
+            else:
+                cookie, segs = self._pop_recv(wc.wr_id)
+            self._track(segs, -1)
+            op = DTOOp.RECV_RDMA_WRITE_IMM if wc.opcode == WC_RECV_RDMA_WITH_IMM else DTOOp.RECV
+            imm = wc.imm_data if wc.wc_flags & 2 else None  # IBV_WC_WITH_IMM
+            src = wc.src_qp if self.attrs.service_type is ServiceType.UD else None
+            return DTOCompletionEvent(EventType.DTO_COMPLETION, evd, self, cookie, status, wc.byte_len, op,
+                                      imm, wc.vendor_err, src)
+        entry = self._pop_send(wc.wr_id)
+        if entry is None:
+            return None
+        _, cookie, op, segs, target = entry
+        self._track(segs, -1)
+        if op in (DTOOp.BIND, DTOOp.UNBIND):
+            return target._bind_completed(evd, cookie, status, op)
+        length = wc.byte_len if op in (DTOOp.RDMA_READ, DTOOp.COMPARE_SWAP, DTOOp.FETCH_ADD) else sum(
+            s.length for s in segs)
+        return DTOCompletionEvent(EventType.DTO_COMPLETION, evd, self, cookie, status, length, op,
+                                  None, wc.vendor_err, None)
+
+    def _pop_send(self, wr_id: int) -> Any:
+        # Earlier entries without a completion of their own finished before this one.
+        q = self._send_q
+        while q:
+            entry = q.popleft()
+            if entry[0] == wr_id:
+                return entry
+            self._track(entry[3], -1)
+        return None
+
+    def _pop_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
+        q = self._recv_q
+        while q:
+            entry = q.popleft()
+            if entry[0] == wr_id:
+                return entry[1], entry[2]
+            self._track(entry[2], -1)
+        return None, ()
+
+    def _on_async_error(self, reason: str) -> None:
+        """The device reported the QP broken: the EP is in error; tell the connect EVD."""
+        if self._state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING):
+            self._state = EPState.ERROR
+            self.connect_evd._push(ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, self.connect_evd, self,
+                                                   reason=reason))
+
+    # -- connections (implemented in cm.py) ----------------------------------------
+    def connect_nowait(self, host: str, port: int, private_data: bytes = b"", timeout: float = 10.0) -> None:
+        """Start connecting to ``host:port`` (dat_ep_connect); the outcome arrives on ``connect_evd``."""
+        from aiodat.cm import start_connect
+
+        start_connect(self, host, port, private_data, timeout, None)
+
+    async def connect(self, host: str, port: int, private_data: bytes = b"", timeout: float = 10.0) -> bytes:
+        """Connect to a PSP at ``host:port`` and return the peer's accept private data.
+
+        Raises :class:`aiodat.ConnectionRejected` (with the peer's reject private
+        data), :class:`aiodat.Unreachable` or :class:`aiodat.TimeoutExpired`.
+        """
+        from aiodat.cm import connect
+
+        return await connect(self, host, port, private_data, timeout)
+
+    def disconnect_nowait(self, graceful: bool = True) -> None:
+        """Start tearing the connection down (dat_ep_disconnect); DISCONNECTED arrives on ``connect_evd``."""
+        from aiodat.cm import start_disconnect
+
+        start_disconnect(self, graceful, None)
+
+    async def disconnect(self, graceful: bool = True, timeout: float = 10.0) -> None:
+        """Send DREQ and wait for the DREP (graceful), or drop the connection at once (abrupt)."""
+        from aiodat.cm import disconnect
+
+        await disconnect(self, graceful, timeout)
+
+    def reset(self) -> None:
+        """Return a disconnected EP to UNCONNECTED so it can connect again (dat_ep_reset)."""
+        self._check()
+        if self._state not in (EPState.DISCONNECTED, EPState.ERROR, EPState.UNCONNECTED):
+            raise InvalidState(f"cannot reset an EP in state {self._state.value}")
+        from aiodat.cm import detach_cm_id
+
+        detach_cm_id(self)
+        attr = ffi.new("struct ibv_qp_attr *")
+        attr.qp_state = lib.IBV_QPS_RESET
+        err = lib.ibv_modify_qp(self._qp, attr, lib.IBV_QP_STATE)
+        if err:
+            raise error_from_errno(err, "resetting the queue pair")
+        self._retire_all()
+        lib.ibv_destroy_qp(self._qp)
+        self._ia._qpn_owner.pop(self.qp_num, None)
+        self._qp = self._create_qp()
+        self.qp_num = self._qp.qp_num
+        self._ia._qpn_owner[self.qp_num] = self
+        self._state = EPState.UNCONNECTED
+
+    def _to_error(self) -> None:
+        """Move the QP to ERR at once: every posted request completes with the flush status."""
+        attr = ffi.new("struct ibv_qp_attr *")
+        attr.qp_state = lib.IBV_QPS_ERR
+        err = lib.ibv_modify_qp(self._qp, attr, lib.IBV_QP_STATE)
+        if err:
+            raise error_from_errno(err, "moving the queue pair to ERR")
+
+    def _retire_all(self) -> None:
+        for entry in self._send_q:
+            self._track(entry[3], -1)
+        for entry in self._recv_q:
+            self._track(entry[2], -1)
+        self._send_q.clear()
+        self._recv_q.clear()
+
+    def free(self) -> None:
+        """Free the endpoint (dat_ep_free): an open connection is dropped abruptly first."""
+        self._check()
+        self.close()
+
+    def _destroy_own_evds(self) -> None:
+        for evd in self._own_evds:
+            evd.close()
+        self._own_evds.clear()
+
+    def _release(self) -> None:
+        from aiodat.cm import detach_cm_id
+
+        waiter = self._connect_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(InvalidHandle("the EP was freed while a connection call waited on it"))
+        if self._qp != ffi.NULL:
+            detach_cm_id(self)  # QP before its cm_id, but librdmacm must forget the QP first
+            lib.ibv_destroy_qp(self._qp)
+            self._qp = ffi.NULL
+        self._retire_all()
+        self._ia._qpn_owner.pop(self.qp_num, None)
+        if self._srq is not None:
+            self._srq._eps.pop(self, None)
+        self._destroy_own_evds()
+
+    def __repr__(self) -> str:
+        return f"<aiodat.EP qp={self.qp_num} {self._state.value}{' closed' if self._closed else ''}>"
+
+
+@dataclass(frozen=True)
+class EPParam:
+    """What :meth:`EP.query` returns (DAT_EP_PARAM)."""
+
+    ia: "IA"
+    pz: "PZ"
+    state: EPState
+    attrs: EPAttr
+    qp_num: int
+    local_address: Optional[Tuple[str, int]]
+    remote_address: Optional[Tuple[str, int]]
+    recv_evd: "EVD"
+    request_evd: "EVD"
+    connect_evd: "EVD"
+    srq: Optional["SRQ"]
+    outstanding_requests: int
+    outstanding_recvs: int

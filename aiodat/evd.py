@@ -1,0 +1,588 @@
+"""Event Dispatchers: where completions, connection events and async errors become events.
+
+An EVD is a queue of immutable events fed by any DAT stream:
+
+* DTO and RMR-bind completions come from the EVD's CQ.  Its completion
+  channel fd is non-blocking and watched by the running loop; a wake-up drains
+  in one C call (read and ack every channel event, re-arm, poll the CQ).
+* Connection and connection-request events are routed here by cm.py.
+* Software events come from :meth:`EVD.post_se`.
+* The IA's asynchronous EVD is fed by the device's async fd (:class:`AsyncSource`).
+
+``await evd.wait(threshold)`` returns at least ``threshold`` events;
+``evd.dequeue()`` never blocks; ``async for ev in evd`` streams them.  A waiter
+that is cancelled takes nothing: its events stay queued for the next wait.
+
+Capacity (qlen): completions are polled from the CQ only while the EVD has
+room, so the rest wait in the CQ, losing nothing; a CQ that itself overruns
+raises an EVD overflow event on the async EVD.  Connection events are never
+dropped: one that arrives when the EVD is full is queued anyway and an
+ASYNC_ERROR_EVD_OVERFLOW event tells the async EVD.  ``post_se`` on a full
+EVD raises :class:`aiodat.QueueFull`.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Deque, List, Optional
+
+from aiodat._fdwatch import FdWatch
+from aiodat._handle import Handle
+from aiodat._lib import ffi, lib
+from aiodat.errors import (
+    DTOError,
+    InsufficientResources,
+    InvalidParameter,
+    InvalidState,
+    QueueFull,
+    TimeoutExpired,
+    error_from_errno,
+)
+
+if TYPE_CHECKING:
+    from aiodat.cm import CR, PSP
+    from aiodat.ep import EP
+    from aiodat.ia import IA
+    from aiodat.memory import RMR
+
+
+class EvdFlags(enum.IntFlag):
+    """The event streams an EVD accepts (DAT_EVD_*_FLAG)."""
+
+    SOFTWARE = 0x01
+    CR = 0x10
+    DTO = 0x20
+    CONNECTION = 0x40
+    RMR_BIND = 0x80
+    ASYNC = 0x100
+    DEFAULT = DTO | RMR_BIND
+    ALL = SOFTWARE | CR | DTO | CONNECTION | RMR_BIND
+
+
+class EventType(enum.IntEnum):
+    """DAT event numbers (DAT_EVENT_NUMBER); aiodat's own async events are numbered from 0x20001."""
+
+    DTO_COMPLETION = 0x00001
+    RMR_BIND_COMPLETION = 0x01001
+    CONNECTION_REQUEST = 0x02001
+    CONNECTION_EVENT_ESTABLISHED = 0x04001
+    CONNECTION_EVENT_PEER_REJECTED = 0x04002
+    CONNECTION_EVENT_NON_PEER_REJECTED = 0x04003
+    CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR = 0x04004
+    CONNECTION_EVENT_DISCONNECTED = 0x04005
+    CONNECTION_EVENT_BROKEN = 0x04006
+    CONNECTION_EVENT_TIMED_OUT = 0x04007
+    CONNECTION_EVENT_UNREACHABLE = 0x04008
+    ASYNC_ERROR_EVD_OVERFLOW = 0x08001
+    ASYNC_ERROR_IA_CATASTROPHIC = 0x08002
+    ASYNC_ERROR_EP_BROKEN = 0x08003
+    ASYNC_ERROR_TIMED_OUT = 0x08004
+    ASYNC_ERROR_PROVIDER_INTERNAL_ERROR = 0x08005
+    SOFTWARE_EVENT = 0x10001
+    # aiodat's async events for what verbs and rdma_cm report beyond DAT 1.2:
+    ASYNC_SRQ_LOW_WATERMARK = 0x20001
+    ASYNC_SRQ_ERROR = 0x20002
+    ASYNC_PORT_ACTIVE = 0x20003
+    ASYNC_PORT_ERROR = 0x20004
+    ASYNC_LID_CHANGE = 0x20005
+    ASYNC_PKEY_CHANGE = 0x20006
+    ASYNC_GID_CHANGE = 0x20007
+    ASYNC_SM_CHANGE = 0x20008
+    ASYNC_CLIENT_REREGISTER = 0x20009
+    ASYNC_EP_LAST_WQE_REACHED = 0x2000A
+    ASYNC_EP_COMM_ESTABLISHED = 0x2000B
+    ASYNC_EP_SQ_DRAINED = 0x2000C
+    ASYNC_EP_PATH_MIGRATED = 0x2000D
+    ASYNC_DEVICE_REMOVAL = 0x2000E
+    ASYNC_ADDRESS_CHANGE = 0x2000F
+
+
+class DTOOp(enum.Enum):
+    """What a completed data-transfer operation was."""
+
+    SEND = "send"
+    RECV = "recv"
+    RDMA_WRITE = "rdma_write"
+    RDMA_READ = "rdma_read"
+    COMPARE_SWAP = "compare_swap"
+    FETCH_ADD = "fetch_add"
+    BIND = "bind"
+    UNBIND = "unbind"
+    RECV_RDMA_WRITE_IMM = "recv_rdma_write_imm"
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of every event: its DAT type and the EVD it was dequeued from."""
+
+    type: EventType
+    evd: "EVD" = field(repr=False)
+
+
+@dataclass(frozen=True)
+class DTOCompletionEvent(Event):
+    """A data transfer completed (DAT_DTO_COMPLETION_EVENT).
+
+    ``status`` is the ibv_wc_status name ("IBV_WC_SUCCESS", "IBV_WC_WR_FLUSH_ERR", ...).
+    ``imm_data`` is the immediate data of a receive that carried one.
+    For UD receives, ``src_qp`` is the sender's QP number.
+    """
+
+    ep: Optional["EP"] = None
+    cookie: Any = None
+    status: str = "IBV_WC_SUCCESS"
+    transferred_length: int = 0
+    operation: Optional[DTOOp] = None
+    imm_data: Optional[int] = None
+    vendor_err: int = 0
+    src_qp: Optional[int] = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the transfer succeeded."""
+        return self.status == "IBV_WC_SUCCESS"
+
+    @property
+    def flushed(self) -> bool:
+        """True when the request was flushed because its EP left the connected state."""
+        return self.status == "IBV_WC_WR_FLUSH_ERR"
+
+    def raise_for_status(self) -> "DTOCompletionEvent":
+        """Return self if the transfer succeeded, else raise :class:`aiodat.DTOError` naming the status."""
+        if not self.ok:
+            op = self.operation.value if self.operation else "request"
+            raise DTOError(
+                f"{op} with cookie {self.cookie!r} failed: {self.status}",
+                status=self.status,
+                vendor_err=self.vendor_err,
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class RMRBindEvent(Event):
+    """A memory window bind or unbind completed (DAT_RMR_BIND_COMPLETION_EVENT)."""
+
+    rmr: Optional["RMR"] = None
+    cookie: Any = None
+    status: str = "IBV_WC_SUCCESS"
+    rmr_context: Optional[int] = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the bind succeeded."""
+        return self.status == "IBV_WC_SUCCESS"
+
+
+@dataclass(frozen=True)
+class ConnectionRequestEvent(Event):
+    """A peer asks to connect (DAT_CONNECTION_REQUEST_EVENT); answer ``cr`` with accept or reject."""
+
+    cr: Optional["CR"] = None
+    psp: Optional["PSP"] = None
+
+
+@dataclass(frozen=True)
+class ConnectionEvent(Event):
+    """A connection changed state (DAT_CONNECTION_EVENT_*); ``private_data`` is the peer's, if any."""
+
+    ep: Optional["EP"] = None
+    private_data: bytes = b""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SoftwareEvent(Event):
+    """An event the application posted itself (DAT_SOFTWARE_EVENT)."""
+
+    payload: Any = None
+
+
+@dataclass(frozen=True)
+class AsyncEvent(Event):
+    """An asynchronous event of the IA: ``obj`` is the EP, EVD, SRQ or IA it concerns."""
+
+    obj: Any = None
+    port: Optional[int] = None
+    reason: str = ""
+
+
+class EVD(Handle):
+    """An Event Dispatcher (dat_evd_create): a queue of events from one or more streams."""
+
+    _kind = "evd"
+    _close_rank = 20  # after PZs (and the EPs inside them), so QPs go before their CQs
+
+    def __init__(self, ia: "IA", qlen: int, streams: Optional[EvdFlags] = None, *, _is_async: bool = False) -> None:
+        if not isinstance(qlen, int) or qlen < 1:
+            raise InvalidParameter(f"qlen must be an int >= 1, got {qlen!r}")
+        max_qlen = ia._device_attr.max_cqe
+        if qlen > max_qlen:
+            raise InvalidParameter(f"qlen {qlen} exceeds the device's max_evd_qlen {max_qlen}")
+        streams = EvdFlags.ALL if streams is None else EvdFlags(streams)
+        super().__init__(ia)
+        self._ia = ia
+        self._qlen = qlen
+        self._streams = streams
+        self._is_async = _is_async
+        self._queue: Deque[Event] = deque()
+        self._waiter: Optional["asyncio.Future[None]"] = None
+        self._threshold = 1
+        self._solicited = False  # armed for solicited completions only
+        self._overflow_reported = False
+        #: how many events arrived while the EVD was full (reported on the async EVD)
+        self.overflow_count = 0
+        self._channel: Any = ffi.NULL
+        self._cq: Any = ffi.NULL
+        self._watch: Optional[FdWatch] = None
+        self._wcs: Any = None
+        if streams & (EvdFlags.DTO | EvdFlags.RMR_BIND):
+            self._create_cq()
+
+    @classmethod
+    def _create_async(cls, ia: "IA", qlen: int) -> "EVD":
+        return cls(ia, qlen, EvdFlags.ASYNC, _is_async=True)
+
+    def _create_cq(self) -> None:
+        ia = self._ia
+        self._channel = lib.ibv_create_comp_channel(ia._context)
+        if self._channel == ffi.NULL:
+            self._fail(error_from_errno(ffi.errno, "creating a completion channel"))
+        self._cq = lib.ibv_create_cq(ia._context, self._qlen, ffi.NULL, self._channel, 0)
+        if self._cq == ffi.NULL:
+            self._fail(InsufficientResources(f"ibv_create_cq({self._qlen}) failed (errno {ffi.errno})"))
+        self._watch = FdWatch(self._channel.fd, self._on_readable, "completion channel")
+        self._wcs = ffi.new("struct aiodat_wc[]", 64)
+        self._nevents = ffi.new("int *")
+        ia._cq_owner[int(ffi.cast("uintptr_t", self._cq))] = self
+        if lib.ibv_req_notify_cq(self._cq, 0):
+            self._fail(error_from_errno(ffi.errno, "arming the CQ"))
+
+    def _fail(self, exc: BaseException) -> None:
+        self.close()
+        raise exc
+
+    # -- feeding the queue -------------------------------------------------
+    def _drain_cq(self) -> None:
+        """Move completions from the CQ into the queue while there is room (one C call per 64)."""
+        if self._cq == ffi.NULL:
+            return
+        while True:
+            room = max(0, min(64, self._qlen - len(self._queue)))
+            got = lib.aiodat_cq_drain(self._channel, self._cq, int(self._solicited), self._wcs, room, self._nevents)
+            if got < 0:
+                raise error_from_errno(-got, "polling the CQ")
+            if self._solicited and self._nevents[0]:
+                self._solicited_hit = True
+            owner = self._ia._qpn_owner
+            for i in range(got):
+                wc = self._wcs[i]
+                ep = owner.get(wc.qp_num)
+                if ep is not None:
+                    event = ep._completion_event(wc, self)
+                    if event is not None:
+                        self._queue.append(event)
+            if got < room or room == 0:
+                return
+
+    def _on_readable(self) -> None:
+        """The loop's reader callback for the completion channel."""
+        if self._closed:
+            return
+        try:
+            self._drain_cq()
+        except BaseException as exc:  # hand the failure to the waiter instead of the loop
+            self._wake(exc)
+            return
+        self._wake()
+
+    def _push(self, event: Event) -> None:
+        """Queue an event from a non-CQ stream (CM, async); never dropped."""
+        if self._closed:
+            return
+        if len(self._queue) >= self._qlen:
+            self.overflow_count += 1
+            if not self._overflow_reported and not self._is_async:
+                self._overflow_reported = True
+                self._ia.async_evd._push(
+                    AsyncEvent(EventType.ASYNC_ERROR_EVD_OVERFLOW, self._ia.async_evd, obj=self,
+                               reason=f"{event.type.name} arrived with {len(self._queue)} events queued (qlen {self._qlen})")
+                )
+        self._queue.append(event)
+        self._wake()
+
+    def _wake(self, exc: Optional[BaseException] = None) -> None:
+        fut = self._waiter
+        if fut is None or fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        elif len(self._queue) >= self._threshold or (self._solicited and getattr(self, "_solicited_hit", False)):
+            fut.set_result(None)
+
+    def _pump(self) -> None:
+        """Collect everything available now from every source, without waiting."""
+        self._ia._pump()
+        self._drain_cq()
+
+    def _take(self, max_events: Optional[int]) -> List[Event]:
+        count = len(self._queue) if max_events is None else min(max_events, len(self._queue))
+        events = [self._queue.popleft() for _ in range(count)]
+        if len(self._queue) < self._qlen:
+            self._overflow_reported = False
+        return events
+
+    # -- DAT calls ---------------------------------------------------------
+    @property
+    def qlen(self) -> int:
+        """The queue length the EVD guarantees room for."""
+        return self._qlen
+
+    @property
+    def streams(self) -> EvdFlags:
+        """The streams this EVD accepts."""
+        return self._streams
+
+    def dequeue(self) -> Optional[Event]:
+        """Return the next event, or None if there is none; never blocks (dat_evd_dequeue)."""
+        self._check()
+        if not self._queue:
+            self._pump()
+        if not self._queue:
+            return None
+        event = self._queue.popleft()
+        if len(self._queue) < self._qlen:
+            self._overflow_reported = False
+        return event
+
+    async def wait(
+        self,
+        threshold: int = 1,
+        timeout: Optional[float] = None,
+        *,
+        max_events: Optional[int] = None,
+        solicited_only: bool = False,
+    ) -> List[Event]:
+        """Wait until at least ``threshold`` events are queued and return them (dat_evd_wait).
+
+        Returns every queued event (at most ``max_events`` if given).  Raises
+        :class:`aiodat.TimeoutExpired` after ``timeout`` seconds.  With
+        ``solicited_only`` the wait ends early when a solicited completion (or
+        an error completion) arrives: DAT's solicited-wait.  Only one task may
+        wait on an EVD at a time (DAT_INVALID_STATE otherwise).  Cancelling the
+        wait loses nothing: the events stay queued.
+        """
+        self._check()
+        if not isinstance(threshold, int) or not 1 <= threshold <= self._qlen:
+            raise InvalidParameter(f"threshold must be between 1 and qlen ({self._qlen}), got {threshold!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        if self._waiter is not None:
+            raise InvalidState("another task is already waiting on this EVD")
+        loop = asyncio.get_running_loop()
+        self._attach(loop)
+        if solicited_only != self._solicited and self._cq != ffi.NULL:
+            self._solicited = solicited_only
+        self._solicited_hit = False
+        self._pump()
+        if len(self._queue) >= threshold:
+            return self._take(max_events)
+        fut: "asyncio.Future[None]" = loop.create_future()
+        self._waiter, self._threshold = fut, threshold
+        timer = None
+        if timeout is not None:
+            timer = loop.call_later(timeout, self._expire, fut, timeout)
+        try:
+            await fut
+        finally:
+            self._waiter = None
+            self._solicited = False
+            if timer is not None:
+                timer.cancel()
+        return self._take(max_events)
+
+    def _expire(self, fut: "asyncio.Future[None]", timeout: float) -> None:
+        if not fut.done():
+            self._pump()  # a last look: completions may sit in the CQ while the EVD was full
+            if len(self._queue) >= self._threshold:
+                fut.set_result(None)
+            else:
+                fut.set_exception(
+                    TimeoutExpired(f"EVD wait for {self._threshold} event(s) timed out after {timeout}s "
+                                   f"({len(self._queue)} queued)")
+                )
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._watch is not None:
+            self._watch.attach()
+        self._ia._attach_loop()
+
+    async def wait_one(self, timeout: Optional[float] = None) -> Event:
+        """Wait for and return exactly one event."""
+        events = await self.wait(1, timeout, max_events=1)
+        return events[0]
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Event]:
+        while not self._closed:
+            try:
+                events = await self.wait(1)
+            except Exception:
+                if self._closed:
+                    return
+                raise
+            for event in events:
+                yield event
+
+    def post_se(self, payload: Any = None) -> None:
+        """Post a software event carrying ``payload`` (dat_evd_post_se)."""
+        self._check()
+        if not self._streams & EvdFlags.SOFTWARE:
+            raise InvalidParameter("this EVD was not created with the SOFTWARE stream")
+        if len(self._queue) >= self._qlen:
+            raise QueueFull(f"EVD is full ({self._qlen} events queued)")
+        self._queue.append(SoftwareEvent(EventType.SOFTWARE_EVENT, self, payload))
+        self._wake()
+
+    def query(self) -> "EVDParam":
+        """Return the EVD's parameters (dat_evd_query)."""
+        self._check()
+        return EVDParam(ia=self._ia, qlen=self._qlen, streams=self._streams, queued=len(self._queue),
+                        is_async=self._is_async, waiting=self._waiter is not None)
+
+    def resize(self, qlen: int) -> None:
+        """Change the queue length (dat_evd_resize); below the number of queued events raises."""
+        self._check()
+        if not isinstance(qlen, int) or qlen < 1:
+            raise InvalidParameter(f"qlen must be an int >= 1, got {qlen!r}")
+        if qlen < len(self._queue):
+            raise InvalidState(f"cannot resize to {qlen}: {len(self._queue)} events are queued")
+        if self._cq != ffi.NULL and lib.ibv_resize_cq(self._cq, qlen):
+            raise error_from_errno(ffi.errno, f"resizing the CQ to {qlen}")
+        self._qlen = qlen
+
+    def free(self) -> None:
+        """Free the EVD (dat_evd_free); refused while an EP or PSP still uses it."""
+        self._check()
+        users = [ep for ep in self._ia._qpn_owner.values() if self in ep._evds()]
+        self._refuse_close_while(bool(users), f"{len(users)} endpoint(s) still use it")
+        self.close()
+
+    def _release(self) -> None:
+        fut = self._waiter
+        if fut is not None and not fut.done():
+            from aiodat.errors import InvalidHandle
+
+            fut.set_exception(InvalidHandle("the EVD was freed while a task waited on it"))
+        if self._watch is not None:
+            self._watch.detach()
+        if self._cq != ffi.NULL:
+            self._ia._cq_owner.pop(int(ffi.cast("uintptr_t", self._cq)), None)
+            # ack every event the channel still holds, then destroy CQ before channel
+            lib.aiodat_cq_drain(self._channel, self._cq, 0, self._wcs, 0, self._nevents)
+            lib.ibv_destroy_cq(self._cq)
+            self._cq = ffi.NULL
+        if self._channel != ffi.NULL:
+            lib.ibv_destroy_comp_channel(self._channel)
+            self._channel = ffi.NULL
+
+    def __repr__(self) -> str:
+        kind = "async " if self._is_async else ""
+        return f"<aiodat.EVD {kind}qlen={self._qlen} queued={len(self._queue)}{' closed' if self._closed else ''}>"
+
+
+@dataclass(frozen=True)
+class EVDParam:
+    """What :meth:`EVD.query` returns (DAT_EVD_PARAM)."""
+
+    ia: "IA"
+    qlen: int
+    streams: EvdFlags
+    queued: int
+    is_async: bool
+    waiting: bool
+
+
+# ibv_event_type -> (DAT event type, kind of object it names)
+_ASYNC_MAP = {
+    "IBV_EVENT_CQ_ERR": (EventType.ASYNC_ERROR_EVD_OVERFLOW, "cq"),
+    "IBV_EVENT_QP_FATAL": (EventType.ASYNC_ERROR_EP_BROKEN, "qp"),
+    "IBV_EVENT_QP_REQ_ERR": (EventType.ASYNC_ERROR_EP_BROKEN, "qp"),
+    "IBV_EVENT_QP_ACCESS_ERR": (EventType.ASYNC_ERROR_EP_BROKEN, "qp"),
+    "IBV_EVENT_PATH_MIG_ERR": (EventType.ASYNC_ERROR_EP_BROKEN, "qp"),
+    "IBV_EVENT_COMM_EST": (EventType.ASYNC_EP_COMM_ESTABLISHED, "qp"),
+    "IBV_EVENT_SQ_DRAINED": (EventType.ASYNC_EP_SQ_DRAINED, "qp"),
+    "IBV_EVENT_PATH_MIG": (EventType.ASYNC_EP_PATH_MIGRATED, "qp"),
+    "IBV_EVENT_QP_LAST_WQE_REACHED": (EventType.ASYNC_EP_LAST_WQE_REACHED, "qp"),
+    "IBV_EVENT_DEVICE_FATAL": (EventType.ASYNC_ERROR_IA_CATASTROPHIC, "ia"),
+    "IBV_EVENT_SRQ_ERR": (EventType.ASYNC_SRQ_ERROR, "srq"),
+    "IBV_EVENT_SRQ_LIMIT_REACHED": (EventType.ASYNC_SRQ_LOW_WATERMARK, "srq"),
+    "IBV_EVENT_PORT_ACTIVE": (EventType.ASYNC_PORT_ACTIVE, "port"),
+    "IBV_EVENT_PORT_ERR": (EventType.ASYNC_PORT_ERROR, "port"),
+    "IBV_EVENT_LID_CHANGE": (EventType.ASYNC_LID_CHANGE, "port"),
+    "IBV_EVENT_PKEY_CHANGE": (EventType.ASYNC_PKEY_CHANGE, "port"),
+    "IBV_EVENT_GID_CHANGE": (EventType.ASYNC_GID_CHANGE, "port"),
+    "IBV_EVENT_SM_CHANGE": (EventType.ASYNC_SM_CHANGE, "port"),
+    "IBV_EVENT_CLIENT_REREGISTER": (EventType.ASYNC_CLIENT_REREGISTER, "port"),
+}
+
+_IBV_EVENT_NAMES = [
+    "IBV_EVENT_CQ_ERR", "IBV_EVENT_QP_FATAL", "IBV_EVENT_QP_REQ_ERR", "IBV_EVENT_QP_ACCESS_ERR",
+    "IBV_EVENT_COMM_EST", "IBV_EVENT_SQ_DRAINED", "IBV_EVENT_PATH_MIG", "IBV_EVENT_PATH_MIG_ERR",
+    "IBV_EVENT_DEVICE_FATAL", "IBV_EVENT_PORT_ACTIVE", "IBV_EVENT_PORT_ERR", "IBV_EVENT_LID_CHANGE",
+    "IBV_EVENT_PKEY_CHANGE", "IBV_EVENT_SM_CHANGE", "IBV_EVENT_SRQ_ERR", "IBV_EVENT_SRQ_LIMIT_REACHED",
+    "IBV_EVENT_QP_LAST_WQE_REACHED", "IBV_EVENT_CLIENT_REREGISTER", "IBV_EVENT_GID_CHANGE",
+    "IBV_EVENT_WQ_FATAL",
+]  # the order of enum ibv_event_type
+
+
+class AsyncSource:
+    """The IA's async fd on the loop: every ibv async event becomes an event on ``ia.async_evd``."""
+
+    def __init__(self, ia: "IA") -> None:
+        self._ia = ia
+        self._buf = ffi.new("struct aiodat_async_event[]", 16)
+        self.watch = FdWatch(ia._context.async_fd, self._on_readable, "device async")
+
+    def drain(self) -> None:
+        """Turn every pending device event into an async EVD event."""
+        ia = self._ia
+        while True:
+            got = lib.aiodat_async_get_events(ia._context, self._buf, 16)
+            if got <= 0:
+                return
+            for i in range(got):
+                raw = self._buf[i]
+                name = _IBV_EVENT_NAMES[raw.event_type] if raw.event_type < len(_IBV_EVENT_NAMES) else str(raw.event_type)
+                kind_type, kind = _ASYNC_MAP.get(name, (EventType.ASYNC_ERROR_PROVIDER_INTERNAL_ERROR, ""))
+                obj: Any = None
+                port = None
+                if kind == "qp":
+                    obj = ia._qpn_owner.get(ffi.cast("struct ibv_qp *", raw.element).qp_num)
+                    if obj is not None:
+                        obj._on_async_error(name)
+                elif kind == "cq":
+                    obj = ia._cq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
+                elif kind == "srq":
+                    obj = ia._srq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
+                    if obj is not None:
+                        obj._on_async_event(name)
+                elif kind == "port":
+                    port = raw.port_num
+                elif kind == "ia":
+                    obj = ia
+                ia.async_evd._push(AsyncEvent(kind_type, ia.async_evd, obj=obj, port=port, reason=name))
+            if got < 16:
+                return
+
+    def _on_readable(self) -> None:
+        if not self._ia.closed:
+            self.drain()
+
+    def destroy(self) -> None:
+        """Stop watching the async fd (the IA closes the device itself)."""
+        self.watch.detach()

@@ -1,0 +1,403 @@
+"""The registry, the Interface Adapter (dat_ia_open/close/query) and Protection Zones.
+
+``list_providers()`` plays ``dat_registry_list_providers``: one entry per RDMA
+device port.  ``open_ia(name)`` plays ``dat_ia_open``: it opens the verbs
+device, the IA's async EVD (fed by the device's async fd, see evd.py) and its
+rdma_cm event channel (see cm.py).  Everything else is created from the IA.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+from aiodat._handle import Handle, RootHandle
+from aiodat._lib import ffi, lib
+from aiodat.errors import (
+    InsufficientResources,
+    InvalidHandle,
+    InvalidParameter,
+    ProviderNotFound,
+    error_from_errno,
+)
+
+if TYPE_CHECKING:
+    from aiodat.attrs import IAQuery
+    from aiodat.cm import PSP
+    from aiodat.ep import EP, EPAttr
+    from aiodat.evd import EVD, EvdFlags
+    from aiodat.memory import LMR, RMR, Privileges
+    from aiodat.srq import SRQ
+
+#: the prefix an application puts before an IA name to say it copes with relaxed ordering
+RO_AWARE_PREFIX = "RO_AWARE_"
+
+_LINK_LAYERS = {0: "Unspecified", 1: "InfiniBand", 2: "Ethernet"}
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One entry of :func:`list_providers`: a device port that ``open_ia`` can open."""
+
+    name: str  #: the name to pass to open_ia, e.g. "rxe0" (port 1) or "rxe0:2"
+    device: str  #: the verbs device name
+    port: int  #: the port number (1-based)
+    link_layer: str  #: "Ethernet" (RoCE), "InfiniBand" or "Unspecified"
+    state: str  #: port state as ibv_devinfo prints it, e.g. "PORT_ACTIVE"
+    gids: Tuple[str, ...]  #: the port's valid GIDs, IPv6 notation
+
+
+_PORT_STATES = ("PORT_NOP", "PORT_DOWN", "PORT_INIT", "PORT_ARMED", "PORT_ACTIVE", "PORT_ACTIVE_DEFER")
+
+
+def port_state_name(state: int) -> str:
+    """The ibv_port_state name of a port state, as ibv_devinfo prints it ("PORT_ACTIVE")."""
+    return _PORT_STATES[state] if 0 <= state < len(_PORT_STATES) else f"PORT_STATE_{state}"
+
+
+def _text(cdata: Any) -> str:
+    return ffi.string(cdata).decode(errors="replace")
+
+
+def _gids(context: Any, port: int, table_len: int) -> List[str]:
+    gid = ffi.new("union ibv_gid *")
+    buf = ffi.new("char[64]")
+    out = []
+    for index in range(table_len):
+        if lib.ibv_query_gid(context, port, index, gid):
+            break
+        if not any(gid.raw[0:16]):
+            continue  # an empty slot; RoCE tables are sparse
+        lib.aiodat_gid_str(gid, buf, 64)
+        out.append(_text(buf))
+    return out
+
+
+def _struct_dict(cdata: Any, ctype: str) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for name, field in ffi.typeof(ctype).fields:
+        value = getattr(cdata, name)
+        if field.type.kind == "array":
+            value = _text(value)
+        out[name] = value
+    return out
+
+
+class _DeviceList:
+    """The verbs device list, freed on exit (ibv_get_device_list/free)."""
+
+    def __enter__(self) -> List[Any]:
+        count = ffi.new("int *")
+        self._list = lib.ibv_get_device_list(count)
+        if self._list == ffi.NULL:
+            err = ffi.errno
+            if err == 38:  # ENOSYS: no uverbs in this kernel at all
+                return []
+            raise error_from_errno(err, "listing RDMA devices")
+        return [self._list[i] for i in range(count[0])]
+
+    def __exit__(self, *exc: object) -> None:
+        if self._list != ffi.NULL:
+            lib.ibv_free_device_list(self._list)
+
+
+def list_providers() -> List[Provider]:
+    """Return one :class:`Provider` per port of every RDMA device (dat_registry_list_providers).
+
+    The bare device name opens port 1; ``"dev:N"`` opens port N.  An empty list
+    means this machine has no RDMA device (run under ``aiodat rxe run`` for one).
+    """
+    providers: List[Provider] = []
+    with _DeviceList() as devices:
+        for dev in devices:
+            name = _text(lib.ibv_get_device_name(dev))
+            context = lib.ibv_open_device(dev)
+            if context == ffi.NULL:
+                continue
+            try:
+                attr = ffi.new("struct ibv_device_attr *")
+                if lib.ibv_query_device(context, attr):
+                    continue
+                for port in range(1, attr.phys_port_cnt + 1):
+                    pattr = ffi.new("struct ibv_port_attr *")
+                    if lib.ibv_query_port(context, port, pattr):
+                        continue
+                    providers.append(
+                        Provider(
+                            name=name if port == 1 else f"{name}:{port}",
+                            device=name,
+                            port=port,
+                            link_layer=_LINK_LAYERS.get(pattr.link_layer, str(pattr.link_layer)),
+                            state=port_state_name(pattr.state),
+                            gids=tuple(_gids(context, port, pattr.gid_tbl_len)),
+                        )
+                    )
+            finally:
+                lib.ibv_close_device(context)
+    return providers
+
+
+def _parse_name(name: str) -> Tuple[str, int, bool]:
+    """Split an IA name into (device, port, ro_aware)."""
+    if not isinstance(name, str) or not name:
+        raise InvalidParameter(f"IA name must be a non-empty string, got {name!r}")
+    ro_aware = name.startswith(RO_AWARE_PREFIX)
+    if ro_aware:
+        name = name[len(RO_AWARE_PREFIX):]
+    device, sep, port_text = name.partition(":")
+    port = 1
+    if sep:
+        if not port_text.isdigit() or int(port_text) < 1:
+            raise InvalidParameter(f"IA name {name!r}: the port after ':' must be a number >= 1")
+        port = int(port_text)
+    return device, port, ro_aware
+
+
+def _ipv4_of_gids(gids: Sequence[str]) -> Optional[str]:
+    for gid in gids:
+        addr = ipaddress.IPv6Address(gid)
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+    return None
+
+
+class IA(RootHandle):
+    """An open Interface Adapter: one port of an RDMA device (dat_ia_open).
+
+    Use as ``with`` / ``async with``; ``close()`` frees every object created
+    from it, endpoints before event dispatchers before memory.
+    """
+
+    _kind = "ia"
+
+    def __init__(self, name: str, async_evd_qlen: int = 8, async_evd: Optional["EVD"] = None) -> None:
+        from aiodat.cm import CMChannel
+        from aiodat.evd import EVD, AsyncSource
+
+        device, port, ro_aware = _parse_name(name)
+        if not isinstance(async_evd_qlen, int) or async_evd_qlen < 1:
+            raise InvalidParameter(f"async_evd_qlen must be an int >= 1, got {async_evd_qlen!r}")
+        self._context: Any = ffi.NULL
+        super().__init__(None)
+        self.name = name
+        #: the device and port this IA drives
+        self.device_name = device
+        self.port = port
+        #: True when opened as RO_AWARE_<name>: the application accepts relaxed ordering
+        self.ro_aware = ro_aware
+        with _DeviceList() as devices:
+            names = [_text(lib.ibv_get_device_name(d)) for d in devices]
+            if device not in names:
+                existing = [p.name for p in list_providers()]
+                self._closed = True
+                raise ProviderNotFound(
+                    f"no RDMA device named {device!r}; open_ia accepts: "
+                    + (", ".join(existing) if existing else "none (this machine has no RDMA device; "
+                       "run under `aiodat rxe run`)")
+                )
+            self._context = lib.ibv_open_device(devices[names.index(device)])
+        if self._context == ffi.NULL:
+            self._closed = True
+            raise error_from_errno(ffi.errno, f"opening RDMA device {device}")
+        try:
+            self._device_attr = ffi.new("struct ibv_device_attr *")
+            if lib.ibv_query_device(self._context, self._device_attr):
+                raise error_from_errno(ffi.errno, f"querying RDMA device {device}")
+            if port > self._device_attr.phys_port_cnt:
+                raise ProviderNotFound(
+                    f"{device} has {self._device_attr.phys_port_cnt} port(s); there is no port {port}"
+                )
+            #: the IA's IPv4 address (from the port's GID table), used to bind rdma_cm ids
+            self.address: Optional[str] = _ipv4_of_gids(_gids(self._context, port, self._port_attr().gid_tbl_len))
+            self._qpn_owner: Dict[int, "EP"] = {}  # routes completions and QP events to EPs
+            self._cq_owner: Dict[int, "EVD"] = {}  # CQ pointer -> EVD, for CQ async events
+            self._srq_owner: Dict[int, "SRQ"] = {}  # SRQ pointer -> SRQ, for SRQ async events
+            self._async_source = AsyncSource(self)
+            if async_evd is None:
+                self.async_evd: EVD = EVD._create_async(self, async_evd_qlen)
+            else:
+                if not isinstance(async_evd, EVD) or not async_evd._is_async or async_evd.closed:
+                    raise InvalidHandle("async_evd must be an open asynchronous EVD of another IA")
+                if async_evd._ia.device_name != device:
+                    raise InvalidHandle(
+                        f"async_evd belongs to an IA of {async_evd._ia.device_name}, not {device}"
+                    )
+                self.async_evd = async_evd
+            self._cm = CMChannel(self)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- internals used by the other modules ------------------------------
+    def _port_attr(self) -> Any:
+        pattr = ffi.new("struct ibv_port_attr *")
+        if lib.ibv_query_port(self._context, self.port, pattr):
+            raise error_from_errno(ffi.errno, f"querying port {self.port} of {self.device_name}")
+        return pattr
+
+    def _pump(self) -> None:
+        """Read whatever the CM channel and the async fd hold (no waiting)."""
+        if not self._closed:
+            self._cm.drain()
+            self._async_source.drain()
+
+    def _attach_loop(self) -> None:
+        """Let the running loop watch the IA's CM channel and async fd."""
+        self._cm.watch.attach()
+        self._async_source.watch.attach()
+
+    def _release(self) -> None:
+        if getattr(self, "_cm", None) is not None:
+            self._cm.destroy()
+        if getattr(self, "_async_source", None) is not None:
+            self._async_source.destroy()
+        if self._context != ffi.NULL:
+            lib.ibv_close_device(self._context)
+            self._context = ffi.NULL
+
+    # -- DAT calls ---------------------------------------------------------
+    def query(self) -> "IAQuery":
+        """Return the IA and Provider attributes (dat_ia_query).
+
+        Every attribute is returned at once, so DAT's ``ia_attr_mask`` and
+        ``provider_attr_mask`` arguments are unnecessary.  Values the device
+        cannot tell are None (DAT_VALUE_UNKNOWN).
+        """
+        from aiodat import __version__
+        from aiodat.attrs import build_ia_query
+
+        self._check()
+        pattr = self._port_attr()
+        return build_ia_query(
+            ia_name=self.name,
+            device_name=self.device_name,
+            port_num=self.port,
+            device_attr=_struct_dict(self._device_attr, "struct ibv_device_attr"),
+            port_attr=_struct_dict(pattr, "struct ibv_port_attr"),
+            gids=_gids(self._context, self.port, pattr.gid_tbl_len),
+            ia_address=self.address,
+            provider_consts=_provider_consts(__version__),
+        )
+
+    def create_pz(self) -> "PZ":
+        """Create a Protection Zone (dat_pz_create)."""
+        return PZ(self)
+
+    def create_evd(self, qlen: int, streams: Optional["EvdFlags"] = None) -> "EVD":
+        """Create an Event Dispatcher of at least ``qlen`` entries fed by ``streams`` (dat_evd_create).
+
+        ``streams`` defaults to every stream (DTO, RMR bind, connection,
+        connection request, software): aiodat merges any of them in one EVD.
+        """
+        from aiodat.evd import EVD
+
+        return EVD(self, qlen, streams)
+
+    def create_ep(
+        self,
+        pz: "PZ",
+        recv_evd: Optional["EVD"] = None,
+        request_evd: Optional["EVD"] = None,
+        connect_evd: Optional["EVD"] = None,
+        srq: Optional["SRQ"] = None,
+        attrs: Optional["EPAttr"] = None,
+    ) -> "EP":
+        """Create an Endpoint (a queue pair) in ``pz`` (dat_ep_create).
+
+        An EVD left out is created for the EP (sized from ``attrs``) and freed with it.
+        """
+        from aiodat.ep import EP
+
+        return EP(self, pz, recv_evd, request_evd, connect_evd, srq, attrs)
+
+    def create_psp(self, port: int, cr_evd: "EVD", backlog: int = 128) -> "PSP":
+        """Listen for connection requests on ``port`` (dat_psp_create); they arrive on ``cr_evd``."""
+        from aiodat.cm import PSP
+
+        return PSP(self, port, cr_evd, backlog)
+
+    def create_psp_any(self, cr_evd: "EVD", backlog: int = 128) -> "PSP":
+        """Listen on a port the provider picks (dat_psp_create_any); see ``psp.port``."""
+        from aiodat.cm import PSP
+
+        return PSP(self, 0, cr_evd, backlog)
+
+    def create_srq(
+        self, pz: "PZ", max_recv_dtos: int, max_recv_iov: int = 1, low_watermark: Optional[int] = None
+    ) -> "SRQ":
+        """Create a Shared Receive Queue (dat_srq_create)."""
+        from aiodat.srq import SRQ
+
+        return SRQ(self, pz, max_recv_dtos, max_recv_iov, low_watermark)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.device_name} port {self.port}"
+        return f"<aiodat.IA {self.name!r} {state}>"
+
+
+def _provider_consts(version: str) -> Dict[str, Any]:
+    from aiodat.attrs import default_provider_consts
+
+    return default_provider_consts(version)
+
+
+def open_ia(name: str, async_evd_qlen: int = 8, async_evd: Optional["EVD"] = None) -> IA:
+    """Open an Interface Adapter by name (dat_ia_open).
+
+    ``name`` comes from :func:`list_providers` (``"rxe0"``, ``"rxe0:1"``); a
+    ``RO_AWARE_`` prefix is removed and marks the application as coping with
+    relaxed ordering (aiodat never enables relaxed ordering otherwise, so the
+    plain name always opens).  ``async_evd`` shares an existing asynchronous
+    EVD of another IA of the same device instead of creating one of
+    ``async_evd_qlen`` entries.  Raises :class:`aiodat.ProviderNotFound` (a
+    LookupError) listing the names that exist when ``name`` is unknown.
+    """
+    return IA(name, async_evd_qlen, async_evd)
+
+
+class PZ(Handle):
+    """A Protection Zone (an ibv protection domain): LMRs, RMRs, EPs and SRQs live in one."""
+
+    _kind = "pz"
+    _close_rank = 10  # after PSPs; before EVDs (EPs inside must go before their CQs)
+
+    def __init__(self, ia: IA) -> None:
+        super().__init__(ia)
+        self._ia = ia
+        self._pd = lib.ibv_alloc_pd(ia._context)
+        if self._pd == ffi.NULL:
+            self._closed = True
+            ia._children.pop(self, None)
+            raise InsufficientResources(f"ibv_alloc_pd failed: {os.strerror(ffi.errno)}")
+
+    @property
+    def ia(self) -> IA:
+        """The IA this PZ belongs to."""
+        return self._ia
+
+    def register(self, buffer: Any, privileges: Optional["Privileges"] = None) -> "LMR":
+        """Register a writable buffer as a Local Memory Region (dat_lmr_create)."""
+        from aiodat.memory import LMR
+
+        return LMR(self, buffer, privileges)
+
+    def create_rmr(self) -> "RMR":
+        """Create a Remote Memory Region: a memory window to bind to an LMR range (dat_rmr_create)."""
+        from aiodat.memory import RMR
+
+        return RMR(self)
+
+    def free(self) -> None:
+        """Free the PZ (dat_pz_free); refused while LMRs, RMRs, EPs or SRQs use it."""
+        self._check()
+        self._refuse_close_while(bool(self._children), f"{len(self._children)} object(s) still use it")
+        self.close()
+
+    def _release(self) -> None:
+        if self._pd != ffi.NULL:
+            lib.ibv_dealloc_pd(self._pd)
+            self._pd = ffi.NULL
+
+    def __repr__(self) -> str:
+        return f"<aiodat.PZ of {self._ia.name}{' closed' if self._closed else ''}>"
