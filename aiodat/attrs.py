@@ -835,8 +835,9 @@ def default_provider_consts(version: str = "0.0") -> Dict[str, Any]:
         ),
         # objects belong to one event loop / thread
         "is_thread_safe": False,
-        # rdma_cm REQ private data on IB/RoCE (REP 196, REJ 148)
-        "max_private_data_size": 56,
+        # rdma_cm REQ private data on IB/RoCE is 56 bytes (REP 196, REJ 148); aiodat
+        # spends one byte on a length prefix because the CM pads to the full size
+        "max_private_data_size": 55,
         "supports_multipath": False,
         # the consumer creates the EP and passes it to cr.accept()
         "ep_creator": "DAT_PSP_CREATES_EP_NEVER",
@@ -862,9 +863,9 @@ def default_provider_consts(version: str = "0.0") -> Dict[str, Any]:
         "ha_supported": False,
         "ha_loadbalancing": "DAT_HA_LB_NONE",
         "provider_specific_attr": (
-            NamedAttr("max_private_data_size_connect", "56"),
-            NamedAttr("max_private_data_size_accept", "196"),
-            NamedAttr("max_private_data_size_reject", "148"),
+            NamedAttr("max_private_data_size_connect", "55"),
+            NamedAttr("max_private_data_size_accept", "195"),
+            NamedAttr("max_private_data_size_reject", "147"),
         ),
         "zb_supported": False,
         "extension_supported": "DAT_EXTENSION_NONE",

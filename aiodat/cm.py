@@ -44,10 +44,12 @@ if TYPE_CHECKING:
     from aiodat.evd import EVD
     from aiodat.ia import IA
 
-#: private data limits of the IB CM as rdma_cm uses it (REQ keeps 36 bytes for rdma_cm's header)
-CONNECT_PRIVATE_DATA_MAX = 56
-ACCEPT_PRIVATE_DATA_MAX = 196
-REJECT_PRIVATE_DATA_MAX = 148
+#: private data limits as aiodat offers them: the IB CM's REQ/REP/REJ sizes as rdma_cm
+#: leaves them (56, 196, 148 bytes) less the one length byte aiodat puts first, because
+#: the CM pads private data to its full size and the peer must know how much was sent
+CONNECT_PRIVATE_DATA_MAX = 55
+ACCEPT_PRIVATE_DATA_MAX = 195
+REJECT_PRIVATE_DATA_MAX = 147
 
 # enum rdma_cm_event_type
 (ADDR_RESOLVED, ADDR_ERROR, ROUTE_RESOLVED, ROUTE_ERROR, CONNECT_REQUEST, CONNECT_RESPONSE,
@@ -74,7 +76,14 @@ def _private(data: Union[bytes, bytearray, memoryview, None], limit: int, what: 
             f"{what} private data is {len(data)} bytes; the provider's maximum is {limit} "
             f"(max_private_data_size)"
         )
-    return data
+    return bytes((len(data),)) + data if data else b""
+
+
+def _unframe(raw: bytes) -> bytes:
+    """The private data a peer sent: the length byte says how much of the padded block is real."""
+    if not raw or raw[0] > len(raw) - 1:
+        return raw if raw.strip(b"\0") else b""  # a peer that is not aiodat, or none at all
+    return raw[1:1 + raw[0]]
 
 
 def _sockaddr(host: str, port: int) -> Any:
@@ -152,7 +161,7 @@ class CMChannel:
     def dispatch(self, ev: Any) -> None:
         """Route one copied-out event to the PSP, CR or EP that owns its cm_id."""
         kind = ev.event
-        pdata = bytes(ffi.buffer(ev.private_data, ev.private_data_len))
+        pdata = _unframe(bytes(ffi.buffer(ev.private_data, ev.private_data_len)))
         if kind == CONNECT_REQUEST:
             psp = self.owners.get(_key(ev.listen_id))
             if isinstance(psp, PSP) and not psp.closed:

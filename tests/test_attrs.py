@@ -282,7 +282,7 @@ def test_provider_attr_defaults(q: Any) -> None:
         "DAT_COMPLETION_SOLICITED_WAIT_FLAG", "DAT_COMPLETION_BARRIER_FENCE_FLAG",
     }
     assert pa.is_thread_safe is False
-    assert pa.max_private_data_size == 56
+    assert pa.max_private_data_size == 55  # rdma_cm REQ 56 less aiodat's length byte
     assert pa.ep_creator == "DAT_PSP_CREATES_EP_NEVER"
     assert pa.pz_support == "DAT_PZ_UNIQUE"
     assert pa.optimal_buffer_alignment > 0 and 256 % pa.optimal_buffer_alignment == 0
@@ -326,7 +326,7 @@ def test_as_dict_is_json(q: Any) -> None:
     assert pa["lmr_mem_types_supported"] == ["DAT_MEM_TYPE_VIRTUAL"]
     assert pa["completion_flags_supported"] == sorted(pa["completion_flags_supported"])
     assert pa["evd_stream_merging_supported"]["DAT_EVD_DTO_FLAG"]["DAT_EVD_ASYNC_FLAG"] is True
-    assert pa["provider_specific_attr"]["max_private_data_size_reject"] == "148"
+    assert pa["provider_specific_attr"]["max_private_data_size_reject"] == "147"
     assert pa["num_provider_specific_attr"] == 3
 
 

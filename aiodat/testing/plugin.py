@@ -1,0 +1,186 @@
+"""aiodat's pytest plugin (registered through the ``pytest11`` entry point).
+
+Gives a user's suite, once aiodat is installed:
+
+* the ``rxe`` marker for tests that need an RDMA device.  Without a device they
+  are skipped with a message saying how to run them (``aiodat rxe run --
+  pytest``), unless ``AIODAT_REQUIRE_DEVICE=1`` (set by the test bed and CI),
+  where a missing device is an error, never a skip;
+* ``--aiodat-loop asyncio|uvloop`` (or ``AIODAT_LOOP``): the event loop
+  pytest-asyncio runs the tests on;
+* fixtures: ``rdma_device`` (a :class:`RdmaDevice`: IA name and address),
+  ``ia`` (an open IA, closed after the test) and ``ep_pair`` (two connected
+  endpoints with their EVDs and registered buffers, see :class:`EPPair`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, Optional
+
+import pytest
+
+HOW_TO_RUN = (
+    "no RDMA device here; run the device tests on Soft-RoCE with "
+    "`aiodat rxe run -- python -m pytest -m rxe` (boots a QEMU guest when the host kernel has no rxe)"
+)
+
+
+@dataclass(frozen=True)
+class RdmaDevice:
+    """The device the tests use: ``name`` for open_ia, ``address`` its IPv4 address for rdma_cm."""
+
+    name: str
+    address: str
+    netdev: Optional[str] = None
+
+
+def find_device() -> Optional[RdmaDevice]:
+    """The device named by the test bed's environment, else the first active RoCE/IB port with an IPv4 GID."""
+    from aiodat import list_providers
+
+    name = os.environ.get("AIODAT_RXE_DEVICE")
+    addr = os.environ.get("AIODAT_RXE_ADDR")
+    if name and addr:
+        return RdmaDevice(name, addr, os.environ.get("AIODAT_RXE_NETDEV"))
+    import ipaddress
+
+    for provider in list_providers():
+        if provider.state != "PORT_ACTIVE":
+            continue
+        for gid in provider.gids:
+            v4 = ipaddress.IPv6Address(gid).ipv4_mapped
+            if v4 is not None:
+                return RdmaDevice(provider.name, str(v4))
+    return None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("aiodat")
+    group.addoption("--aiodat-loop", choices=("asyncio", "uvloop"), default=None,
+                    help="event loop for async tests (default: $AIODAT_LOOP or asyncio)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "rxe: the test needs an RDMA device (rxe or real)")
+
+
+def _loop_name(config: pytest.Config) -> str:
+    return config.getoption("--aiodat-loop") or os.environ.get("AIODAT_LOOP") or "asyncio"
+
+
+def _loop_factory(name: str) -> Callable[[], Any]:
+    if name == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    import asyncio
+
+    return asyncio.new_event_loop
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Dict[str, Callable[[], Any]]:
+    """Run every async test on the loop chosen with --aiodat-loop / AIODAT_LOOP."""
+    name = _loop_name(config)
+    return {name: _loop_factory(name)}
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    device = os.environ.get("AIODAT_RXE_DEVICE", "auto-detect")
+    return f"aiodat: loop={_loop_name(config)} device={device} testbed={os.environ.get('AIODAT_TESTBED', 'none')}"
+
+
+_device_cache: Dict[str, Optional[RdmaDevice]] = {}
+
+
+def _device_or_skip() -> RdmaDevice:
+    if "d" not in _device_cache:
+        try:
+            _device_cache["d"] = find_device()
+        except ImportError as exc:
+            pytest.fail(str(exc)) if os.environ.get("AIODAT_REQUIRE_DEVICE") == "1" else pytest.skip(str(exc))
+    device = _device_cache["d"]
+    if device is None:
+        if os.environ.get("AIODAT_REQUIRE_DEVICE") == "1":
+            pytest.fail("AIODAT_REQUIRE_DEVICE=1 but no RDMA device is up (did rxe fail to come up?)")
+        pytest.skip(HOW_TO_RUN)
+    return device
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("rxe") is not None:
+        _device_or_skip()
+
+
+@pytest.fixture
+def rdma_device() -> RdmaDevice:
+    """The RDMA device to test on; skips (or fails under AIODAT_REQUIRE_DEVICE=1) when there is none."""
+    return _device_or_skip()
+
+
+@pytest.fixture
+def ia(rdma_device: RdmaDevice) -> Iterator[Any]:
+    """An IA open on ``rdma_device``, closed after the test."""
+    from aiodat import open_ia
+
+    handle = open_ia(rdma_device.name)
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+@dataclass
+class EPPair:
+    """Two connected endpoints on one IA, each with its own EVDs and a registered buffer.
+
+    ``client``/``server`` are the EPs, ``client_lmr``/``server_lmr`` registered
+    ``buffer_size``-byte bytearrays (local write, remote read/write/atomic), and
+    ``pz`` the protection zone they share.
+    """
+
+    ia: Any
+    pz: Any
+    client: Any
+    server: Any
+    client_lmr: Any
+    server_lmr: Any
+    psp: Any
+
+
+async def make_ep_pair(ia: Any, buffer_size: int = 4096, attrs: Any = None) -> EPPair:
+    """Connect two fresh EPs of ``ia`` through a PSP on a free port and return them."""
+    import asyncio
+
+    from aiodat import EvdFlags, Privileges
+
+    pz = ia.create_pz()
+    privileges = Privileges.ALL
+    client_lmr = pz.register(bytearray(buffer_size), privileges)
+    server_lmr = pz.register(bytearray(buffer_size), privileges)
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    client = ia.create_ep(pz, attrs=attrs)
+    server = ia.create_ep(pz, attrs=attrs)
+
+    async def accept() -> None:
+        event = await cr_evd.wait_one(timeout=30)
+        await event.cr.accept(server)
+
+    acceptor = asyncio.ensure_future(accept())
+    await ia_connect(client, psp)
+    await acceptor
+    return EPPair(ia, pz, client, server, client_lmr, server_lmr, psp)
+
+
+async def ia_connect(ep: Any, psp: Any) -> bytes:
+    """Connect ``ep`` to ``psp`` on the same IA's address."""
+    return await ep.connect(psp.address, psp.port, timeout=30)
+
+
+@pytest.fixture
+async def ep_pair(ia: Any) -> AsyncIterator[EPPair]:
+    """Two endpoints connected to each other on ``ia`` (see :class:`EPPair`)."""
+    pair = await make_ep_pair(ia)
+    yield pair
