@@ -296,7 +296,7 @@ def test_provider_attr_defaults(q: Any) -> None:
     assert pa.rmr_scope_supported == "DAT_RMR_SCOPE_ANY"  # MEM_WINDOW and MEM_WINDOW_TYPE_2B
     assert pa.ha_loadbalancing == "DAT_HA_LB_NONE"
     assert pa.num_provider_specific_attr == len(pa.provider_specific_attr)
-    assert dict(pa.provider_specific_attr)["max_private_data_size_accept"] == "196"
+    assert dict(pa.provider_specific_attr)["max_private_data_size_accept"] == "195"
 
 
 def test_as_dict_is_json(q: Any) -> None:
