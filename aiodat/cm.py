@@ -29,7 +29,10 @@ from aiodat._fdwatch import FdWatch
 from aiodat._handle import Handle
 from aiodat._lib import ffi, lib
 from aiodat.errors import (
+    AcceptCompletionError,
     ConnectionRejected,
+    ConnectionTimedOut,
+    NonPeerRejected,
     ConnQualInUse,
     InvalidParameter,
     InvalidState,
@@ -348,10 +351,12 @@ def _outcome(ep: "EP", event: ConnectionEvent, what: str) -> bytes:
     if t is EventType.CONNECTION_EVENT_PEER_REJECTED:
         raise ConnectionRejected(f"{what}: the peer rejected the connection", private_data=event.private_data)
     if t is EventType.CONNECTION_EVENT_NON_PEER_REJECTED:
-        raise ConnectionRejected(f"{what}: rejected by the peer's CM ({event.reason}); "
-                                 f"is anything listening there?", private_data=event.private_data)
+        raise NonPeerRejected(f"{what}: rejected by the peer's CM ({event.reason}); "
+                              f"is anything listening there?", private_data=event.private_data)
     if t is EventType.CONNECTION_EVENT_TIMED_OUT:
-        raise TimeoutExpired(f"{what}: {event.reason}")
+        raise ConnectionTimedOut(f"{what}: {event.reason}")
+    if t is EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR:
+        raise AcceptCompletionError(f"{what}: the connection did not complete ({event.reason})")
     raise Unreachable(f"{what}: {event.type.name} ({event.reason})")
 
 
