@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: set-up, host-only tests, then the device
+# tests on real rxe (natively or in a QEMU guest), once on asyncio and once on uvloop.
+# Device tests must run there: AIODAT_REQUIRE_DEVICE=1 turns a missing device into a failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/bootstrap.sh
+
+echo "== host-only tests (and the test bed's own boot tests)"
+.venv/bin/python -m pytest -q -m "not rxe" "$@"
+
+echo "== device tests on rxe: asyncio, then uvloop (one guest boot)"
+.venv/bin/aiodat rxe run --timeout "${AIODAT_TEST_TIMEOUT:-3600}" -- env AIODAT_REQUIRE_DEVICE=1 sh -c '
+  .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider --aiodat-loop asyncio "$@" &&
+  .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider --aiodat-loop uvloop "$@"' sh "$@"
+
+if [ "${AIODAT_SKIP_DOCS:-0}" != 1 ]; then
+  echo "== docs build (warnings are errors)"
+  .venv/bin/python -m mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/aiodat-site"
+fi
+echo "== all tests passed"
