@@ -282,6 +282,7 @@ class IA(RootHandle):
 
     def create_pz(self) -> "PZ":
         """Create a Protection Zone (dat_pz_create)."""
+        self._check()
         return PZ(self)
 
     def create_evd(self, qlen: int, streams: Optional["EvdFlags"] = None) -> "EVD":
@@ -292,6 +293,7 @@ class IA(RootHandle):
         """
         from aiodat.evd import EVD
 
+        self._check()
         return EVD(self, qlen, streams)
 
     def create_ep(
@@ -309,24 +311,28 @@ class IA(RootHandle):
         """
         from aiodat.ep import EP
 
+        self._check()
         return EP(self, pz, recv_evd, request_evd, connect_evd, srq, attrs)
 
     def create_psp(self, port: int, cr_evd: "EVD", backlog: int = 128) -> "PSP":
         """Listen for connection requests on ``port`` (dat_psp_create); they arrive on ``cr_evd``."""
         from aiodat.cm import PSP
 
+        self._check()
         return PSP(self, port, cr_evd, backlog)
 
     def create_psp_any(self, cr_evd: "EVD", backlog: int = 128) -> "PSP":
         """Listen on a port the provider picks (dat_psp_create_any); see ``psp.port``."""
         from aiodat.cm import PSP
 
+        self._check()
         return PSP(self, 0, cr_evd, backlog)
 
     def create_srq(
         self, pz: "PZ", max_recv_dtos: int, max_recv_iov: int = 1, low_watermark: Optional[int] = None
     ) -> "SRQ":
         """Create a Shared Receive Queue (dat_srq_create)."""
+        self._check()
         from aiodat.srq import SRQ
 
         return SRQ(self, pz, max_recv_dtos, max_recv_iov, low_watermark)
