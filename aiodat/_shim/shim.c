@@ -234,9 +234,11 @@ int aiodat_cm_get_events(struct rdma_event_channel *channel, struct ibv_pd *pd,
         if (is_ud) {
             d->ud_qp_num = ev->param.ud.qp_num;
             d->ud_qkey = ev->param.ud.qkey;
-            if (pd && (ev->event == RDMA_CM_EVENT_ESTABLISHED ||
-                       ev->event == RDMA_CM_EVENT_MULTICAST_JOIN))
-                d->ah = ibv_create_ah(pd, &ev->param.ud.ah_attr);
+            /* the PD given, else the one the id's owner set on id->pd */
+            struct ibv_pd *ah_pd = pd ? pd : ev->id->pd;
+            if (ah_pd && (ev->event == RDMA_CM_EVENT_ESTABLISHED ||
+                          ev->event == RDMA_CM_EVENT_MULTICAST_JOIN))
+                d->ah = ibv_create_ah(ah_pd, &ev->param.ud.ah_attr);
         } else {
             d->responder_resources = ev->param.conn.responder_resources;
             d->initiator_depth = ev->param.conn.initiator_depth;

@@ -38,6 +38,7 @@ struct sockaddr_storage { ...; };
 #define IBV_QP_PORT ...
 #define IBV_QP_ACCESS_FLAGS ...
 #define IBV_QP_QKEY ...
+#define IBV_QP_SQ_PSN ...
 #define IBV_QP_CAP ...
 #define IBV_ACCESS_LOCAL_WRITE ...
 #define IBV_ACCESS_REMOTE_WRITE ...
@@ -95,7 +96,7 @@ struct ibv_qp_init_attr { void *qp_context; struct ibv_cq *send_cq; struct ibv_c
 struct ibv_qp_attr { int qp_state; int cur_qp_state; uint32_t qkey; unsigned int qp_access_flags;
                      struct ibv_qp_cap cap; uint16_t pkey_index; uint8_t max_rd_atomic;
                      uint8_t max_dest_rd_atomic; uint8_t port_num; uint8_t timeout; uint8_t retry_cnt;
-                     uint8_t rnr_retry; ...; };
+                     uint8_t rnr_retry; uint32_t sq_psn; ...; };
 struct ibv_srq_attr { uint32_t max_wr; uint32_t max_sge; uint32_t srq_limit; };
 struct ibv_srq_init_attr { void *srq_context; struct ibv_srq_attr attr; };
 
@@ -138,6 +139,7 @@ int ibv_modify_srq(struct ibv_srq *srq, struct ibv_srq_attr *srq_attr, int srq_a
 int ibv_query_srq(struct ibv_srq *srq, struct ibv_srq_attr *srq_attr);
 int ibv_destroy_srq(struct ibv_srq *srq);
 int ibv_destroy_ah(struct ibv_ah *ah);
+uint32_t ibv_inc_rkey(uint32_t rkey);
 int ibv_fork_init(void);
 
 /* ---- (1) librdmacm ----------------------------------------------------- */
