@@ -468,8 +468,12 @@ class EVD(Handle):
     def free(self) -> None:
         """Free the EVD (dat_evd_free); refused while an EP or PSP still uses it."""
         self._check()
+        from aiodat.cm import PSP
+
         users = [ep for ep in self._ia._qpn_owner.values() if self in ep._evds()]
         self._refuse_close_while(bool(users), f"{len(users)} endpoint(s) still use it")
+        psps = [c for c in self._ia._children if isinstance(c, PSP) and c.cr_evd is self and not c.closed]
+        self._refuse_close_while(bool(psps), f"{len(psps)} PSP(s) still deliver connection requests to it")
         self.close()
 
     def _release(self) -> None:
