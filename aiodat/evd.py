@@ -585,7 +585,12 @@ class AsyncSource:
 
     def _on_readable(self) -> None:
         if not self._ia.closed:
-            self.drain()
+            try:
+                self.drain()
+            except Exception as exc:  # a loop callback: never let it escape into the loop
+                from aiodat.cm import report_internal_error
+
+                report_internal_error(self._ia, exc, "reading the device's async events")
 
     def destroy(self) -> None:
         """Stop watching the async fd (the IA closes the device itself)."""
