@@ -155,7 +155,10 @@ class CMChannel:
             got = lib.aiodat_cm_get_events(self.channel, ffi.NULL, self._buf, 1)
             if got <= 0:
                 return
-            self.dispatch(self._buf)
+            try:
+                self.dispatch(self._buf)
+            except Exception as exc:  # never into the loop, never stopping the other events
+                report_internal_error(self._ia, exc, f"dispatching rdma_cm event {_event_name(self._buf.event)}")
 
     def _on_readable(self) -> None:
         if not self._ia.closed:
@@ -197,6 +200,20 @@ class CMChannel:
 
 def _event_name(kind: int) -> str:
     return ffi.string(lib.rdma_event_str(kind)).decode()
+
+
+def report_internal_error(ia: "IA", exc: BaseException, what: str) -> None:
+    """An exception inside a loop callback: an ASYNC_ERROR_PROVIDER_INTERNAL_ERROR event on the async EVD.
+
+    Loop callbacks (the rdma_cm channel, the device async fd) must never let an
+    exception escape into the event loop; the failure is reported where DAT
+    reports provider trouble instead, with the exception as ``event.obj``.
+    """
+    evd = getattr(ia, "async_evd", None)
+    if evd is None or evd.closed:
+        return
+    evd._push(AsyncEvent(EventType.ASYNC_ERROR_PROVIDER_INTERNAL_ERROR, evd, obj=exc,
+                         reason=f"{what}: {type(exc).__name__}: {exc}"))
 
 
 # -- the active side and the events of an EP ---------------------------------------
