@@ -15,7 +15,7 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from aiodat._handle import Handle
 from aiodat._lib import ffi, lib
@@ -41,16 +41,21 @@ Segments = Union[Segment, LMR, Sequence[Segment], None]
 
 
 class CompletionFlags(enum.IntFlag):
-    """DAT completion flags of a posted request (DAT_COMPLETION_*_FLAG)."""
+    """DAT completion flags of a posted request (DAT_COMPLETION_*_FLAG); see docs/datapath.md."""
 
     DEFAULT = 0x00
-    #: no completion event if the request succeeds (a failure still completes)
+    #: no completion event if the request succeeds; a failure still completes with
+    #: an event (verbs: the request is posted unsignalled).  Requests only.
     SUPPRESS = 0x01
-    #: the peer's receive completion is solicited: it wakes a solicited-only wait
+    #: the message is sent with the solicited-event bit: the peer's receive
+    #: completion ends a ``wait(..., solicited_only=True)`` on its recv EVD
     SOLICITED_WAIT = 0x02
-    #: like SUPPRESS on verbs: no completion unless the request fails
+    #: DAT's "completion with unsignalled notification": the event is produced and
+    #: queued, but does not wake a waiting task by itself; it is returned by
+    #: ``dequeue()`` or together with the next event that does (failures always notify)
     UNSIGNALLED = 0x04
-    #: do not start until every earlier RDMA read and atomic of this EP has completed
+    #: do not start until every earlier RDMA read and atomic of this EP has
+    #: completed (IBV_SEND_FENCE), e.g. to send data an RDMA read just fetched
     BARRIER_FENCE = 0x08
 
 
@@ -187,9 +192,18 @@ class EP(Handle):
                 if not evd.streams & stream:
                     raise InvalidParameter(f"{name} does not accept the {stream.name} stream")
         if srq is not None:
+            from aiodat.srq import SRQ
+
+            if not isinstance(srq, SRQ):
+                raise InvalidParameter(f"srq must be an SRQ, not {type(srq).__name__}")
             srq._check()
             if srq._ia is not ia:
                 raise InvalidParameter("the SRQ belongs to another IA")
+            if srq._pz is not pz and not ia.query().provider_attr.srq_ep_pz_difference_supported:
+                from aiodat.errors import ModelNotSupported
+
+                raise ModelNotSupported("the EP's PZ differs from the SRQ's PZ, and this provider does not "
+                                        "support that (srq_ep_pz_difference_supported is False)")
         super().__init__(pz)
         self._ia, self._pz, self._srq, self.attrs = ia, pz, srq, attrs
         self._own_evds: List["EVD"] = []
@@ -208,6 +222,8 @@ class EP(Handle):
         self._wr = ffi.new("struct aiodat_send_wr *")
         self._sges = ffi.new("struct aiodat_sge[]", 32)
         self._posted = ffi.new("int *")
+        self._quiet: set = set()  # wr_ids posted UNSIGNALLED: their events do not notify
+        self._grh_lmr: Optional[LMR] = None  # scratch for the GRH of post_recv_datagram
         self._qp = self._create_qp()
         self.qp_num: int = self._qp.qp_num
         ia._qpn_owner[self.qp_num] = self
@@ -256,12 +272,23 @@ class EP(Handle):
                                     | lib.IBV_ACCESS_REMOTE_ATOMIC)
             mask |= lib.IBV_QP_ACCESS_FLAGS
         err = lib.ibv_modify_qp(qp, attr, mask)
+        if not err and a.service_type is ServiceType.UD:
+            # A UD QP needs no connection: take it on to RTS now (as librdmacm's
+            # ucma_init_ud_qp does), so it can send as soon as it has an address handle.
+            attr = ffi.new("struct ibv_qp_attr *")
+            attr.qp_state = lib.IBV_QPS_RTR
+            err = lib.ibv_modify_qp(qp, attr, lib.IBV_QP_STATE)
+            if not err:
+                attr.qp_state = lib.IBV_QPS_RTS
+                attr.sq_psn = 0
+                err = lib.ibv_modify_qp(qp, attr, lib.IBV_QP_STATE | lib.IBV_QP_SQ_PSN)
         if err:
             lib.ibv_destroy_qp(qp)
             self._destroy_own_evds()
             self._closed = True
             self._pz._children.pop(self, None)
-            raise error_from_errno(err, "moving the new queue pair to INIT")
+            raise error_from_errno(err, "moving the new queue pair to INIT" if a.service_type is ServiceType.RC
+                                   else "moving the new UD queue pair to RTS")
         return qp
 
     # -- state -------------------------------------------------------------
@@ -342,6 +369,8 @@ class EP(Handle):
             raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
         self._recv_q.append((wr_id, cookie, segs))
         self._track(segs, 1)
+        if flags & CompletionFlags.UNSIGNALLED:
+            self._quiet.add(wr_id)
 
     def _post_error(self, err: int, what: str, outstanding: int, limit: int) -> Exception:
         if err == 12:  # ENOMEM from a full work queue
@@ -350,7 +379,7 @@ class EP(Handle):
 
     def _send_flags(self, flags: CompletionFlags) -> int:
         send_flags = 0
-        if not flags & (CompletionFlags.SUPPRESS | CompletionFlags.UNSIGNALLED):
+        if not flags & CompletionFlags.SUPPRESS:
             send_flags |= SEND_SIGNALED
         if flags & CompletionFlags.SOLICITED_WAIT:
             send_flags |= SEND_SOLICITED
@@ -388,6 +417,8 @@ class EP(Handle):
             raise self._post_error(err, f"post {op.value}", len(self._send_q), self.attrs.max_request_dtos)
         self._send_q.append((wr_id, cookie, op, segs, target))
         self._track(segs, 1)
+        if flags & CompletionFlags.UNSIGNALLED and not flags & CompletionFlags.SUPPRESS:
+            self._quiet.add(wr_id)
 
     def post_send(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT, *, imm_data: Optional[int] = None) -> None:
@@ -406,6 +437,146 @@ class EP(Handle):
         for segs, _ in batch:
             self._check_post(segs, self.attrs.max_request_iov, "post_send_batch")
         return self._post_many(DTOOp.SEND, WR_SEND, batch, flags)
+
+    # -- RDMA and atomics ---------------------------------------------------------
+    def _check_remote(self, remote: Any, segs: Tuple[Segment, ...], what: str) -> None:
+        from aiodat.memory import RemoteRegion
+
+        if not isinstance(remote, RemoteRegion):
+            raise InvalidParameter(f"{what}: remote must be an aiodat.RemoteRegion (lmr.remote(), rmr.remote() "
+                                   f"or RemoteRegion.from_bytes), not {type(remote).__name__}")
+        total = sum(seg.length for seg in segs)
+        if total > remote.length:
+            raise LengthError(f"{what}: the local segments hold {total} bytes but the remote region "
+                              f"is only {remote.length} bytes long")
+
+    def _read_iov_limit(self) -> int:
+        return min(self.attrs.max_request_iov, self._ia._device_attr.max_sge_rd)
+
+    def post_rdma_write(self, local_segments: Segments, remote: "RemoteRegion", cookie: Any = None,
+                        flags: CompletionFlags = CompletionFlags.DEFAULT, *,
+                        imm_data: Optional[int] = None) -> None:
+        """Write the bytes of ``local_segments`` (gathered in order) to ``remote`` (dat_ep_post_rdma_write).
+
+        With ``imm_data`` (a 32-bit unsigned int) it is an RDMA write with
+        immediate: the peer must have a receive posted, which completes with
+        ``operation`` DTOOp.RECV_RDMA_WRITE_IMM, ``imm_data`` and the written
+        length (the receive's own buffer is not touched).  Raises LengthError
+        when the local bytes exceed ``remote.length``, InvalidParameter beyond
+        ``max_request_iov`` segments.  A wrong rkey or an address outside the
+        peer's region fails the completion with IBV_WC_REM_ACCESS_ERR.
+        """
+        segs = as_segments(local_segments, "local_segments")
+        self._check_post(segs, self.attrs.max_request_iov, "post_rdma_write")
+        self._check_remote(remote, segs, "post_rdma_write")
+        if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
+            raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {imm_data!r}")
+        opcode = WR_RDMA_WRITE if imm_data is None else WR_RDMA_WRITE_WITH_IMM
+        self._post_one(DTOOp.RDMA_WRITE, opcode, segs, cookie, flags, imm_data=imm_data, remote=remote)
+
+    def post_rdma_read(self, local_segments: Segments, remote: "RemoteRegion", cookie: Any = None,
+                       flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
+        """Read ``remote`` into ``local_segments`` (scattered in order) (dat_ep_post_rdma_read).
+
+        The segment limit is ``min(max_request_iov, device max_sge_rd)``; the
+        local LMR needs LOCAL_WRITE.  The completion's ``transferred_length``
+        is the number of bytes read.
+        """
+        segs = as_segments(local_segments, "local_segments")
+        self._check_post(segs, self._read_iov_limit(), "post_rdma_read")
+        self._check_remote(remote, segs, "post_rdma_read")
+        if self.attrs.max_rdma_read_out == 0:
+            raise InvalidParameter("post_rdma_read: this EP was created with EPAttr.max_rdma_read_out=0")
+        self._post_one(DTOOp.RDMA_READ, WR_RDMA_READ, segs, cookie, flags, remote=remote)
+
+    def _check_atomic(self, local_segment: Any, remote: Any, what: str) -> Tuple[Segment, ...]:
+        segs = as_segments(local_segment, "local_segment")
+        if len(segs) != 1 or segs[0].length != 8:
+            raise InvalidParameter(f"{what}: the local segment must be exactly one 8-byte Segment "
+                                   f"(lmr[i:i+8]), got {[s.length for s in segs]}")
+        self._check_post(segs, 1, what)
+        from aiodat.memory import RemoteRegion
+
+        if not isinstance(remote, RemoteRegion):
+            raise InvalidParameter(f"{what}: remote must be an aiodat.RemoteRegion, not {type(remote).__name__}")
+        if remote.address % 8:
+            raise InvalidParameter(f"{what}: the remote address {remote.address:#x} is not 8-byte aligned")
+        if remote.length < 8:
+            raise LengthError(f"{what}: the remote region is {remote.length} bytes; an atomic needs 8")
+        if not self._ia._device_attr.atomic_cap:
+            from aiodat.errors import NotImplementedByProvider
+
+            raise NotImplementedByProvider(f"{what}: {self._ia.device_name} does not support atomics (atomic_cap 0)")
+        if self.attrs.max_rdma_read_out == 0:
+            raise InvalidParameter(f"{what}: this EP was created with EPAttr.max_rdma_read_out=0")
+        return segs
+
+    @staticmethod
+    def _u64(value: Any, name: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or not -2**63 <= value < 2**64:
+            raise InvalidParameter(f"{name} must be an int in [-2**63, 2**64), got {value!r}")
+        return value & 0xFFFFFFFFFFFFFFFF
+
+    def post_fetch_add(self, local_segment: Segments, remote: "RemoteRegion", add: int, cookie: Any = None,
+                       flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
+        """Atomically add ``add`` (mod 2**64; negative subtracts) to the 8-byte word at ``remote``.
+
+        The word's value before the add lands in ``local_segment`` (8 bytes,
+        the initiator's byte order: read it with ``int.from_bytes(seg.memoryview(),
+        sys.byteorder)``, see docs/datapath.md).  The remote address must be
+        8-byte aligned (InvalidParameter otherwise, before posting) and the
+        remote LMR or RMR must grant REMOTE_ATOMIC.
+        """
+        segs = self._check_atomic(local_segment, remote, "post_fetch_add")
+        self._post_one(DTOOp.FETCH_ADD, WR_ATOMIC_FETCH_AND_ADD, segs, cookie, flags, remote=remote,
+                       compare_add=self._u64(add, "add"))
+
+    def post_compare_swap(self, local_segment: Segments, remote: "RemoteRegion", compare: int, swap: int,
+                          cookie: Any = None, flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
+        """Atomically replace the 8-byte word at ``remote`` with ``swap`` if it equals ``compare``.
+
+        The word's original value lands in ``local_segment`` (compare it with
+        ``compare`` to know whether the swap happened).  Same rules as
+        :meth:`post_fetch_add`.
+        """
+        segs = self._check_atomic(local_segment, remote, "post_compare_swap")
+        self._post_one(DTOOp.COMPARE_SWAP, WR_ATOMIC_CMP_AND_SWP, segs, cookie, flags, remote=remote,
+                       compare_add=self._u64(compare, "compare"), swap=self._u64(swap, "swap"))
+
+    def post_rdma_write_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]],
+                              flags: CompletionFlags = CompletionFlags.DEFAULT) -> int:
+        """Post many RDMA writes in one crossing into C; ``items`` are (local_segments, remote, cookie).
+
+        Every item is checked as :meth:`post_rdma_write` checks it before any
+        is posted.  Returns how many were posted (all of them, or QueueFull is
+        raised saying how many went).
+        """
+        batch, remotes = self._remote_batch(items, self.attrs.max_request_iov, "post_rdma_write_batch")
+        return self._post_many(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, batch, flags, remotes)
+
+    def post_rdma_read_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]],
+                             flags: CompletionFlags = CompletionFlags.DEFAULT) -> int:
+        """Post many RDMA reads in one crossing into C; ``items`` are (local_segments, remote, cookie)."""
+        if self.attrs.max_rdma_read_out == 0:
+            raise InvalidParameter("post_rdma_read_batch: this EP was created with EPAttr.max_rdma_read_out=0")
+        batch, remotes = self._remote_batch(items, self._read_iov_limit(), "post_rdma_read_batch")
+        return self._post_many(DTOOp.RDMA_READ, WR_RDMA_READ, batch, flags, remotes)
+
+    def _remote_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]], limit: int,
+                      what: str) -> Tuple[List[Tuple[Tuple[Segment, ...], Any]], List["RemoteRegion"]]:
+        batch: List[Tuple[Tuple[Segment, ...], Any]] = []
+        remotes: List["RemoteRegion"] = []
+        for item in items:
+            try:
+                local, remote, cookie = item
+            except (TypeError, ValueError):
+                raise InvalidParameter(f"{what}: items must be (local_segments, remote, cookie) triples") from None
+            segs = as_segments(local, "local_segments")
+            self._check_post(segs, limit, what)
+            self._check_remote(remote, segs, what)
+            batch.append((segs, cookie))
+            remotes.append(remote)
+        return batch, remotes
 
     def _post_many(self, op: DTOOp, opcode: int, batch: List[Tuple[Tuple[Segment, ...], Any]],
                    flags: CompletionFlags, remotes: Optional[Sequence["RemoteRegion"]] = None) -> int:
@@ -431,9 +602,12 @@ class EP(Handle):
             entries.append((wr_id, cookie, op, segs, None))
         err = lib.aiodat_post_send(self._qp, wrs, n, sges, self._posted)
         posted = self._posted[0]
+        quiet = bool(flags & CompletionFlags.UNSIGNALLED and not flags & CompletionFlags.SUPPRESS)
         for entry in entries[:posted]:
             self._send_q.append(entry)
             self._track(entry[3], 1)
+            if quiet:
+                self._quiet.add(entry[0])
         if err:
             raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
                                    len(self._send_q), self.attrs.max_request_dtos)
@@ -451,8 +625,12 @@ class EP(Handle):
             op = DTOOp.RECV_RDMA_WRITE_IMM if wc.opcode == WC_RECV_RDMA_WITH_IMM else DTOOp.RECV
             imm = wc.imm_data if wc.wc_flags & 2 else None  # IBV_WC_WITH_IMM
             src = wc.src_qp if self.attrs.service_type is ServiceType.UD else None
+            notify = True
+            if self._quiet and wc.wr_id in self._quiet:
+                self._quiet.discard(wc.wr_id)
+                notify = bool(wc.status)
             return DTOCompletionEvent(EventType.DTO_COMPLETION, evd, self, cookie, status, wc.byte_len, op,
-                                      imm, wc.vendor_err, src)
+                                      imm, wc.vendor_err, src, notify)
         entry = self._pop_send(wc.wr_id)
         if entry is None:
             return None
@@ -462,8 +640,14 @@ class EP(Handle):
             return target._bind_completed(evd, cookie, status, op)
         length = wc.byte_len if op in (DTOOp.RDMA_READ, DTOOp.COMPARE_SWAP, DTOOp.FETCH_ADD) else sum(
             s.length for s in segs)
+        if op in (DTOOp.COMPARE_SWAP, DTOOp.FETCH_ADD) and not wc.status:
+            length = 8  # verbs leaves byte_len undefined for atomics; 8 bytes landed locally
+        notify = True
+        if self._quiet and wc.wr_id in self._quiet:
+            self._quiet.discard(wc.wr_id)
+            notify = bool(wc.status)
         return DTOCompletionEvent(EventType.DTO_COMPLETION, evd, self, cookie, status, length, op,
-                                  None, wc.vendor_err, None)
+                                  None, wc.vendor_err, None, notify)
 
     def _pop_send(self, wr_id: int) -> Any:
         # Earlier entries without a completion of their own finished before this one.
@@ -473,6 +657,7 @@ class EP(Handle):
             if entry[0] == wr_id:
                 return entry
             self._track(entry[3], -1)
+            self._quiet.discard(entry[0])
         return None
 
     def _pop_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
@@ -483,6 +668,44 @@ class EP(Handle):
                 return entry[1], entry[2]
             self._track(entry[2], -1)
         return None, ()
+
+    def recv_query(self) -> "EPRecvInfo":
+        """Receive buffers held by the EP (dat_ep_recv_query): ``(nbufs_allocated, bufs_alloc_span)``.
+
+        ``nbufs_allocated`` counts the buffers allocated to the EP whose
+        completion has not been generated yet: for an EP with its own receive
+        queue, the receives posted and not yet completed (exact); for an EP on
+        an SRQ, the buffers it has taken from the SRQ, which the device does
+        not report, so ``None`` (DAT_VALUE_UNKNOWN).  ``bufs_alloc_span`` is
+        always ``None``: verbs devices do not expose message sequence numbers.
+        """
+        self._check()
+        if self._srq is not None:
+            return EPRecvInfo(None, None)
+        self.recv_evd._drain_cq()  # completions the device already wrote are not "allocated" any more
+        return EPRecvInfo(len(self._recv_q), None)
+
+    def set_watermark(self, soft_high_watermark: Optional[int] = None,
+                      hard_high_watermark: Optional[int] = None) -> None:
+        """Set the EP's soft and hard high watermarks (dat_ep_set_watermark).
+
+        ``None`` is DAT_WATERMARK_INFINITE (no watermark), the default, and is
+        always accepted.  A finite watermark raises
+        :class:`aiodat.ModelNotSupported`: verbs devices do not tell how many
+        buffers an EP holds, so aiodat cannot watch it
+        (``srq_watermarks_supported`` has only the SRQ low watermark).
+        """
+        self._check()
+        from aiodat.errors import ModelNotSupported
+
+        for name, value in (("soft_high_watermark", soft_high_watermark),
+                            ("hard_high_watermark", hard_high_watermark)):
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidParameter(f"{name} must be None (infinite) or an int >= 0, got {value!r}")
+            raise ModelNotSupported(f"{name}: this provider supports no EP high watermarks "
+                                    f"(only None, DAT_WATERMARK_INFINITE)")
 
     def _on_async_error(self, reason: str) -> None:
         """The device reported the QP broken: the EP is in error; tell the connect EVD."""
@@ -556,6 +779,7 @@ class EP(Handle):
             self._track(entry[2], -1)
         self._send_q.clear()
         self._recv_q.clear()
+        self._quiet.clear()
 
     def free(self) -> None:
         """Free the endpoint (dat_ep_free): an open connection is dropped abruptly first."""
@@ -585,6 +809,13 @@ class EP(Handle):
 
     def __repr__(self) -> str:
         return f"<aiodat.EP qp={self.qp_num} {self._state.value}{' closed' if self._closed else ''}>"
+
+
+class EPRecvInfo(NamedTuple):
+    """What :meth:`EP.recv_query` returns; ``None`` is DAT_VALUE_UNKNOWN."""
+
+    nbufs_allocated: Optional[int]
+    bufs_alloc_span: Optional[int]
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,9 @@ class DTOCompletionEvent(Event):
     imm_data: Optional[int] = None
     vendor_err: int = 0
     src_qp: Optional[int] = None
+    #: False for a completion posted with CompletionFlags.UNSIGNALLED: it is queued
+    #: but does not wake a waiting task by itself (DAT's unsignalled notification)
+    notify: bool = field(default=True, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -227,10 +230,14 @@ class EVD(Handle):
         self._qlen = qlen
         self._streams = streams
         self._is_async = _is_async
+        #: other IAs whose async events this (async) EVD receives: open_ia(..., async_evd=this)
+        self._sharers: List["IA"] = []
         self._queue: Deque[Event] = deque()
         self._waiter: Optional["asyncio.Future[None]"] = None
         self._threshold = 1
-        self._solicited = False  # armed for solicited completions only
+        self._solicited = False  # a solicited-only wait is in progress
+        self._armed_solicited = False  # the CQ's current arm is for solicited completions only
+        self._solicited_hit = False
         self._overflow_reported = False
         #: how many events arrived while the EVD was full (reported on the async EVD)
         self.overflow_count = 0
@@ -265,17 +272,29 @@ class EVD(Handle):
         raise exc
 
     # -- feeding the queue -------------------------------------------------
-    def _drain_cq(self) -> None:
-        """Move completions from the CQ into the queue while there is room (one C call per 64)."""
+    def _drain_cq(self, rearm: bool = True) -> bool:
+        """Move completions from the CQ into the queue while there is room (one C call per 64).
+
+        Returns True when an event that notifies arrived (anything but an
+        UNSIGNALLED completion).  Solicited waits: verbs cannot narrow an armed
+        CQ, so a channel event counts as solicited only when the arm it
+        consumed was made solicited-only; a failed completion always counts.
+        """
         if self._cq == ffi.NULL:
-            return
+            return False
+        notified = False
         while True:
             room = max(0, min(64, self._qlen - len(self._queue)))
-            got = lib.aiodat_cq_drain(self._channel, self._cq, int(self._solicited), self._wcs, room, self._nevents)
+            was_solicited_arm = self._armed_solicited
+            got = lib.aiodat_cq_drain(self._channel if rearm else ffi.NULL, self._cq, int(self._solicited),
+                                      self._wcs, room, self._nevents)
             if got < 0:
                 raise error_from_errno(-got, "polling the CQ")
-            if self._solicited and self._nevents[0]:
+            fired = self._nevents[0] > 0
+            if self._solicited and fired and was_solicited_arm:
                 self._solicited_hit = True
+            # the re-arm narrows only when the previous arm was consumed (or already narrow)
+            self._armed_solicited = self._solicited and (fired or was_solicited_arm)
             owner = self._ia._qpn_owner
             for i in range(got):
                 wc = self._wcs[i]
@@ -284,19 +303,25 @@ class EVD(Handle):
                     event = ep._completion_event(wc, self)
                     if event is not None:
                         self._queue.append(event)
+                        if getattr(event, "notify", True):
+                            notified = True
+                        if wc.status:
+                            self._solicited_hit = True  # an error completion always notifies
+                            notified = True
             if got < room or room == 0:
-                return
+                return notified
 
     def _on_readable(self) -> None:
         """The loop's reader callback for the completion channel."""
         if self._closed:
             return
         try:
-            self._drain_cq()
+            notified = self._drain_cq()
         except BaseException as exc:  # hand the failure to the waiter instead of the loop
             self._wake(exc)
             return
-        self._wake()
+        if notified:
+            self._wake()
 
     def _push(self, event: Event) -> None:
         """Queue an event from a non-CQ stream (CM, async); never dropped."""
@@ -319,12 +344,14 @@ class EVD(Handle):
             return
         if exc is not None:
             fut.set_exception(exc)
-        elif len(self._queue) >= self._threshold or (self._solicited and getattr(self, "_solicited_hit", False)):
+        elif len(self._queue) >= self._threshold or (self._solicited and self._solicited_hit):
             fut.set_result(None)
 
     def _pump(self) -> None:
         """Collect everything available now from every source, without waiting."""
         self._ia._pump()
+        for ia in self._sharers:  # an async EVD shared by other IAs (open_ia(async_evd=...))
+            ia._pump()
         self._drain_cq()
 
     def _take(self, max_events: Optional[int]) -> List[Event]:
@@ -369,8 +396,14 @@ class EVD(Handle):
 
         Returns every queued event (at most ``max_events`` if given).  Raises
         :class:`aiodat.TimeoutExpired` after ``timeout`` seconds.  With
-        ``solicited_only`` the wait ends early when a solicited completion (or
-        an error completion) arrives: DAT's solicited-wait.  Only one task may
+        ``solicited_only`` the CQ is armed for solicited completions only and
+        the wait ends early (below ``threshold``) when a receive of a message
+        the peer sent with ``CompletionFlags.SOLICITED_WAIT`` (or an error
+        completion) arrives: DAT's solicited wait.  Verbs cannot narrow an
+        armed CQ, so when the EVD was armed for every completion the first
+        channel event after the switch only re-arms it (see docs/datapath.md).
+        An UNSIGNALLED completion is queued but does not end a wait by itself;
+        a wait that starts when enough events are queued returns at once.  Only one task may
         wait on an EVD at a time (DAT_INVALID_STATE otherwise).  Cancelling the
         wait loses nothing: the events stay queued.
         """
@@ -386,7 +419,12 @@ class EVD(Handle):
         if solicited_only != self._solicited and self._cq != ffi.NULL:
             self._solicited = solicited_only
         self._solicited_hit = False
-        self._pump()
+        if solicited_only or int(self._streams) & _FED_BY_IA or getattr(self, "_armed_solicited", False):
+            self._pump()
+        else:
+            # Hot path of a DTO-only EVD: poll the CQ, no system call.  The CQ stays armed
+            # (or its channel holds an unread event, which the reader callback drains and re-arms).
+            self._drain_cq(rearm=False)
         if len(self._queue) >= threshold:
             return self._take(max_events)
         fut: "asyncio.Future[None]" = loop.create_future()
@@ -418,6 +456,8 @@ class EVD(Handle):
         if self._watch is not None:
             self._watch.attach()
         self._ia._attach_loop()
+        for ia in self._sharers:
+            ia._attach_loop()
 
     async def wait_one(self, timeout: Optional[float] = None) -> Event:
         """Wait for and return exactly one event."""
@@ -511,6 +551,9 @@ class EVDParam:
     waiting: bool
 
 
+#: streams whose events the IA's fds (rdma_cm channel, device async fd) feed, not the EVD's own CQ
+_FED_BY_IA = int(EvdFlags.CR | EvdFlags.CONNECTION | EvdFlags.ASYNC)
+
 # ibv_event_type -> (DAT event type, kind of object it names)
 _ASYNC_MAP = {
     "IBV_EVENT_CQ_ERR": (EventType.ASYNC_ERROR_EVD_OVERFLOW, "cq"),
@@ -576,6 +619,7 @@ class AsyncSource:
                     if obj is not None:
                         obj._on_async_event(name)
                 elif kind == "port":
+                    obj = ia  # the IA is the port; a shared async EVD tells its IAs apart by it
                     port = raw.port_num
                 elif kind == "ia":
                     obj = ia
