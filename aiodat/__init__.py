@@ -28,11 +28,11 @@ from aiodat.evd import (  # noqa: E402
     SoftwareEvent,
 )
 from aiodat.ia import IA, PZ, Provider, list_providers, open_ia  # noqa: E402
-from aiodat.memory import LMR, LMRParam, Privileges, RemoteRegion, Segment  # noqa: E402
+from aiodat.memory import LMR, RMR, LMRParam, Privileges, RemoteRegion, RMRParam, Segment  # noqa: E402
 
 __all__ = [
     "__version__", "list_providers", "open_ia", "Provider", "IA", "PZ", "IAQuery", "IAAttr",
-    "ProviderAttr", "TransportAttr", "LMR", "LMRParam", "Segment", "RemoteRegion", "Privileges",
+    "ProviderAttr", "TransportAttr", "LMR", "LMRParam", "RMR", "RMRParam", "Segment", "RemoteRegion", "Privileges",
     "EVD", "EVDParam", "EvdFlags", "Event", "EventType", "DTOOp", "DTOCompletionEvent", "RMRBindEvent",
     "ConnectionEvent", "ConnectionRequestEvent", "SoftwareEvent", "AsyncEvent", "EP", "EPAttr",
     "EPParam", "EPState", "ServiceType", "CompletionFlags", "PSP", "CR", "DATError",

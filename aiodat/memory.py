@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Deque, Optional, Tuple
 
 from aiodat._handle import Handle
 from aiodat._lib import ffi, lib
-from aiodat.errors import InvalidParameter, LengthError, error_from_errno
+from aiodat.errors import InvalidParameter, InvalidState, LengthError, error_from_errno
 
 if TYPE_CHECKING:
     from aiodat.ia import PZ
@@ -237,3 +238,262 @@ class LMR(Handle):
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         return f"<aiodat.LMR {self.length} bytes at {self.address:#x}{state}>"
+
+
+@dataclass(frozen=True)
+class RMRParam:
+    """What :meth:`RMR.query` returns (DAT_RMR_PARAM)."""
+
+    pz: "PZ"
+    bound: bool
+    lmr: Optional["LMR"]
+    address: Optional[int]
+    length: int
+    privileges: Privileges
+    rmr_context: int
+    type: int
+
+
+_BIND_PRIVILEGES = Privileges.REMOTE_READ | Privileges.REMOTE_WRITE | Privileges.REMOTE_ATOMIC
+
+
+class RMR(Handle):
+    """A Remote Memory Region: a type-2 memory window bound to a range of an LMR (dat_rmr_create).
+
+    ``await rmr.bind(lmr[a:b], privileges, ep)`` posts a bind on ``ep``'s send
+    queue (IBV_WR_BIND_MW) with the next rkey of the window
+    (``ibv_inc_rkey``) and resolves with that new ``rmr_context`` once the
+    bind completes; a peer can then reach exactly that range, with exactly
+    those privileges, through :meth:`remote`.  ``await rmr.unbind(ep)``
+    invalidates the window (IBV_WR_LOCAL_INV of its rkey): any later remote
+    access with the old rmr_context fails at the initiator with
+    IBV_WC_REM_ACCESS_ERR.  Type-2 windows must be unbound before they are
+    bound again.  The LMR needs ``Privileges.MW_BIND``; the EP must be
+    connected and in the RMR's PZ.
+
+    The bind completion is a :class:`aiodat.RMRBindEvent`.  The awaitable
+    forms consume it (it never reaches an EVD); the ``*_nowait`` forms, or an
+    awaitable that was cancelled, leave it on the EP's request EVD, as DAT's
+    RMR_BIND_COMPLETION_EVENT.
+    """
+
+    _kind = "rmr"
+    _close_rank = 2  # after EPs (QPs), before LMRs: a window must go before the MR it is bound to
+
+    def __init__(self, pz: "PZ") -> None:
+        pz._check()
+        mw = lib.ibv_alloc_mw(pz._pd, lib.IBV_MW_TYPE_2)
+        if mw == ffi.NULL:
+            err = ffi.errno
+            if err in (95, 38):  # EOPNOTSUPP, ENOSYS
+                from aiodat.errors import NotImplementedByProvider
+
+                raise NotImplementedByProvider(f"{pz.ia.device_name} does not support type-2 memory windows "
+                                               f"(ibv_alloc_mw errno {err})")
+            raise error_from_errno(err, "allocating a memory window (ibv_alloc_mw)")
+        super().__init__(pz)
+        self._pz = pz
+        self._mw = mw
+        self._rkey: int = mw.rkey
+        self._bound: Optional[Tuple[Segment, Privileges]] = None
+        # posted binds/unbinds in order: (future or None, op, new rkey, segment, privileges)
+        self._pending: Deque[Tuple[Any, Any, int, Optional[Segment], Privileges]] = deque()
+
+    @property
+    def pz(self) -> "PZ":
+        """The PZ the RMR belongs to."""
+        return self._pz
+
+    @property
+    def rmr_context(self) -> int:
+        """The window's current rkey (the one a peer must use while it is bound)."""
+        return self._rkey
+
+    @property
+    def bound(self) -> bool:
+        """True while the window is bound to an LMR range."""
+        return self._bound is not None
+
+    def _post(self, op: Any, ep: Any, segment: Optional[Segment], privileges: Privileges, cookie: Any,
+              waiter: Any) -> int:
+        from aiodat.ep import EP, EPState, WR_BIND_MW, WR_LOCAL_INV, CompletionFlags
+        from aiodat.evd import DTOOp
+
+        self._check()
+        if not isinstance(ep, EP):
+            raise InvalidParameter(f"an RMR is bound through a connected EP, not {type(ep).__name__}")
+        ep._check()
+        if ep._pz is not self._pz:
+            raise InvalidParameter("the EP belongs to another PZ than the RMR")
+        if ep._state is not EPState.CONNECTED:
+            raise InvalidState(f"binding a type-2 window needs a connected EP; this one is {ep._state.value}")
+        if op is DTOOp.BIND:
+            if self._bound is not None or any(p[1] is DTOOp.BIND for p in self._pending):
+                raise InvalidState("the window is bound (or a bind is pending): unbind it first "
+                                   "(type-2 windows cannot be rebound in place)")
+            new_rkey = int(lib.ibv_inc_rkey(self._rkey))
+            access = ibv_access(privileges) & ~lib.IBV_ACCESS_LOCAL_WRITE & ~lib.IBV_ACCESS_MW_BIND
+            bind = (self._mw, new_rkey, segment.lmr._mr, segment.address, segment.length, access)
+            ep._post_one(DTOOp.BIND, WR_BIND_MW, (), cookie, CompletionFlags.DEFAULT, target=self, bind=bind)
+            segment.lmr._inflight += 1  # the LMR cannot be freed while the window points into it
+        else:
+            new_rkey = self._rkey
+            ep._post_one(DTOOp.UNBIND, WR_LOCAL_INV, (), cookie, CompletionFlags.DEFAULT, target=self,
+                         bind=(self._mw, self._rkey, ffi.NULL, 0, 0, 0))
+        self._pending.append((waiter, op, new_rkey, segment, privileges))
+        if waiter is not None:
+            ep.request_evd._attach(waiter.get_loop())  # the completion must be drained by the loop
+        return new_rkey
+
+    def _check_bind(self, segment: Any, privileges: Any) -> Tuple[Segment, Privileges]:
+        if isinstance(segment, LMR):
+            segment = segment.segment()
+        if not isinstance(segment, Segment):
+            raise InvalidParameter(f"bind takes an LMR segment (lmr[a:b]), not {type(segment).__name__}")
+        segment.lmr._check()
+        if segment.lmr._pz is not self._pz:
+            raise InvalidParameter("the LMR belongs to another PZ than the RMR")
+        if segment.length == 0:
+            raise LengthError("cannot bind a window to an empty segment (unbind instead)")
+        if not isinstance(privileges, (int, Privileges)):
+            raise InvalidParameter(f"privileges must be aiodat.Privileges, not {type(privileges).__name__}")
+        privileges = Privileges(privileges)
+        if not privileges & _BIND_PRIVILEGES:
+            raise InvalidParameter("a window needs at least one remote privilege (REMOTE_READ, REMOTE_WRITE, "
+                                   "REMOTE_ATOMIC)")
+        lmr_priv = segment.lmr.privileges
+        if not lmr_priv & Privileges.MW_BIND:
+            from aiodat.errors import PrivilegesViolation
+
+            raise PrivilegesViolation("the LMR was registered without Privileges.MW_BIND: windows cannot be "
+                                      "bound to it")
+        return segment, privileges & (_BIND_PRIVILEGES | Privileges.LOCAL_READ | Privileges.LOCAL_WRITE)
+
+    def bind_nowait(self, segment: Segment, privileges: Privileges, ep: Any, cookie: Any = None) -> int:
+        """Post the bind (dat_rmr_bind) and return the new rmr_context at once.
+
+        The RMR_BIND_COMPLETION event arrives on ``ep.request_evd``; the
+        window is usable by the peer only once it completed successfully.
+        """
+        from aiodat.evd import DTOOp
+
+        segment, privileges = self._check_bind(segment, privileges)
+        return self._post(DTOOp.BIND, ep, segment, privileges, cookie, None)
+
+    async def bind(self, segment: Segment, privileges: Privileges, ep: Any, cookie: Any = None) -> int:
+        """Bind the window to ``segment`` with ``privileges`` through ``ep``; return the new rmr_context.
+
+        Raises :class:`aiodat.DTOError` naming the completion status if the
+        bind fails.  Cancelling the await leaves the event on the request EVD.
+        """
+        import asyncio
+
+        from aiodat.evd import DTOOp
+
+        segment, privileges = self._check_bind(segment, privileges)
+        fut = asyncio.get_running_loop().create_future()
+        self._post(DTOOp.BIND, ep, segment, privileges, cookie, fut)
+        event = await fut
+        self._raise_for(event, "bind")
+        return event.rmr_context
+
+    def unbind_nowait(self, ep: Any, cookie: Any = None) -> None:
+        """Post the invalidation of the window (dat_rmr_bind with a zero length); the event goes to the EVD."""
+        from aiodat.evd import DTOOp
+
+        self._check_unbind()
+        self._post(DTOOp.UNBIND, ep, None, Privileges.NONE, cookie, None)
+
+    async def unbind(self, ep: Any, cookie: Any = None) -> None:
+        """Invalidate the window through ``ep``; the old rmr_context stops working for the peer."""
+        import asyncio
+
+        from aiodat.evd import DTOOp
+
+        self._check_unbind()
+        fut = asyncio.get_running_loop().create_future()
+        self._post(DTOOp.UNBIND, ep, None, Privileges.NONE, cookie, fut)
+        event = await fut
+        self._raise_for(event, "unbind")
+
+    def _check_unbind(self) -> None:
+        from aiodat.evd import DTOOp
+
+        self._check()
+        if self._bound is None and not any(p[1] is DTOOp.BIND for p in self._pending):
+            raise InvalidState("the window is not bound")
+
+    @staticmethod
+    def _raise_for(event: Any, what: str) -> None:
+        if not event.ok:
+            from aiodat.errors import DTOError
+
+            raise DTOError(f"memory window {what} with cookie {event.cookie!r} failed: {event.status}",
+                           status=event.status, cookie=event.cookie)
+
+    def _bind_completed(self, evd: Any, cookie: Any, status: str, op: Any) -> Any:
+        """Called by the EP when a bind/unbind of this window completes: returns the event, or None if awaited."""
+        from aiodat.evd import DTOOp, EventType, RMRBindEvent
+
+        if not self._pending:
+            return None
+        waiter, pop_op, new_rkey, segment, privileges = self._pending.popleft()
+        ok = status == "IBV_WC_SUCCESS"
+        if pop_op is DTOOp.BIND:
+            if segment is not None:
+                segment.lmr._inflight -= 1
+            if ok:
+                self._rkey = new_rkey
+                self._bound = (segment, privileges)  # type: ignore[assignment]
+                segment.lmr._inflight += 1  # held while bound
+        elif ok and self._bound is not None:
+            self._bound[0].lmr._inflight -= 1
+            self._bound = None
+        event = RMRBindEvent(EventType.RMR_BIND_COMPLETION, evd, self, cookie, status,
+                             new_rkey if ok and pop_op is DTOOp.BIND else None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(event)
+            return None
+        return event
+
+    def remote(self) -> RemoteRegion:
+        """The bound range as a region a peer can target (address, length, the window's rkey)."""
+        self._check()
+        if self._bound is None:
+            raise InvalidState("the window is not bound: bind it first")
+        seg = self._bound[0]
+        return RemoteRegion(seg.address, seg.length, self._rkey)
+
+    def query(self) -> RMRParam:
+        """Return the window's parameters (dat_rmr_query)."""
+        self._check()
+        if self._bound is None:
+            return RMRParam(self._pz, False, None, None, 0, Privileges.NONE, self._rkey, self._mw.type)
+        seg, priv = self._bound
+        return RMRParam(self._pz, True, seg.lmr, seg.address, seg.length, priv, self._rkey, self._mw.type)
+
+    def free(self) -> None:
+        """Free the window (dat_rmr_free); a bound window is invalidated by its destruction."""
+        self._check()
+        self.close()
+
+    def _release(self) -> None:
+        for waiter, *_ in self._pending:
+            if waiter is not None and not waiter.done():
+                from aiodat.errors import InvalidHandle
+
+                waiter.set_exception(InvalidHandle("the RMR was freed while a bind waited on it"))
+        for _, op, _, segment, _ in self._pending:
+            if segment is not None:
+                segment.lmr._inflight -= 1
+        self._pending.clear()
+        if self._bound is not None:
+            self._bound[0].lmr._inflight -= 1
+            self._bound = None
+        if self._mw != ffi.NULL:
+            lib.ibv_dealloc_mw(self._mw)
+            self._mw = ffi.NULL
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("bound" if self._bound else "unbound")
+        return f"<aiodat.RMR rkey={self._rkey:#x} {state}>"
