@@ -29,6 +29,7 @@ from aiodat.evd import (  # noqa: E402
 )
 from aiodat.ia import IA, PZ, Provider, list_providers, open_ia  # noqa: E402
 from aiodat.memory import LMR, RMR, LMRParam, Privileges, RemoteRegion, RMRParam, Segment  # noqa: E402
+from aiodat.streams import open_connection, start_server  # noqa: E402
 
 __all__ = [
     "__version__", "list_providers", "open_ia", "Provider", "IA", "PZ", "IAQuery", "IAAttr",
@@ -36,6 +37,7 @@ __all__ = [
     "EVD", "EVDParam", "EvdFlags", "Event", "EventType", "DTOOp", "DTOCompletionEvent", "RMRBindEvent",
     "ConnectionEvent", "ConnectionRequestEvent", "SoftwareEvent", "AsyncEvent", "EP", "EPAttr",
     "EPParam", "EPState", "ServiceType", "CompletionFlags", "PSP", "CR", "DATError",
+    "open_connection", "start_server",
 ]
 __all__ += [name for name in dir() if name[0].isupper() and name not in __all__
             and isinstance(globals()[name], type) and issubclass(globals()[name], DATError)]
