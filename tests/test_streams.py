@@ -1,0 +1,474 @@
+"""Issue 6 items 1-2: asyncio streams over RDMA, and the same service over TCP and RDMA.
+
+The key-value store of examples/kvstore.py runs the same client suite over
+asyncio (TCP on 127.0.0.1, host-side and in the guest) and over aiodat (RDMA on
+the rxe device).  The stream-specific tests run on rxe only.  Run the file on
+both loops (``--aiodat-loop asyncio`` / ``uvloop``).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, List, Tuple
+
+import pytest
+
+import aiodat
+from aiodat import streams as aiodat_streams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_kvstore() -> Any:
+    spec = importlib.util.spec_from_file_location("kvstore_example", ROOT / "examples" / "kvstore.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kvstore = _load_kvstore()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(params=["tcp", pytest.param("rdma", marks=pytest.mark.rxe)])
+def transport(request: pytest.FixtureRequest) -> Tuple[Any, str]:
+    """(module with open_connection/start_server, host) for TCP and for RDMA."""
+    if request.param == "tcp":
+        return asyncio, "127.0.0.1"
+    device = request.getfixturevalue("rdma_device")
+    return aiodat, device.address
+
+
+@pytest.fixture
+def rdma_host(rdma_device: Any) -> str:
+    return rdma_device.address
+
+
+# -- the same client suite over both transports --------------------------------------------------
+
+
+async def test_kvstore_suite(transport: Tuple[Any, str]) -> None:
+    """The example service, unchanged, over asyncio TCP streams and over aiodat RDMA streams."""
+    streams, host = transport
+    store = kvstore.KVStore()
+    server = await streams.start_server(store.handle, host, 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        client = await kvstore.KVClient.connect(streams, host, port)
+        assert await client.set("a", "1")
+        assert await client.set("b", "two words")
+        assert await client.get("a") == b"1"
+        assert await client.get("b") == b"two words"
+        assert await client.get("zzz") is None
+        assert await client.keys() == ["a", "b"]
+        assert await client.delete("a")
+        assert not await client.delete("a")
+        assert (await client.command("BOGUS x")).startswith(b"ERR")
+        blob = random.Random(6).randbytes(300_001)
+        assert await client.put("blob", blob)
+        assert await client.fetch("blob") == blob
+        # a second client sees the first one's writes
+        other = await kvstore.KVClient.connect(streams, host, port)
+        assert await other.get("b") == b"two words"
+        assert await other.quit() == b"BYE"
+        assert await client.quit() == b"BYE"
+    assert store.connections == 2
+
+
+def test_kvstore_example_runs_over_tcp() -> None:
+    """The example's demo mode, as a user runs it, over TCP."""
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "kvstore.py"), "demo", "--transport", "tcp"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "FETCH blob sha256 matches: True" in out.stdout and "QUIT: BYE" in out.stdout
+
+
+@pytest.mark.rxe
+def test_kvstore_example_runs_over_rdma(rdma_device: Any) -> None:
+    """The same demo, switched to aiodat by --transport rdma only."""
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "kvstore.py"), "demo", "--transport", "rdma",
+                          "--host", rdma_device.address], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "FETCH blob sha256 matches: True" in out.stdout and "over aiodat (RDMA)" in out.stdout
+
+
+# -- stream semantics on RDMA ----------------------------------------------------------------------
+
+
+class Sink:
+    """A server that records what each connection sent, optionally after a gate opens."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.results: "asyncio.Queue[Any]" = asyncio.Queue()
+
+    async def read_all(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.gate.wait()
+        try:
+            data = await reader.read()
+            await self.results.put(data)
+        except Exception as exc:  # handed to the test
+            await self.results.put(exc)
+        finally:
+            writer.close()
+
+
+@pytest.mark.rxe
+async def test_readexactly_10mib_odd_chunks(rdma_host: str) -> None:
+    """10 MiB written in odd-sized chunks arrives intact via readexactly; both the send and RDMA-write paths run."""
+    total = 10 * 1024 * 1024
+    payload = random.Random(10).randbytes(total)
+    digest = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = await reader.readexactly(total)
+        digest.set_result(hashlib.sha256(data).hexdigest())
+        writer.write(b"done\n")
+        await writer.drain()
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_host, 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await aiodat.open_connection(rdma_host, port)
+    rng = random.Random(1)
+    sizes = [1, 3, 17, 4093, 16377, 65537, 100003, 262147, 7]
+    offset = 0
+    while offset < total:
+        n = min(rng.choice(sizes), total - offset)
+        writer.write(payload[offset:offset + n])
+        offset += n
+        await writer.drain()
+    assert await asyncio.wait_for(digest, 300) == hashlib.sha256(payload).hexdigest()
+    assert await reader.readline() == b"done\n"
+    stats = writer.transport.stats
+    assert stats["bytes_sent"] == total
+    assert stats["data_msgs"] > 0 and stats["window_writes"] > 0, stats
+    writer.close()
+    await writer.wait_closed()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.rxe
+async def test_backpressure_slow_reader(rdma_host: str) -> None:
+    """A writer that outruns its reader: drain() blocks, then every byte arrives in order."""
+    sink = Sink()
+    sink.gate.clear()  # the server does not read until the gate opens
+    server = await aiodat.start_server(sink.read_all, rdma_host, 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await aiodat.open_connection(rdma_host, port)
+    payload = random.Random(2).randbytes(3 * 1024 * 1024)
+    for i in range(0, len(payload), 65536):
+        writer.write(payload[i:i + 65536])
+    # credits, the window and the peer's StreamReader cannot hold 3 MiB: the rest waits here
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(writer.drain(), 1.0)
+    previous = -1
+    for _ in range(60):  # wait until the writer is stuck (the peer took what its buffers hold)
+        size = writer.transport.get_write_buffer_size()
+        if size == previous:
+            break
+        previous = size
+        await asyncio.sleep(0.5)
+    assert previous == writer.transport.get_write_buffer_size() > 1024 * 1024, previous
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(writer.drain(), 0.5)  # still paused: the reader is not reading
+    sink.gate.set()
+    await asyncio.wait_for(writer.drain(), 120)
+    writer.close()
+    await writer.wait_closed()
+    data = await asyncio.wait_for(sink.results.get(), 120)
+    assert data == payload
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.rxe
+async def test_eof_and_half_close(rdma_host: str) -> None:
+    """write_eof: the peer reads the data then b"" and at_eof(); it can still answer; close gives EOF back."""
+    seen: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = await reader.read()
+        again = await reader.read()
+        with pytest.raises(asyncio.IncompleteReadError) as info:
+            await reader.readexactly(1)
+        seen.set_result((first, again, reader.at_eof(), info.value.partial))
+        writer.write(b"reply after your EOF\n")
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    server = await aiodat.start_server(handler, rdma_host, 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await aiodat.open_connection(rdma_host, port)
+    assert writer.can_write_eof()
+    writer.write(b"abc")
+    writer.write(b"def")
+    writer.write_eof()
+    with pytest.raises(RuntimeError):
+        writer.write(b"after eof")
+    assert await asyncio.wait_for(seen, 60) == (b"abcdef", b"", True, b"")
+    assert await reader.readline() == b"reply after your EOF\n"
+    assert await reader.read() == b""  # the server closed
+    assert reader.at_eof()
+    writer.close()
+    await writer.wait_closed()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.rxe
+async def test_incomplete_read_on_eof_mid_message(rdma_host: str) -> None:
+    """readexactly(n) with fewer than n bytes before EOF raises IncompleteReadError carrying them."""
+    result: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readexactly(100)
+        except asyncio.IncompleteReadError as exc:
+            result.set_result((exc.partial, exc.expected))
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_host, 0)
+    reader, writer = await aiodat.open_connection(rdma_host, server.sockets[0].getsockname()[1])
+    writer.write(b"x" * 42)
+    writer.close()
+    await writer.wait_closed()
+    assert await asyncio.wait_for(result, 60) == (b"x" * 42, 100)
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.rxe
+async def test_peer_abort_is_connection_reset(rdma_host: str) -> None:
+    """transport.abort() (no EOF): the peer's readexactly raises ConnectionResetError; drain() too."""
+    result: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
+    writers: List[asyncio.StreamWriter] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        try:
+            await reader.readexactly(1 << 20)
+            result.set_result("no error")
+        except Exception as exc:
+            result.set_result(exc)
+
+    server = await aiodat.start_server(handler, rdma_host, 0)
+    reader, writer = await aiodat.open_connection(rdma_host, server.sockets[0].getsockname()[1])
+    writer.write(b"partial" * 100)
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.transport.abort()
+    exc = await asyncio.wait_for(result, 60)
+    assert isinstance(exc, ConnectionResetError), exc
+    server_writer = writers[0]
+    with pytest.raises(ConnectionResetError):
+        server_writer.write(b"into the void")
+        await server_writer.drain()
+    with pytest.raises(ConnectionResetError):
+        await server_writer.wait_closed()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.rxe
+async def test_killed_peer_process_is_connection_reset(rdma_host: str) -> None:
+    """A client process killed with SIGKILL mid-message: the server's readexactly raises ConnectionResetError."""
+    result: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readexactly(5)
+            result.set_result(("started", head))
+            await reader.readexactly(1 << 20)
+        except Exception as exc:
+            result.set_result(exc) if not result.done() else server_errors.append(exc)
+
+    server_errors: List[BaseException] = []
+    server = await aiodat.start_server(handler, rdma_host, 0)
+    port = server.sockets[0].getsockname()[1]
+    script = textwrap.dedent(f"""
+        import asyncio, os, signal, aiodat
+        async def main():
+            r, w = await aiodat.open_connection({rdma_host!r}, {port})
+            w.write(b"hello" + b"x" * 1000)
+            await w.drain()
+            await asyncio.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        asyncio.run(main())
+    """)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script)
+    assert await asyncio.wait_for(result, 120) == ("started", b"hello")
+    await asyncio.wait_for(proc.wait(), 60)
+    assert proc.returncode == -9
+    for _ in range(600):
+        if server_errors:
+            break
+        await asyncio.sleep(0.1)
+    assert server_errors and isinstance(server_errors[0], ConnectionResetError), server_errors
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.rxe
+async def test_server_close_wait_closed_and_refused(rdma_host: str) -> None:
+    """close() stops listening (new connects are refused), wait_closed() waits for the connections."""
+    handled = asyncio.Event()
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(await reader.readline())
+        await writer.drain()
+        await reader.read()
+        writer.close()
+        handled.set()
+
+    fds = _open_fds()
+    server = await aiodat.start_server(echo, rdma_host, 0)
+    assert server.is_serving()
+    host, port = server.sockets[0].getsockname()
+    assert (host, port) == (rdma_host, port) and port > 0
+    reader, writer = await aiodat.open_connection(rdma_host, port)
+    writer.write(b"ping\n")
+    assert await reader.readline() == b"ping\n"
+    server.close()
+    assert not server.is_serving() and server.sockets == ()
+    with pytest.raises(ConnectionRefusedError):
+        await aiodat.open_connection(rdma_host, port)
+    waiter = asyncio.ensure_future(server.wait_closed())
+    await asyncio.sleep(0.3)
+    assert not waiter.done()  # the accepted connection is still open
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.wait_for(waiter, 30)
+    assert handled.is_set()
+    assert aiodat_streams.shared_ia_count() == 0
+    assert _open_fds() == fds  # no leaked completion channels, cm channels or device fds
+
+
+@pytest.mark.rxe
+async def test_serve_forever_async_with_and_extra_info(rdma_host: str) -> None:
+    """serve_forever until cancelled; async with closes; get_extra_info knows peer, sock and the EP."""
+    infos: "asyncio.Queue[Any]" = asyncio.Queue()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await infos.put((writer.get_extra_info("peername"), writer.get_extra_info("sockname")))
+        await reader.read()
+        writer.close()
+
+    async with await aiodat.start_server(handler, rdma_host, 0, start_serving=False) as server:
+        assert not server.is_serving()
+        forever = asyncio.ensure_future(server.serve_forever())
+        await asyncio.sleep(0)
+        assert server.is_serving()
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await aiodat.open_connection(rdma_host, port)
+        peer, sock = await asyncio.wait_for(infos.get(), 30)
+        assert writer.get_extra_info("peername") == (rdma_host, port) == sock
+        assert writer.get_extra_info("sockname") == peer
+        assert writer.get_extra_info("socket") is None
+        ep = writer.get_extra_info("aiodat_ep")
+        assert isinstance(ep, aiodat.EP) and ep.state is aiodat.EPState.CONNECTED
+        assert isinstance(writer.get_extra_info("aiodat_ia"), aiodat.IA)
+        assert isinstance(writer, asyncio.StreamWriter) and isinstance(reader, asyncio.StreamReader)
+        writer.close()
+        await writer.wait_closed()
+        assert ep.closed  # the EP (and its PZ, LMRs, EVD) went with the stream
+        forever.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await forever
+        assert not server.is_serving()
+    assert aiodat_streams.shared_ia_count() == 0
+
+
+@pytest.mark.rxe
+async def test_many_concurrent_clients(rdma_host: str) -> None:
+    """20 clients at once, each echoing its own data through one server: nothing mixed up or lost."""
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for line in reader:  # async iteration over lines
+            writer.write(line)
+            await writer.drain()
+        writer.close()
+
+    server = await aiodat.start_server(echo, rdma_host, 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def client(i: int) -> bool:
+        reader, writer = await aiodat.open_connection(rdma_host, port)
+        lines = [f"client {i} line {j} {'y' * (i * 37 % 500)}\n".encode() for j in range(20)]
+        for line in lines:
+            writer.write(line)
+        await writer.drain()
+        got = [await reader.readuntil(b"\n") for _ in lines]
+        writer.write_eof()
+        assert await reader.read() == b""
+        writer.close()
+        await writer.wait_closed()
+        return got == lines
+
+    results = await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(20))), 300)
+    assert all(results)
+    server.close()
+    await server.wait_closed()
+    assert aiodat_streams.shared_ia_count() == 0
+
+
+@pytest.mark.rxe
+async def test_limit_overrun_and_both_closing(rdma_host: str) -> None:
+    """The reader's limit works as in asyncio (LimitOverrunError); both sides closing at once is clean."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"z" * 300 + b"\n")
+        await writer.drain()
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_host, 0)
+    reader, writer = await aiodat.open_connection(rdma_host, server.sockets[0].getsockname()[1], limit=100)
+    with pytest.raises(asyncio.LimitOverrunError):
+        await reader.readuntil(b"\n")
+    assert len(await reader.read(1000)) == 301
+    writer.close()
+    await writer.wait_closed()
+    server.close()
+    await server.wait_closed()
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.rxe
+async def test_bad_arguments(rdma_host: str) -> None:
+    """Unsupported options and bad sizes raise clear DAT errors; nothing stays open."""
+    with pytest.raises(aiodat.ModelNotSupported, match="ssl"):
+        await aiodat.open_connection(rdma_host, 1, ssl=True)
+    with pytest.raises(aiodat.InvalidParameter, match="buffer_size"):
+        await aiodat.open_connection(rdma_host, 1, buffer_size=3)
+    with pytest.raises(aiodat.InvalidParameter, match="recv_depth"):
+        await aiodat.start_server(lambda r, w: None, rdma_host, 0, recv_depth=0)
+    with pytest.raises(aiodat.InvalidAddress, match="cannot listen on 10.9.8.7"):
+        await aiodat.start_server(lambda r, w: None, "10.9.8.7", 0)
+    with pytest.raises(TypeError):
+        await aiodat.open_connection(rdma_host, 1, nonsense=1)
+    assert aiodat_streams.shared_ia_count() == 0
+
+
+def test_config_validation_host() -> None:
+    """StreamConfig checks its values without a device."""
+    assert aiodat_streams.StreamConfig().validate().extra_slots >= 2
+    with pytest.raises(aiodat.InvalidParameter, match="window_size"):
+        aiodat_streams.StreamConfig(window_size=100).validate()
+    assert aiodat_streams.HEADER.size == 8
