@@ -29,6 +29,8 @@ from aiodat.evd import (  # noqa: E402
 )
 from aiodat.ia import IA, PZ, Provider, list_providers, open_ia  # noqa: E402
 from aiodat.memory import LMR, RMR, LMRParam, Privileges, RemoteRegion, RMRParam, Segment  # noqa: E402
+from aiodat.srq import SRQ, SRQParam, SRQState  # noqa: E402
+from aiodat.ep import EPRecvInfo  # noqa: E402
 from aiodat.streams import open_connection, start_server  # noqa: E402
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "EVD", "EVDParam", "EvdFlags", "Event", "EventType", "DTOOp", "DTOCompletionEvent", "RMRBindEvent",
     "ConnectionEvent", "ConnectionRequestEvent", "SoftwareEvent", "AsyncEvent", "EP", "EPAttr",
     "EPParam", "EPState", "ServiceType", "CompletionFlags", "PSP", "CR", "DATError",
+    "SRQ", "SRQParam", "SRQState", "EPRecvInfo",
     "open_connection", "start_server",
 ]
 __all__ += [name for name in dir() if name[0].isupper() and name not in __all__

@@ -224,6 +224,7 @@ class IA(RootHandle):
                         f"async_evd belongs to an IA of {async_evd._ia.device_name}, not {device}"
                     )
                 self.async_evd = async_evd
+                async_evd._sharers.append(self)  # its waits now watch this IA's async fd too
             self._cm = CMChannel(self)
         except BaseException:
             self.close()
@@ -248,6 +249,9 @@ class IA(RootHandle):
         self._async_source.watch.attach()
 
     def _release(self) -> None:
+        shared = getattr(self, "async_evd", None)
+        if shared is not None and self in shared._sharers:
+            shared._sharers.remove(self)
         if getattr(self, "_cm", None) is not None:
             self._cm.destroy()
         if getattr(self, "_async_source", None) is not None:

@@ -1,0 +1,456 @@
+"""Shared Receive Queues (dat_srq_*): one pool of receive buffers for many endpoints.
+
+``srq = ia.create_srq(pz, max_recv_dtos, max_recv_iov)`` creates an ibv SRQ in
+``pz``; ``ia.create_ep(pz, srq=srq)`` attaches endpoints to it.  Receives are
+posted to the SRQ (:meth:`SRQ.post_recv`), never to the EPs; any attached EP
+takes the next buffer when a message arrives on it, and the completion comes
+back on *that* EP's ``recv_evd`` with the cookie given at post time (ep.py asks
+:meth:`SRQ._complete` for it).
+
+Counters (:meth:`SRQ.query`, seed 001):
+
+* ``outstanding_dto_count``: buffers posted to the SRQ whose completion the
+  consumer has not yet dequeued.  aiodat knows this exactly: it is the number
+  of posted buffers not yet completed plus the SRQ receive completions still
+  queued in the recv EVDs of the attached EPs.
+* ``available_dto_count``: buffers still on the SRQ.  The device does not
+  report how many buffers EPs have taken, so this is ``None``
+  (DAT_VALUE_UNKNOWN) whenever an attached EP could be receiving; it is exact
+  while no attached EP is connected (none can have taken a buffer).
+
+Low watermark: :meth:`SRQ.set_lw` arms the device's SRQ limit; when an EP takes
+a buffer and fewer than ``low_watermark`` remain, the device raises
+IBV_EVENT_SRQ_LIMIT_REACHED, which becomes an ``ASYNC_SRQ_LOW_WATERMARK``
+event on the IA's async EVD and resolves ``await srq.low_watermark()``.  The
+limit fires once per arming, as DAT and the verbs both say: afterwards
+``query().low_watermark`` reads ``None`` until ``set_lw`` is called again.
+aiodat never re-arms by itself.  See docs/srq.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from aiodat._handle import Handle
+from aiodat._lib import ffi, lib
+from aiodat.errors import (
+    InvalidHandle,
+    InvalidParameter,
+    InvalidState,
+    ModelNotSupported,
+    ProtectionViolation,
+    QueueFull,
+    TimeoutExpired,
+    error_from_errno,
+)
+from aiodat.memory import Segment
+
+if TYPE_CHECKING:
+    from aiodat.ep import EP, Segments
+    from aiodat.evd import EVD
+    from aiodat.ia import IA, PZ
+
+#: the iov limit of one posted receive in the C shim (struct aiodat_sge batches)
+_SHIM_MAX_IOV = 32
+
+
+class SRQState(enum.Enum):
+    """DAT SRQ states (DAT_SRQ_STATE_*)."""
+
+    OPERATIONAL = "OPERATIONAL"
+    #: the device reported IBV_EVENT_SRQ_ERR: the SRQ can no longer be used
+    ERROR = "ERROR"
+
+
+@dataclass(frozen=True)
+class SRQParam:
+    """What :meth:`SRQ.query` returns (DAT_SRQ_PARAM).
+
+    ``max_recv_dtos`` and ``max_recv_iov`` are the sizes the device actually
+    gave (at least what was asked for).  ``low_watermark`` is ``None`` while
+    the SRQ is not armed (DAT_SRQ_LW_DEFAULT): never set, or already fired.
+    A counter that cannot be known at this moment is ``None``
+    (DAT_VALUE_UNKNOWN).
+    """
+
+    ia: "IA"
+    pz: "PZ"
+    state: SRQState
+    max_recv_dtos: int
+    max_recv_iov: int
+    low_watermark: Optional[int]
+    available_dto_count: Optional[int]
+    outstanding_dto_count: Optional[int]
+
+
+class SRQ(Handle):
+    """A Shared Receive Queue (dat_srq_create): receive buffers shared by many EPs of one PZ."""
+
+    _kind = "srq"
+    _close_rank = 3  # after the EPs that use it (0), before the LMRs its buffers live in (5)
+
+    def __init__(
+        self, ia: "IA", pz: "PZ", max_recv_dtos: int, max_recv_iov: int = 1,
+        low_watermark: Optional[int] = None,
+    ) -> None:
+        from aiodat.ia import PZ
+
+        ia._check()
+        if not isinstance(pz, PZ):
+            raise InvalidParameter(f"pz must be a PZ, not {type(pz).__name__}")
+        pz._check()
+        if pz.ia is not ia:
+            raise InvalidParameter("the PZ belongs to another IA")
+        dev = ia._device_attr
+        if dev.max_srq <= 0:
+            raise ModelNotSupported(f"{ia.device_name} does not support shared receive queues (max_srq = 0)")
+        if not isinstance(max_recv_dtos, int) or isinstance(max_recv_dtos, bool) or \
+                not 1 <= max_recv_dtos <= dev.max_srq_wr:
+            raise InvalidParameter(
+                f"max_recv_dtos must be an int between 1 and {dev.max_srq_wr} (max_recv_per_srq), "
+                f"got {max_recv_dtos!r}")
+        iov_limit = min(dev.max_srq_sge, _SHIM_MAX_IOV)
+        if not isinstance(max_recv_iov, int) or isinstance(max_recv_iov, bool) or \
+                not 1 <= max_recv_iov <= iov_limit:
+            raise InvalidParameter(f"max_recv_iov must be an int between 1 and {iov_limit}, got {max_recv_iov!r}")
+        lw = _check_lw(low_watermark, max_recv_dtos)
+        self._srq: Any = ffi.NULL
+        super().__init__(pz)
+        self._ia, self._pz = ia, pz
+        #: the EPs receiving from this SRQ (an insertion-ordered set; ep.py adds and removes itself)
+        self._eps: Dict["EP", None] = {}
+        self._evds: Dict["EVD", None] = {}  # recv EVDs of EPs that were ever attached
+        self._posted: Dict[int, Tuple[Any, Tuple[Segment, ...]]] = {}  # wr_id -> (cookie, segments)
+        self._ids = itertools.count(1)
+        self._state = SRQState.OPERATIONAL
+        self._waiters: List["asyncio.Future[None]"] = []
+        self._lw_fired = False  # an event of the current arming that no low_watermark() call took yet
+        self._armed = False
+        self.low_watermark_events = 0  #: how many low-watermark events this SRQ has had
+        init = ffi.new("struct ibv_srq_init_attr *")
+        init.attr.max_wr = max_recv_dtos
+        init.attr.max_sge = max_recv_iov
+        init.attr.srq_limit = 0  # never armed at creation (providers ignore it there anyway)
+        self._srq = lib.ibv_create_srq(pz._pd, init)
+        if self._srq == ffi.NULL:
+            err = ffi.errno
+            self._closed = True
+            pz._children.pop(self, None)
+            raise error_from_errno(err, f"creating an SRQ of {max_recv_dtos} x {max_recv_iov} (ibv_create_srq)")
+        ia._srq_owner[int(ffi.cast("uintptr_t", self._srq))] = self
+        self._attr = ffi.new("struct ibv_srq_attr *")
+        self._refresh_sizes()
+        self._sges = ffi.new("struct aiodat_sge[]", _SHIM_MAX_IOV)
+        self._posted_n = ffi.new("int *")
+        if lw:
+            try:
+                self.set_lw(lw)
+            except BaseException:
+                self.close()
+                raise
+
+    # -- internals ---------------------------------------------------------
+    def _refresh_sizes(self) -> None:
+        if lib.ibv_query_srq(self._srq, self._attr):
+            raise error_from_errno(ffi.errno, "querying the SRQ (ibv_query_srq)")
+        self._max_wr: int = self._attr.max_wr
+        self._max_sge: int = self._attr.max_sge
+
+    def _complete(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
+        """ep.py: the cookie and segments of the SRQ buffer a receive completion used."""
+        entry = self._posted.pop(wr_id, None)
+        if entry is None:
+            return None, ()
+        return entry
+
+    def _on_async_event(self, name: str) -> None:
+        """evd.AsyncSource: the device reported the SRQ limit reached, or the SRQ broken."""
+        if name == "IBV_EVENT_SRQ_LIMIT_REACHED":
+            self._armed = False  # the device disarmed itself
+            self.low_watermark_events += 1
+            waiters, self._waiters = self._waiters, []
+            woke = False
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+                    woke = True
+            if not woke:
+                self._lw_fired = True  # keep it for the next low_watermark() call
+        elif name == "IBV_EVENT_SRQ_ERR":
+            self._state = SRQState.ERROR
+            self._fail_waiters(InvalidState("the SRQ went into error (IBV_EVENT_SRQ_ERR)"))
+
+    def _fail_waiters(self, exc: BaseException) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _queued_completions(self) -> int:
+        """SRQ receive completions sitting in recv EVDs, not yet dequeued by the consumer."""
+        from aiodat.evd import DTOCompletionEvent, DTOOp
+
+        for ep in self._eps:
+            self._evds[ep.recv_evd] = None
+        count = 0
+        for evd in list(self._evds):
+            if evd.closed:
+                del self._evds[evd]
+                continue
+            for event in evd._queue:
+                if (isinstance(event, DTOCompletionEvent) and event.ep is not None and event.ep._srq is self
+                        and event.operation in (DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM)):
+                    count += 1
+        return count
+
+    def _receiving(self) -> bool:
+        """True if an attached EP may hold SRQ buffers the device has not completed yet."""
+        from aiodat.ep import EPState
+
+        return any(ep._state is not EPState.UNCONNECTED for ep in self._eps)
+
+    def _check_usable(self, what: str) -> None:
+        self._check()
+        if self._state is SRQState.ERROR:
+            raise InvalidState(f"{what}: the SRQ is in error (IBV_EVENT_SRQ_ERR)")
+
+    # -- properties --------------------------------------------------------
+    @property
+    def ia(self) -> "IA":
+        """The IA the SRQ belongs to."""
+        return self._ia
+
+    @property
+    def pz(self) -> "PZ":
+        """The PZ whose LMRs the SRQ's buffers must come from."""
+        return self._pz
+
+    @property
+    def eps(self) -> Tuple["EP", ...]:
+        """The endpoints currently receiving from this SRQ."""
+        return tuple(self._eps)
+
+    @property
+    def state(self) -> SRQState:
+        """OPERATIONAL, or ERROR after the device reported IBV_EVENT_SRQ_ERR."""
+        return self._state
+
+    # -- DAT calls ---------------------------------------------------------
+    def post_recv(self, segments: "Segments", cookie: Any = None) -> None:
+        """Post one receive buffer to the SRQ (dat_srq_post_recv).
+
+        ``segments`` is a Segment (``lmr[a:b]``), an LMR or a list of them, at
+        most ``max_recv_iov``, all from LMRs of the SRQ's PZ.  Whichever
+        attached EP takes it completes it on that EP's ``recv_evd``, carrying
+        ``cookie``.  Raises :class:`aiodat.QueueFull` when the SRQ holds
+        ``max_recv_dtos`` buffers.
+        """
+        self.post_recv_batch([(segments, cookie)])
+
+    def post_recv_batch(self, items: Iterable[Tuple["Segments", Any]]) -> int:
+        """Post many receive buffers in one crossing into C; ``items`` are (segments, cookie) pairs.
+
+        Returns how many were posted; if the SRQ fills part way, the ones
+        posted stay posted and :class:`aiodat.QueueFull` says how many.
+        """
+        from aiodat.ep import as_segments
+
+        self._check_usable("post_recv")
+        batch = [(as_segments(segs), cookie) for segs, cookie in items]
+        total = 0
+        for segs, _ in batch:
+            if len(segs) > self._max_sge:
+                raise InvalidParameter(f"post_recv takes at most {self._max_sge} segment(s) on this SRQ "
+                                       f"(max_recv_iov), got {len(segs)}")
+            for seg in segs:
+                seg.lmr._check()
+                if seg.lmr._pz is not self._pz:
+                    raise ProtectionViolation("post_recv: an LMR of another PZ cannot be used on this SRQ")
+            total += len(segs)
+        n = len(batch)
+        if n == 0:
+            return 0
+        sges = self._sges if total <= _SHIM_MAX_IOV else ffi.new("struct aiodat_sge[]", total)
+        ids = ffi.new("uint64_t[]", n)
+        starts = ffi.new("int[]", n)
+        counts = ffi.new("int[]", n)
+        wr_ids = []
+        start = 0
+        for i, (segs, _) in enumerate(batch):
+            wr_id = next(self._ids) * 2 + 1  # receives have odd wr_ids (ep.py routes them here)
+            wr_ids.append(wr_id)
+            ids[i], starts[i], counts[i] = wr_id, start, len(segs)
+            for j, seg in enumerate(segs):
+                sge = sges[start + j]
+                sge.addr = seg.lmr.address + seg.offset
+                sge.length = seg.length
+                sge.lkey = seg.lmr.lmr_context
+            start += len(segs)
+        err = lib.aiodat_post_recv(ffi.NULL, self._srq, ids, starts, counts, n, sges, self._posted_n)
+        posted = self._posted_n[0]
+        for i in range(posted):
+            segs, cookie = batch[i]
+            self._posted[wr_ids[i]] = (cookie, segs)
+            for seg in segs:
+                seg.lmr._inflight += 1
+        if err:
+            if err == 12:  # ENOMEM: the SRQ is full
+                raise QueueFull(f"post_recv: the SRQ is full ({len(self._posted)} buffers outstanding, "
+                                f"max_recv_dtos {self._max_wr}); posted {posted} of {n}")
+            raise error_from_errno(err, f"post_recv to the SRQ (posted {posted} of {n})")
+        return posted
+
+    def query(self) -> SRQParam:
+        """Return the SRQ's parameters and counters (dat_srq_query); unknown counters are None."""
+        self._check()
+        if lib.ibv_query_srq(self._srq, self._attr):
+            raise error_from_errno(ffi.errno, "querying the SRQ (ibv_query_srq)")
+        limit = self._attr.srq_limit
+        if not limit:
+            self._armed = False
+        not_completed = len(self._posted)
+        return SRQParam(
+            ia=self._ia, pz=self._pz, state=self._state,
+            max_recv_dtos=self._attr.max_wr, max_recv_iov=self._attr.max_sge,
+            low_watermark=limit or None,
+            available_dto_count=None if self._receiving() else not_completed,
+            outstanding_dto_count=not_completed + self._queued_completions(),
+        )
+
+    def resize(self, max_recv_dtos: int) -> None:
+        """Change the SRQ's size (dat_srq_resize).
+
+        Raises :class:`aiodat.InvalidState` (and leaves the SRQ as it was) if
+        more buffers are outstanding (posted and not yet dequeued) than
+        ``max_recv_dtos``, or if it is below the armed low watermark.  The
+        device may round the size up: :meth:`query` tells the size it gave.
+        """
+        self._check_usable("resize")
+        dev = self._ia._device_attr
+        if not isinstance(max_recv_dtos, int) or isinstance(max_recv_dtos, bool) or \
+                not 1 <= max_recv_dtos <= dev.max_srq_wr:
+            raise InvalidParameter(
+                f"max_recv_dtos must be an int between 1 and {dev.max_srq_wr}, got {max_recv_dtos!r}")
+        outstanding = len(self._posted) + self._queued_completions()
+        if max_recv_dtos < outstanding:
+            raise InvalidState(f"cannot resize the SRQ to {max_recv_dtos}: {outstanding} buffers are "
+                               f"outstanding (posted and not yet dequeued)")
+        lw = self.query().low_watermark
+        if lw is not None and max_recv_dtos < lw:
+            raise InvalidState(f"cannot resize the SRQ to {max_recv_dtos}: below its low watermark {lw}")
+        if not dev.device_cap_flags & (1 << 13):  # IBV_DEVICE_SRQ_RESIZE
+            if max_recv_dtos <= self._max_wr:
+                return  # DAT does not require shrinking
+            raise ModelNotSupported(f"{self._ia.device_name} cannot resize SRQs (no SRQ_RESIZE capability)")
+        attr = ffi.new("struct ibv_srq_attr *")
+        attr.max_wr = max_recv_dtos
+        err = lib.ibv_modify_srq(self._srq, attr, lib.IBV_SRQ_MAX_WR)
+        if err:
+            if err == 22 and max_recv_dtos < self._max_wr:  # EINVAL: the device holds more than that
+                raise InvalidState(f"cannot resize the SRQ to {max_recv_dtos}: the device refused "
+                                   f"(it holds more buffers than that)")
+            raise error_from_errno(err, f"resizing the SRQ to {max_recv_dtos} (ibv_modify_srq)")
+        self._refresh_sizes()
+
+    def set_lw(self, low_watermark: Optional[int]) -> None:
+        """Set the low watermark and arm the SRQ for one low-watermark event (dat_srq_set_lw).
+
+        The event comes when an EP takes a buffer and fewer than
+        ``low_watermark`` remain on the SRQ: once per call; call ``set_lw``
+        again (after refilling) for the next one.  ``None`` or 0
+        (DAT_SRQ_LW_DEFAULT) disarms.  Arming forgets an event of the previous
+        arming that no :meth:`low_watermark` call has taken (it is still on
+        the async EVD).  Raises :class:`aiodat.InvalidParameter` above
+        ``max_recv_dtos``.
+        """
+        self._check_usable("set_lw")
+        lw = _check_lw(low_watermark, self._max_wr)
+        attr = ffi.new("struct ibv_srq_attr *")
+        attr.srq_limit = lw
+        err = lib.ibv_modify_srq(self._srq, attr, lib.IBV_SRQ_LIMIT)
+        if err:
+            raise error_from_errno(err, f"setting the SRQ limit to {lw} (ibv_modify_srq)")
+        self._armed = bool(lw)
+        self._lw_fired = False
+
+    async def low_watermark(self, timeout: Optional[float] = None) -> None:
+        """Wait for the low-watermark event of the current arming (see :meth:`set_lw`).
+
+        Returns at once if that event already arrived and no earlier call took
+        it.  Raises :class:`aiodat.InvalidState` at once if the SRQ is not
+        armed and no event is pending (nothing could ever wake the wait), and
+        :class:`aiodat.TimeoutExpired` after ``timeout`` seconds.  The same
+        event also arrives on ``ia.async_evd`` as ASYNC_SRQ_LOW_WATERMARK.
+        Cancelling the wait loses nothing.
+        """
+        self._check_usable("low_watermark")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        loop = asyncio.get_running_loop()
+        ia = self._ia
+        ia._attach_loop()
+        ia._pump()  # an event may already wait on the async fd
+        if self._lw_fired:
+            self._lw_fired = False
+            return
+        if not self._armed or not self.query().low_watermark:
+            raise InvalidState("the SRQ's low watermark is not armed: call srq.set_lw(n) first")
+        fut: "asyncio.Future[None]" = loop.create_future()
+        self._waiters.append(fut)
+        try:
+            if timeout is None:
+                await fut
+            else:
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), timeout)
+                except asyncio.TimeoutError:
+                    raise TimeoutExpired(f"no SRQ low-watermark event within {timeout}s") from None
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+            if not fut.done():
+                fut.cancel()
+
+    def free(self) -> None:
+        """Free the SRQ (dat_srq_free); refused with InvalidState while EPs use it."""
+        self._check()
+        self._refuse_close_while(bool(self._eps), f"{len(self._eps)} endpoint(s) still use it")
+        self.close()
+
+    def close(self) -> None:
+        """Destroy the SRQ; refused with InvalidState while EPs use it (free or close them first)."""
+        if not self._closed:
+            self._refuse_close_while(bool(self._eps), f"{len(self._eps)} endpoint(s) still use it")
+        super().close()
+
+    def _release(self) -> None:
+        self._fail_waiters(InvalidHandle("the SRQ was freed while a task waited for its low watermark"))
+        if self._srq != ffi.NULL:
+            self._ia._srq_owner.pop(int(ffi.cast("uintptr_t", self._srq)), None)
+            err = lib.ibv_destroy_srq(self._srq)
+            self._srq = ffi.NULL
+            if err:
+                raise error_from_errno(err, "destroying the SRQ (ibv_destroy_srq)")
+        for _, segs in self._posted.values():
+            for seg in segs:
+                seg.lmr._inflight -= 1
+        self._posted.clear()
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return "<aiodat.SRQ closed>"
+        return f"<aiodat.SRQ max_recv_dtos={self._max_wr} posted={len(self._posted)} eps={len(self._eps)}>"
+
+
+def _check_lw(low_watermark: Optional[int], max_recv_dtos: int) -> int:
+    if low_watermark is None:
+        return 0
+    if not isinstance(low_watermark, int) or isinstance(low_watermark, bool) or \
+            not 0 <= low_watermark <= max_recv_dtos:
+        raise InvalidParameter(
+            f"low_watermark must be None or an int between 0 and max_recv_dtos ({max_recv_dtos}), "
+            f"got {low_watermark!r}")
+    return low_watermark

@@ -1,0 +1,165 @@
+"""Issue 5: the asynchronous EVD on real rxe (seed 002): port events, sharing, overflow, flushes."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from typing import Any, Iterator, List
+
+import pytest
+
+import aiodat
+from aiodat import EPState, EventType, EvdFlags
+from aiodat.testing.plugin import RdmaDevice, make_ep_pair
+
+pytestmark = pytest.mark.rxe
+
+T = 30.0  # bound for every wait: the QEMU guest runs under TCG
+
+
+@pytest.fixture
+def netdev(rdma_device: RdmaDevice) -> Iterator[str]:
+    """The test bed's own netdev under the rxe device; restored (up, port ACTIVE) after the test."""
+    name = rdma_device.netdev or os.environ.get("AIODAT_RXE_NETDEV")
+    if not name:
+        pytest.skip("no netdev of the test bed's own (AIODAT_RXE_NETDEV): will not flap a real link")
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "link", "set", name, "up"], check=True)
+        wait_port_active(rdma_device.name)
+
+
+def wait_port_active(name: str, timeout: float = T) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.name == name and p.state == "PORT_ACTIVE" for p in aiodat.list_providers()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{name} did not come back to PORT_ACTIVE within {timeout}s")
+
+
+def link(netdev: str, state: str) -> None:
+    subprocess.run(["ip", "link", "set", netdev, state], check=True)
+
+
+async def collect(evd: Any, want: List[EventType], count: int) -> List[Any]:
+    """Wait until ``count`` events of the types in ``want`` arrived on ``evd``; return every event seen."""
+    seen: List[Any] = []
+    deadline = time.monotonic() + T
+    while sum(e.type in want for e in seen) < count:
+        left = deadline - time.monotonic()
+        assert left > 0, f"only got {[e.type.name for e in seen]}"
+        seen += await evd.wait(1, timeout=left)
+    return seen
+
+
+async def test_port_down_and_up_on_async_evd(ia: Any, netdev: str) -> None:
+    assert ia.async_evd.query().is_async
+    assert ia.async_evd.dequeue() is None
+    link(netdev, "down")
+    events = await collect(ia.async_evd, [EventType.ASYNC_PORT_ERROR], 1)
+    link(netdev, "up")
+    events += await collect(ia.async_evd, [EventType.ASYNC_PORT_ACTIVE], 1)
+    port_events = [e for e in events if e.type in (EventType.ASYNC_PORT_ERROR, EventType.ASYNC_PORT_ACTIVE)]
+    assert [e.type for e in port_events] == [EventType.ASYNC_PORT_ERROR, EventType.ASYNC_PORT_ACTIVE]
+    for event in port_events:
+        assert event.port == ia.port and event.obj is ia and event.evd is ia.async_evd
+    assert port_events[0].reason == "IBV_EVENT_PORT_ERR" and port_events[1].reason == "IBV_EVENT_PORT_ACTIVE"
+    wait_port_active(ia.name)
+    # the device works again: a fresh connection carries data
+    pair = await make_ep_pair(ia)
+    pair.server.post_recv(pair.server_lmr[0:16], cookie="r")
+    pair.client.post_send(pair.client_lmr[0:16], cookie="s")
+    assert (await pair.server.recv_evd.wait_one(timeout=T)).ok
+    assert (await pair.client.request_evd.wait_one(timeout=T)).ok
+
+
+async def test_shared_async_evd_gets_both_ias_and_overflows_without_loss(
+        rdma_device: RdmaDevice, netdev: str) -> None:
+    first = aiodat.open_ia(rdma_device.name, async_evd_qlen=1)
+    try:
+        with pytest.raises(aiodat.InvalidHandle):
+            aiodat.open_ia(rdma_device.name, async_evd=first.create_evd(4))  # not an async EVD
+        second = aiodat.open_ia(rdma_device.name, async_evd=first.async_evd)
+        assert second.async_evd is first.async_evd
+        shared = first.async_evd
+        assert shared.query().qlen == 1
+        # flap the link while nobody waits: all four events reach the 1-entry queue together
+        link(netdev, "down")
+        link(netdev, "up")
+        await asyncio.sleep(0.5)
+        events = await collect(shared, [EventType.ASYNC_PORT_ERROR, EventType.ASYNC_PORT_ACTIVE], 4)
+        for etype in (EventType.ASYNC_PORT_ERROR, EventType.ASYNC_PORT_ACTIVE):
+            owners = {id(e.obj) for e in events if e.type is etype}
+            assert owners == {id(first), id(second)}, f"{etype.name} not seen from both IAs"
+        # the queue holds 1 event, yet none was lost: the async EVD grows and counts the overflow
+        assert shared.overflow_count >= 3
+        second.close()
+        assert not shared.closed  # it belongs to the first IA
+        wait_port_active(rdma_device.name)
+    finally:
+        first.close()
+
+
+async def test_async_evd_qlen(rdma_device: RdmaDevice) -> None:
+    with aiodat.open_ia(rdma_device.name, async_evd_qlen=32) as ia:
+        param = ia.async_evd.query()
+        assert param.qlen >= 32 and param.is_async and param.ia is ia
+    with pytest.raises(aiodat.InvalidParameter, match="async_evd_qlen"):
+        aiodat.open_ia(rdma_device.name, async_evd_qlen=0)
+
+
+async def test_abrupt_disconnect_flushes_every_posted_receive(ia: Any) -> None:
+    pair = await make_ep_pair(ia)
+    server = pair.server
+    for i in range(8):
+        server.post_recv(pair.server_lmr[i * 64:(i + 1) * 64], cookie=i)
+    assert server.recv_query().nbufs_allocated == 8
+    await server.disconnect(graceful=False)  # the QP goes to ERR at once
+    events: List[Any] = []
+    while len(events) < 8:
+        events += await server.recv_evd.wait(1, timeout=T)
+    assert sorted(e.cookie for e in events) == list(range(8))
+    assert all(e.status == "IBV_WC_WR_FLUSH_ERR" and e.flushed and e.ep is server for e in events)
+    with pytest.raises(aiodat.DTOError, match="IBV_WC_WR_FLUSH_ERR"):
+        events[0].raise_for_status()
+    assert server.recv_query().nbufs_allocated == 0
+    pair.server_lmr.free()  # the flushed receives no longer pin the memory
+
+
+async def test_qp_error_from_a_transport_error_flushes_the_rest(ia: Any) -> None:
+    """A message longer than the receive buffer breaks the receiver's QP: the rest are flushed."""
+    pair = await make_ep_pair(ia)
+    server, client = pair.server, pair.client
+    for i in range(6):
+        server.post_recv(pair.server_lmr[i * 16:(i + 1) * 16], cookie=i)
+    client.post_send(pair.client_lmr[0:64], cookie="too long")
+    events: List[Any] = []
+    while len(events) < 6:
+        events += await server.recv_evd.wait(1, timeout=T)
+    by_cookie = {e.cookie: e.status for e in events}
+    assert set(by_cookie) == set(range(6))
+    # the verbs say LOC_LEN_ERR; rxe (kernel 6.1) reports LOC_QP_OP_ERR: either way an error, not a flush
+    assert by_cookie[0] in ("IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR")
+    assert all(by_cookie[i] == "IBV_WC_WR_FLUSH_ERR" for i in range(1, 6))
+    sent = await client.request_evd.wait_one(timeout=T)
+    assert sent.cookie == "too long" and not sent.ok
+
+
+async def test_peer_disconnect_flushes_receives_and_requests_on_both_sides(ia: Any) -> None:
+    pair = await make_ep_pair(ia)
+    for i in range(4):
+        pair.server.post_recv(pair.server_lmr[i * 64:(i + 1) * 64], cookie=("s", i))
+        pair.client.post_recv(pair.client_lmr[i * 64:(i + 1) * 64], cookie=("c", i))
+    await pair.client.disconnect()
+    event = await pair.server.connect_evd.wait_one(timeout=T)
+    assert event.type is EventType.CONNECTION_EVENT_DISCONNECTED
+    assert pair.server.state is EPState.DISCONNECTED
+    for ep, side in ((pair.server, "s"), (pair.client, "c")):
+        events: List[Any] = []
+        while len(events) < 4:
+            events += await ep.recv_evd.wait(1, timeout=T)
+        assert sorted(e.cookie for e in events) == [(side, i) for i in range(4)]
+        assert all(e.flushed for e in events)
