@@ -83,6 +83,18 @@ _STAGE1_FALLBACK = (
     "virtio_pci", "9pnet", "9pnet_virtio", "netfs", "fscache", "9p", "overlay",
 )
 _GUEST_MODULES = ("rdma_rxe", "ib_uverbs", "rdma_ucm", "dummy")
+#: Extra modules in two-host guests: the virtio NIC and tc netem for faults.
+_NIC_MODULES = ("virtio_net", "sch_netem")
+
+#: Two-host runs (``--hosts 2``): the subnet, the addresses of host A (index
+#: 0, runs the command) and host B (index 1, runs the agent), and where the
+#: shared hosts directory is mounted in each guest.
+HOSTS_SUBNET = "169.254.78"
+HOST_ADDRS = ("169.254.78.1", "169.254.78.2")
+HOST_MACS = ("52:54:00:ad:a7:01", "52:54:00:ad:a7:02")
+GUEST_HOSTS_DIR = "/run/aiodat-hosts"
+#: How long host A waits for host B's agent before giving up (seconds).
+PEER_WAIT_S = 240
 _MODULE_SUFFIXES = (".ko", ".ko.xz", ".ko.zst", ".ko.gz")
 
 _SBIN_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
@@ -787,6 +799,16 @@ class _GuestPlan:
     device: str = GUEST_DEVICE
     verbose: bool = False
     tty_size: Optional[Tuple[int, int]] = None   # (columns, rows) for the guest's ttyS1/2
+    #: Two-host runs: the QEMU ``-netdev`` spec (id ``aiodatnet``) and the MAC
+    #: of the guest's virtio NIC, which stage2 renames to ``netdev``.  None:
+    #: a dummy netdev and no NIC at all.
+    nic: Optional[Tuple[str, str]] = None
+    #: Two-host runs: the host directory both guests share (mailboxes,
+    #: ready files), mounted at :data:`GUEST_HOSTS_DIR`.
+    hosts_dir: Optional[str] = None
+    #: Two-host runs: a file in the hosts directory to wait for before the
+    #: command runs (the peer's agent is up).
+    wait_for: Optional[str] = None
 
 
 def _stage2_script(plan: _GuestPlan) -> str:
@@ -825,7 +847,7 @@ hostname aiodat-rxe{index}
 {mounts}
 modprobe -a {modules} || fail "modprobe {modules} failed"
 ip link set lo up || fail "ip link set lo up"
-ip link add {netdev} type dummy || fail "ip link add {netdev} type dummy"
+{netsetup}
 ip addr add {addr}/{prefix} dev {netdev} || fail "ip addr add {addr}/{prefix} dev {netdev}"
 ip link set {netdev} up || fail "ip link set {netdev} up"
 rdma link add {device} type rxe netdev {netdev} || fail "rdma link add {device} type rxe netdev {netdev}"
@@ -834,10 +856,11 @@ i=0
 while :; do
     if grep -qs ACTIVE $P/state && grep -qsx '{gid}' $P/gids/*; then break; fi
     i=$((i+1))
-    [ $i -gt 300 ] && fail "{device} did not become ACTIVE with GID {gid} in 30 s: state $(cat $P/state 2>/dev/null)"
+    [ $i -gt 600 ] && fail "{device} did not become ACTIVE with GID {gid} in 60 s: state $(cat $P/state 2>/dev/null)"
     sleep 0.1
 done
 say "{device} ACTIVE on {netdev} {addr} at $(up) s"
+{waitpeer}
 up > $CTL/ready
 {{
     stty raw -echo {size} <&1
@@ -855,7 +878,46 @@ off
         modules=" ".join(_GUEST_MODULES), netdev=plan.netdev, addr=plan.addr,
         prefix=PREFIXLEN, device=plan.device, gid=gid,
         size="cols %d rows %d" % plan.tty_size if plan.tty_size else "",
+        netsetup=_netsetup(plan), waitpeer=_waitpeer(plan),
     )
+
+
+def _netsetup(plan: _GuestPlan) -> str:
+    """Stage2 lines that create ``plan.netdev`` (a dummy, or the renamed virtio NIC)."""
+    if plan.nic is None:
+        return 'ip link add {0} type dummy || fail "ip link add {0} type dummy"'.format(plan.netdev)
+    mac = plan.nic[1]
+    hosts = ""
+    if plan.hosts_dir is not None:
+        hosts = ("mkdir -p {d} && mount -t 9p -o $OPTS,cache=none aiodathosts {d} "
+                 "|| fail 'cannot mount the hosts directory'\n").format(d=GUEST_HOSTS_DIR)
+    return hosts + """modprobe -a {mods} || fail "modprobe {mods} failed"
+NIC=
+i=0
+while [ -z "$NIC" ]; do
+    for n in /sys/class/net/*; do
+        [ "$(cat $n/address 2>/dev/null)" = "{mac}" ] && NIC=${{n##*/}}
+    done
+    i=$((i+1))
+    [ -z "$NIC" ] && [ $i -gt 100 ] && fail "no network interface with MAC {mac}"
+    [ -z "$NIC" ] && sleep 0.1
+done
+ip link set dev "$NIC" name {netdev} || fail "ip link set dev $NIC name {netdev}"
+ip link set dev {netdev} mtu 1500""".format(mods=" ".join(_NIC_MODULES), mac=mac, netdev=plan.netdev)
+
+
+def _waitpeer(plan: _GuestPlan) -> str:
+    """Stage2 lines that wait for the peer host (two-host runs) before the command runs."""
+    if not plan.wait_for:
+        return ""
+    return """i=0
+while [ ! -e {d}/{f} ]; do
+    i=$((i+1))
+    [ $i -gt {n} ] && fail "the peer host did not come up in {s} s (no {f} in the hosts directory)"
+    sleep 0.1
+done
+say "peer host up at $(up) s"
+""".format(d=GUEST_HOSTS_DIR, f=plan.wait_for, n=PEER_WAIT_S * 10, s=PEER_WAIT_S)
 
 
 def _run_script(plan: _GuestPlan) -> str:
@@ -873,7 +935,7 @@ def _qemu_argv(plan: _GuestPlan, initrd: str, ctl: str,
     append = "console=ttyS0 quiet loglevel=%d panic=-1 rdinit=/init" % (7 if plan.verbose else 4)
     argv = [
         plan.qemu, "-nodefaults", "-no-user-config",
-        "-display", "none", "-monitor", "none", "-nic", "none", "-no-reboot",
+        "-display", "none", "-monitor", "none", "-no-reboot",
         "-m", plan.memory, "-smp", str(plan.cpus),
         "-kernel", plan.kernel.image, "-initrd", initrd, "-append", append,
     ]
@@ -884,8 +946,15 @@ def _qemu_argv(plan: _GuestPlan, initrd: str, ctl: str,
     for name in ("con", "out", "err"):
         argv += ["-chardev", "file,id=%s,path=/proc/self/fd/%d,append=on" % (name, fds[name]),
                  "-serial", "chardev:" + name]
+    if plan.nic is None:
+        argv += ["-nic", "none"]
+    else:
+        argv += ["-netdev", plan.nic[0],
+                 "-device", "virtio-net-pci,netdev=aiodatnet,mac=%s" % plan.nic[1]]
     shares = [("aiodatroot", "/", True), ("aiodatctl", ctl, False)]
     shares += [("aiodatrw%d" % i, p, False) for i, p in enumerate(plan.rw_paths)]
+    if plan.hosts_dir is not None:
+        shares.append(("aiodathosts", plan.hosts_dir, False))
     for i, (tag, path, ro) in enumerate(shares):
         fs = "local,id=fs%d,path=%s,security_model=none,multidevs=remap" % (i, path.replace(",", ",,"))
         if ro:
@@ -925,6 +994,132 @@ def _run_qemu(cmd: List[str], deadline: float, timeout: float, memory: str, cpus
     return guest.run(deadline, timeout)
 
 
+def _hosts_env(base: Dict[str, str], index: int, hosts_dir: str) -> Dict[str, str]:
+    """The environment of a command on host ``index`` of a two-host run."""
+    out = dict(base)
+    out["AIODAT_RXE_ADDR"] = HOST_ADDRS[index]
+    out["AIODAT_PEER_ADDR"] = HOST_ADDRS[1 - index]
+    out["AIODAT_HOSTS"] = "2"
+    out["AIODAT_HOST_INDEX"] = str(index)
+    out["AIODAT_HOST_ADDRS"] = ",".join(HOST_ADDRS)
+    out["AIODAT_HOSTS_DIR"] = hosts_dir
+    return out
+
+
+def _run_qemu_hosts(cmd: List[str], deadline: float, timeout: float, memory: str, cpus: int,
+                    env: Optional[Mapping[str, str]], cwd: str, verbose: bool,
+                    rw_paths: Optional[Sequence[str]]) -> int:
+    """Two guests joined by a virtio NIC each: ``cmd`` runs on host A, an agent on host B."""
+    st = status()
+    q = st["qemu"]
+    if not q["usable"]:
+        _msg("aiodat rxe: cannot boot a QEMU guest here.\n" + format_status(st))
+        return EXIT_TESTBED_FAILED
+    kernel = _find_kernels()[0]
+    base_env = _caller_env(env, cwd, "qemu", GUEST_DEVICE)
+    tty_size = _host_tty_size()
+    if tty_size is None and not any(k in base_env for k in ("FORCE_COLOR", "PY_COLORS")):
+        base_env["TERM"] = "dumb"
+    if rw_paths is None:
+        rw_paths = [] if os.path.realpath(cwd) == "/" else [os.path.realpath(cwd)]
+    rw = [os.path.realpath(p) for p in rw_paths]
+    try:
+        initrd = _initramfs(kernel, q["busybox"])
+    except (OSError, LookupError, RuntimeError, subprocess.CalledProcessError) as e:
+        _msg("aiodat rxe: cannot build the initramfs: %s" % e)
+        return EXIT_TESTBED_FAILED
+    netdir = tempfile.mkdtemp(prefix="aiodat-link-")
+    sock = os.path.join(netdir, "link.sock")
+    stream = "stream,id=aiodatnet,server=%s,addr.type=unix,addr.path=" + sock.replace(",", ",,")
+    agent = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts.py"),
+             "agent", "--dir", GUEST_HOSTS_DIR, "--index", "1"]
+    plans = []
+    for index, (argv, server) in enumerate(((list(cmd), "on"), (agent, "off"))):
+        plans.append(_GuestPlan(
+            index=index, cmd=argv, cwd=cwd, env=_hosts_env(base_env, index, GUEST_HOSTS_DIR),
+            tty_size=tty_size, rw_paths=rw, kernel=kernel, busybox=q["busybox"], qemu=q["qemu"],
+            memory=memory, cpus=cpus, accel=q["accel"], verbose=verbose, addr=HOST_ADDRS[index],
+            nic=(stream % server, HOST_MACS[index]), wait_for="ready-1" if index == 0 else None,
+        ))
+    a, b = _Guest(plans[0], initrd), _Guest(plans[1], initrd)
+    hosts_dir = os.path.join(a.rundir, "hosts")
+    os.mkdir(hosts_dir)
+    for p in plans:
+        p.hosts_dir = hosts_dir
+    b_log_path = os.path.join(b.rundir, "host-b.log")
+    b_log = open(b_log_path, "ab")
+    b_lock = threading.Lock()
+
+    def b_sink(which: str, data: bytes) -> None:
+        with b_lock:
+            b_log.write(data)
+            b_log.flush()
+            if verbose:
+                _write_out("stderr", data)
+
+    def b_report(why: str) -> None:
+        tail = _tail(b_log_path, 60)
+        if tail:
+            why += "\n--- last lines of host B's output (%s) ---\n%s" % (b_log_path, tail)
+        b._diagnose("host B: " + why)
+
+    timed_out = False
+    b_died = False
+    t0 = time.monotonic()
+    try:
+        if not a.start():
+            return EXIT_TESTBED_FAILED
+        # host B connects to host A's listening socket: wait until it is there
+        while not os.path.exists(sock):
+            if a.proc.poll() is not None or time.monotonic() > min(deadline, t0 + 60):
+                a.kill()
+                a.close()
+                a.result(False, timeout, "host A")
+                _msg("aiodat rxe: host A's QEMU did not open the link socket %s" % sock)
+                return EXIT_TESTBED_FAILED
+            time.sleep(0.05)
+        if not b.start(b_sink):
+            a.kill()
+            return EXIT_TESTBED_FAILED
+        while True:
+            if a.proc.poll() is not None:
+                break
+            if b.proc.poll() is not None:
+                b_died = True
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.1)
+    finally:
+        # kill both on any way out (A done, B died, deadline, interrupt)
+        a.kill()
+        b.kill()
+        for g in (a, b):
+            if g.pumps:
+                g.close()
+        b_log.close()
+        shutil.rmtree(netdir, ignore_errors=True)
+    elapsed = time.monotonic() - t0
+    if b_died:
+        err = b._read_ctl("setup-error")
+        b_report("QEMU of host B ended while host A was still running (%s); host A killed"
+                 % ("set-up failed: " + err.strip() if err else "status %s" % b.proc.returncode))
+        a._diagnose("host A killed because host B ended", console=a._read_ctl("ready") is None)
+        return EXIT_TESTBED_FAILED
+    rc = a.result(timed_out, timeout, "host A")
+    if a.ok and rc == 0:
+        if verbose:
+            _msg("aiodat rxe: two hosts ran %.1f s" % elapsed)
+        a._finish_ok()
+        shutil.rmtree(b.rundir, ignore_errors=True)
+        return rc
+    if timed_out or not a.ok or rc != 0:
+        b_report("host A's command %s" % ("did not finish" if timed_out or not a.ok else
+                                          "exited with status %d" % rc))
+    return rc
+
+
 _KEEP_FAILED_RUNS = 10
 
 
@@ -954,6 +1149,10 @@ class _Guest:
         os.mkdir(self.ctl)
         self.console_log = os.path.join(self.rundir, "console.log")
         self.qemu_log = os.path.join(self.rundir, "qemu.log")
+        self.proc: Optional[subprocess.Popen] = None
+        self.pumps: List[_Pump] = []
+        self.ok = False
+        self.t0 = time.monotonic()
 
     def _write_ctl(self) -> None:
         with open(os.path.join(self.ctl, "stage2.sh"), "w") as f:
@@ -981,15 +1180,21 @@ class _Guest:
             pass
         shutil.rmtree(self.rundir, ignore_errors=True)
 
-    def run(self, deadline: float, timeout: float) -> int:
+    def start(self, out_sink: Optional[Callable[[str, bytes], None]] = None) -> bool:
+        """Start QEMU and the output pumps; False (diagnosed) if QEMU could not start.
+
+        ``out_sink(which, data)`` receives the command's output; default: ours.
+        """
         self._write_ctl()
         pipes = {name: os.pipe() for name in ("con", "out", "err")}
         fds = {name: w for name, (r, w) in pipes.items()}
         argv = _qemu_argv(self.plan, self.initrd, self.ctl, fds)
         with open(os.path.join(self.rundir, "qemu.argv"), "w") as f:
             f.write(" ".join(shlex.quote(a) for a in argv) + "\n")
-        console = open(self.console_log, "wb")
+        self.console = open(self.console_log, "wb")
+        console = self.console
         verbose = self.plan.verbose
+        sink = out_sink or _write_out
 
         def con_sink(data: bytes) -> None:
             console.write(data)
@@ -997,72 +1202,93 @@ class _Guest:
             if verbose:
                 _write_out("stderr", data)
 
-        pumps = [
+        self.pumps = [
             _Pump(pipes["con"][0], con_sink),
-            _Pump(pipes["out"][0], lambda d: _write_out("stdout", d)),
-            _Pump(pipes["err"][0], lambda d: _write_out("stderr", d)),
+            _Pump(pipes["out"][0], lambda d: sink("stdout", d)),
+            _Pump(pipes["err"][0], lambda d: sink("stderr", d)),
         ]
-        t0 = time.monotonic()
-        qlog = open(self.qemu_log, "wb")
+        self.t0 = time.monotonic()
+        self.qlog = open(self.qemu_log, "wb")
         try:
-            try:
-                proc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=qlog, stderr=subprocess.STDOUT,
-                    pass_fds=tuple(fds.values()), start_new_session=True,
-                    preexec_fn=_child_setup(),
-                )
-            except OSError as e:
-                for r, w in pipes.values():
-                    os.close(r)
-                    os.close(w)
-                self._diagnose("cannot start QEMU: %s" % e)
-                return EXIT_TESTBED_FAILED
-            for w in fds.values():
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=self.qlog, stderr=subprocess.STDOUT,
+                pass_fds=tuple(fds.values()), start_new_session=True,
+                preexec_fn=_child_setup(),
+            )
+        except OSError as e:
+            for r, w in pipes.values():
+                os.close(r)
                 os.close(w)
-            for p in pumps:
-                p.start()
-            timed_out = False
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                if proc.poll() is None:
-                    _kill_group(proc)
-                    proc.wait()
-            for p in pumps:
-                p.join(timeout=5)
-        finally:
-            qlog.close()
-            # the pump owns the console file until it has drained
-            for p in pumps:
-                p.join(timeout=1)
-            console.close()
-        elapsed = time.monotonic() - t0
+            self.qlog.close()
+            self.console.close()
+            self.proc = None
+            self._diagnose("cannot start QEMU: %s" % e)
+            return False
+        for w in fds.values():
+            os.close(w)
+        for p in self.pumps:
+            p.start()
+        return True
+
+    def kill(self) -> None:
+        """Kill QEMU (if running) and wait for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            _kill_group(self.proc)
+            self.proc.wait()
+
+    def close(self) -> None:
+        """After QEMU ended: drain the pumps, close the logs."""
+        for p in self.pumps:
+            p.join(timeout=5)
+        self.qlog.close()
+        for p in self.pumps:
+            p.join(timeout=1)
+        self.console.close()
+
+    def result(self, timed_out: bool, timeout: float, name: str = "") -> int:
+        """The exit status after QEMU ended (diagnosing failures)."""
+        elapsed = time.monotonic() - self.t0
         ready = self._read_ctl("ready")
         exit_file = self._read_ctl("exitstatus")
+        who = (name + ": ") if name else ""
         if timed_out:
             where = "while the command ran" if ready else "before rxe came up in the guest"
-            self._diagnose(_QEMU_TIMEOUT_MSG.format(timeout, where) + " after %.1f s" % elapsed,
+            self._diagnose(who + _QEMU_TIMEOUT_MSG.format(timeout, where) + " after %.1f s" % elapsed,
                            console=not ready)
             return EXIT_TIMEOUT
         err = self._read_ctl("setup-error")
         if err is not None:
-            self._diagnose("the guest could not bring rxe up, the command did not run: " + err.strip())
+            self._diagnose(who + "the guest could not bring rxe up, the command did not run: " + err.strip())
             return EXIT_TESTBED_FAILED
         if exit_file is None:
-            self._diagnose("QEMU exited (status %s) after %.1f s without the command's exit status%s"
-                           % (proc.returncode, elapsed, "" if ready else "; rxe never came up"))
+            self._diagnose(who + "QEMU exited (status %s) after %.1f s without the command's exit status%s"
+                           % (self.proc.returncode, elapsed, "" if ready else "; rxe never came up"))
             return EXIT_TESTBED_FAILED
         try:
             rc = int(exit_file.strip())
         except ValueError:
-            self._diagnose("unreadable exit status %r" % exit_file)
+            self._diagnose(who + "unreadable exit status %r" % exit_file)
             return EXIT_TESTBED_FAILED
-        if verbose:
-            _msg("aiodat rxe: rxe up %s s after the guest kernel started; QEMU ran %.1f s; status %d"
-                 % ((ready or "?").strip(), elapsed, rc))
-        self._finish_ok()
+        if self.plan.verbose:
+            _msg("aiodat rxe: %srxe up %s s after the guest kernel started; QEMU ran %.1f s; status %d"
+                 % (who, (ready or "?").strip(), elapsed, rc))
+        self.ok = True
+        return rc
+
+    def run(self, deadline: float, timeout: float) -> int:
+        if not self.start():
+            return EXIT_TESTBED_FAILED
+        timed_out = False
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            self.kill()
+            self.close()
+        rc = self.result(timed_out, timeout)
+        if self.ok:
+            self._finish_ok()
         return rc
 
     def _read_ctl(self, name: str) -> Optional[str]:
@@ -1220,8 +1446,13 @@ def _run_native(cmd: List[str], deadline: float, timeout: float,
 def run(cmd: Sequence[str], *, timeout: float, memory: str = "2G", cpus: int = 2,
         env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
         method: Optional[str] = None, verbose: bool = False,
-        rw_paths: Optional[Sequence[str]] = None) -> int:
+        rw_paths: Optional[Sequence[str]] = None, hosts: int = 1) -> int:
     """Run ``cmd`` where an rxe device is up; return its exit status.
+
+    ``hosts=2`` boots two QEMU guests joined by a virtio NIC each (see
+    docs/testbed.md, "Two hosts"): ``cmd`` runs on host A, an agent on host
+    B runs what :mod:`aiodat.testing.hosts` asks it to; the deadline covers
+    both, and both are killed when ``cmd`` ends or anything fails.
 
     The command's stdout and stderr are forwarded to ours (``sys.stdout`` /
     ``sys.stderr``) as they arrive; its stdin is /dev/null.  ``env`` is the
@@ -1243,6 +1474,12 @@ def run(cmd: Sequence[str], *, timeout: float, memory: str = "2G", cpus: int = 2
     if not cmd:
         raise ValueError("empty command")
     cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
+    if hosts not in (1, 2):
+        raise ValueError("hosts must be 1 or 2, not %r" % (hosts,))
+    if hosts == 2:
+        if method not in (None, "qemu"):
+            raise ValueError("two hosts need method 'qemu'")
+        return _run_qemu_hosts(cmd, deadline, timeout, memory, cpus, env, cwd, verbose, rw_paths)
     if method is None:
         st = status()
         method = st["method"]
@@ -1258,12 +1495,14 @@ def run(cmd: Sequence[str], *, timeout: float, memory: str = "2G", cpus: int = 2
 
 _USAGE = """usage: rxe status [--json]
        rxe run [--timeout SECONDS] [--memory SIZE] [--cpus N] [--method native|qemu]
-               [--share DIR]... [--verbose] [--] CMD [ARG...]
+               [--share DIR]... [--hosts 1|2] [--verbose] [--] CMD [ARG...]
 
 status  report whether rxe can run natively or in a QEMU guest, and what is missing
         (exit 0 when some way exists, 1 otherwise)
 run     run CMD where an rxe device is up; exit with CMD's status
         (124: --timeout passed, default 3000 s; 125: the test bed failed, CMD did not run)
+        --hosts 2: two QEMU guests joined by a virtio link; CMD runs on host A
+        (169.254.78.1), host B (169.254.78.2) runs an agent (aiodat.testing.hosts)
 """
 
 
@@ -1284,7 +1523,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if sub != "run":
         _msg("rxe: unknown subcommand %r\n%s" % (sub, _USAGE))
         return 2
-    opts = {"timeout": 3000.0, "memory": "2G", "cpus": 2, "method": None, "verbose": False}
+    opts = {"timeout": 3000.0, "memory": "2G", "cpus": 2, "method": None, "verbose": False,
+            "hosts": 1}
     shares: List[str] = []
     i = 0
     try:
@@ -1303,7 +1543,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if name in ("-h", "--help"):
                 sys.stdout.write(_USAGE)
                 return 0
-            if name not in ("--timeout", "--memory", "--cpus", "--method", "--share"):
+            if name not in ("--timeout", "--memory", "--cpus", "--method", "--share", "--hosts"):
                 raise ValueError("unknown option %s" % a)
             if not eq:
                 i += 1
@@ -1315,6 +1555,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 opts["timeout"] = float(val)
             elif name == "--cpus":
                 opts["cpus"] = int(val)
+            elif name == "--hosts":
+                opts["hosts"] = int(val)
+                if opts["hosts"] not in (1, 2):
+                    raise ValueError("--hosts must be 1 or 2")
             elif name == "--share":
                 shares.append(os.path.abspath(val))
             else:
@@ -1337,7 +1581,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         old = signal.signal(signal.SIGTERM, on_term)
     try:
         return run(cmd, timeout=opts["timeout"], memory=opts["memory"], cpus=opts["cpus"],
-                   method=opts["method"], verbose=opts["verbose"], rw_paths=rw)
+                   method=opts["method"], verbose=opts["verbose"], rw_paths=rw, hosts=opts["hosts"])
     except KeyboardInterrupt:
         _msg("aiodat rxe: interrupted")
         return 130
