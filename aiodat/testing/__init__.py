@@ -1,0 +1,1 @@
+"""aiodat.testing: the rxe test bed and the pytest plugin."""
