@@ -421,9 +421,18 @@ class SRQ(Handle):
         self.close()
 
     def close(self) -> None:
-        """Destroy the SRQ; refused with InvalidState while EPs use it (free or close them first)."""
+        """Destroy the SRQ, closing first any EP still attached (a QP cannot outlive its SRQ). Idempotent."""
         if not self._closed:
-            self._refuse_close_while(bool(self._eps), f"{len(self._eps)} endpoint(s) still use it")
+            first_error: Optional[BaseException] = None
+            for ep in list(self._eps):
+                try:
+                    ep.close()
+                except Exception as exc:  # keep going; report the first
+                    first_error = first_error or exc
+                self._eps.pop(ep, None)
+            if first_error is not None:
+                super().close()
+                raise first_error
         super().close()
 
     def _release(self) -> None:

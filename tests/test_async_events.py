@@ -163,3 +163,92 @@ async def test_peer_disconnect_flushes_receives_and_requests_on_both_sides(ia: A
             events += await ep.recv_evd.wait(1, timeout=T)
         assert sorted(e.cookie for e in events) == [(side, i) for i in range(4)]
         assert all(e.flushed for e in events)
+
+
+# rdma_cm's ADDR_CHANGE: on kernel 6.1 the only source is a bonding failover that changes the
+# bond's hardware address under a bound cm_id (cma_netdev_callback, NETDEV_BONDING_FAILOVER).
+# librdmacm keeps a device context open until its process exits, and rxe cannot be deleted
+# while one is open, so the aiodat side runs in a child process and the test deletes the
+# bonded rxe device after the child is gone.
+_ADDR_CHANGE_CHILD = r"""
+import asyncio, os, sys, time
+import aiodat
+from aiodat import EvdFlags, EventType
+
+async def main() -> int:
+    with aiodat.open_ia(sys.argv[1]) as ia:
+        psp = ia.create_psp_any(ia.create_evd(8, EvdFlags.CR))
+        print("listening", psp.port, flush=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                events = await ia.async_evd.wait(1, timeout=max(0.01, deadline - time.monotonic()))
+            except aiodat.TimeoutExpired:
+                break
+            for event in events:
+                if event.type is EventType.ASYNC_ADDRESS_CHANGE:
+                    print("event", event.reason, "obj-is-psp" if event.obj is psp else repr(event.obj), flush=True)
+                    return 0
+    print("no ADDR_CHANGE", flush=True)
+    return 1
+
+if os.environ.get("AIODAT_LOOP") == "uvloop":
+    import uvloop
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+sys.exit(asyncio.run(main()))
+"""
+
+BOND, SLAVES, BOND_RXE, BOND_ADDR = "aiodatbond0", ("aiodatbs1", "aiodatbs2"), "aiodatrxe1", "169.254.78.1/24"
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, timeout=30, capture_output=True)
+
+
+@pytest.fixture
+def bonded_rxe(netdev: str) -> Iterator[str]:
+    """An rxe device on an active-backup bond of two dummies (only inside the test bed)."""
+    if os.geteuid() != 0 or subprocess.run(["modprobe", "bonding"], capture_output=True).returncode:
+        pytest.skip("needs root and the bonding module (the test bed guest has both)")
+    try:
+        _sh("ip", "link", "add", BOND, "type", "bond", "mode", "active-backup", "fail_over_mac", "active",
+            "miimon", "50")
+        for slave in SLAVES:
+            _sh("ip", "link", "add", slave, "type", "dummy")
+            _sh("ip", "link", "set", slave, "master", BOND)
+        _sh("ip", "link", "set", BOND, "up")
+        _sh("ip", "addr", "add", BOND_ADDR, "dev", BOND)
+        _sh("rdma", "link", "add", BOND_RXE, "type", "rxe", "netdev", BOND)
+        _sh("ip", "link", "set", BOND, "type", "bond", "active_slave", SLAVES[0])
+        wait_port_active(BOND_RXE)
+        yield BOND_RXE
+    finally:
+        # never wait on a removal the kernel might block: give it 20 s, then leave it
+        remove = subprocess.Popen(["rdma", "link", "delete", BOND_RXE], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        try:
+            remove.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+        for dev in (BOND,) + SLAVES:
+            subprocess.run(["ip", "link", "del", dev], capture_output=True, timeout=30)
+
+
+async def test_rdma_cm_address_change_on_bond_failover(bonded_rxe: str, request: pytest.FixtureRequest) -> None:
+    import sys
+
+    loop = request.config.getoption("--aiodat-loop") or os.environ.get("AIODAT_LOOP") or "asyncio"
+    child = subprocess.Popen([sys.executable, "-c", _ADDR_CHANGE_CHILD, bonded_rxe], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "AIODAT_LOOP": loop})
+    try:
+        assert child.stdout is not None
+        first = await asyncio.get_running_loop().run_in_executor(None, child.stdout.readline)
+        assert first.startswith("listening"), first + (child.stderr.read() if child.poll() is not None else "")
+        _sh("ip", "link", "set", BOND, "type", "bond", "active_slave", SLAVES[1])  # the bond's MAC changes
+        out, err = await asyncio.get_running_loop().run_in_executor(None, lambda: child.communicate(timeout=60))
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    assert child.returncode == 0, out + err
+    assert "event RDMA_CM_EVENT_ADDR_CHANGE obj-is-psp" in out
