@@ -116,6 +116,10 @@ SEND_FENCE, SEND_SIGNALED, SEND_SOLICITED, SEND_INLINE = 1, 2, 4, 8
 WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 
 
+#: CompletionFlags value -> ibv_send_flags, filled by EP._post_one
+_SEND_FLAGS_CACHE: Dict[Any, int] = {}
+
+
 def _wc_status_name(status: int) -> str:
     return _WC_STATUS[status] if status < len(_WC_STATUS) else f"IBV_WC_STATUS_{status}"
 
@@ -222,6 +226,7 @@ class EP(Handle):
         self._wr = ffi.new("struct aiodat_send_wr *")
         self._sges = ffi.new("struct aiodat_sge[]", 32)
         self._posted = ffi.new("int *")
+        self._recv_wr = (ffi.new("uint64_t[1]"), ffi.new("int[1]"), ffi.new("int[1]"))
         self._quiet: set = set()  # wr_ids posted UNSIGNALLED: their events do not notify
         self._grh_lmr: Optional[LMR] = None  # scratch for the GRH of post_recv_datagram
         self._qp = self._create_qp()
@@ -361,9 +366,8 @@ class EP(Handle):
             raise InvalidState(f"cannot post a receive on an EP in state {self._state.value}")
         wr_id = next(self._ids) * 2 + 1
         self._fill_sges(self._sges, 0, segs)
-        ids = ffi.new("uint64_t[1]", [wr_id])
-        starts = ffi.new("int[1]", [0])
-        counts = ffi.new("int[1]", [len(segs)])
+        ids, starts, counts = self._recv_wr  # made once per EP: no allocation per post
+        ids[0], counts[0] = wr_id, len(segs)
         err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, 1, self._sges, self._posted)
         if err:
             raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
@@ -399,7 +403,10 @@ class EP(Handle):
         wr_id = next(self._ids) * 2
         wr.wr_id = wr_id
         wr.opcode = opcode
-        wr.send_flags = self._send_flags(CompletionFlags(flags))
+        send_flags = _SEND_FLAGS_CACHE.get(flags)
+        if send_flags is None:  # the enum arithmetic is slow: do it once per flags value
+            send_flags = _SEND_FLAGS_CACHE[flags] = self._send_flags(CompletionFlags(flags))
+        wr.send_flags = send_flags
         wr.imm_data = imm_data or 0
         wr.sge_start, wr.num_sge = 0, len(segs)
         wr.remote_addr = remote.address if remote is not None else 0
