@@ -1,0 +1,6 @@
+"""``python -m aiodat``: the same as the ``aiodat`` command (see aiodat.cli)."""
+import sys
+
+from aiodat.cli import main
+
+sys.exit(main())

@@ -1,0 +1,749 @@
+"""Benchmarks: aiodat measured beside perftest on the same device, in the same run.
+
+One function per benchmark (``bench_latency`` now; ``bench_bandwidth``,
+``bench_rate`` and ``bench_streams`` follow the same shape), each returning a
+report object with a ``format()`` method, plus the shared helpers they use:
+
+* :func:`device_and_address` picks the device and its IPv4 address
+  (``$AIODAT_RXE_DEVICE`` / ``$AIODAT_RXE_ADDR``, else the first active port);
+* :func:`run_perftest_pair` runs one perftest tool as server and client on
+  the same address over rdma_cm (``-R``) and returns the parsed result table
+  (:func:`parse_perftest`);
+* :func:`run_on_loop` runs a coroutine on a fresh asyncio or uvloop loop;
+* :func:`percentile`.
+
+What is compared with what (see docs/performance.md): perftest's ``_lat``
+tools print *half* the round trip, so aiodat's latency figures are half the
+measured round trip too.  ``ib_send_lat -R -e`` sleeps on CQ events (the
+analogue of awaiting ``evd.wait()``), ``ib_send_lat -R`` busy-polls.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+T = TypeVar("T")
+
+#: event loops the benchmarks can run on
+LOOPS = ("asyncio", "uvloop")
+
+
+# --------------------------------------------------------------------------
+# shared helpers
+
+
+def device_and_address(device: Optional[str] = None, address: Optional[str] = None) -> Tuple[str, str]:
+    """The IA name and IPv4 address to benchmark on.
+
+    Defaults: ``$AIODAT_RXE_DEVICE`` / ``$AIODAT_RXE_ADDR`` (set by ``aiodat rxe
+    run``), else the first active port with an IPv4 GID.  Raises
+    :class:`aiodat.ProviderNotFound` when there is none.
+    """
+    from aiodat.errors import ProviderNotFound
+    from aiodat.testing.plugin import find_device
+
+    if device and address:
+        return device, address
+    found = find_device()
+    if device and not address:
+        from aiodat import open_ia
+
+        with open_ia(device) as ia:
+            address = ia.address
+        if not address:
+            raise ProviderNotFound(f"{device} has no IPv4 address (GID) for rdma_cm")
+        return device, address
+    if found is None:
+        raise ProviderNotFound(
+            "no RDMA device with an IPv4 address here; run the benchmark where rxe is up: "
+            "`aiodat rxe run -- aiodat bench latency`"
+        )
+    return found.name, address or found.address
+
+
+def run_on_loop(loop_name: str, factory: Callable[[], Awaitable[T]]) -> T:
+    """Run ``factory()`` to completion on a new ``asyncio`` or ``uvloop`` event loop, then close it."""
+    if loop_name == "uvloop":
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    elif loop_name == "asyncio":
+        loop = asyncio.new_event_loop()
+    else:
+        raise ValueError(f"loop must be one of {LOOPS}, not {loop_name!r}")
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(factory())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of already sorted values, nearest-rank."""
+    if not sorted_values:
+        raise ValueError("no values")
+    rank = max(1, min(len(sorted_values), int(-(-q * len(sorted_values) // 100))))
+    return sorted_values[rank - 1]
+
+
+@dataclass
+class PerftestResult:
+    """One perftest run: the command lines, exit status, output and parsed result rows."""
+
+    tool: str
+    args: Tuple[str, ...]
+    returncode: Optional[int]
+    output: str
+    rows: List[Dict[str, float]] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when the client ran to the end and printed a result row."""
+        return not self.error and bool(self.rows)
+
+    def value(self, column: str) -> Optional[float]:
+        """The figure in ``column`` of the last result row (e.g. "t_typical[usec]"), or None."""
+        return self.rows[-1].get(column) if self.rows else None
+
+
+def parse_perftest(output: str) -> List[Dict[str, float]]:
+    """The result rows perftest printed: one dict per row, keyed by its header's column names.
+
+    Column names are perftest's, with ``99% percentile[usec]`` written
+    ``99%_percentile[usec]`` (e.g. ``t_typical[usec]``, ``BW average[MB/sec]``
+    becomes ``BW_average[MB/sec]``).
+    """
+    rows: List[Dict[str, float]] = []
+    header: Optional[List[str]] = None
+    for line in output.splitlines():
+        text = line.strip()
+        if text.startswith("#bytes"):
+            text = re.sub(r"(\S) (percentile|average|peak)\b", r"\1_\2", text)
+            text = re.sub(r"\bBW (peak|average)", r"BW_\1", text)
+            text = re.sub(r"\bMsgRate\[Mpps\]", "MsgRate[Mpps]", text)
+            header = text.split()
+            continue
+        if header is None:
+            continue
+        parts = text.split()
+        if not parts or not re.fullmatch(r"\d+", parts[0]):
+            if text.startswith("-"):
+                header = header  # a separator line: the table may go on
+            continue
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            continue
+        rows.append(dict(zip(header, values)))
+    return rows
+
+
+def _perftest_port() -> int:
+    return random.randint(20000, 29999)
+
+
+def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: str,
+                      timeout: float = 300.0, start_delay: float = 1.0) -> PerftestResult:
+    """Run perftest ``tool`` as a server and a client on ``address`` over rdma_cm (``-R``).
+
+    Both processes get ``-d device -R -F -p PORT`` plus ``args``; the client
+    connects to ``address`` and is retried while the server is not yet
+    listening.  Returns the client's parsed output (the server's when the
+    client printed no table).  Never raises for a failed tool: the result's
+    ``error`` says what went wrong (tool missing, timeout, exit status).
+    """
+    path = shutil.which(tool)
+    if path is None:
+        return PerftestResult(tool, tuple(args), None, "",
+                              error=f"{tool} not found (install the Debian package perftest)")
+    port = str(_perftest_port())
+    common = [path, "-d", device, "-R", "-F", "-p", port, *args]
+    deadline = time.monotonic() + timeout
+    server = subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, text=True)
+    client_out = ""
+    client_rc: Optional[int] = None
+    error = ""
+    try:
+        time.sleep(start_delay)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                error = f"{tool} did not finish within {timeout:g} s"
+                break
+            try:
+                client = subprocess.run([*common, address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, text=True, timeout=left)
+            except subprocess.TimeoutExpired as exc:
+                client_out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
+                    else (exc.stdout or "")
+                error = f"{tool} client did not finish within {timeout:g} s"
+                break
+            client_out, client_rc = client.stdout, client.returncode
+            if client_rc == 0 or server.poll() is not None:
+                break
+            time.sleep(start_delay)  # the server may not be listening yet
+    finally:
+        try:
+            server_out, _ = server.communicate(timeout=max(5.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server_out, _ = server.communicate()
+    output = client_out
+    rows = parse_perftest(client_out) or parse_perftest(server_out or "")
+    if not error and client_rc != 0:
+        error = f"{tool} client exited with status {client_rc}"
+        output = client_out + "\n--- server ---\n" + (server_out or "")
+    elif not error and not rows:
+        error = f"{tool} printed no result table"
+    return PerftestResult(tool, tuple(args), client_rc, output, rows, error)
+
+
+# --------------------------------------------------------------------------
+# latency
+
+
+@dataclass
+class LatencySample:
+    """aiodat's ping-pong: half round-trip times in microseconds, sorted."""
+
+    half_rtt_us: List[float]
+
+    @property
+    def p50(self) -> float:
+        """Median half round trip (us)."""
+        return percentile(self.half_rtt_us, 50)
+
+    @property
+    def p99(self) -> float:
+        """99th percentile half round trip (us)."""
+        return percentile(self.half_rtt_us, 99)
+
+
+@dataclass
+class LatencyReport:
+    """What :func:`bench_latency` measured: aiodat beside ``ib_send_lat -R -e`` and ``ib_send_lat -R``."""
+
+    device: str
+    address: str
+    loop: str
+    size: int
+    iters: int
+    aiodat: LatencySample
+    send_lat_events: Optional[PerftestResult] = None
+    send_lat_poll: Optional[PerftestResult] = None
+    processes: int = 1
+
+    def ratio_events(self) -> Optional[float]:
+        """aiodat p50 / ``ib_send_lat -R -e`` typical, or None when perftest did not run."""
+        return _ratio(self.aiodat.p50, self.send_lat_events)
+
+    def ratio_poll(self) -> Optional[float]:
+        """aiodat p50 / ``ib_send_lat -R`` typical, or None when perftest did not run."""
+        return _ratio(self.aiodat.p50, self.send_lat_poll)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The figures as a JSON-serialisable dict (``aiodat bench latency --json``)."""
+        def tool(res: Optional[PerftestResult]) -> Optional[Dict[str, Any]]:
+            if res is None:
+                return None
+            return {"ok": res.ok, "error": res.error or None, "typical_us": res.value("t_typical[usec]"),
+                    "p99_us": res.value("99%_percentile[usec]"), "row": res.rows[-1] if res.rows else None}
+
+        return {"device": self.device, "address": self.address, "loop": self.loop, "size": self.size,
+                "iters": self.iters, "processes": self.processes,
+                "aiodat": {"p50_us": self.aiodat.p50, "p99_us": self.aiodat.p99},
+                "ib_send_lat_events": tool(self.send_lat_events), "ib_send_lat_poll": tool(self.send_lat_poll),
+                "ratio_events": self.ratio_events(), "ratio_poll": self.ratio_poll()}
+
+    def format(self) -> str:
+        """The human-readable report ``aiodat bench latency`` prints."""
+        lines = [
+            f"aiodat bench latency: {self.device} ({self.address}), loop={self.loop}, "
+            f"size={self.size} B, iters={self.iters}, {self.processes} process(es); "
+            f"half round trip in us (perftest _lat convention)",
+            f"  {'what':<34}{'p50/typical':>12}{'p99':>10}",
+            f"  {'aiodat send/recv, evd.wait()':<34}{self.aiodat.p50:>12.1f}{self.aiodat.p99:>10.1f}",
+        ]
+        for label, res in (("ib_send_lat -R -e (CQ events)", self.send_lat_events),
+                           ("ib_send_lat -R (busy polling)", self.send_lat_poll)):
+            if res is None:
+                continue
+            if res.ok:
+                lines.append(f"  {label:<34}{res.value('t_typical[usec]') or 0:>12.1f}"
+                             f"{res.value('99%_percentile[usec]') or 0:>10.1f}")
+            else:
+                lines.append(f"  {label:<34}  not measured: {res.error}")
+        if self.send_lat_events is not None or self.send_lat_poll is not None:
+            parts = []
+            for label, ratio in (("vs ib_send_lat -e", self.ratio_events()), ("vs ib_send_lat", self.ratio_poll())):
+                parts.append(f"{ratio:.2f}x {label}" if ratio is not None else f"n/a {label}")
+            lines.append("ratio (aiodat p50 / perftest typical): " + ", ".join(parts))
+        return "\n".join(lines)
+
+
+def _ratio(value: float, res: Optional[PerftestResult]) -> Optional[float]:
+    if res is None or not res.ok:
+        return None
+    typical = res.value("t_typical[usec]")
+    return value / typical if typical else None
+
+
+#: every how many sends the ping-pong asks for a completion (the rest are suppressed)
+SIGNAL_EVERY = 16
+_DEPTH = 4 * SIGNAL_EVERY
+
+
+async def _await_recv(wait: Callable[[], Awaitable[List[Any]]], recv_op: Any) -> None:
+    """Await the EVD until a receive completes; skip (signalled) send completions, raise on a failure."""
+    while True:
+        got = False
+        for ev in await wait():
+            if ev.status != "IBV_WC_SUCCESS":
+                ev.raise_for_status()
+            if ev.operation is recv_op:
+                got = True
+        if got:
+            return
+
+
+async def _pong(ep: Any, evd: Any, send_seg: Any, recv_seg: Any, total: int) -> None:
+    """The server side: ``total`` times, await a message, post the next receive, send the reply."""
+    from aiodat import CompletionFlags, DTOOp
+
+    suppress, signal = CompletionFlags.SUPPRESS, CompletionFlags.DEFAULT
+    wait, post_recv, post_send, recv_op = evd.wait, ep.post_recv, ep.post_send, DTOOp.RECV
+    for i in range(total):
+        await _await_recv(wait, recv_op)
+        if i + 1 < total:
+            post_recv(recv_seg)
+        post_send(send_seg, None, signal if i % SIGNAL_EVERY == 0 else suppress)
+
+
+async def _ping(ep: Any, evd: Any, send_seg: Any, recv_seg: Any, total: int) -> List[int]:
+    """The client side: ``total`` times, post the receive for the reply, send, await the reply.
+
+    Returns ``total + 1`` time stamps (ns): one at each send and one at the end.
+    """
+    from aiodat import CompletionFlags, DTOOp
+
+    suppress, signal = CompletionFlags.SUPPRESS, CompletionFlags.DEFAULT
+    wait, post_recv, post_send, recv_op = evd.wait, ep.post_recv, ep.post_send, DTOOp.RECV
+    stamps = [0] * (total + 1)
+    clock = time.perf_counter_ns
+    for i in range(total):
+        post_recv(recv_seg)
+        stamps[i] = clock()
+        post_send(send_seg, None, signal if i % SIGNAL_EVERY == 0 else suppress)
+        await _await_recv(wait, recv_op)
+    stamps[total] = clock()
+    return stamps
+
+
+def _endpoint(ia: Any, pz: Any, size: int, fill: bool) -> Tuple[Any, Any, Any, Any, List[bytearray]]:
+    """An EP whose receive and send completions share one DTO-only EVD, with a send and a receive buffer."""
+    from aiodat import EPAttr, EvdFlags, Privileges
+
+    send_buf, recv_buf = bytearray(size), bytearray(size)
+    if fill:
+        send_buf[:] = bytes(i & 0xFF for i in range(size))
+    send_seg = pz.register(send_buf, Privileges.DEFAULT)[0:size]
+    recv_seg = pz.register(recv_buf, Privileges.DEFAULT)[0:size]
+    evd = ia.create_evd(2 * _DEPTH, EvdFlags.DTO)
+    ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd,
+                      attrs=EPAttr(max_recv_dtos=_DEPTH, max_request_dtos=_DEPTH))
+    return ep, evd, send_seg, recv_seg, [send_buf, recv_buf]
+
+
+def _check_sizes(size: int, iters: int) -> None:
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be an int >= 1, got {size!r}")
+    if not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be an int >= 1, got {iters!r}")
+
+
+def _warmup(iters: int) -> int:
+    return min(100, max(2, iters // 10))
+
+
+async def latency_pingpong(device: str, address: str, size: int = 2, iters: int = 1000,
+                           warmup: Optional[int] = None, processes: int = 1,
+                           loop_name: str = "asyncio") -> LatencySample:
+    """A send/recv ping-pong over rdma_cm; returns the half round-trip times.
+
+    ``processes=1``: client and server are two EPs of one IA in this process,
+    two tasks on the running loop.  ``processes=2``: the server runs in a
+    child process (``python -m aiodat.bench pong``, same loop kind), as
+    perftest runs its two sides.  Either way each side awaits ``evd.wait()``
+    on its own EVD, which takes both the receive and the send completions of
+    its EP, so a round trip costs each side one wake-up.  Each side posts its
+    next receive before it sends; sends are posted with
+    ``CompletionFlags.SUPPRESS`` except every :data:`SIGNAL_EVERY`-th (whose
+    completion retires the suppressed ones and is skipped when it turns up).
+    Buffers, segments and flags are made once.  Like perftest, the time of an
+    iteration runs from one send to the next; the first ``warmup`` iterations
+    are not counted.
+    """
+    from aiodat import EvdFlags, open_ia
+
+    _check_sizes(size, iters)
+    if processes not in (1, 2):
+        raise ValueError(f"processes must be 1 or 2, got {processes!r}")
+    warmup = _warmup(iters) if warmup is None else warmup
+    total = warmup + iters
+    with open_ia(device) as ia:
+        pz = ia.create_pz()
+        client, c_evd, c_send, c_recv, c_bufs = _endpoint(ia, pz, size, True)
+        child = None
+        server_task = None
+        try:
+            if processes == 1:
+                server, s_evd, s_send, s_recv, s_bufs = _endpoint(ia, pz, size, False)
+                server.post_recv(s_recv)
+                cr_evd = ia.create_evd(4, EvdFlags.CR)
+                psp = ia.create_psp_any(cr_evd)
+
+                async def accept() -> None:
+                    event = await cr_evd.wait_one(timeout=30)
+                    await event.cr.accept(server)
+
+                acceptor = asyncio.ensure_future(accept())
+                await client.connect(address, psp.port, timeout=30)
+                await acceptor
+                server_task = asyncio.ensure_future(_pong(server, s_evd, s_send, s_recv, total))
+            else:
+                child, port = await _start_pong_process(device, address, size, total, loop_name)
+                await client.connect(address, port, timeout=30)
+            stamps = await _ping(client, c_evd, c_send, c_recv, total)
+            if server_task is not None:
+                await server_task
+                if s_bufs[1] != c_bufs[0]:
+                    raise AssertionError("the server received other bytes than the client sent")
+            await client.disconnect()
+        finally:
+            if server_task is not None and not server_task.done():
+                server_task.cancel()
+            if child is not None:
+                await _finish_child(child)
+        if child is not None and child.returncode != 0:
+            raise RuntimeError(f"the pong process failed (exit status {child.returncode})")
+    half = sorted((stamps[i + 1] - stamps[i]) / 2000.0 for i in range(warmup, total))
+    return LatencySample(half)
+
+
+async def _start_pong_process(device: str, address: str, size: int, total: int,
+                              loop_name: str) -> Tuple[Any, int]:
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "aiodat.bench", "pong", device, address, str(size), str(total), loop_name,
+        stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 60)
+    if not line.startswith(b"port "):
+        await _finish_child(proc)
+        raise RuntimeError(f"the pong process did not start (said {line!r})")
+    return proc, int(line.split()[1])
+
+
+async def _finish_child(proc: Any) -> None:
+    try:
+        await asyncio.wait_for(proc.wait(), 30)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+
+
+async def _pong_process(device: str, address: str, size: int, total: int) -> None:
+    """The child of ``processes=2``: listen on a free port, print it, echo ``total`` messages."""
+    import sys
+
+    from aiodat import EvdFlags, open_ia
+
+    with open_ia(device) as ia:
+        pz = ia.create_pz()
+        server, s_evd, s_send, s_recv, s_bufs = _endpoint(ia, pz, size, False)
+        server.post_recv(s_recv)
+        cr_evd = ia.create_evd(4, EvdFlags.CR)
+        psp = ia.create_psp_any(cr_evd)
+        sys.stdout.write(f"port {psp.port}\n")
+        sys.stdout.flush()
+        event = await cr_evd.wait_one(timeout=60)
+        await event.cr.accept(server)
+        await _pong(server, s_evd, s_send, s_recv, total)
+        if s_bufs[1] != bytes(i & 0xFF for i in range(size)):
+            raise AssertionError("the server received other bytes than the client sent")
+        await asyncio.sleep(0.2)  # let the last reply leave before the client disconnects
+
+
+def bench_latency(size: int = 2, iters: int = 1000, loop: str = "asyncio", *, perftest: bool = True,
+                  processes: int = 1, device: Optional[str] = None, address: Optional[str] = None,
+                  timeout: float = 300.0) -> LatencyReport:
+    """``aiodat bench latency``: aiodat's ping-pong, then ``ib_send_lat -R -e`` and ``ib_send_lat -R``.
+
+    All three run one after the other (never at the same time) on the same
+    device with the same size and iteration count.
+    """
+    _check_sizes(size, iters)
+    device, address = device_and_address(device, address)
+    sample = run_on_loop(loop, lambda: latency_pingpong(device, address, size, iters, processes=processes,
+                                                        loop_name=loop))
+    report = LatencyReport(device, address, loop, size, iters, sample, processes=processes)
+    if perftest:
+        args = ["-s", str(size), "-n", str(iters)]
+        report.send_lat_events = run_perftest_pair("ib_send_lat", [*args, "-e"], device=device, address=address,
+                                                   timeout=timeout)
+        report.send_lat_poll = run_perftest_pair("ib_send_lat", args, device=device, address=address,
+                                                 timeout=timeout)
+    return report
+
+
+def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters: int = 1000,
+            loop: str = "asyncio", *, device: Optional[str] = None, address: Optional[str] = None) -> Any:
+    """``aiodat bench streams``: aiodat streams beside asyncio TCP streams, same code, same loop, same machine.
+
+    Throughput of ``total`` bytes in ``write_size``-byte ``write`` + ``drain``
+    calls, and ``iters`` round trips of ``size``-byte request/response
+    (median and p99), over aiodat on the device's address and over asyncio
+    TCP on 127.0.0.1.  Returns an :class:`aiodat.bench_streams.StreamsReport`
+    (``format()``, ``as_dict()``).
+    """
+    from aiodat.bench_streams import run
+
+    return run(write_size, total, size, iters, loop, device, address)
+
+
+def _main(argv: Sequence[str]) -> int:
+    """``python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL LOOP``: the server of a two-process ping-pong."""
+    if len(argv) != 6 or argv[0] != "pong":
+        print("usage: python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL LOOP  (used by aiodat bench)")
+        return 2
+    _, device, address, size, total, loop_name = argv
+    run_on_loop(loop_name, lambda: _pong_process(device, address, int(size), int(total)))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))
+
+
+# --------------------------------------------------------------------------
+# soak: many connections, mixed operations, for a while; nothing may grow
+
+
+@dataclass
+class SoakInterval:
+    """One reporting interval of :func:`soak`."""
+
+    t: float                 # seconds since the start (end of the interval)
+    ops: int                 # operations completed in the interval
+    ops_per_s: float
+    p50_us: float
+    p99_us: float
+    fds: int                 # open fds at the end of the interval
+    rss_kib: int             # VmRSS at the end of the interval
+    reconnects: int          # connections torn down and made again in the interval
+
+
+@dataclass
+class SoakReport:
+    """What :func:`soak` measured; ``ok`` is False when fds or RSS grew or an operation failed."""
+
+    seconds: float
+    connections: int
+    loop: str
+    intervals: List[SoakInterval] = field(default_factory=list)
+    errors: List[str] = field(default_factory=list)
+    growth: Dict[str, float] = field(default_factory=dict)
+    rss_slack_kib: int = 16384
+
+    @property
+    def ok(self) -> bool:
+        """No errors, no fd growth, RSS within the slack (first measured interval to the last)."""
+        return (not self.errors and self.growth.get("fds", 0) <= 0
+                and self.growth.get("rss_kib", 0) <= self.rss_slack_kib)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The report as plain data (for --json)."""
+        from dataclasses import asdict
+
+        return {"seconds": self.seconds, "connections": self.connections, "loop": self.loop,
+                "intervals": [asdict(i) for i in self.intervals], "errors": self.errors,
+                "growth": self.growth, "rss_slack_kib": self.rss_slack_kib, "ok": self.ok}
+
+    def format(self) -> str:
+        """A table, one row per interval, and the verdict."""
+        lines = [f"aiodat soak: {self.connections} connections, mixed send/recv, RDMA write+read, "
+                 f"fetch-add, reconnects; loop {self.loop}",
+                 f"{'t[s]':>7} {'ops':>8} {'ops/s':>9} {'p50[us]':>9} {'p99[us]':>9} {'fds':>5} "
+                 f"{'rss[KiB]':>9} {'reconn':>6}"]
+        for i in self.intervals:
+            lines.append(f"{i.t:7.1f} {i.ops:8d} {i.ops_per_s:9.1f} {i.p50_us:9.1f} {i.p99_us:9.1f} "
+                         f"{i.fds:5d} {i.rss_kib:9d} {i.reconnects:6d}")
+        g = self.growth
+        lines.append(f"growth from the first to the last interval: fds {g.get('fds', 0):+.0f}, "
+                     f"RSS {g.get('rss_kib', 0):+.0f} KiB (allowed {self.rss_slack_kib} KiB)")
+        for e in self.errors[:10]:
+            lines.append("error: " + e)
+        lines.append("verdict: " + ("OK, nothing grew" if self.ok else "FAILED"))
+        return "\n".join(lines)
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+async def _soak(device: str, address: str, seconds: float, connections: int, interval: float,
+                report: SoakReport) -> None:
+    from aiodat import EvdFlags, Privileges, open_ia
+    from aiodat.errors import DATError
+
+    ia = open_ia(device)
+    try:
+        pz = ia.create_pz()
+        cr_evd = ia.create_evd(max(8, connections * 2), EvdFlags.CR)
+        psp = ia.create_psp_any(cr_evd)
+        pending: Dict[int, "asyncio.Future[Any]"] = {}
+
+        async def acceptor() -> None:
+            while True:
+                ev = await cr_evd.wait_one()
+                key = int.from_bytes(ev.cr.private_data[:4], "big")
+                fut = pending.pop(key, None)
+                if fut is None:
+                    ev.cr.reject()
+                else:
+                    fut.set_result(ev.cr)
+
+        lat: List[float] = []
+        counters = {"ops": 0, "reconnects": 0}
+        stop = asyncio.Event()
+        keys = iter(range(1, 1 << 30))
+
+        async def connect_pair(lmr_c: Any, lmr_s: Any) -> Tuple[Any, Any]:
+            client, server = ia.create_ep(pz), ia.create_ep(pz)
+            server.post_recv(lmr_s[0:64], "r")
+            client.post_recv(lmr_c[0:64], "r")
+            key = next(keys)
+            fut = asyncio.get_running_loop().create_future()
+            pending[key] = fut
+            connecting = asyncio.ensure_future(client.connect(address, psp.port, key.to_bytes(4, "big"), timeout=30))
+            cr = await asyncio.wait_for(fut, 30)
+            await cr.accept(server, timeout=30)
+            await connecting
+            return client, server
+
+        async def worker(n: int) -> None:
+            lmr_c = pz.register(bytearray(16384), Privileges.ALL)
+            lmr_s = pz.register(bytearray(16384), Privileges.ALL)
+            client, server = await connect_pair(lmr_c, lmr_s)
+            remote = lmr_s.remote()
+            i = 0
+            try:
+                while not stop.is_set():
+                    i += 1
+                    t0 = time.perf_counter()
+                    kind = i % 4
+                    if kind == 0:  # send/recv ping-pong (64 B each way)
+                        client.post_send(lmr_c[64:128], "s")
+                        (await server.recv_evd.wait_one(timeout=30)).raise_for_status()
+                        server.post_recv(lmr_s[0:64], "r")
+                        server.post_send(lmr_s[64:128], "s")
+                        (await client.recv_evd.wait_one(timeout=30)).raise_for_status()
+                        client.post_recv(lmr_c[0:64], "r")
+                        for ep in (client, server):
+                            (await ep.request_evd.wait_one(timeout=30)).raise_for_status()
+                    elif kind == 1:  # RDMA write 4 KiB, then read it back and compare
+                        stamp = i.to_bytes(8, "big") * 512
+                        lmr_c.memoryview()[4096:8192] = stamp
+                        client.post_rdma_write(lmr_c[4096:8192], remote[4096:8192], "w")
+                        (await client.request_evd.wait_one(timeout=30)).raise_for_status()
+                        client.post_rdma_read(lmr_c[8192:12288], remote[4096:8192], "rd")
+                        (await client.request_evd.wait_one(timeout=30)).raise_for_status()
+                        if bytes(lmr_c.memoryview()[8192:12288]) != stamp:
+                            report.errors.append(f"connection {n}: RDMA read returned other data")
+                    elif kind == 2:  # fetch-add
+                        client.post_fetch_add(lmr_c[12288:12296], remote[12288:12296], 1, "fa")
+                        (await client.request_evd.wait_one(timeout=30)).raise_for_status()
+                    else:  # one of the connections reconnects now and then
+                        if i % (64 * connections) == 3 + 4 * n:
+                            await client.disconnect(timeout=30)
+                            await server.connect_evd.wait_one(timeout=30)
+                            client.free()
+                            server.free()
+                            client, server = await connect_pair(lmr_c, lmr_s)
+                            counters["reconnects"] += 1
+                        else:
+                            continue
+                    lat.append(time.perf_counter() - t0)
+                    counters["ops"] += 1
+            except (DATError, asyncio.TimeoutError) as exc:
+                report.errors.append(f"connection {n}: {exc!r}")
+                stop.set()
+            finally:
+                for obj in (client, server, lmr_c, lmr_s):
+                    obj.free()
+
+        acc = asyncio.ensure_future(acceptor())
+        workers = [asyncio.ensure_future(worker(n)) for n in range(connections)]
+        start = time.monotonic()
+        end = start + seconds
+        while not stop.is_set() and time.monotonic() < end:
+            t_int = time.monotonic()
+            counters["ops"] = counters["reconnects"] = 0
+            lat.clear()
+            try:
+                await asyncio.wait_for(stop.wait(), min(interval, end - t_int))
+            except asyncio.TimeoutError:
+                pass
+            dt = time.monotonic() - t_int
+            s = sorted(lat)
+            report.intervals.append(SoakInterval(
+                round(time.monotonic() - start, 1), counters["ops"], counters["ops"] / dt if dt else 0.0,
+                percentile(s, 50) * 1e6 if s else 0.0, percentile(s, 99) * 1e6 if s else 0.0,
+                _fd_count(), _rss_kib(), counters["reconnects"]))
+        stop.set()
+        await asyncio.gather(*workers, return_exceptions=True)
+        acc.cancel()
+        await asyncio.gather(acc, return_exceptions=True)
+    finally:
+        ia.close()
+    measured = report.intervals[1:] if len(report.intervals) > 2 else report.intervals  # first: warm-up
+    if measured:
+        report.growth = {"fds": measured[-1].fds - measured[0].fds,
+                         "rss_kib": measured[-1].rss_kib - measured[0].rss_kib}
+
+
+def soak(seconds: float = 60.0, connections: int = 16, loop: str = "uvloop", *, interval: float = 5.0,
+         device: Optional[str] = None, address: Optional[str] = None) -> SoakReport:
+    """``aiodat bench soak``: ``connections`` connections on one device doing mixed operations
+    (send/recv ping-pong, 4 KiB RDMA write then read-back compare, fetch-add, and now and then a
+    disconnect/reconnect) for ``seconds``; every ``interval`` seconds the throughput, p50/p99
+    latency per operation, open fds and RSS.  The report's ``ok`` is False if an operation failed
+    or fds/RSS grew from the first measured interval (the first is warm-up) to the last.
+    """
+    if seconds <= 0 or connections < 1 or interval <= 0:
+        raise ValueError("seconds and interval must be > 0, connections >= 1")
+    device, address = device_and_address(device, address)
+    report = SoakReport(seconds, connections, loop)
+    run_on_loop(loop, lambda: _soak(device, address, seconds, connections, interval, report))
+    return report

@@ -1,0 +1,440 @@
+"""The ``aiodat`` command (also ``python -m aiodat``).
+
+Subcommands::
+
+    aiodat devices                      the RDMA device ports, like ibv_devices (+ state, link layer, GIDs)
+    aiodat query [NAME] [--json]        every attribute of ia.query() (dat_ia_query)
+    aiodat rxe status | run [...] -- CMD   the rxe test bed (aiodat.testing.rxe)
+    aiodat ping HOST PORT [--count N]   send/recv round trips to an echo server
+    aiodat ping --server PORT           answer pings (an echo server)
+    aiodat bench latency [...]          aiodat's ping-pong beside ib_send_lat -R -e and ib_send_lat -R
+    aiodat bench streams [...]          aiodat streams vs asyncio TCP streams (throughput, round trips)
+
+Exit status: 0 success, 1 failure (no device, a DAT error, ...), 2 usage
+error.  See docs/cli.md.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+NO_DEVICE = (
+    "no RDMA device on this machine; run aiodat where one is up, e.g. on Soft-RoCE with "
+    "`aiodat rxe run -- aiodat {command}` (boots a QEMU guest when the host kernel has no rxe)"
+)
+
+#: largest ping message (bytes); the echo server posts receives of this size
+PING_MAX = 4096
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aiodat", description="asyncio-native RDMA (DAT/uDAPL over rdma-core): tools and benchmarks.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    sub.add_parser("devices", help="list the RDMA device ports (like ibv_devices, with state and GIDs)",
+                   description="List the RDMA device ports open_ia() can open: name, device, port, state, "
+                               "link layer, node GUID and GIDs.")
+
+    q = sub.add_parser("query", help="print every attribute of ia.query()",
+                       description="Open the IA and print every attribute dat_ia_query returns.")
+    q.add_argument("name", nargs="?", default=None,
+                   help="IA name (rxe0, rxe0:1); default $AIODAT_RXE_DEVICE or the first device")
+    q.add_argument("--json", action="store_true", help="print IAQuery.as_dict() as JSON")
+
+    r = sub.add_parser("rxe", help="the rxe test bed: status, run -- CMD", add_help=False,
+                       description="Delegates to aiodat.testing.rxe (see `aiodat rxe --help`).")
+    r.add_argument("args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("ping", help="send/recv round trips to an echo server (or be one with --server)",
+                       description="Connect to HOST:PORT over rdma_cm, send COUNT messages and print each "
+                                   "round trip; with --server PORT, echo every message back.")
+    p.add_argument("host", nargs="?", help="the server's address")
+    p.add_argument("port", nargs="?", type=int, help="the server's port")
+    p.add_argument("--server", metavar="PORT", type=int, default=None, help="listen on PORT and echo")
+    p.add_argument("--count", "-c", type=int, default=5, help="messages to send (default 5)")
+    p.add_argument("--size", "-s", type=int, default=64, help=f"message size in bytes (1..{PING_MAX}, default 64)")
+    p.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
+
+    b = sub.add_parser("bench", help="benchmarks beside perftest", description="Benchmarks.")
+    bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK")
+    bsub.required = True
+    lat = bsub.add_parser(
+        "latency", help="send/recv ping-pong vs ib_send_lat -R -e and ib_send_lat -R",
+        description="aiodat's send/recv ping-pong awaiting evd.wait() on both sides, beside "
+                    "ib_send_lat -R -e (sleeps on CQ events) and ib_send_lat -R (busy polling), "
+                    "same size and iterations, in the same run.  Figures are half round trips (us).")
+    lat.add_argument("--size", "-s", type=int, default=2, help="message size in bytes (default 2)")
+    lat.add_argument("--iters", "-n", type=int, default=1000, help="measured iterations (default 1000)")
+    lat.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)")
+    lat.add_argument("--processes", type=int, choices=(1, 2), default=1,
+                     help="1: client and server tasks in one process (default); 2: server in a child process")
+    lat.add_argument("--no-perftest", action="store_true", help="measure aiodat only")
+    lat.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
+    lat.add_argument("--json", action="store_true", help="print the figures as JSON")
+    st = bsub.add_parser(
+        "streams", help="aiodat streams vs asyncio TCP streams (throughput, 64-byte round trips)",
+        description="The same asyncio-streams code over aiodat (RDMA, the device's address) and over "
+                    "asyncio (TCP, 127.0.0.1) on one loop: throughput of WRITE_SIZE writes + drain(), "
+                    "and round trips of SIZE-byte requests/responses (median, p99, microseconds).")
+    st.add_argument("--write-size", type=int, default=65536, help="bytes per write (default 65536)")
+    st.add_argument("--total", type=int, default=8 << 20, help="bytes to send for throughput (default 8 MiB)")
+    st.add_argument("--size", "-s", type=int, default=64, help="request/response size (default 64)")
+    st.add_argument("--iters", "-n", type=int, default=1000, help="measured round trips (default 1000)")
+    st.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)")
+    st.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
+    st.add_argument("--json", action="store_true", help="print the figures as JSON")
+    so = bsub.add_parser(
+        "soak", help="many connections doing mixed operations for a while; checks nothing grows",
+        description="CONNECTIONS connections on one device doing send/recv ping-pong, RDMA write + "
+                    "read-back, fetch-add and occasional reconnects for SECONDS; prints throughput, "
+                    "p50/p99 latency, open fds and RSS every INTERVAL seconds.  Exit status 1 if an "
+                    "operation failed or fds/RSS grew.")
+    so.add_argument("--seconds", type=float, default=60.0, help="how long (default 60)")
+    so.add_argument("--connections", "-c", type=int, default=16, help="connections (default 16)")
+    so.add_argument("--interval", type=float, default=5.0, help="reporting interval in seconds (default 5)")
+    so.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop", help="event loop (default uvloop)")
+    so.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
+    so.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``aiodat`` command line; return the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "rxe":
+        from aiodat.testing import rxe
+
+        return rxe.main(args_list[1:])
+    parser = _parser()
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:  # argparse: 2 on a usage error, 0 after --help
+        return int(exc.code or 0)
+    try:
+        if args.command == "devices":
+            return cmd_devices()
+        if args.command == "query":
+            return cmd_query(args.name, args.json)
+        if args.command == "ping":
+            return cmd_ping(parser, args)
+        if args.command == "bench" and args.bench == "streams":
+            return cmd_bench_streams(args)
+        if args.command == "bench" and args.bench == "soak":
+            return cmd_bench_soak(args)
+        if args.command == "bench":
+            return cmd_bench_latency(args)
+    except ImportError as exc:
+        _err(f"aiodat: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        _err("aiodat: interrupted")
+        return 130
+    parser.print_usage(sys.stderr)
+    return 2
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def _providers() -> List[Any]:
+    from aiodat import list_providers
+
+    return list_providers()
+
+
+# -- devices -------------------------------------------------------------------------
+
+
+def _node_guid(device: str) -> str:
+    from aiodat import DATError, open_ia
+
+    try:
+        with open_ia(device) as ia:
+            return str(ia.query().ia_attr.transport_attr.node_guid_str)
+    except (DATError, AttributeError):
+        return "-"
+
+
+def cmd_devices() -> int:
+    """``aiodat devices``: one line per device port, then its GIDs (index as in the GID table)."""
+    providers = _providers()
+    if not providers:
+        _err("aiodat devices: " + NO_DEVICE.format(command="devices"))
+        return 1
+    guids: Dict[str, str] = {}
+    print(f"    {'name':<12} {'device':<12} {'port':>4}  {'state':<13} {'link layer':<11} node GUID")
+    print(f"    {'-' * 12} {'-' * 12} {'-' * 4}  {'-' * 13} {'-' * 11} {'-' * 16}")
+    for p in providers:
+        if p.device not in guids:
+            guids[p.device] = _node_guid(p.device)
+        print(f"    {p.name:<12} {p.device:<12} {p.port:>4}  {p.state:<13} {p.link_layer:<11} {guids[p.device]}")
+        for i, gid in enumerate(p.gids):
+            print(f"        GID[{i}] {gid}")
+    return 0
+
+
+# -- query ---------------------------------------------------------------------------
+
+
+def default_device() -> Optional[str]:
+    """``$AIODAT_RXE_DEVICE``, else the first provider's name, else None."""
+    env = os.environ.get("AIODAT_RXE_DEVICE")
+    if env:
+        return env
+    providers = _providers()
+    return providers[0].name if providers else None
+
+
+def _print_tree(value: Any, indent: int = 0) -> None:
+    pad = "  " * indent
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, dict) and item:
+                print(f"{pad}{key}:")
+                _print_tree(item, indent + 1)
+            elif isinstance(item, list) and item and isinstance(item[0], dict):
+                print(f"{pad}{key}:")
+                for entry in item:
+                    print(f"{pad}  - " + ", ".join(f"{k}={v}" for k, v in entry.items()))
+            else:
+                print(f"{pad}{key}: {_scalar(item)}")
+    else:
+        print(f"{pad}{_scalar(value)}")
+
+
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "unknown"
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value) if value else "(none)"
+    if isinstance(value, dict):
+        return "(none)"
+    return str(value)
+
+
+def cmd_query(name: Optional[str], as_json: bool) -> int:
+    """``aiodat query [NAME] [--json]``: dat_ia_query on NAME (default: the test bed's or the first device)."""
+    from aiodat import DATError, open_ia
+
+    name = name or default_device()
+    if name is None:
+        _err("aiodat query: " + NO_DEVICE.format(command="query"))
+        return 1
+    try:
+        with open_ia(name) as ia:
+            result = ia.query().as_dict()
+    except DATError as exc:
+        _err(f"aiodat query: {exc}")
+        return 1
+    if as_json:
+        print(json.dumps(result, indent=2, sort_keys=False))
+    else:
+        print(f"IA {name}")
+        _print_tree(result, 0)
+    return 0
+
+
+# -- ping ----------------------------------------------------------------------------
+
+
+async def ping_server(device: str, port: int, max_clients: Optional[int] = None, ready: Any = None) -> None:
+    """Listen on ``port`` and echo every message of every client; stop after ``max_clients`` clients."""
+    from aiodat import EventType, EvdFlags, Privileges, open_ia
+
+    with open_ia(device) as ia:
+        pz = ia.create_pz()
+        cr_evd = ia.create_evd(16, EvdFlags.CR)
+        ia.create_psp(port, cr_evd)
+        print(f"aiodat ping: listening on {ia.address}:{port}", flush=True)
+        if ready is not None:
+            ready.set_result(None)
+        tasks = set()
+
+        async def echo(cr: Any) -> None:
+            evd = ia.create_evd(32, EvdFlags.DTO | EvdFlags.CONNECTION)
+            ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd, connect_evd=evd)
+            rbuf, sbuf = bytearray(PING_MAX), bytearray(PING_MAX)
+            rlmr, slmr = pz.register(rbuf, Privileges.DEFAULT), pz.register(sbuf, Privileges.DEFAULT)
+            try:
+                ep.post_recv(rlmr[0:PING_MAX])
+                await cr.accept(ep)
+                async for ev in evd:
+                    if ev.type != EventType.DTO_COMPLETION or not ev.ok:
+                        break  # DISCONNECTED, or a receive flushed by it
+                    if ev.operation.value != "recv":
+                        continue
+                    n = ev.transferred_length
+                    sbuf[:n] = rbuf[:n]
+                    ep.post_recv(rlmr[0:PING_MAX])
+                    ep.post_send(slmr[0:n])
+            finally:
+                ep.free()
+                evd.free()
+                rlmr.free()
+                slmr.free()
+
+        served = 0
+        try:
+            while max_clients is None or served < max_clients:
+                event = await cr_evd.wait_one()
+                served += 1
+                task = asyncio.ensure_future(echo(event.cr))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def ping_client(device: str, host: str, port: int, count: int, size: int) -> List[float]:
+    """Connect to an echo server, send ``count`` messages of ``size`` bytes; return the round trips (us)."""
+    from aiodat import EvdFlags, Privileges, open_ia
+
+    with open_ia(device) as ia:
+        pz = ia.create_pz()
+        evd = ia.create_evd(32, EvdFlags.DTO)
+        ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
+        sbuf, rbuf = bytearray(size), bytearray(size)
+        slmr, rlmr = pz.register(sbuf, Privileges.DEFAULT), pz.register(rbuf, Privileges.DEFAULT)
+        await ep.connect(host, port, timeout=10)
+        rtts = []
+        for i in range(count):
+            sbuf[:] = bytes((i + j) & 0xFF for j in range(size))
+            ep.post_recv(rlmr[0:size])
+            start = time.perf_counter()
+            ep.post_send(slmr[0:size])
+            got_recv = False
+            while not got_recv:
+                for ev in await evd.wait(timeout=10):
+                    ev.raise_for_status()
+                    got_recv = got_recv or ev.operation.value == "recv"
+            rtt = (time.perf_counter() - start) * 1e6
+            if rbuf != sbuf:
+                raise RuntimeError(f"message {i}: the echo differs from what was sent")
+            rtts.append(rtt)
+            print(f"{size} bytes from {host}:{port}: seq={i} rtt={rtt:.1f} us", flush=True)
+        await ep.disconnect()
+        return rtts
+
+
+def cmd_ping(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``aiodat ping HOST PORT`` / ``aiodat ping --server PORT``."""
+    from aiodat import DATError
+
+    if args.server is None and (args.host is None or args.port is None):
+        _err("usage: aiodat ping HOST PORT [--count N] [--size N] | aiodat ping --server PORT\n"
+             "aiodat ping: error: HOST and PORT are required (or --server PORT)")
+        return 2
+    if not 1 <= args.size <= PING_MAX:
+        _err(f"aiodat ping: error: --size must be between 1 and {PING_MAX}")
+        return 2
+    if args.count < 1:
+        _err("aiodat ping: error: --count must be >= 1")
+        return 2
+    device = args.device or default_device()
+    if device is None:
+        _err("aiodat ping: " + NO_DEVICE.format(command="ping ..."))
+        return 1
+    try:
+        if args.server is not None:
+            asyncio.run(ping_server(device, args.server))
+            return 0
+        rtts = asyncio.run(ping_client(device, args.host, args.port, args.count, args.size))
+    except (DATError, RuntimeError) as exc:
+        _err(f"aiodat ping: {exc}")
+        return 1
+    rtts.sort()
+    print(f"{len(rtts)} round trips: min {rtts[0]:.1f} us, median {rtts[len(rtts) // 2]:.1f} us, "
+          f"max {rtts[-1]:.1f} us")
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------------
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    """``aiodat bench latency``: see :func:`aiodat.bench.bench_latency`."""
+    from aiodat import DATError
+    from aiodat import bench
+
+    if args.size < 1 or args.iters < 1:
+        _err("aiodat bench latency: error: --size and --iters must be >= 1")
+        return 2
+    if args.loop == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            _err("aiodat bench latency: --loop uvloop needs uvloop (pip install uvloop)")
+            return 1
+    try:
+        report = bench.bench_latency(args.size, args.iters, args.loop, perftest=not args.no_perftest,
+                                     processes=args.processes, device=args.device)
+    except DATError as exc:
+        _err(f"aiodat bench latency: {exc}")
+        return 1
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(report.format())
+    return 0
+
+
+def cmd_bench_streams(args: argparse.Namespace) -> int:
+    """``aiodat bench streams``: see :func:`aiodat.bench.streams`."""
+    from aiodat import DATError
+    from aiodat import bench
+
+    if args.write_size < 1 or args.total < args.write_size or args.size < 1 or args.iters < 1:
+        _err("aiodat bench streams: error: --write-size, --size and --iters must be >= 1, --total >= --write-size")
+        return 2
+    try:
+        report = bench.streams(args.write_size, args.total, args.size, args.iters, args.loop, device=args.device)
+    except DATError as exc:
+        _err(f"aiodat bench streams: {exc}")
+        return 1
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(report.format())
+    return 0
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    """``aiodat bench soak``: see :func:`aiodat.bench.soak`."""
+    from aiodat import DATError
+    from aiodat import bench
+
+    if args.seconds <= 0 or args.connections < 1 or args.interval <= 0:
+        _err("aiodat bench soak: error: --seconds and --interval must be > 0, --connections >= 1")
+        return 2
+    if args.loop == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            _err("aiodat bench soak: --loop uvloop needs uvloop (pip install uvloop)")
+            return 1
+    try:
+        report = bench.soak(args.seconds, args.connections, args.loop, interval=args.interval,
+                            device=args.device)
+    except DATError as exc:
+        _err(f"aiodat bench soak: {exc}")
+        return 1
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(report.format())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Echo server: accept each client on a new EP and send every message back.
+
+    python examples/echo_server.py [--host ADDR] [--port 7471] [--clients N]
+
+Run it where an RDMA device is up, e.g. `aiodat rxe run -- python examples/demo.py`.
+"""
+import argparse
+import asyncio
+import os
+
+import aiodat
+from aiodat import EventType, EvdFlags, Privileges
+
+SIZE = 4096  # the largest message a client may send
+
+
+def default_device() -> str:
+    """$AIODAT_RXE_DEVICE (set by `aiodat rxe run`) or the first RDMA device."""
+    providers = aiodat.list_providers()
+    if not os.environ.get("AIODAT_RXE_DEVICE") and not providers:
+        raise SystemExit("no RDMA device here; try: aiodat rxe run -- python examples/demo.py")
+    return os.environ.get("AIODAT_RXE_DEVICE") or providers[0].name
+
+
+async def echo(ia: aiodat.IA, pz: aiodat.PZ, cr: aiodat.CR) -> None:
+    """Serve one client: one EVD takes its receives, sends and connection events."""
+    evd = ia.create_evd(16, EvdFlags.DTO | EvdFlags.CONNECTION)
+    ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd, connect_evd=evd)
+    rbuf, sbuf = bytearray(SIZE), bytearray(SIZE)
+    rlmr, slmr = pz.register(rbuf), pz.register(sbuf, Privileges.DEFAULT)
+    ep.post_recv(rlmr[0:SIZE])
+    await cr.accept(ep)
+    print(f"server: client {cr.remote_address} connected", flush=True)
+    async for ev in evd:  # until DISCONNECTED (or a receive it flushed)
+        if ev.type != EventType.DTO_COMPLETION or not ev.ok:
+            break
+        if ev.operation is aiodat.DTOOp.RECV:
+            n = ev.transferred_length
+            sbuf[:n] = rbuf[:n]
+            ep.post_recv(rlmr[0:SIZE])  # the next receive goes up before the reply
+            ep.post_send(slmr[0:n])
+    print(f"server: client {cr.remote_address} gone", flush=True)
+    ep.free()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default=os.environ.get("AIODAT_RXE_ADDR"), help="address to listen on")
+    parser.add_argument("--port", type=int, default=7471)
+    parser.add_argument("--clients", type=int, default=0, help="exit after serving N clients (0: forever)")
+    args = parser.parse_args()
+    with aiodat.open_ia(default_device()) as ia:
+        pz = ia.create_pz()
+        cr_evd = ia.create_evd(16, EvdFlags.CR)
+        ia.create_psp(args.port, cr_evd)
+        print(f"server: listening on {args.host or ia.address}:{args.port}", flush=True)
+        clients = []
+        while not args.clients or len(clients) < args.clients:
+            request = await cr_evd.wait_one()
+            clients.append(asyncio.ensure_future(echo(ia, pz, request.cr)))
+        await asyncio.gather(*clients)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
