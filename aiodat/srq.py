@@ -32,7 +32,7 @@ import asyncio
 import enum
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
 from aiodat._handle import Handle
 from aiodat._lib import ffi, lib
@@ -123,6 +123,7 @@ class SRQ(Handle):
         #: the EPs receiving from this SRQ (an insertion-ordered set; ep.py adds and removes itself)
         self._eps: Dict["EP", None] = {}
         self._evds: Dict["EVD", None] = {}  # recv EVDs of EPs that were ever attached
+        self._eps_seen = 0
         self._posted: Dict[int, Tuple[Any, Tuple[Segment, ...]]] = {}  # wr_id -> (cookie, segments)
         self._ids = itertools.count(1)
         self._state = SRQState.OPERATIONAL
@@ -162,6 +163,8 @@ class SRQ(Handle):
     def _complete(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
         """ep.py: the cookie and segments of the SRQ buffer a receive completion used."""
         entry = self._posted.pop(wr_id, None)
+        if len(self._eps) != self._eps_seen:  # an EP came or went: remember its recv EVD for the counters
+            self._note_evds()
         if entry is None:
             return None, ()
         return entry
@@ -189,12 +192,16 @@ class SRQ(Handle):
             if not fut.done():
                 fut.set_exception(exc)
 
+    def _note_evds(self) -> None:
+        for ep in self._eps:
+            self._evds[ep.recv_evd] = None
+        self._eps_seen = len(self._eps)
+
     def _queued_completions(self) -> int:
         """SRQ receive completions sitting in recv EVDs, not yet dequeued by the consumer."""
         from aiodat.evd import DTOCompletionEvent, DTOOp
 
-        for ep in self._eps:
-            self._evds[ep.recv_evd] = None
+        self._note_evds()
         count = 0
         for evd in list(self._evds):
             if evd.closed:

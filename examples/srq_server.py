@@ -24,7 +24,7 @@ import asyncio
 import os
 import struct
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import aiodat
 from aiodat import EvdFlags, EventType

@@ -10,7 +10,7 @@ from typing import Any, Iterator, List
 import pytest
 
 import aiodat
-from aiodat import EPState, EventType, EvdFlags
+from aiodat import EPState, EventType
 from aiodat.testing.plugin import RdmaDevice, make_ep_pair
 
 pytestmark = pytest.mark.rxe

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 
 import aiodat
-from aiodat import EPState, EventType, EvdFlags, Privileges
+from aiodat import EPState, EventType, EvdFlags
 
 pytestmark = pytest.mark.rxe
 
