@@ -1,0 +1,358 @@
+"""Issue 3: connections on real rxe: PSP/CR/EP lifecycle, private data, reject, disconnect, data transfer."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, AsyncIterator, List, Tuple
+
+import pytest
+
+import aiodat
+from aiodat import EPAttr, EPState, EventType, EvdFlags
+from aiodat.testing.plugin import make_ep_pair
+
+pytestmark = pytest.mark.rxe
+
+T = 30.0  # generous bound for every wait: the QEMU guest runs under TCG
+
+
+@pytest.fixture
+async def loop_errors() -> AsyncIterator[List[dict]]:
+    """Records anything that escapes into the loop's exception handler; the test fails if something did."""
+    loop = asyncio.get_running_loop()
+    errors: List[dict] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    yield errors
+    loop.set_exception_handler(old)
+    assert not errors, f"exceptions escaped into the event loop: {errors}"
+
+
+def listen(ia: Any, qlen: int = 8) -> Tuple[Any, Any]:
+    cr_evd = ia.create_evd(qlen, EvdFlags.CR)
+    return ia.create_psp_any(cr_evd), cr_evd
+
+
+async def next_event(evd: Any, expected: EventType) -> Any:
+    event = await evd.wait_one(timeout=T)
+    assert event.type is expected, event
+    return event
+
+
+async def test_lifecycle_states_both_sides(ia: Any, loop_errors: List[dict]) -> None:
+    pz = ia.create_pz()
+    psp, cr_evd = listen(ia)
+    assert 0 < psp.port < 65536 and psp.address == ia.address
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    assert client.state is EPState.UNCONNECTED and server.state is EPState.UNCONNECTED
+    assert client.query().remote_address is None
+
+    connecting = asyncio.ensure_future(client.connect(ia.address, psp.port, b"hello", timeout=T))
+    request = await next_event(cr_evd, EventType.CONNECTION_REQUEST)
+    assert client.state is EPState.ACTIVE_CONNECTION_PENDING
+    assert request.psp is psp and request.evd is cr_evd
+    cr = request.cr
+    assert cr.private_data == b"hello"
+    assert cr.remote_address is not None and cr.remote_address[0] == ia.address
+    assert cr.local_address == (ia.address, psp.port)
+    assert server.state is EPState.UNCONNECTED  # a request does not touch any EP
+
+    accepting = asyncio.ensure_future(cr.accept(server, b"welcome", timeout=T))
+    await asyncio.sleep(0)  # the accept task has posted; no CM event was read in between
+    assert server.state is EPState.PASSIVE_CONNECTION_PENDING
+    assert await asyncio.wait_for(connecting, T) == b"welcome"
+    await asyncio.wait_for(accepting, T)
+    assert client.state is EPState.CONNECTED and server.state is EPState.CONNECTED
+
+    cq, sq = client.query(), server.query()
+    assert cq.state is EPState.CONNECTED and sq.state is EPState.CONNECTED
+    assert cq.remote_address == (ia.address, psp.port)
+    assert sq.local_address == (ia.address, psp.port)
+    assert sq.remote_address == cq.local_address == cr.remote_address
+    # the awaitables consumed their ESTABLISHED events: nothing is left on the connect EVDs
+    assert client.connect_evd.dequeue() is None and server.connect_evd.dequeue() is None
+
+    await client.disconnect(timeout=T)
+    assert client.state is EPState.DISCONNECTED
+    event = await next_event(server.connect_evd, EventType.CONNECTION_EVENT_DISCONNECTED)
+    assert event.ep is server and server.state is EPState.DISCONNECTED
+    assert client.connect_evd.dequeue() is None  # the awaitable consumed the client's DISCONNECTED
+    with pytest.raises(aiodat.InvalidState):
+        client.post_send(None)
+    await client.disconnect()  # already down: nothing to do
+
+    client.reset()
+    assert client.state is EPState.UNCONNECTED
+
+
+async def connect_pair(ia: Any, pz: Any, psp: Any, cr_evd: Any, request_pdata: bytes = b"",
+                       accept_pdata: bytes = b"") -> Tuple[Any, Any, bytes, bytes]:
+    """Connect a fresh client EP to a fresh server EP; return both and the private data each side saw."""
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    connecting = asyncio.ensure_future(client.connect(ia.address, psp.port, request_pdata, timeout=T))
+    request = await next_event(cr_evd, EventType.CONNECTION_REQUEST)
+    await request.cr.accept(server, accept_pdata, timeout=T)
+    got = await asyncio.wait_for(connecting, T)
+    return client, server, request.cr.private_data, got
+
+
+async def test_private_data_both_directions_exact(ia: Any, loop_errors: List[dict]) -> None:
+    from aiodat.cm import ACCEPT_PRIVATE_DATA_MAX, CONNECT_PRIVATE_DATA_MAX
+
+    pz = ia.create_pz()
+    psp, cr_evd = listen(ia)
+    cases = [
+        (b"", b""),
+        (b"\x00", b"\x00\x00"),  # zeros are data, not padding
+        (b"ping", b"pong" * 3),
+        (bytes(range(CONNECT_PRIVATE_DATA_MAX)), bytes(255 - i for i in range(ACCEPT_PRIVATE_DATA_MAX))),
+        (b"\x00" * CONNECT_PRIVATE_DATA_MAX, b"\xff" * ACCEPT_PRIVATE_DATA_MAX),
+    ]
+    for request_pdata, accept_pdata in cases:
+        client, server, seen_by_server, seen_by_client = await connect_pair(
+            ia, pz, psp, cr_evd, request_pdata, accept_pdata)
+        assert seen_by_server == request_pdata
+        assert seen_by_client == accept_pdata
+        client.free()
+        server.free()
+    assert ia.query().provider_attr.max_private_data_size >= CONNECT_PRIVATE_DATA_MAX
+
+
+async def test_reject_with_private_data(ia: Any, loop_errors: List[dict]) -> None:
+    from aiodat.cm import REJECT_PRIVATE_DATA_MAX
+
+    pz = ia.create_pz()
+    psp, cr_evd = listen(ia)
+    for reason in (b"go away", bytes(range(REJECT_PRIVATE_DATA_MAX)), b""):
+        client = ia.create_ep(pz)
+        connecting = asyncio.ensure_future(client.connect(ia.address, psp.port, b"may I?", timeout=T))
+        request = await next_event(cr_evd, EventType.CONNECTION_REQUEST)
+        request.cr.reject(reason)
+        with pytest.raises(aiodat.ConnectionRejected) as info:
+            await asyncio.wait_for(connecting, T)
+        assert isinstance(info.value, ConnectionRefusedError)
+        assert info.value.private_data == reason
+        assert "rejected" in str(info.value)
+        assert client.state is EPState.DISCONNECTED
+        with pytest.raises(aiodat.InvalidHandle):
+            request.cr.reject()  # answered once
+
+
+async def test_connect_without_listener_fails_clearly(ia: Any, loop_errors: List[dict]) -> None:
+    psp, _ = listen(ia)
+    port = psp.port
+    psp.free()  # now nothing listens there
+    client = ia.create_ep(ia.create_pz())
+    started = time.monotonic()
+    with pytest.raises((aiodat.ConnectionRejected, aiodat.Unreachable, aiodat.TimeoutExpired)) as info:
+        await client.connect(ia.address, port, timeout=10)
+    elapsed = time.monotonic() - started
+    assert elapsed < 10.5
+    assert f"{ia.address}:{port}" in str(info.value)
+    assert client.state is EPState.DISCONNECTED
+
+
+async def test_connect_nowait_without_listener_reports_on_evd(ia: Any, loop_errors: List[dict]) -> None:
+    psp, _ = listen(ia)
+    port = psp.port
+    psp.free()
+    client = ia.create_ep(ia.create_pz())
+    client.connect_nowait(ia.address, port, timeout=10)
+    event = await client.connect_evd.wait_one(timeout=T)
+    assert event.type in (EventType.CONNECTION_EVENT_NON_PEER_REJECTED, EventType.CONNECTION_EVENT_UNREACHABLE,
+                          EventType.CONNECTION_EVENT_TIMED_OUT)
+    assert event.ep is client and event.reason
+
+
+async def test_private_data_over_max_names_the_maximum(ia: Any, loop_errors: List[dict]) -> None:
+    from aiodat.cm import ACCEPT_PRIVATE_DATA_MAX, CONNECT_PRIVATE_DATA_MAX, REJECT_PRIVATE_DATA_MAX
+
+    pz = ia.create_pz()
+    psp, cr_evd = listen(ia)
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    with pytest.raises(aiodat.InvalidParameter) as info:
+        await client.connect(ia.address, psp.port, b"x" * (CONNECT_PRIVATE_DATA_MAX + 1), timeout=T)
+    assert str(CONNECT_PRIVATE_DATA_MAX) in str(info.value)
+    with pytest.raises(aiodat.InvalidParameter):
+        client.connect_nowait(ia.address, psp.port, b"x" * (CONNECT_PRIVATE_DATA_MAX + 1))
+    assert client.state is EPState.UNCONNECTED  # nothing was started
+    with pytest.raises(aiodat.InvalidParameter):
+        await client.connect(ia.address, psp.port, "text is not bytes", timeout=T)  # type: ignore[arg-type]
+
+    connecting = asyncio.ensure_future(client.connect(ia.address, psp.port, timeout=T))
+    cr = (await next_event(cr_evd, EventType.CONNECTION_REQUEST)).cr
+    with pytest.raises(aiodat.InvalidParameter) as info:
+        await cr.accept(server, b"y" * (ACCEPT_PRIVATE_DATA_MAX + 1))
+    assert str(ACCEPT_PRIVATE_DATA_MAX) in str(info.value)
+    assert server.state is EPState.UNCONNECTED
+    with pytest.raises(aiodat.InvalidParameter) as info:
+        cr.reject(b"z" * (REJECT_PRIVATE_DATA_MAX + 1))
+    assert str(REJECT_PRIVATE_DATA_MAX) in str(info.value)
+    cr.reject(b"z" * REJECT_PRIVATE_DATA_MAX)  # the request is still there to answer
+    with pytest.raises(aiodat.ConnectionRejected) as rejected:
+        await asyncio.wait_for(connecting, T)
+    assert rejected.value.private_data == b"z" * REJECT_PRIVATE_DATA_MAX
+
+
+async def test_port_in_use_and_psp_any(ia: Any, loop_errors: List[dict]) -> None:
+    psp, cr_evd = listen(ia)
+    other = ia.create_psp_any(cr_evd)
+    assert other.port != psp.port and 0 < other.port < 65536
+    with pytest.raises(aiodat.ConnQualInUse) as info:
+        ia.create_psp(psp.port, cr_evd)
+    assert str(psp.port) in str(info.value)
+    port = psp.port
+    psp.free()
+    again = ia.create_psp(port, cr_evd)  # free again after the first PSP went
+    assert again.port == port
+    assert again.query()["port"] == port
+
+
+async def test_fifty_concurrent_connections(ia: Any, loop_errors: List[dict]) -> None:
+    n = 50
+    pz = ia.create_pz()
+    psp, cr_evd = listen(ia, qlen=n)
+    attrs = EPAttr(max_recv_dtos=2, max_request_dtos=2)
+    client_dto, server_dto = ia.create_evd(4 * n, EvdFlags.DTO), ia.create_evd(4 * n, EvdFlags.DTO)
+    client_conn, server_conn = ia.create_evd(2 * n, EvdFlags.CONNECTION), ia.create_evd(2 * n, EvdFlags.CONNECTION)
+    clients = [ia.create_ep(pz, client_dto, client_dto, client_conn, attrs=attrs) for _ in range(n)]
+    servers: List[Any] = []
+
+    async def serve() -> None:
+        accepts = []
+        while len(accepts) < n:
+            for event in await cr_evd.wait(timeout=T):
+                assert event.type is EventType.CONNECTION_REQUEST
+                server = ia.create_ep(pz, server_dto, server_dto, server_conn, attrs=attrs)
+                servers.append(server)
+                accepts.append(asyncio.ensure_future(event.cr.accept(server, event.cr.private_data, timeout=T)))
+        await asyncio.gather(*accepts)
+
+    server_task = asyncio.ensure_future(serve())
+    replies = await asyncio.wait_for(asyncio.gather(*(
+        c.connect(ia.address, psp.port, b"client %d" % i, timeout=T) for i, c in enumerate(clients))), 4 * T)
+    await asyncio.wait_for(server_task, T)
+    assert replies == [b"client %d" % i for i in range(n)]  # each got its own request echoed back
+    assert len(servers) == n
+    assert all(ep.state is EPState.CONNECTED for ep in clients + servers)
+    assert len({ep.query().local_address for ep in clients}) == n
+
+    await asyncio.wait_for(asyncio.gather(*(c.disconnect(timeout=T) for c in clients)), 4 * T)
+    assert all(ep.state is EPState.DISCONNECTED for ep in clients)
+    seen: List[Any] = []
+    while len(seen) < n:
+        for event in await server_conn.wait(timeout=T):
+            assert event.type is EventType.CONNECTION_EVENT_DISCONNECTED
+            seen.append(event.ep)
+    assert set(seen) == set(servers) and len(seen) == n
+    assert all(ep.state is EPState.DISCONNECTED for ep in servers)
+
+
+async def test_server_disconnect_seen_by_client(ia: Any, loop_errors: List[dict]) -> None:
+    pair = await make_ep_pair(ia)
+    await pair.server.disconnect(timeout=T)
+    assert pair.server.state is EPState.DISCONNECTED
+    event = await next_event(pair.client.connect_evd, EventType.CONNECTION_EVENT_DISCONNECTED)
+    assert event.ep is pair.client and event.evd is pair.client.connect_evd
+    assert pair.client.state is EPState.DISCONNECTED
+
+
+async def test_nowait_forms_report_on_connect_evd(ia: Any, loop_errors: List[dict]) -> None:
+    pz = ia.create_pz()
+    psp, cr_evd = listen(ia)
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    client.connect_nowait(ia.address, psp.port, b"raw request", timeout=T)
+    assert client.state is EPState.ACTIVE_CONNECTION_PENDING
+    request = await next_event(cr_evd, EventType.CONNECTION_REQUEST)
+    assert request.cr.private_data == b"raw request"
+    request.cr.accept_nowait(server, b"raw reply")
+    assert server.state is EPState.PASSIVE_CONNECTION_PENDING
+    with pytest.raises(aiodat.InvalidHandle):
+        request.cr.accept_nowait(server)  # a CR is answered once
+
+    established = await next_event(client.connect_evd, EventType.CONNECTION_EVENT_ESTABLISHED)
+    assert established.ep is client and established.private_data == b"raw reply"
+    established = await next_event(server.connect_evd, EventType.CONNECTION_EVENT_ESTABLISHED)
+    assert established.ep is server
+    assert client.state is EPState.CONNECTED and server.state is EPState.CONNECTED
+
+    client.disconnect_nowait()
+    assert client.state is EPState.DISCONNECT_PENDING
+    assert (await next_event(client.connect_evd, EventType.CONNECTION_EVENT_DISCONNECTED)).ep is client
+    assert (await next_event(server.connect_evd, EventType.CONNECTION_EVENT_DISCONNECTED)).ep is server
+    assert client.state is EPState.DISCONNECTED and server.state is EPState.DISCONNECTED
+
+    # a raw reject arrives as PEER_REJECTED with the private data
+    other = ia.create_ep(pz)
+    other.connect_nowait(ia.address, psp.port, timeout=T)
+    (await next_event(cr_evd, EventType.CONNECTION_REQUEST)).cr.reject(b"full")
+    rejected = await next_event(other.connect_evd, EventType.CONNECTION_EVENT_PEER_REJECTED)
+    assert rejected.private_data == b"full" and rejected.ep is other
+    assert other.state is EPState.DISCONNECTED
+
+
+async def test_abrupt_disconnect_flushes_receives(ia: Any, loop_errors: List[dict]) -> None:
+    pair = await make_ep_pair(ia)
+    for i in range(3):
+        pair.client.post_recv(pair.client_lmr[i * 64:(i + 1) * 64], cookie=("c", i))
+    pair.server.post_recv(pair.server_lmr[0:64], cookie="s")
+    await pair.client.disconnect(graceful=False, timeout=T)
+    assert pair.client.state is EPState.DISCONNECTED
+    flushed = await pair.client.recv_evd.wait(threshold=3, timeout=T)
+    assert [e.cookie for e in flushed] == [("c", 0), ("c", 1), ("c", 2)]
+    assert all(e.status == "IBV_WC_WR_FLUSH_ERR" and e.flushed and not e.ok for e in flushed)
+    with pytest.raises(aiodat.DTOError):
+        flushed[0].raise_for_status()
+    # the peer sees the disconnect, and its own posted receive is flushed too
+    await next_event(pair.server.connect_evd, EventType.CONNECTION_EVENT_DISCONNECTED)
+    (server_flush,) = await pair.server.recv_evd.wait(timeout=T)
+    assert server_flush.cookie == "s" and server_flush.status == "IBV_WC_WR_FLUSH_ERR"
+    # the LMRs are free to go once their requests have completed
+    pair.client_lmr.free()
+    pair.server_lmr.free()
+
+
+async def test_send_recv_bytes_exact(ia: Any, loop_errors: List[dict]) -> None:
+    pair = await make_ep_pair(ia, buffer_size=8192)
+    out, into = pair.client_lmr.memoryview(), pair.server_lmr.memoryview()
+    for size in (1, 1000, 4096):
+        payload = os.urandom(size)
+        out[0:size] = payload
+        into[:] = b"\xee" * len(into)
+        pair.server.post_recv(pair.server_lmr[0:4096], cookie=("recv", size))
+        pair.client.post_send(pair.client_lmr[0:size], cookie=("send", size))
+        (sent,) = await pair.client.request_evd.wait(timeout=T)
+        (got,) = await pair.server.recv_evd.wait(timeout=T)
+        sent.raise_for_status()
+        got.raise_for_status()
+        assert sent.cookie == ("send", size) and sent.operation is aiodat.DTOOp.SEND and sent.ep is pair.client
+        assert got.cookie == ("recv", size) and got.operation is aiodat.DTOOp.RECV and got.ep is pair.server
+        assert got.transferred_length == size
+        assert bytes(into[0:size]) == payload
+        assert bytes(into[size:4096]) == b"\xee" * (4096 - size)  # nothing beyond the message was written
+    # and the other way round
+    into[0:5] = b"reply"
+    pair.client.post_recv(pair.client_lmr[100:200], cookie="back")
+    pair.server.post_send(pair.server_lmr[0:5])
+    (got,) = await pair.client.recv_evd.wait(timeout=T)
+    assert got.ok and got.transferred_length == 5 and bytes(out[100:105]) == b"reply"
+    (sent,) = await pair.server.request_evd.wait(timeout=T)
+    assert sent.ok
+
+
+async def test_failed_completion_raises_dto_error(ia: Any, loop_errors: List[dict]) -> None:
+    pair = await make_ep_pair(ia)
+    pair.server.post_recv(pair.server_lmr[0:16], cookie="small")
+    pair.client.post_send(pair.client_lmr[0:64], cookie="big")
+    (got,) = await pair.server.recv_evd.wait(timeout=T)
+    # verbs says IBV_WC_LOC_LEN_ERR; rxe (kernel 6.1) reports a receive too short as IBV_WC_LOC_QP_OP_ERR
+    assert got.status in ("IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR") and not got.ok
+    assert got.cookie == "small" and got.operation is aiodat.DTOOp.RECV
+    with pytest.raises(aiodat.DTOError) as info:
+        got.raise_for_status()
+    assert got.status in str(info.value) and "small" in str(info.value)
+    assert info.value.status == got.status
+    assert isinstance(info.value, OSError)
+    (sent,) = await pair.client.request_evd.wait(timeout=T)
+    assert sent.cookie == "big" and not sent.ok  # the sender learns of the failure too
