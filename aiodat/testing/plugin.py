@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, Optional
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, Optional, Tuple
 
 import pytest
 
@@ -113,9 +113,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         _device_or_skip()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def rdma_device() -> RdmaDevice:
-    """The RDMA device to test on; skips (or fails under AIODAT_REQUIRE_DEVICE=1) when there is none."""
+    """The RDMA device to test on; skips (or fails under AIODAT_REQUIRE_DEVICE=1) when there is none.
+
+    Session-scoped (it is only a name and an address), so a user's module- or
+    session-scoped fixtures can open their own IA or connections from it.
+    """
     return _device_or_skip()
 
 
@@ -137,7 +141,12 @@ class EPPair:
 
     ``client``/``server`` are the EPs, ``client_lmr``/``server_lmr`` registered
     ``buffer_size``-byte bytearrays (local write, remote read/write/atomic), and
-    ``pz`` the protection zone they share.
+    ``pz`` the protection zone they share.  Each EP has its own EVDs:
+    ``ep.recv_evd`` (receive completions), ``ep.request_evd`` (send, RDMA and
+    atomic completions) and ``ep.connect_evd`` (connection events, e.g. the
+    peer's DISCONNECTED); ``client_evds``/``server_evds`` list them.
+    ``close()`` frees everything the pair made (the ``ep_pair`` fixture calls
+    it after the test; the IA stays open).
     """
 
     ia: Any
@@ -147,6 +156,23 @@ class EPPair:
     client_lmr: Any
     server_lmr: Any
     psp: Any
+    cr_evd: Any = None
+
+    @property
+    def client_evds(self) -> Tuple[Any, Any, Any]:
+        """The client EP's (recv_evd, request_evd, connect_evd)."""
+        return self.client.recv_evd, self.client.request_evd, self.client.connect_evd
+
+    @property
+    def server_evds(self) -> Tuple[Any, Any, Any]:
+        """The server EP's (recv_evd, request_evd, connect_evd)."""
+        return self.server.recv_evd, self.server.request_evd, self.server.connect_evd
+
+    def close(self) -> None:
+        """Free the EPs (dropping the connection), the LMRs, the PZ, the PSP and its EVD. Idempotent."""
+        for handle in (self.psp, self.client, self.server, self.pz, self.cr_evd):
+            if handle is not None and not handle.closed:
+                handle.close()
 
 
 async def make_ep_pair(ia: Any, buffer_size: int = 4096, attrs: Any = None) -> EPPair:
@@ -168,10 +194,17 @@ async def make_ep_pair(ia: Any, buffer_size: int = 4096, attrs: Any = None) -> E
         event = await cr_evd.wait_one(timeout=30)
         await event.cr.accept(server)
 
+    pair = EPPair(ia, pz, client, server, client_lmr, server_lmr, psp, cr_evd)
     acceptor = asyncio.ensure_future(accept())
-    await ia_connect(client, psp)
-    await acceptor
-    return EPPair(ia, pz, client, server, client_lmr, server_lmr, psp)
+    try:
+        await ia_connect(client, psp)
+        await acceptor
+    except BaseException:
+        acceptor.cancel()
+        await asyncio.gather(acceptor, return_exceptions=True)
+        pair.close()
+        raise
+    return pair
 
 
 async def ia_connect(ep: Any, psp: Any) -> bytes:
@@ -181,6 +214,9 @@ async def ia_connect(ep: Any, psp: Any) -> bytes:
 
 @pytest.fixture
 async def ep_pair(ia: Any) -> AsyncIterator[EPPair]:
-    """Two endpoints connected to each other on ``ia`` (see :class:`EPPair`)."""
+    """Two endpoints connected to each other on ``ia`` (see :class:`EPPair`), freed after the test."""
     pair = await make_ep_pair(ia)
-    yield pair
+    try:
+        yield pair
+    finally:
+        pair.close()

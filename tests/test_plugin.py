@@ -1,0 +1,174 @@
+"""Issue 6 item 3: the pytest plugin, exercised the way a user's suite meets it (pytester).
+
+The sample suite below is what a user writes: it never imports the plugin (the
+``pytest11`` entry point loads it), uses the ``rxe`` marker and the
+``rdma_device`` / ``ia`` / ``ep_pair`` fixtures, a module-scoped event loop
+with a module-scoped connection of its own, and checks it runs on the loop
+chosen with ``--aiodat-loop``.  On rxe it must pass; on a machine without a
+device the device tests must skip with the how-to message (host-only tests).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import textwrap
+from typing import Any
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+INI = """
+[pytest]
+asyncio_mode = auto
+asyncio_default_fixture_loop_scope = function
+"""
+
+USER_SUITE = '''
+import asyncio
+import os
+
+import pytest
+
+import aiodat
+
+
+@pytest.mark.rxe
+def test_device_and_ia(rdma_device, ia):
+    assert ia.name == rdma_device.name
+    assert ia.address == rdma_device.address
+    assert ia.query().ia_attr.max_eps > 0
+
+
+@pytest.mark.rxe
+async def test_message_across(ep_pair):
+    server_recv, _, _ = ep_pair.server_evds
+    _, client_req, client_conn = ep_pair.client_evds
+    ep_pair.server.post_recv(ep_pair.server_lmr[0:64], cookie="rx")
+    ep_pair.client_lmr.memoryview()[:11] = b"hello, rxe!"
+    ep_pair.client.post_send(ep_pair.client_lmr[0:11], cookie="tx")
+    sent = await client_req.wait_one(timeout=10)
+    assert sent.raise_for_status().cookie == "tx"
+    got = await server_recv.wait_one(timeout=10)
+    assert got.raise_for_status().cookie == "rx" and got.transferred_length == 11
+    assert bytes(ep_pair.server_lmr.memoryview()[:11]) == b"hello, rxe!"
+    assert ep_pair.client.state is aiodat.EPState.CONNECTED
+
+
+async def test_runs_on_the_chosen_loop():
+    loop = asyncio.get_running_loop()
+    assert ("uvloop" in type(loop).__module__) == (os.environ["EXPECT_LOOP"] == "uvloop"), type(loop)
+'''
+
+MODULE_LOOP_SUITE = '''
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+import aiodat
+from aiodat.testing.plugin import make_ep_pair
+
+pytestmark = [pytest.mark.rxe, pytest.mark.asyncio(loop_scope="module")]
+LOOPS = []
+
+
+@pytest.fixture(scope="module")
+def module_ia(rdma_device):
+    with aiodat.open_ia(rdma_device.name) as ia:
+        yield ia
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def shared_pair(module_ia):
+    pair = await make_ep_pair(module_ia, 256)
+    yield pair
+    pair.close()
+
+
+async def ping(pair, payload):
+    pair.server.post_recv(pair.server_lmr[0:64])
+    pair.client_lmr.memoryview()[:len(payload)] = payload
+    pair.client.post_send(pair.client_lmr[0:len(payload)])
+    (await pair.client.request_evd.wait_one(timeout=10)).raise_for_status()
+    got = (await pair.server.recv_evd.wait_one(timeout=10)).raise_for_status()
+    return bytes(pair.server_lmr.memoryview()[:got.transferred_length])
+
+
+async def test_first_uses_the_module_connection(shared_pair):
+    LOOPS.append(asyncio.get_running_loop())
+    assert await ping(shared_pair, b"one") == b"one"
+
+
+async def test_second_reuses_it_on_the_same_loop(shared_pair):
+    LOOPS.append(asyncio.get_running_loop())
+    assert LOOPS[0] is LOOPS[1]
+    assert await ping(shared_pair, b"two") == b"two"
+
+
+async def test_function_fixture_in_a_module_loop(ep_pair):
+    assert asyncio.get_running_loop() is LOOPS[0]
+    assert await ping(ep_pair, b"three") == b"three"
+'''
+
+
+def _write_suite(pytester: pytest.Pytester) -> None:
+    pytester.makeini(INI)
+    pytester.makepyfile(test_user_suite=USER_SUITE, test_module_loop=MODULE_LOOP_SUITE)
+
+
+def _no_device() -> bool:
+    from aiodat.testing.plugin import find_device
+
+    try:
+        return find_device() is None
+    except ImportError:
+        return True
+
+
+def test_entry_point_registers_the_plugin() -> None:
+    """Installing aiodat is enough: the pytest11 entry point names aiodat.testing.plugin."""
+    points = importlib.metadata.entry_points(group="pytest11")
+    assert any(p.name == "aiodat" and p.value == "aiodat.testing.plugin" for p in points)
+
+
+@pytest.mark.rxe
+def test_user_suite_passes_on_rxe(pytester: pytest.Pytester, request: pytest.FixtureRequest,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sample user suite passes on the device, on the loop the outer run uses, module loop scope included."""
+    loop = request.config.getoption("--aiodat-loop") or "asyncio"
+    monkeypatch.setenv("EXPECT_LOOP", loop)
+    _write_suite(pytester)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--aiodat-loop={loop}", "-v",
+                                           timeout=600)
+    result.stdout.fnmatch_lines([f"aiodat: loop={loop} *"])
+    result.assert_outcomes(passed=6)
+
+
+def test_user_suite_skips_without_device(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a device (host-side), device tests skip saying how to run them; the rest still runs."""
+    if not _no_device():
+        pytest.skip("this machine has an RDMA device: the no-device behaviour is tested on the host")
+    for name in ("AIODAT_REQUIRE_DEVICE", "AIODAT_RXE_DEVICE", "AIODAT_RXE_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("EXPECT_LOOP", "uvloop")
+    _write_suite(pytester)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--aiodat-loop=uvloop", "-rs", timeout=300)
+    result.assert_outcomes(passed=1, skipped=5)
+    result.stdout.fnmatch_lines(["*SKIPPED*no RDMA device here*aiodat rxe run -- python -m pytest*"])
+
+
+def test_required_device_missing_is_an_error(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AIODAT_REQUIRE_DEVICE=1 (CI, the test bed) a missing device fails the device tests, never skips."""
+    if not _no_device():
+        pytest.skip("this machine has an RDMA device: the no-device behaviour is tested on the host")
+    monkeypatch.setenv("AIODAT_REQUIRE_DEVICE", "1")
+    for name in ("AIODAT_RXE_DEVICE", "AIODAT_RXE_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("EXPECT_LOOP", "asyncio")
+    pytester.makeini(INI)
+    pytester.makepyfile(test_user_suite=USER_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    outcomes: Any = result.parseoutcomes()
+    assert outcomes.get("skipped", 0) == 0
+    assert outcomes.get("failed", 0) + outcomes.get("errors", 0) == 2 and outcomes.get("passed") == 1
+    result.stdout.fnmatch_lines(["*AIODAT_REQUIRE_DEVICE=1 but no RDMA device is up*"])
