@@ -172,6 +172,8 @@ class CMChannel:
             psp = self.owners.get(_key(ev.listen_id))
             if isinstance(psp, PSP) and not psp.closed:
                 psp._on_request(ev.id, pdata, ev.responder_resources, ev.initiator_depth)
+            elif hasattr(psp, "_on_cm_request") and not psp.closed:  # a datagram PSP (datagram.py)
+                psp._on_cm_request(ev, pdata)
             else:
                 lib.rdma_reject(ev.id, ffi.NULL, 0)
                 lib.rdma_destroy_id(ev.id)
@@ -186,6 +188,10 @@ class CMChannel:
 
         if isinstance(owner, EP):
             _ep_event(owner, kind, ev.status, pdata)
+        elif hasattr(owner, "_on_cm_event"):  # UD resolution or multicast join (datagram.py)
+            owner._on_cm_event(ev, pdata)
+        elif ev.ah != ffi.NULL:  # an address handle nobody is left to take
+            lib.ibv_destroy_ah(ev.ah)
 
     def destroy(self) -> None:
         """Stop watching and destroy the channel (every id is gone by now)."""
@@ -380,6 +386,12 @@ def _outcome(ep: "EP", event: ConnectionEvent, what: str) -> bytes:
 async def _await_outcome(ep: "EP", fut: "asyncio.Future[ConnectionEvent]") -> ConnectionEvent:
     try:
         return await fut
+    except asyncio.CancelledError:
+        # The outcome may have arrived just before the cancellation reached the task: it was
+        # handed to the future, not the EVD.  Never lose it: it goes to the connect EVD.
+        if fut.done() and not fut.cancelled() and fut.exception() is None and not ep.closed:
+            ep.connect_evd._push(fut.result())
+        raise
     finally:
         if ep._connect_waiter is fut:
             ep._connect_waiter = None

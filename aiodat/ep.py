@@ -721,6 +721,67 @@ class EP(Handle):
             self.connect_evd._push(ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, self.connect_evd, self,
                                                    reason=reason))
 
+    # -- datagrams and multicast (implemented in datagram.py) -----------------------
+    async def resolve_datagram(self, host: str, port: int, private_data: bytes = b"",
+                               timeout: Optional[float] = 10.0) -> Any:
+        """Resolve the UD service at ``host:port`` (a peer's :meth:`serve_datagram`) to an AddressHandle.
+
+        rdma_cm resolves the address and route and asks the peer for its QP
+        number and Q_Key (SIDR); the answer becomes an
+        :class:`aiodat.datagram.AddressHandle` to pass to :meth:`post_send_to`.
+        Raises Unreachable, ConnectionRejected (nothing serves that port) or
+        TimeoutExpired.  UD endpoints only.
+        """
+        from aiodat.datagram import resolve_datagram
+
+        return await resolve_datagram(self, host, port, private_data, timeout)
+
+    def serve_datagram(self, port: int = 0, private_data: bytes = b"") -> Any:
+        """Answer datagram resolutions on UDP-port-space ``port`` with this EP's QP (a DatagramPSP)."""
+        from aiodat.datagram import DatagramPSP
+
+        return DatagramPSP(self, port, private_data)
+
+    def post_send_to(self, segments: Segments, dest: Any, cookie: Any = None,
+                     flags: CompletionFlags = CompletionFlags.DEFAULT, *, imm_data: Optional[int] = None) -> None:
+        """Send one datagram to ``dest`` (an AddressHandle or a joined MulticastGroup); UD endpoints only.
+
+        The message must fit one path MTU (:func:`aiodat.datagram.max_message_size`).
+        """
+        from aiodat.datagram import post_send_to
+
+        post_send_to(self, segments, dest, cookie, flags, imm_data)
+
+    def post_recv_datagram(self, segments: Segments, cookie: Any = None,
+                           flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
+        """Post a UD receive whose 40-byte GRH goes to a scratch buffer, so ``segments`` get the payload alone.
+
+        Needs ``EPAttr.max_recv_iov`` >= 1 + the number of segments.  The
+        completion's ``transferred_length`` still counts the GRH (payload =
+        transferred_length - GRH_SIZE); ``src_qp`` names the sender.
+        """
+        from aiodat.datagram import post_recv_datagram
+
+        post_recv_datagram(self, segments, cookie, flags)
+
+    async def join_multicast(self, group: str, timeout: Optional[float] = 10.0) -> Any:
+        """Join the multicast ``group`` (an IP address); returns a MulticastGroup (ib_join_mcast).
+
+        The QP is attached to the group, so datagrams sent to it arrive in
+        this EP's receives; send to it with ``post_send_to(segs, group)``.
+        """
+        from aiodat.datagram import join_multicast
+
+        return await join_multicast(self, group, timeout)
+
+    async def leave_multicast(self, group: Any) -> None:
+        """Leave a group joined with :meth:`join_multicast` (ib_leave_mcast)."""
+        from aiodat.datagram import MulticastGroup
+
+        if not isinstance(group, MulticastGroup) or group.ep is not self:
+            raise InvalidParameter("leave_multicast takes a MulticastGroup this EP joined")
+        await group.leave()
+
     # -- connections (implemented in cm.py) ----------------------------------------
     def connect_nowait(self, host: str, port: int, private_data: bytes = b"", timeout: float = 10.0) -> None:
         """Start connecting to ``host:port`` (dat_ep_connect); the outcome arrives on ``connect_evd``."""
@@ -764,6 +825,7 @@ class EP(Handle):
         if err:
             raise error_from_errno(err, "resetting the queue pair")
         self._retire_all()
+        self._drop_windows()
         lib.ibv_destroy_qp(self._qp)
         self._ia._qpn_owner.pop(self.qp_num, None)
         self._qp = self._create_qp()
@@ -778,6 +840,12 @@ class EP(Handle):
         err = lib.ibv_modify_qp(self._qp, attr, lib.IBV_QP_STATE)
         if err:
             raise error_from_errno(err, "moving the queue pair to ERR")
+
+    def _drop_windows(self) -> None:
+        """Type-2 windows bound through this QP hold a reference on it (rxe then waits 50 s in
+        ibv_destroy_qp): give each RMR a fresh, unbound window before the QP goes."""
+        for rmr in list(getattr(self, "_windows", ())):
+            rmr._qp_gone(self)
 
     def _retire_all(self) -> None:
         for entry in self._send_q:
@@ -806,6 +874,7 @@ class EP(Handle):
             waiter.set_exception(InvalidHandle("the EP was freed while a connection call waited on it"))
         if self._qp != ffi.NULL:
             detach_cm_id(self)  # QP before its cm_id, but librdmacm must forget the QP first
+            self._drop_windows()
             lib.ibv_destroy_qp(self._qp)
             self._qp = ffi.NULL
         self._retire_all()

@@ -278,7 +278,10 @@ class RMR(Handle):
     """
 
     _kind = "rmr"
-    _close_rank = 2  # after EPs (QPs), before LMRs: a window must go before the MR it is bound to
+    # Before EPs and LMRs: a bound type-2 window holds references on both its MR and the QP
+    # that bound it (rxe waits 50 s in ibv_destroy_qp for them), and deallocating the window
+    # first releases both.
+    _close_rank = -1
 
     def __init__(self, pz: "PZ") -> None:
         pz._check()
@@ -296,6 +299,7 @@ class RMR(Handle):
         self._mw = mw
         self._rkey: int = mw.rkey
         self._bound: Optional[Tuple[Segment, Privileges]] = None
+        self._ep: Any = None  # the EP the window was last bound through
         # posted binds/unbinds in order: (future or None, op, new rkey, segment, privileges)
         self._pending: Deque[Tuple[Any, Any, int, Optional[Segment], Privileges]] = deque()
 
@@ -341,6 +345,9 @@ class RMR(Handle):
             ep._post_one(DTOOp.UNBIND, WR_LOCAL_INV, (), cookie, CompletionFlags.DEFAULT, target=self,
                          bind=(self._mw, self._rkey, ffi.NULL, 0, 0, 0))
         self._pending.append((waiter, op, new_rkey, segment, privileges))
+        windows = ep.__dict__.setdefault("_windows", set())
+        windows.add(self)
+        self._ep = ep
         if waiter is not None:
             ep.request_evd._attach(waiter.get_loop())  # the completion must be drained by the loop
         return new_rkey
@@ -444,6 +451,7 @@ class RMR(Handle):
                 segment.lmr._inflight -= 1
             if ok:
                 self._rkey = new_rkey
+                self._mw.rkey = new_rkey  # verbs leaves this to the consumer; the next bind names it
                 self._bound = (segment, privileges)  # type: ignore[assignment]
                 segment.lmr._inflight += 1  # held while bound
         elif ok and self._bound is not None:
@@ -455,6 +463,35 @@ class RMR(Handle):
             waiter.set_result(event)
             return None
         return event
+
+    def _forget(self, why: str) -> None:
+        """Drop every pending request and the binding (their LMR pins too); wake waiters with InvalidHandle."""
+        from aiodat.errors import InvalidHandle
+
+        for waiter, _op, _key, segment, _priv in self._pending:
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(InvalidHandle(why))
+            if segment is not None:
+                segment.lmr._inflight -= 1
+        self._pending.clear()
+        if self._bound is not None:
+            self._bound[0].lmr._inflight -= 1
+            self._bound = None
+        ep, self._ep = getattr(self, "_ep", None), None
+        if ep is not None:
+            ep.__dict__.get("_windows", set()).discard(self)
+
+    def _qp_gone(self, ep: Any) -> None:
+        """The EP the window was bound through is destroying its QP: start over with a fresh window."""
+        self._forget("the EP the window was bound through was freed")
+        if self._mw != ffi.NULL:
+            lib.ibv_dealloc_mw(self._mw)
+        self._mw = lib.ibv_alloc_mw(self._pz._pd, lib.IBV_MW_TYPE_2)
+        if self._mw == ffi.NULL:
+            self._closed = True  # no window to offer any more
+            self._pz._children.pop(self, None)
+            return
+        self._rkey = self._mw.rkey
 
     def remote(self) -> RemoteRegion:
         """The bound range as a region a peer can target (address, length, the window's rkey)."""
@@ -473,23 +510,16 @@ class RMR(Handle):
         return RMRParam(self._pz, True, seg.lmr, seg.address, seg.length, priv, self._rkey, self._mw.type)
 
     def free(self) -> None:
-        """Free the window (dat_rmr_free); a bound window is invalidated by its destruction."""
+        """Free the window (dat_rmr_free); a bound window is invalidated by its destruction.
+
+        Freeing the EP a window was bound through leaves the RMR usable but
+        unbound (aiodat replaces the window: a type-2B window is tied to that QP).
+        """
         self._check()
         self.close()
 
     def _release(self) -> None:
-        for waiter, *_ in self._pending:
-            if waiter is not None and not waiter.done():
-                from aiodat.errors import InvalidHandle
-
-                waiter.set_exception(InvalidHandle("the RMR was freed while a bind waited on it"))
-        for _, op, _, segment, _ in self._pending:
-            if segment is not None:
-                segment.lmr._inflight -= 1
-        self._pending.clear()
-        if self._bound is not None:
-            self._bound[0].lmr._inflight -= 1
-            self._bound = None
+        self._forget("the RMR was freed while a bind waited on it")
         if self._mw != ffi.NULL:
             lib.ibv_dealloc_mw(self._mw)
             self._mw = ffi.NULL

@@ -234,11 +234,14 @@ int aiodat_cm_get_events(struct rdma_event_channel *channel, struct ibv_pd *pd,
         if (is_ud) {
             d->ud_qp_num = ev->param.ud.qp_num;
             d->ud_qkey = ev->param.ud.qkey;
-            /* the PD given, else the one the id's owner set on id->pd */
-            struct ibv_pd *ah_pd = pd ? pd : ev->id->pd;
-            if (ah_pd && (ev->event == RDMA_CM_EVENT_ESTABLISHED ||
-                          ev->event == RDMA_CM_EVENT_MULTICAST_JOIN))
-                d->ah = ibv_create_ah(ah_pd, &ev->param.ud.ah_attr);
+            if (ev->event == RDMA_CM_EVENT_ESTABLISHED || ev->event == RDMA_CM_EVENT_MULTICAST_JOIN) {
+                /* librdmacm's id->pd is its own (on its own context): the AH must be made on
+                 * the PD of the QP that sends, which only the caller knows */
+                memcpy(d->ah_attr, &ev->param.ud.ah_attr, sizeof(struct ibv_ah_attr));
+                d->has_ah_attr = 1;
+                if (pd)
+                    d->ah = ibv_create_ah(pd, &ev->param.ud.ah_attr);
+            }
         } else {
             d->responder_resources = ev->param.conn.responder_resources;
             d->initiator_depth = ev->param.conn.initiator_depth;
@@ -250,6 +253,21 @@ int aiodat_cm_get_events(struct rdma_event_channel *channel, struct ibv_pd *pd,
         rdma_ack_cm_event(ev);
     }
     return n;
+}
+
+_Static_assert(sizeof(struct ibv_ah_attr) <= sizeof(((struct aiodat_cm_event *)0)->ah_attr),
+               "aiodat_cm_event.ah_attr too small");
+
+/* An address handle on pd from the path a UD/multicast rdma_cm event carried. */
+struct ibv_ah *aiodat_create_ah(struct ibv_pd *pd, const struct aiodat_cm_event *ev)
+{
+    struct ibv_ah_attr attr;
+    if (!ev->has_ah_attr) {
+        errno = EINVAL;
+        return NULL;
+    }
+    memcpy(&attr, ev->ah_attr, sizeof(attr));
+    return ibv_create_ah(pd, &attr);
 }
 
 /* Copy out up to max pending device events from the context's async fd. */

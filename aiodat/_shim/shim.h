@@ -210,8 +210,11 @@ struct aiodat_cm_event {
     int private_data_len; uint8_t private_data[256];
     uint8_t responder_resources; uint8_t initiator_depth; uint8_t retry_count;
     uint8_t rnr_retry_count; uint8_t srq; uint32_t qp_num;
-    /* UD/multicast: an address handle made from the event's path, owned by the caller. */
+    /* UD/multicast: an address handle made from the event's path, owned by the caller
+     * (only when a PD is passed to aiodat_cm_get_events), and the path itself
+     * (a struct ibv_ah_attr, opaque) for aiodat_create_ah on the PD the caller chooses. */
     struct ibv_ah *ah; uint32_t ud_qp_num; uint32_t ud_qkey;
+    int has_ah_attr; uint8_t ah_attr[64];
 };
 
 /* One asynchronous (device) event, copied out and acked. */
@@ -231,6 +234,7 @@ int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int sol
 int aiodat_cq_poll(struct ibv_cq *cq, struct aiodat_wc *out, int max);
 int aiodat_cm_get_events(struct rdma_event_channel *channel, struct ibv_pd *pd,
                          struct aiodat_cm_event *out, int max);
+struct ibv_ah *aiodat_create_ah(struct ibv_pd *pd, const struct aiodat_cm_event *ev);
 int aiodat_async_get_events(struct ibv_context *context, struct aiodat_async_event *out, int max);
 int aiodat_cm_attach_qp(struct rdma_cm_id *id, struct ibv_qp *qp);
 int aiodat_sockaddr(const char *host, uint16_t port, struct sockaddr_storage *out);

@@ -1,0 +1,441 @@
+"""Datagrams and multicast: UD endpoints over rdma_cm's UDP port space.
+
+The Access Layer's datagram service (ib_init_dgrm_svc, SIDR) and multicast
+(ib_join_mcast, ib_leave_mcast) on rdma_cm:
+
+* A UD endpoint is ``ia.create_ep(pz, attrs=EPAttr(service_type=ServiceType.UD))``.
+  Its QP is taken to RTS at once with rdma_cm's UDP Q_Key (RDMA_UDP_QKEY), so
+  it needs no connection.
+* The passive side, :class:`DatagramPSP` (``ep.serve_datagram(port)``),
+  listens on a UDP-port-space cm_id and answers every address-resolution
+  request (a SIDR REQ) with its EP's QP number and Q_Key (rdma_accept on the
+  request's id).
+* The active side, ``await ep.resolve_datagram(host, port)``, resolves the
+  address and route and sends the SIDR REQ (rdma_connect on a UDP id); the
+  ESTABLISHED event carries the peer's QP number, Q_Key and path, from which
+  an address handle is made on the EP's PD (``aiodat_create_ah``: librdmacm's
+  own ``id->pd`` lives on its own device context, and a QP only sends to AHs
+  of its own PD).  The result is an
+  :class:`AddressHandle` to post sends to: ``ep.post_send_to(segs, ah)``.
+* ``await ep.join_multicast("239.1.1.1")`` resolves the group on the IA's
+  address, attaches the EP's QP to the id (librdmacm then calls
+  ibv_attach_mcast when the join completes, and ibv_detach_mcast on leave)
+  and returns a :class:`MulticastGroup` whose ``address_handle`` sends to the
+  group.  ``await ep.leave_multicast(group)`` (or ``group.leave()``) leaves.
+
+Receives on a UD EP begin with the 40-byte Global Route Header (GRH) the
+device writes in front of every datagram: post at least ``GRH_SIZE`` more
+bytes than the largest message, and the payload starts at offset 40; the
+completion's ``transferred_length`` counts the GRH too.  ``ep.post_recv_datagram``
+puts the GRH into a per-EP scratch buffer instead (it needs
+``EPAttr.max_recv_iov`` >= 1 + the segments given), so the segments receive
+the payload alone.  The completion's ``src_qp`` is the sender's QP number.
+A datagram is at most one path MTU (``max_message_size`` below).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Optional, Tuple
+
+from aiodat._handle import Handle
+from aiodat._lib import ffi, lib
+from aiodat.errors import (
+    InvalidParameter,
+    InvalidState,
+    TimeoutExpired,
+    Unreachable,
+    ConnectionRejected,
+    error_from_errno,
+)
+
+if TYPE_CHECKING:
+    from aiodat.ep import EP
+    from aiodat.ia import IA, PZ
+
+#: bytes of Global Route Header at the start of every UD receive
+GRH_SIZE = 40
+#: the QP number multicast sends go to
+MULTICAST_QPN = 0xFFFFFF
+#: private data aiodat offers on a datagram resolution (SIDR REQ/REP less rdma_cm's header and
+#: aiodat's length byte)
+RESOLVE_PRIVATE_DATA_MAX = 179
+SERVE_PRIVATE_DATA_MAX = 135
+
+# enum rdma_cm_event_type (see cm.py)
+(_ADDR_RESOLVED, _ADDR_ERROR, _ROUTE_RESOLVED, _ROUTE_ERROR, _CONNECT_REQUEST, _CONNECT_RESPONSE,
+ _CONNECT_ERROR, _UNREACHABLE, _REJECTED, _ESTABLISHED, _DISCONNECTED, _DEVICE_REMOVAL,
+ _MULTICAST_JOIN, _MULTICAST_ERROR) = range(14)
+_RESOLVE_MS = 2000
+
+
+def _check_ud(ep: Any, what: str) -> None:
+    from aiodat.ep import EP, ServiceType
+
+    if not isinstance(ep, EP):
+        raise InvalidParameter(f"{what} needs an EP, not {type(ep).__name__}")
+    ep._check()
+    if ep.attrs.service_type is not ServiceType.UD:
+        raise InvalidParameter(f"{what} needs a UD endpoint (EPAttr(service_type=ServiceType.UD))")
+
+
+class AddressHandle(Handle):
+    """Where datagrams go: an ibv_ah with the remote QP number and Q_Key (ib_dgrm_info).
+
+    Made by :meth:`aiodat.EP.resolve_datagram` or a multicast join; freed with
+    its PZ or by :meth:`free`.
+    """
+
+    _kind = "address handle"
+    _close_rank = 1  # after EPs (which may still have sends to it posted), before LMRs
+
+    def __init__(self, pz: "PZ", ah: Any, remote_qpn: int, remote_qkey: int,
+                 address: Optional[Tuple[str, int]], private_data: bytes = b"") -> None:
+        super().__init__(pz)
+        self._ah = ah
+        #: the peer's QP number (MULTICAST_QPN for a group)
+        self.remote_qpn: int = remote_qpn
+        #: the Q_Key sends carry
+        self.remote_qkey: int = remote_qkey
+        #: the (host, port) resolved, or (group, 0) for multicast
+        self.address: Optional[Tuple[str, int]] = address
+        #: what the peer's DatagramPSP sent back with its answer
+        self.private_data: bytes = private_data
+
+    def free(self) -> None:
+        """Destroy the address handle."""
+        self._check()
+        self.close()
+
+    def _release(self) -> None:
+        if self._ah != ffi.NULL:
+            lib.ibv_destroy_ah(self._ah)
+            self._ah = ffi.NULL
+
+    def __repr__(self) -> str:
+        return f"<aiodat.AddressHandle {self.address} qpn={self.remote_qpn:#x}{' closed' if self._closed else ''}>"
+
+
+class _Resolution:
+    """One rdma_cm UDP id driving address/route resolution and a SIDR REQ (or a join) to its end."""
+
+    def __init__(self, ep: "EP", fut: "asyncio.Future[Any]", what: str) -> None:
+        self.ep = ep
+        self.fut = fut
+        self.what = what
+        self.closed = False
+        ia = ep._ia
+        self.cm = ia._cm
+        self.cm_id = self.cm.create_id(self, lib.RDMA_PS_UDP)
+        self.pdata = b""
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.fut.done():
+            self.fut.set_exception(exc)
+        self.destroy()
+
+    def destroy(self) -> None:
+        if not self.closed:
+            self.closed = True
+            lib.aiodat_cm_attach_qp(self.cm_id, ffi.NULL)
+            self.cm.destroy_id(self.cm_id)
+
+
+class _Resolver(_Resolution):
+    def _on_cm_event(self, ev: Any, pdata: bytes) -> None:
+        from aiodat.cm import _conn_param
+
+        if self.fut.done():  # cancelled or timed out: drop what arrived
+            self.destroy()
+            return
+        kind = ev.event
+        if kind == _ADDR_RESOLVED:
+            if lib.rdma_resolve_route(self.cm_id, _RESOLVE_MS):
+                self.fail(Unreachable(f"{self.what}: rdma_resolve_route failed (errno {ffi.errno})"))
+            return
+        if kind == _ROUTE_RESOLVED:
+            param, keep = _conn_param(self.ep, self.pdata, 0, 0)
+            param.qp_num = self.ep.qp_num
+            if lib.rdma_connect(self.cm_id, param):
+                self.fail(Unreachable(f"{self.what}: rdma_connect (SIDR REQ) failed (errno {ffi.errno})"))
+            return
+        if kind == _ESTABLISHED:
+            # the AH goes on the EP's PD (librdmacm's id->pd is its own, and a QP may only
+            # send to AHs of its own PD)
+            raw = lib.aiodat_create_ah(self.ep._pz._pd, ev)
+            if raw == ffi.NULL:
+                self.fail(error_from_errno(ffi.errno, f"{self.what}: creating the address handle"))
+                return
+            ah = AddressHandle(self.ep._pz, raw, ev.ud_qp_num, ev.ud_qkey, self.address, pdata)
+            self.fut.set_result(ah)
+            self.destroy()
+            return
+        if kind == _REJECTED:
+            self.fail(ConnectionRejected(f"{self.what}: the peer refused the datagram resolution "
+                                         f"(status {ev.status}); is a DatagramPSP listening there?",
+                                         private_data=pdata))
+            return
+        if kind in (_ADDR_ERROR, _ROUTE_ERROR, _UNREACHABLE, _CONNECT_ERROR):
+            if ev.status == -110:
+                self.fail(TimeoutExpired(f"{self.what}: timed out ({_event_name(kind)})"))
+            else:
+                self.fail(Unreachable(f"{self.what}: {_event_name(kind)} (status {ev.status})"))
+
+
+def _event_name(kind: int) -> str:
+    return ffi.string(lib.rdma_event_str(kind)).decode()
+
+
+async def _await(res: _Resolution, timeout: Optional[float]) -> Any:
+    try:
+        return await asyncio.wait_for(asyncio.shield(res.fut), timeout)
+    except asyncio.TimeoutError:
+        res.fail(TimeoutExpired(f"{res.what}: no answer within {timeout}s"))
+        raise TimeoutExpired(f"{res.what}: no answer within {timeout}s") from None
+    except asyncio.CancelledError:
+        if not res.fut.done():
+            res.fut.cancel()
+        res.destroy()
+        raise
+
+
+async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes = b"",
+                           timeout: Optional[float] = 10.0) -> AddressHandle:
+    """``await ep.resolve_datagram(host, port)``: see :meth:`aiodat.EP.resolve_datagram`."""
+    from aiodat.cm import _private, _sockaddr
+
+    _check_ud(ep, "resolve_datagram")
+    pdata = _private(private_data, RESOLVE_PRIVATE_DATA_MAX, "resolve_datagram")
+    dst = _sockaddr(host, port)
+    ia = ep._ia
+    fut: "asyncio.Future[AddressHandle]" = asyncio.get_running_loop().create_future()
+    res = _Resolver(ep, fut, f"resolve_datagram {host}:{port}")
+    res.pdata = pdata
+    res.address = (host, port)  # type: ignore[attr-defined]
+    src = _sockaddr(ia.address, 0) if ia.address else ffi.NULL
+    if lib.rdma_resolve_addr(res.cm_id, ffi.cast("struct sockaddr *", src), ffi.cast("struct sockaddr *", dst),
+                             _RESOLVE_MS):
+        err = ffi.errno
+        res.destroy()
+        raise error_from_errno(err, f"resolving {host}:{port}")
+    ia._attach_loop()
+    return await _await(res, timeout)
+
+
+class DatagramPSP(Handle):
+    """A datagram service point: answers address resolutions for a UD EP (ib_init_dgrm_svc + SIDR).
+
+    Every request a peer's ``resolve_datagram`` sends to ``port`` is accepted
+    with the EP's QP number (and ``private_data``); ``requests`` counts them
+    and ``peers`` holds the (host, port) and private data of each.
+    """
+
+    _kind = "datagram psp"
+    _close_rank = 0
+
+    def __init__(self, ep: "EP", port: int, private_data: bytes = b"") -> None:
+        from aiodat.cm import _address, _private, _sockaddr
+
+        _check_ud(ep, "serve_datagram")
+        ia = ep._ia
+        self._pdata = _private(private_data, SERVE_PRIVATE_DATA_MAX, "serve_datagram")
+        addr = _sockaddr(ia.address or "0.0.0.0", port)
+        super().__init__(ia)
+        self._ia = ia
+        self.ep = ep
+        self.requests = 0
+        self.peers: list = []
+        self._cm_id = ia._cm.create_id(self, lib.RDMA_PS_UDP)
+        if lib.rdma_bind_addr(self._cm_id, ffi.cast("struct sockaddr *", addr)):
+            err = ffi.errno
+            self.close()
+            if err == 98:
+                from aiodat.errors import ConnQualInUse
+
+                raise ConnQualInUse(f"UDP port {port} is already served ({ia.address})")
+            raise error_from_errno(err, f"binding UDP port {port}")
+        if lib.rdma_listen(self._cm_id, 128):
+            err = ffi.errno
+            self.close()
+            raise error_from_errno(err, f"listening on UDP port {port}")
+        bound = _address(lib.rdma_get_local_addr(self._cm_id))
+        #: the UDP port (service id) served
+        self.port: int = bound[1] if bound else port
+        #: the address served
+        self.address: Optional[str] = ia.address
+        ia._attach_loop()
+
+    def _on_cm_request(self, ev: Any, pdata: bytes) -> None:
+        """A SIDR REQ: accept it with the EP's QP number, then drop the request's id."""
+        from aiodat.cm import _conn_param, cm_addresses
+
+        cm_id = ev.id
+        if self.ep.closed:
+            lib.rdma_reject(cm_id, ffi.NULL, 0)
+            lib.rdma_destroy_id(cm_id)
+            return
+        param, keep = _conn_param(self.ep, self._pdata, 0, 0)
+        param.qp_num = self.ep.qp_num
+        err = lib.rdma_accept(cm_id, param)
+        if not err:
+            self.requests += 1
+            self.peers.append((cm_addresses(cm_id)[1], pdata))
+        lib.rdma_destroy_id(cm_id)
+
+    def free(self) -> None:
+        """Stop serving."""
+        self._check()
+        self.close()
+
+    def _release(self) -> None:
+        self._ia._cm.destroy_id(self._cm_id)
+        self._cm_id = ffi.NULL
+
+    def __repr__(self) -> str:
+        return f"<aiodat.DatagramPSP port={getattr(self, 'port', '?')}{' closed' if self._closed else ''}>"
+
+
+class _Joiner(_Resolution):
+    def _on_cm_event(self, ev: Any, pdata: bytes) -> None:
+        kind = ev.event
+        group: "MulticastGroup" = self.group  # type: ignore[attr-defined]
+        if kind == _ADDR_RESOLVED and not self.fut.done():
+            err = lib.aiodat_cm_attach_qp(self.cm_id, self.ep._qp)
+            if err or lib.rdma_join_multicast(self.cm_id, ffi.cast("struct sockaddr *", group._sockaddr), ffi.NULL):
+                self.fail(error_from_errno(err or ffi.errno, f"{self.what}: rdma_join_multicast"))
+            return
+        if kind == _MULTICAST_JOIN:
+            if self.fut.done() or group.closed:
+                return
+            raw = lib.aiodat_create_ah(self.ep._pz._pd, ev)
+            if raw == ffi.NULL:
+                self.fail(error_from_errno(ffi.errno, f"{self.what}: creating the group's address handle"))
+                return
+            group.address_handle = AddressHandle(self.ep._pz, raw, ev.ud_qp_num, ev.ud_qkey, (group.group, 0))
+            group.joined = True
+            self.fut.set_result(group)
+            return
+        if kind in (_ADDR_ERROR, _MULTICAST_ERROR, _UNREACHABLE):
+            if not self.fut.done():
+                self.fail(Unreachable(f"{self.what}: {_event_name(kind)} (status {ev.status})"))
+            else:
+                group.joined = False
+                group.error = f"{_event_name(kind)} (status {ev.status})"
+
+
+class MulticastGroup(Handle):
+    """A multicast group a UD EP has joined (ib_join_mcast): send to ``address_handle``, receive as usual."""
+
+    _kind = "multicast group"
+    _close_rank = 0
+
+    def __init__(self, ep: "EP", group: str) -> None:
+        from aiodat.cm import _sockaddr
+
+        super().__init__(ep)
+        self.ep = ep
+        #: the group's IP address
+        self.group = group
+        self._sockaddr = _sockaddr(group, 0)
+        self._joiner: Optional[_Joiner] = None
+        #: the handle multicast sends go to (set once joined)
+        self.address_handle: Optional[AddressHandle] = None
+        self.joined = False
+        #: a MULTICAST_ERROR reported after the join, if any
+        self.error: Optional[str] = None
+
+    async def leave(self) -> None:
+        """Leave the group (ib_leave_mcast): the QP is detached and receives nothing more from it."""
+        self._check()
+        self.close()
+
+    def _release(self) -> None:
+        joiner, self._joiner = self._joiner, None
+        if joiner is not None and not joiner.closed:
+            if self.joined:
+                lib.rdma_leave_multicast(joiner.cm_id, ffi.cast("struct sockaddr *", self._sockaddr))
+            joiner.destroy()
+        self.joined = False
+        ah, self.address_handle = self.address_handle, None
+        if ah is not None:
+            ah.close()
+
+    def __repr__(self) -> str:
+        state = "joined" if self.joined else ("left" if self._closed else "joining")
+        return f"<aiodat.MulticastGroup {self.group} {state}>"
+
+
+async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) -> MulticastGroup:
+    """``await ep.join_multicast(group)``: see :meth:`aiodat.EP.join_multicast`."""
+    import ipaddress
+
+    from aiodat.cm import _sockaddr
+
+    _check_ud(ep, "join_multicast")
+    try:
+        is_multicast = ipaddress.ip_address(group).is_multicast
+    except ValueError:
+        raise InvalidParameter(f"{group!r} is not an IP address") from None
+    if not is_multicast:
+        raise InvalidParameter(f"{group!r} is not a multicast address (224.0.0.0/4 or ff00::/8)")
+    ia = ep._ia
+    mg = MulticastGroup(ep, group)
+    fut: "asyncio.Future[MulticastGroup]" = asyncio.get_running_loop().create_future()
+    joiner = _Joiner(ep, fut, f"join_multicast {group}")
+    joiner.group = mg  # type: ignore[attr-defined]
+    mg._joiner = joiner
+    src = _sockaddr(ia.address, 0) if ia.address else ffi.NULL
+    if lib.rdma_resolve_addr(joiner.cm_id, ffi.cast("struct sockaddr *", src),
+                             ffi.cast("struct sockaddr *", mg._sockaddr), _RESOLVE_MS):
+        err = ffi.errno
+        mg.close()
+        raise error_from_errno(err, f"resolving multicast group {group}")
+    ia._attach_loop()
+    try:
+        return await _await(joiner, timeout)
+    except BaseException:
+        mg.close()
+        raise
+
+
+def post_send_to(ep: "EP", segments: Any, dest: Any, cookie: Any, flags: Any, imm_data: Optional[int]) -> None:
+    """``ep.post_send_to``: see :meth:`aiodat.EP.post_send_to`."""
+    from aiodat.ep import WR_SEND, WR_SEND_WITH_IMM, as_segments
+    from aiodat.evd import DTOOp
+
+    _check_ud(ep, "post_send_to")
+    ah = dest.address_handle if isinstance(dest, MulticastGroup) else dest
+    if not isinstance(ah, AddressHandle):
+        raise InvalidParameter("post_send_to needs an AddressHandle (from resolve_datagram) or a joined "
+                               f"MulticastGroup, not {type(dest).__name__}")
+    ah._check()
+    if ah._parent is not ep._pz:
+        raise InvalidParameter("the address handle belongs to another PZ than the EP")
+    segs = as_segments(segments)
+    ep._check_post(segs, ep.attrs.max_request_iov, "post_send_to")
+    if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
+        raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {imm_data!r}")
+    opcode = WR_SEND if imm_data is None else WR_SEND_WITH_IMM
+    ep._post_one(DTOOp.SEND, opcode, segs, cookie, flags, imm_data=imm_data, ah=ah._ah,
+                 remote_qpn=ah.remote_qpn, remote_qkey=ah.remote_qkey, target=ah)
+
+
+def post_recv_datagram(ep: "EP", segments: Any, cookie: Any, flags: Any) -> None:
+    """``ep.post_recv_datagram``: see :meth:`aiodat.EP.post_recv_datagram`."""
+    from aiodat.ep import as_segments
+    from aiodat.memory import Privileges
+
+    _check_ud(ep, "post_recv_datagram")
+    segs = as_segments(segments)
+    if 1 + len(segs) > ep.attrs.max_recv_iov:
+        raise InvalidParameter(
+            f"post_recv_datagram puts the GRH in a segment of its own: it needs EPAttr.max_recv_iov >= "
+            f"{1 + len(segs)} for {len(segs)} segment(s), this EP has {ep.attrs.max_recv_iov}")
+    if ep._grh_lmr is None or ep._grh_lmr.closed:
+        ep._grh_lmr = ep._pz.register(bytearray(GRH_SIZE), Privileges.LOCAL_WRITE)
+    ep.post_recv([ep._grh_lmr.segment(), *segs], cookie, flags)
+
+
+def max_message_size(ep: "EP") -> int:
+    """The largest datagram the EP's port carries: its active MTU in bytes."""
+    pattr = ep._ia._port_attr()
+    return 128 << pattr.active_mtu  # IBV_MTU_256 == 1 ... IBV_MTU_4096 == 5
