@@ -224,6 +224,8 @@ class EVD(Handle):
         max_qlen = ia._device_attr.max_cqe
         if qlen > max_qlen:
             raise InvalidParameter(f"qlen {qlen} exceeds the device's max_evd_qlen {max_qlen}")
+        if streams is not None and (not isinstance(streams, int) or isinstance(streams, bool)):
+            raise InvalidParameter(f"streams must be EvdFlags, not {type(streams).__name__}")
         streams = EvdFlags.ALL if streams is None else EvdFlags(streams)
         super().__init__(ia)
         self._ia = ia

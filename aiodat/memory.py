@@ -53,6 +53,30 @@ def ibv_access(privileges: Privileges) -> int:
     return access
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _slice_indices(key: slice, length: int) -> Tuple[int, int, int]:
+    """``key.indices(length)``, with non-integer bounds an InvalidParameter (not TypeError)."""
+    try:
+        return key.indices(length)
+    except (TypeError, ValueError) as exc:
+        raise InvalidParameter(f"bad slice {key!r}: {exc}") from None
+
+
+def _privileges(value: Any) -> "Privileges":
+    """``value`` as Privileges (None: the default); anything else is an InvalidParameter."""
+    if value is None:
+        return Privileges.DEFAULT
+    if not isinstance(value, int):
+        raise InvalidParameter(f"privileges must be Privileges flags, not {type(value).__name__}")
+    try:
+        return Privileges(value)
+    except ValueError as exc:
+        raise InvalidParameter(f"invalid privileges {value!r}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class Segment:
     """A slice of an LMR to post (DAT_LMR_TRIPLET): ``length`` bytes at ``offset``."""
@@ -98,14 +122,16 @@ class RemoteRegion:
     @classmethod
     def from_bytes(cls, data: bytes) -> "RemoteRegion":
         """Parse what :meth:`to_bytes` produced (extra trailing bytes are ignored)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidParameter(f"RemoteRegion.from_bytes needs bytes, not {type(data).__name__}")
         if len(data) < _REGION.size:
             raise InvalidParameter(f"a RemoteRegion needs {_REGION.size} bytes, got {len(data)}")
         return cls(*_REGION.unpack_from(data))
 
     def __getitem__(self, key: slice) -> "RemoteRegion":
         if not isinstance(key, slice):
-            raise TypeError("RemoteRegion supports slicing only")
-        start, stop, step = key.indices(self.length)
+            raise InvalidParameter(f"a RemoteRegion supports slicing only, not {type(key).__name__} keys")
+        start, stop, step = _slice_indices(key, self.length)
         if step != 1 or stop < start:
             raise InvalidParameter(f"unsupported slice {key!r} of a remote region")
         return RemoteRegion(self.address + start, stop - start, self.rmr_context)
@@ -133,7 +159,7 @@ class LMR(Handle):
 
     def __init__(self, pz: "PZ", buffer: Any, privileges: Optional[Privileges] = None) -> None:
         pz._check()
-        privileges = Privileges.DEFAULT if privileges is None else Privileges(privileges)
+        privileges = _privileges(privileges)
         try:
             view = memoryview(buffer)
         except TypeError:
@@ -178,8 +204,8 @@ class LMR(Handle):
     def __getitem__(self, key: slice) -> Segment:
         self._check()
         if not isinstance(key, slice):
-            raise TypeError("index an LMR with a slice, e.g. lmr[0:64]")
-        start, stop, step = key.indices(self.length)
+            raise InvalidParameter(f"index an LMR with a slice, e.g. lmr[0:64], not {type(key).__name__}")
+        start, stop, step = _slice_indices(key, self.length)
         if step != 1:
             raise InvalidParameter("LMR segments must be contiguous (step 1)")
         return Segment(self, start, max(0, stop - start))
@@ -190,6 +216,8 @@ class LMR(Handle):
     def segment(self, offset: int = 0, length: Optional[int] = None) -> Segment:
         """The ``length`` bytes at ``offset`` (to the end by default), checked against the LMR."""
         self._check()
+        if not _is_int(offset) or not (length is None or _is_int(length)):
+            raise InvalidParameter(f"segment offset and length must be ints, got {offset!r}, {length!r}")
         if length is None:
             length = self.length - offset
         if offset < 0 or length < 0 or offset + length > self.length:
