@@ -130,7 +130,7 @@ class RemoteRegion:
 
     def __getitem__(self, key: slice) -> "RemoteRegion":
         if not isinstance(key, slice):
-            raise InvalidParameter(f"a RemoteRegion supports slicing only, not {type(key).__name__} keys")
+            raise TypeError("RemoteRegion supports slicing only")
         start, stop, step = _slice_indices(key, self.length)
         if step != 1 or stop < start:
             raise InvalidParameter(f"unsupported slice {key!r} of a remote region")
@@ -204,7 +204,7 @@ class LMR(Handle):
     def __getitem__(self, key: slice) -> Segment:
         self._check()
         if not isinstance(key, slice):
-            raise InvalidParameter(f"index an LMR with a slice, e.g. lmr[0:64], not {type(key).__name__}")
+            raise TypeError("index an LMR with a slice, e.g. lmr[0:64]")
         start, stop, step = _slice_indices(key, self.length)
         if step != 1:
             raise InvalidParameter("LMR segments must be contiguous (step 1)")
