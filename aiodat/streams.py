@@ -274,6 +274,9 @@ class _Resources:
             attrs = EPAttr(max_recv_dtos=self.nrecv, max_request_dtos=self.nsend + 2)
             self.ep = ia.create_ep(self.pz, recv_evd=self.evd, request_evd=self.evd, connect_evd=self.evd,
                                    attrs=attrs)
+            from aiodat.memory import Segment
+
+            self.recv_segs = [Segment(self.lmr, i * size, size) for i in range(self.nrecv)]
             for i in range(self.nrecv):
                 self.post_recv(i)
         except BaseException:
@@ -281,8 +284,7 @@ class _Resources:
             raise
 
     def post_recv(self, i: int) -> None:
-        size = self.cfg.buffer_size
-        self.ep.post_recv(self.lmr[i * size:(i + 1) * size], ("r", i))
+        self.ep.post_recv(self.recv_segs[i], ("r", i))
 
     def params(self) -> bytes:
         flags = PARAM_WINDOW if self.window_lmr is not None else 0
@@ -362,6 +364,11 @@ class RdmaTransport(asyncio.Transport):
         self._owed = 0  # credits to return to the peer
         self._release_pending = False  # tell the peer its window write has been consumed
         self._free_slots: List[int] = list(range(res.nsend - 1, -1, -1))
+        # Requests on the send queue in posting order: ("s", slot) or ("w", 0).  Most sends are posted
+        # without a completion (SUPPRESS); one completion frees everything posted before it.
+        self._posted: Deque[Tuple[str, int]] = collections.deque()
+        self._signal_every = max(1, res.nsend // 4)
+        self._unsignalled = 0
         self._send_buf = bytearray()
         self._eof_requested = False  # write_eof() or close(): send EOF once the buffer is empty
         self._eof_sent = False
@@ -521,12 +528,22 @@ class RdmaTransport(asyncio.Transport):
         if mtype == MSG_DATA and payload_len:
             with memoryview(self._send_buf) as mv:
                 res.view[base + HEADER.size:base + HEADER.size + payload_len] = mv[:payload_len]
+        from aiodat.ep import CompletionFlags
+        from aiodat.memory import Segment
+
+        # signal one send in every few, whenever slots run short, and everything from EOF on (so the
+        # last sends before a close complete)
+        signal = (self._unsignalled >= self._signal_every or len(self._free_slots) < self._signal_every
+                  or mtype == MSG_EOF or self._eof_sent)
+        flags = CompletionFlags.DEFAULT if signal else CompletionFlags.SUPPRESS
         try:
-            res.ep.post_send(res.lmr[base:base + HEADER.size + (payload_len if mtype == MSG_DATA else 0)],
-                             ("s", slot))
+            res.ep.post_send(Segment(res.lmr, base, HEADER.size + (payload_len if mtype == MSG_DATA else 0)),
+                             ("s", slot), flags)
         except BaseException:
             self._free_slots.append(slot)
             raise
+        self._posted.append(("s", slot))
+        self._unsignalled = 0 if signal else self._unsignalled + 1
         self._owed -= owed
         self._release_pending = False
         if take_credit:
@@ -550,6 +567,7 @@ class RdmaTransport(asyncio.Transport):
                         with memoryview(self._send_buf) as mv:
                             res.view[staging:staging + n] = mv[:n]
                         res.ep.post_rdma_write(res.lmr[staging:staging + n], win[0:n], ("w", 0))
+                        self._posted.append(("w", 0))
                         self._staging_busy = True
                         self._window_free = False
                         self._post_message(MSG_WINDOW, n, True)
@@ -587,8 +605,7 @@ class RdmaTransport(asyncio.Transport):
             idle.set_result(None)
 
     def _is_flushed(self) -> bool:
-        return (not self._send_buf and self._eof_sent and not self._staging_busy
-                and len(self._free_slots) == self._res.nsend)
+        return not self._send_buf and self._eof_sent and not self._posted
 
     async def _close_when_flushed(self) -> None:
         try:
@@ -653,10 +670,16 @@ class RdmaTransport(asyncio.Transport):
             self._finish(ConnectionBroken(f"RDMA {event.operation.value if event.operation else 'op'} "
                                           f"failed: {event.status}"))
             return
-        if kind == "s":
-            self._free_slots.append(slot)
-        elif kind == "w":
-            self._staging_busy = False
+        if kind in ("s", "w"):
+            posted = self._posted
+            while posted:  # the send queue completes in order: everything before this is done too
+                done = posted.popleft()
+                if done[0] == "s":
+                    self._free_slots.append(done[1])
+                else:
+                    self._staging_busy = False
+                if done == (kind, slot):
+                    break
         elif kind == "r":
             self._received(slot, event.transferred_length)
         if kind in ("s", "w"):
