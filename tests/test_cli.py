@@ -152,8 +152,9 @@ def test_bench_latency_prints_ratios(rdma_device, request, capsys):
     m = re.search(r"aiodat send/recv, evd.wait\(\)\s+([\d.]+)\s+([\d.]+)", out)
     assert m and 0 < float(m.group(1)) <= float(m.group(2)), out
     assert re.search(r"ib_send_lat -R -e \(CQ events\)\s+[\d.]+\s+[\d.]+", out), out
+    # the busy-polling figure may come out "inf" from perftest in a loaded TCG guest: its ratio is then n/a
     assert re.search(r"ratio \(aiodat p50 / perftest typical\): [\d.]+x vs ib_send_lat -e, "
-                     r"[\d.]+x vs ib_send_lat$", out, re.M), out
+                     r"([\d.]+x|n/a) vs ib_send_lat$", out, re.M), out
 
 
 @pytest.mark.rxe
