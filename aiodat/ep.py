@@ -376,6 +376,45 @@ class EP(Handle):
         if flags & CompletionFlags.UNSIGNALLED:
             self._quiet.add(wr_id)
 
+    def post_recv_batch(self, items: Iterable[Tuple[Segments, Any]]) -> int:
+        """Post many receives in one crossing into C; ``items`` are (segments, cookie) pairs.
+
+        Every item is checked first; returns how many were posted (QueueFull
+        says how many went if the receive queue fills part way).
+        """
+        self._check()
+        if self._srq is not None:
+            raise InvalidState("this EP receives from an SRQ: post to srq.post_recv_batch")
+        if self._state in (EPState.DISCONNECTED, EPState.ERROR):
+            raise InvalidState(f"cannot post a receive on an EP in state {self._state.value}")
+        batch = [(as_segments(segs), cookie) for segs, cookie in items]
+        for segs, _ in batch:
+            self._check_post(segs, self.attrs.max_recv_iov, "post_recv_batch")
+        n = len(batch)
+        if n == 0:
+            return 0
+        ids = ffi.new("uint64_t[]", n)
+        starts = ffi.new("int[]", n)
+        counts = ffi.new("int[]", n)
+        sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
+        entries = []
+        start = 0
+        for i, (segs, cookie) in enumerate(batch):
+            wr_id = next(self._ids) * 2 + 1
+            ids[i], starts[i], counts[i] = wr_id, start, len(segs)
+            self._fill_sges(sges, start, segs)
+            start += len(segs)
+            entries.append((wr_id, cookie, segs))
+        err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, n, sges, self._posted)
+        posted = self._posted[0]
+        for entry in entries[:posted]:
+            self._recv_q.append(entry)
+            self._track(entry[2], 1)
+        if err:
+            raise self._post_error(err, f"post_recv_batch (posted {posted} of {n})", len(self._recv_q),
+                                   self.attrs.max_recv_dtos)
+        return posted
+
     def _post_error(self, err: int, what: str, outstanding: int, limit: int) -> Exception:
         if err == 12:  # ENOMEM from a full work queue
             return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding)")
