@@ -1,0 +1,311 @@
+"""Issue 7: the public API under misuse, fuzzed with hypothesis (real rxe).
+
+The rule every test checks: **a call either works or raises a subclass of aiodat.DATError**.
+Wrong *values* of any type (str for an int, a bytes object where a writable buffer is needed,
+negative or huge lengths and offsets, objects of another PZ or IA, closed objects) are DATErrors
+(mostly InvalidParameter / InvalidHandle / InvalidState / LengthError / ProtectionViolation).
+The one exception is Python's own argument binding: a wrong *number* of arguments or an unknown
+keyword raises TypeError before any aiodat code runs (``test_wrong_arity_is_typeerror``); we do
+not wrap that.  Nothing may crash the interpreter, and the module leaves no fd behind
+(``test_zz_no_fds_left``, which runs last).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import aiodat
+from aiodat import CompletionFlags, EPAttr, EPState, EvdFlags, Privileges
+
+pytestmark = pytest.mark.rxe
+
+#: examples per fuzzed test: every example is a real call into rdma-core inside a TCG guest
+EXAMPLES = int(os.environ.get("AIODAT_FUZZ_EXAMPLES", "30"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+FUZZ_FEW = settings(max_examples=max(1, EXAMPLES // 2), deadline=None, suppress_health_check=list(HealthCheck),
+                    database=None)
+
+_FDS_AT_START: List[int] = []
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class World:
+    """One IA with a few objects to misuse (module scope: hypothesis runs many examples)."""
+
+    def __init__(self, name: str) -> None:
+        self.ia = aiodat.open_ia(name)
+        self.other_ia = aiodat.open_ia(name)
+        self.pz = self.ia.create_pz()
+        self.other_pz = self.ia.create_pz()
+        self.foreign_pz = self.other_ia.create_pz()
+        self.buf = bytearray(8192)
+        self.lmr = self.pz.register(self.buf, Privileges.ALL)
+        self.other_lmr = self.other_pz.register(bytearray(4096), Privileges.ALL)
+        self.foreign_lmr = self.foreign_pz.register(bytearray(4096), Privileges.ALL)
+        self.evd = self.ia.create_evd(16, EvdFlags.DTO)
+        self.ep = self.ia.create_ep(self.pz)
+        self.closed_pz = self.ia.create_pz()
+        self.closed_lmr = self.closed_pz.register(bytearray(64), Privileges.ALL)
+        self.closed_lmr.free()
+        self.closed_pz.free()
+
+    def close(self) -> None:
+        self.ia.close()
+        self.other_ia.close()
+
+
+@pytest.fixture(scope="module")
+def world(rdma_device: Any) -> Iterator[World]:
+    import gc
+
+    gc.collect()
+    _FDS_AT_START.append(fd_count())
+    w = World(rdma_device.name)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def rdma_device() -> Any:
+    from aiodat.testing.plugin import _device_or_skip
+
+    return _device_or_skip()
+
+
+def works_or_daterror(fn: Callable[..., Any], *args: Any, **kw: Any) -> Tuple[bool, Any]:
+    """Call ``fn``; (True, result) if it worked, (False, exc) if it raised a DATError; fail otherwise."""
+    try:
+        return True, fn(*args, **kw)
+    except aiodat.DATError as exc:
+        assert str(exc), "a DATError without a message"
+        return False, exc
+    except BaseException as exc:  # noqa: B902 - the point of the test
+        pytest.fail(f"{getattr(fn, '__qualname__', fn)}{args!r} raised {type(exc).__name__}: {exc} "
+                    "(expected success or a DATError)")
+
+
+# ---------------------------------------------------------------- strategies
+
+junk = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True),
+    st.text(max_size=8), st.binary(max_size=8), st.lists(st.integers(), max_size=3),
+    st.just(object()), st.just(b"\x00" * 16), st.just(float("inf")),
+)
+ints = st.one_of(st.integers(min_value=-5, max_value=70000), st.integers(min_value=-(2**66), max_value=2**66),
+                 st.sampled_from([0, 1, 4095, 4096, 4097, 8191, 8192, 8193, 2**31, 2**32, 2**63, -1]))
+maybe_int = st.one_of(ints, junk)
+
+
+def segments(w: World) -> st.SearchStrategy:
+    good = st.builds(lambda a, b: w.lmr[a:b], st.integers(-10, 9000), st.integers(-10, 9000))
+    return st.one_of(
+        good, st.lists(good, max_size=40),
+        st.just(w.other_lmr[0:16]), st.just(w.foreign_lmr[0:16]), st.just(w.closed_lmr),
+        st.just(w.lmr), st.just([w.lmr[0:8], w.foreign_lmr[0:8]]), junk,
+        st.tuples(ints, ints, ints),
+    )
+
+
+# ---------------------------------------------------------------- tests
+
+
+@FUZZ
+@given(buf=st.one_of(st.binary(max_size=64), st.builds(bytearray, st.integers(0, 100000)),
+                     st.builds(lambda n: memoryview(bytearray(n)), st.integers(0, 4096)),
+                     st.builds(lambda n: memoryview(bytearray(n)).toreadonly(), st.integers(1, 64)),
+                     st.builds(lambda n: memoryview(bytearray(n))[::2], st.integers(2, 64)), junk),
+       priv=st.one_of(st.sampled_from(list(Privileges)), st.integers(-3, 2**40), st.none(), junk))
+def test_register_fuzz(world: World, buf: Any, priv: Any) -> None:
+    ok, lmr = works_or_daterror(world.pz.register, buf, priv)
+    if ok:
+        assert lmr.length == memoryview(buf).nbytes
+        lmr.free()
+
+
+@FUZZ
+@given(offset=maybe_int, length=st.one_of(st.none(), maybe_int), a=maybe_int, b=maybe_int)
+def test_segments_and_remote_regions_fuzz(world: World, offset: Any, length: Any, a: Any, b: Any) -> None:
+    ok, seg = works_or_daterror(world.lmr.segment, offset, length)
+    if ok:
+        assert 0 <= seg.offset if hasattr(seg, "offset") else True
+        assert seg.length <= world.lmr.length
+    works_or_daterror(lambda: world.lmr[a:b])
+    works_or_daterror(lambda: world.lmr.remote()[a:b])
+    works_or_daterror(aiodat.RemoteRegion.from_bytes, b"\x01" * (a % 40) if isinstance(a, int) else a)
+
+
+@FUZZ
+@given(data=st.data(), cookie=junk, flags=st.one_of(st.sampled_from(list(CompletionFlags)), maybe_int))
+def test_post_on_unconnected_ep_fuzz(world: World, data: Any, cookie: Any, flags: Any) -> None:
+    ep = world.ep
+    seg = data.draw(segments(world))
+    remote = data.draw(st.one_of(st.just(world.lmr.remote()), st.just(world.lmr.remote()[0:8]), junk,
+                                 st.builds(aiodat.RemoteRegion, ints, ints, ints)))
+    op = data.draw(st.sampled_from(["send", "recv", "write", "read", "fadd", "cswap"]))
+    if op == "send":
+        works_or_daterror(ep.post_send, seg, cookie, flags)
+    elif op == "recv":
+        works_or_daterror(ep.post_recv, seg, cookie, flags)
+    elif op == "write":
+        works_or_daterror(ep.post_rdma_write, seg, remote, cookie, flags)
+    elif op == "read":
+        works_or_daterror(ep.post_rdma_read, seg, remote, cookie, flags)
+    elif op == "fadd":
+        works_or_daterror(ep.post_fetch_add, seg, remote, data.draw(maybe_int), cookie)
+    else:
+        works_or_daterror(ep.post_compare_swap, seg, remote, data.draw(maybe_int), data.draw(maybe_int), cookie)
+    assert ep.state is EPState.UNCONNECTED
+
+
+@FUZZ
+@given(qlen=maybe_int, streams=st.one_of(st.sampled_from(list(EvdFlags)), maybe_int),
+       attrs=st.one_of(st.none(), junk, st.builds(EPAttr, max_recv_dtos=maybe_int, max_request_dtos=maybe_int,
+                                                    max_recv_iov=maybe_int, max_rdma_read_in=maybe_int)),
+       which_pz=st.sampled_from(["pz", "foreign", "closed", "junk"]), port=maybe_int)
+def test_create_fuzz(world: World, qlen: Any, streams: Any, attrs: Any, which_pz: str, port: Any) -> None:
+    ok, evd = works_or_daterror(world.ia.create_evd, qlen, streams)
+    pz = {"pz": world.pz, "foreign": world.foreign_pz, "closed": world.closed_pz, "junk": qlen}[which_pz]
+    ok2, ep = works_or_daterror(world.ia.create_ep, pz, attrs=attrs)
+    if ok2:
+        ep.free()
+    if ok and evd.streams & EvdFlags.CR:
+        ok3, psp = works_or_daterror(world.ia.create_psp, port, evd)
+        if ok3:
+            psp.free()
+    if ok:
+        evd.free()
+
+
+@FUZZ
+@given(name=st.one_of(st.text(max_size=20), junk), qlen=maybe_int)
+def test_open_ia_fuzz(name: Any, qlen: Any) -> None:
+    ok, ia = works_or_daterror(aiodat.open_ia, name, qlen)
+    if ok:
+        ia.close()
+
+
+@FUZZ_FEW
+@given(order=st.permutations(["ia", "pz", "lmr", "evd", "ep", "psp", "cr_evd", "rmr"]),
+       after=st.sampled_from(["query", "free", "register", "post", "segment"]))
+def test_free_in_any_order_then_use(rdma_device: Any, order: List[str], after: str) -> None:
+    """Free a whole tree in every order (children before or after parents): each free works or is a
+    DATError, and any use afterwards raises InvalidHandle, never a crash."""
+    ia = aiodat.open_ia(rdma_device.name)
+    objs = {"ia": ia}
+    objs["pz"] = ia.create_pz()
+    objs["lmr"] = objs["pz"].register(bytearray(4096), Privileges.ALL)
+    objs["evd"] = ia.create_evd(8)
+    objs["cr_evd"] = ia.create_evd(8, EvdFlags.CR)
+    objs["ep"] = ia.create_ep(objs["pz"], recv_evd=objs["evd"])
+    objs["psp"] = ia.create_psp_any(objs["cr_evd"])
+    objs["rmr"] = objs["pz"].create_rmr()
+    try:
+        for name in order:
+            obj = objs[name]
+            works_or_daterror(obj.close if name == "ia" else obj.free)
+    finally:
+        ia.close()
+    for name, obj in objs.items():
+        assert obj.closed, name
+        use = {
+            "query": lambda o: o.query(),
+            "free": lambda o: (o.close if o is ia else o.free)(),
+            "register": lambda o: objs["pz"].register(bytearray(8)),
+            "post": lambda o: objs["ep"].post_recv(objs["lmr"][0:8]),
+            "segment": lambda o: objs["lmr"].segment(0, 8),
+        }[after]
+        if after == "query" and not hasattr(obj, "query"):
+            continue  # (a PZ has no query)
+        ok, exc = works_or_daterror(use, obj)
+        if after != "free":
+            assert not ok and isinstance(exc, aiodat.InvalidHandle), (name, after, exc)
+
+
+def test_wrong_arity_is_typeerror(world: World) -> None:
+    """Python's argument binding, not aiodat: the documented exception to the DATError rule."""
+    with pytest.raises(TypeError):
+        world.pz.register()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        world.ep.post_send(world.lmr[0:8], None, CompletionFlags.NONE if hasattr(CompletionFlags, "NONE") else 0,
+                           "extra", "args")  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        world.ia.create_evd(8, bogus_keyword=1)  # type: ignore[call-arg]
+
+
+# ---------------------------------------------------------------- connection misuse (async)
+
+
+async def test_connection_misuse(rdma_device: Any) -> None:
+    """Oversized private data, posting on unconnected EPs, double accept, accept after reject,
+    reject twice, connect twice, disconnect when not connected: each is a DATError, and the
+    objects still work afterwards (a proper connection is made at the end)."""
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        pz = ia.create_pz()
+        lmr = pz.register(bytearray(4096), Privileges.ALL)
+        cr_evd = ia.create_evd(8, EvdFlags.CR)
+        psp = ia.create_psp_any(cr_evd)
+        client = ia.create_ep(pz)
+        server = ia.create_ep(pz)
+        for bad in (b"x" * 100_000, b"x" * 257, "text", 42):
+            ok, _ = works_or_daterror(client.connect_nowait, psp.address, psp.port, bad)
+            assert not ok, bad
+        assert client.state is EPState.UNCONNECTED
+        ok, _ = works_or_daterror(client.post_send, lmr[0:8], "unconnected")
+        assert not ok
+        ok, _ = works_or_daterror(client.post_rdma_write, lmr[0:8], lmr.remote()[0:8])
+        assert not ok
+        ok, _ = works_or_daterror(client.disconnect_nowait)
+        assert not ok
+        for bad_host, bad_port in (("not an address", psp.port), (psp.address, -1), (psp.address, 70000),
+                                   (None, psp.port), (psp.address, "port")):
+            ok, _ = works_or_daterror(client.connect_nowait, bad_host, bad_port)
+            assert not ok
+        # reject, then misuse that CR
+        connecting = asyncio.ensure_future(client.connect(psp.address, psp.port, timeout=30))
+        ev = await cr_evd.wait_one(timeout=30)
+        ok, _ = works_or_daterror(ev.cr.reject, b"y" * 100_000)
+        if not ok:
+            ev.cr.reject()
+        assert not works_or_daterror(ev.cr.reject)[0]
+        assert not works_or_daterror(ev.cr.accept_nowait, server)[0]
+        with pytest.raises(aiodat.ConnectionRejected):
+            await connecting
+        client.reset() if client.state is not EPState.UNCONNECTED else None
+        # accept twice, and with a wrong EP
+        client2 = ia.create_ep(pz)
+        connecting = asyncio.ensure_future(client2.connect(psp.address, psp.port, timeout=30))
+        ev = await cr_evd.wait_one(timeout=30)
+        assert not works_or_daterror(ev.cr.accept_nowait, "not an ep")[0]
+        assert not works_or_daterror(ev.cr.accept_nowait, server, b"z" * 100_000)[0]
+        await ev.cr.accept(server, timeout=30)
+        assert not works_or_daterror(ev.cr.accept_nowait, server)[0]
+        assert not works_or_daterror(ev.cr.reject)[0]
+        await connecting
+        assert not works_or_daterror(client2.connect_nowait, psp.address, psp.port)[0]
+        # the connection works despite all that
+        server.post_recv(lmr[0:8], "r")
+        lmr.memoryview()[100:108] = b"survived"
+        client2.post_send(lmr[100:108], "s")
+        (await server.recv_evd.wait_one(timeout=30)).raise_for_status()
+        assert bytes(lmr.memoryview()[0:8]) == b"survived"
+        await client2.disconnect(timeout=30)
+    finally:
+        ia.close()
+
+
+def test_zz_no_fds_left(world: World) -> None:
+    """Runs last: after everything above, closing the module's IAs leaves no fd open."""
+    import gc
+
+    world.close()
+    gc.collect()
+    assert _FDS_AT_START and fd_count() <= _FDS_AT_START[0], (fd_count(), _FDS_AT_START)
