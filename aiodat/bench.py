@@ -509,18 +509,20 @@ def bench_latency(size: int = 2, iters: int = 1000, loop: str = "asyncio", *, pe
 
 
 def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters: int = 1000,
-            loop: str = "asyncio", *, device: Optional[str] = None, address: Optional[str] = None) -> Any:
+            loop: str = "asyncio", *, device: Optional[str] = None, address: Optional[str] = None,
+            perftest: bool = True) -> Any:
     """``aiodat bench streams``: aiodat streams beside asyncio TCP streams, same code, same loop, same machine.
 
     Throughput of ``total`` bytes in ``write_size``-byte ``write`` + ``drain``
     calls, and ``iters`` round trips of ``size``-byte request/response
     (median and p99), over aiodat on the device's address and over asyncio
-    TCP on 127.0.0.1.  Returns an :class:`aiodat.bench_streams.StreamsReport`
-    (``format()``, ``as_dict()``).
+    TCP on 127.0.0.1; with ``perftest``, ``ib_write_bw``/``ib_send_bw -R`` and
+    ``ib_send_lat -R -e`` afterwards as the device's ceiling.  Returns an
+    :class:`aiodat.bench_streams.StreamsReport` (``format()``, ``as_dict()``).
     """
     from aiodat.bench_streams import run
 
-    return run(write_size, total, size, iters, loop, device, address)
+    return run(write_size, total, size, iters, loop, device, address, perftest=perftest)
 
 
 def _main(argv: Sequence[str]) -> int:

@@ -48,6 +48,8 @@ class StreamsReport:
     iters: int
     rdma: StreamsFigures
     tcp: StreamsFigures
+    #: the device's own ceiling in the same run (perftest, C, no Python): MB/s and round-trip us
+    perftest: Dict[str, Optional[float]] = field(default_factory=dict)
 
     def as_dict(self) -> Dict[str, Any]:
         """The report as plain data (for --json)."""
@@ -73,6 +75,12 @@ class StreamsReport:
             f"  {'round trip p99 us':<28} {r.rtt_p99_us:>14.1f} {t.rtt_p99_us:>14.1f}"
             f" {ratio(r.rtt_p99_us, t.rtt_p99_us):>9}",
         ]
+        labels = {"ib_write_bw_mb_s": "ib_write_bw -R MB/s", "ib_send_bw_mb_s": "ib_send_bw -R MB/s",
+                  "ib_send_lat_e_rtt_us": "ib_send_lat -R -e round trip us"}
+        for key, label in labels.items():
+            if key in self.perftest:
+                value = self.perftest[key]
+                lines.append(f"  {label:<34} {'-' if value is None else f'{value:.1f}':>8}   (device ceiling, same run)")
         if r.extra:
             lines.append(f"  RDMA path: {r.extra}")
         return "\n".join(lines)
@@ -156,8 +164,25 @@ async def measure(transport: str, streams: ModuleType, host: str, write_size: in
     return StreamsFigures(transport, tput["mb_s"], percentile(rtts, 50), percentile(rtts, 99), tput["stats"])
 
 
+def _perftest(device: str, address: str, write_size: int, total: int, size: int,
+              iters: int) -> Dict[str, Optional[float]]:
+    from aiodat.bench import run_perftest_pair
+
+    n = str(max(5, total // write_size))
+    out: Dict[str, Optional[float]] = {}
+    for key, tool in (("ib_write_bw_mb_s", "ib_write_bw"), ("ib_send_bw_mb_s", "ib_send_bw")):
+        res = run_perftest_pair(tool, ["-s", str(write_size), "-n", n], device=device, address=address)
+        out[key] = res.value("BW_average[MB/sec]") if res.ok else None
+    res = run_perftest_pair("ib_send_lat", ["-s", str(size), "-n", str(iters), "-e"], device=device,
+                            address=address)
+    typical = res.value("t_typical[usec]") if res.ok else None
+    out["ib_send_lat_e_rtt_us"] = None if typical is None else 2 * typical  # perftest prints half round trips
+    return out
+
+
 def run(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters: int = 1000, loop: str = "asyncio",
-        device: Optional[str] = None, address: Optional[str] = None, tcp_host: str = "127.0.0.1") -> StreamsReport:
+        device: Optional[str] = None, address: Optional[str] = None, tcp_host: str = "127.0.0.1",
+        perftest: bool = True) -> StreamsReport:
     """Measure aiodat streams and asyncio TCP streams; see :func:`aiodat.bench.streams`."""
     from aiodat.bench import device_and_address, run_on_loop
     from aiodat.errors import InvalidParameter
@@ -175,4 +200,7 @@ def run(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters: in
         tcp = await measure("tcp", asyncio, tcp_host, write_size, total, size, iters)
         return StreamsReport(loop, device, address, write_size, total, size, iters, rdma, tcp)
 
-    return run_on_loop(loop, both)
+    report = run_on_loop(loop, both)
+    if perftest:
+        report.perftest = _perftest(device, address, write_size, total, size, iters)
+    return report

@@ -89,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--iters", "-n", type=int, default=1000, help="measured round trips (default 1000)")
     st.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)")
     st.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
+    st.add_argument("--no-perftest", action="store_true", help="skip the perftest ceiling figures")
     st.add_argument("--json", action="store_true", help="print the figures as JSON")
     so = bsub.add_parser(
         "soak", help="many connections doing mixed operations for a while; checks nothing grows",
@@ -398,7 +399,8 @@ def cmd_bench_streams(args: argparse.Namespace) -> int:
         _err("aiodat bench streams: error: --write-size, --size and --iters must be >= 1, --total >= --write-size")
         return 2
     try:
-        report = bench.streams(args.write_size, args.total, args.size, args.iters, args.loop, device=args.device)
+        report = bench.streams(args.write_size, args.total, args.size, args.iters, args.loop, device=args.device,
+                               perftest=not args.no_perftest)
     except DATError as exc:
         _err(f"aiodat bench streams: {exc}")
         return 1
