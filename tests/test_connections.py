@@ -356,3 +356,39 @@ async def test_failed_completion_raises_dto_error(ia: Any, loop_errors: List[dic
     assert isinstance(info.value, OSError)
     (sent,) = await pair.client.request_evd.wait(timeout=T)
     assert sent.cookie == "big" and not sent.ok  # the sender learns of the failure too
+
+
+async def test_cancelled_connect(ia: Any, loop_errors: List[dict]) -> None:
+    """Cancelling a pending connect abandons it; cancelling one whose ESTABLISHED already arrived
+    leaves the EP connected and puts the event on the connect EVD (an outcome is never lost)."""
+    pz = ia.create_pz()
+    psp, cr_evd = listen(ia)
+    client = ia.create_ep(pz)
+    pending = asyncio.ensure_future(client.connect(ia.address, psp.port, timeout=T))
+    request = await next_event(cr_evd, EventType.CONNECTION_REQUEST)
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    assert client.state is EPState.DISCONNECTED
+    request.cr.reject()
+    assert client.connect_evd.dequeue() is None
+
+    hit = 0
+    for _ in range(5):
+        client, server = ia.create_ep(pz), ia.create_ep(pz)
+        task = asyncio.ensure_future(client.connect(ia.address, psp.port, timeout=T))
+        (await next_event(cr_evd, EventType.CONNECTION_REQUEST)).cr.accept_nowait(server)
+        while client.state is EPState.ACTIVE_CONNECTION_PENDING:
+            await asyncio.sleep(0)
+        if task.done():
+            await task  # the task ran first: nothing to cancel this time
+            continue
+        # ESTABLISHED went to the task's future, and the task has not run yet
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert client.state is EPState.CONNECTED
+        event = client.connect_evd.dequeue()
+        assert event is not None and event.type is EventType.CONNECTION_EVENT_ESTABLISHED and event.ep is client
+        hit += 1
+    assert hit, "never caught the connect between its outcome and the task's wake-up"
