@@ -692,6 +692,10 @@ class EP(Handle):
         if self._quiet and wc.wr_id in self._quiet:
             self._quiet.discard(wc.wr_id)
             notify = bool(wc.status)
+        if wc.status and wc.status != 5 and self.attrs.service_type is ServiceType.RC:  # 5: WR_FLUSH_ERR
+            # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
+            # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
+            self._on_async_error(f"{op.value} with cookie {cookie!r} completed with {status}")
         return DTOCompletionEvent(EventType.DTO_COMPLETION, evd, self, cookie, status, length, op,
                                   None, wc.vendor_err, None, notify)
 
