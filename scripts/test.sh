@@ -14,8 +14,25 @@ echo "== device tests on rxe: asyncio, then uvloop (one guest boot)"
   .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider --aiodat-loop asyncio "$@" &&
   .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider --aiodat-loop uvloop "$@"' sh "$@"
 
+if [ "${AIODAT_SKIP_FAULTS:-0}" != 1 ]; then
+  echo "== two-host fault tests (two guests joined by a virtio link): asyncio, then uvloop"
+  .venv/bin/aiodat rxe run --hosts 2 --timeout "${AIODAT_FAULTS_TIMEOUT:-2400}" -- env AIODAT_REQUIRE_DEVICE=1 sh -c '
+    .venv/bin/python -m pytest -q -m hosts2 -p no:cacheprovider --aiodat-loop asyncio tests/test_faults.py &&
+    .venv/bin/python -m pytest -q -m hosts2 -p no:cacheprovider --aiodat-loop uvloop tests/test_faults.py'
+fi
+
 if [ "${AIODAT_SKIP_DOCS:-0}" != 1 ]; then
   echo "== docs build (warnings are errors)"
   .venv/bin/python -m mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/aiodat-site"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Last stage (issue 7): the C shim built with AddressSanitizer, device tests in one guest.
+# Built on the host (fast), run in the guest; see scripts/asan.sh.
+if [ "${AIODAT_SKIP_ASAN:-0}" != 1 ]; then
+  echo "== the C shim under AddressSanitizer (scripts/asan.sh, one guest)"
+  AIODAT_ASAN_BUILD_ONLY=1 ./scripts/asan.sh
+  .venv/bin/aiodat rxe run --timeout "${AIODAT_ASAN_TIMEOUT:-1200}" -- \
+    env AIODAT_REQUIRE_DEVICE=1 AIODAT_ASAN_SKIP_BUILD=1 ./scripts/asan.sh
 fi
 echo "== all tests passed"
