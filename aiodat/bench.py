@@ -750,3 +750,240 @@ def soak(seconds: float = 60.0, connections: int = 16, loop: str = "uvloop", *, 
     report = SoakReport(seconds, connections, loop)
     run_on_loop(loop, lambda: _soak(device, address, seconds, connections, interval, report))
     return report
+
+
+# --------------------------------------------------------------------------
+# bandwidth and message rate (issue 4)
+
+#: perftest's tool for each operation
+BW_TOOLS = {"write": "ib_write_bw", "read": "ib_read_bw", "send": "ib_send_bw"}
+
+
+@dataclass
+class BandwidthSample:
+    """aiodat's streaming run: how many ``size``-byte operations, how long."""
+
+    op: str
+    size: int
+    iters: int
+    seconds: float
+
+    @property
+    def mib_per_s(self) -> float:
+        """Bandwidth in MiB/s (perftest's "MB/sec" are 2**20 bytes)."""
+        return self.size * self.iters / self.seconds / (1 << 20)
+
+    @property
+    def mpps(self) -> float:
+        """Operations per second, in millions (perftest's MsgRate[Mpps])."""
+        return self.iters / self.seconds / 1e6
+
+
+@dataclass
+class BandwidthReport:
+    """What :func:`bandwidth` and :func:`rate` measured: aiodat beside perftest's ``_bw`` tool."""
+
+    device: str
+    address: str
+    loop: str
+    op: str
+    size: int
+    depth: int
+    batch: int
+    aiodat: BandwidthSample
+    perftest: Optional[PerftestResult] = None
+    kind: str = "bandwidth"
+
+    def ratio(self) -> Optional[float]:
+        """aiodat / perftest: bandwidth (MB/sec average) or, for ``rate``, message rate (Mpps)."""
+        res = self.perftest
+        if res is None or not res.ok:
+            return None
+        if self.kind == "rate":
+            theirs = res.value("MsgRate[Mpps]")
+            return self.aiodat.mpps / theirs if theirs else None
+        theirs = res.value("BW_average[MB/sec]")
+        return self.aiodat.mib_per_s / theirs if theirs else None
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The figures as a JSON-serialisable dict (``--json``)."""
+        res = self.perftest
+        return {"kind": self.kind, "device": self.device, "address": self.address, "loop": self.loop,
+                "op": self.op, "size": self.size, "depth": self.depth, "batch": self.batch,
+                "iters": self.aiodat.iters,
+                "aiodat": {"MB_per_s": self.aiodat.mib_per_s, "Mpps": self.aiodat.mpps,
+                           "seconds": self.aiodat.seconds},
+                "perftest": None if res is None else {
+                    "tool": res.tool, "args": list(res.args), "ok": res.ok, "error": res.error or None,
+                    "MB_per_s": res.value("BW_average[MB/sec]"), "Mpps": res.value("MsgRate[Mpps]")},
+                "ratio": self.ratio()}
+
+    def format(self) -> str:
+        """The human-readable report ``aiodat bench bandwidth`` / ``rate`` prints."""
+        tool = BW_TOOLS[self.op]
+        lines = [
+            f"aiodat bench {self.kind}: {self.device} ({self.address}), loop={self.loop}, op={self.op}, "
+            f"size={self.size} B, iters={self.aiodat.iters}, depth={self.depth}, batch={self.batch}",
+            f"  {'what':<36}{'MB/s':>10}{'Mpps':>10}",
+            f"  {'aiodat (batched posts, evd.wait)':<36}{self.aiodat.mib_per_s:>10.2f}{self.aiodat.mpps:>10.4f}",
+        ]
+        res = self.perftest
+        if res is not None:
+            label = f"{tool} -R"
+            if res.ok:
+                lines.append(f"  {label:<36}{res.value('BW_average[MB/sec]') or 0:>10.2f}"
+                             f"{res.value('MsgRate[Mpps]') or 0:>10.4f}")
+            else:
+                lines.append(f"  {label:<36}  not measured: {res.error}")
+            ratio = self.ratio()
+            what = "message rate" if self.kind == "rate" else "bandwidth"
+            lines.append(f"ratio (aiodat / {tool} {what}): " + (f"{ratio:.2f}" if ratio is not None else "n/a"))
+        return "\n".join(lines)
+
+
+def _check_bw(op: str, size: int, depth: int, iters: int, batch: int) -> None:
+    if op not in BW_TOOLS:
+        raise ValueError(f"op must be one of {sorted(BW_TOOLS)}, got {op!r}")
+    for name, value in (("size", size), ("depth", depth), ("iters", iters), ("batch", batch)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if batch > depth:
+        raise ValueError(f"batch ({batch}) cannot exceed depth ({depth})")
+
+
+async def bandwidth_stream(device: str, address: str, op: str = "write", size: int = 65536, depth: int = 64,
+                           iters: int = 1000, batch: int = 16, warmup: Optional[int] = None) -> BandwidthSample:
+    """Stream ``iters`` ``size``-byte operations from a client EP to a server EP of one IA.
+
+    Up to ``depth`` requests are in flight.  They are posted ``batch`` at a
+    time in one crossing into C (``post_rdma_write_batch`` / ``_read_batch`` /
+    ``post_send_batch``), all but the last of each batch with
+    ``CompletionFlags.SUPPRESS``, so each batch costs one completion and one
+    wake-up.  For ``send`` the server keeps ``2 * depth`` receives posted and
+    reposts them in batches (``post_recv_batch``) as they complete; the time
+    runs until the server has received the last message.  The data is
+    checked at the end.
+    """
+    from aiodat import CompletionFlags, EPAttr, EvdFlags, Privileges, open_ia
+
+    _check_bw(op, size, depth, iters, batch)
+    warmup = min(depth * 2, iters) if warmup is None else warmup
+    with open_ia(device) as ia:
+        pz = ia.create_pz()
+        dev = ia._device_attr
+        reads = min(16, dev.max_qp_init_rd_atom, dev.max_qp_rd_atom)
+        recv_depth = 2 * depth if op == "send" else 1
+        attrs = EPAttr(max_request_dtos=depth, max_recv_dtos=recv_depth, max_rdma_read_in=reads,
+                       max_rdma_read_out=reads)
+        c_evd = ia.create_evd(depth + 8, EvdFlags.DTO)
+        s_evd = ia.create_evd(recv_depth + 8, EvdFlags.DTO)
+        client = ia.create_ep(pz, recv_evd=c_evd, request_evd=c_evd, attrs=attrs)
+        server = ia.create_ep(pz, recv_evd=s_evd, request_evd=s_evd, attrs=attrs)
+        c_buf, s_buf = bytearray(size), bytearray(size)
+        c_buf[:] = bytes(i & 0xFF for i in range(size)) if op != "read" else bytes(size)
+        if op == "read":
+            s_buf[:] = bytes(i & 0xFF for i in range(size))
+        priv = Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_READ
+        c_seg = pz.register(c_buf, priv)[0:size]
+        s_seg = pz.register(s_buf, priv)[0:size]
+        if op == "send":
+            server.post_recv_batch([(s_seg, None)] * recv_depth)
+        cr_evd = ia.create_evd(4, EvdFlags.CR)
+        psp = ia.create_psp_any(cr_evd)
+
+        async def accept() -> None:
+            event = await cr_evd.wait_one(timeout=30)
+            await event.cr.accept(server)
+
+        acceptor = asyncio.ensure_future(accept())
+        await client.connect(address, psp.port, timeout=30)
+        await acceptor
+        remote = s_seg.remote()
+
+        if op == "write":
+            def post(n: int, cookie: Any, flags: Any) -> int:
+                return client.post_rdma_write_batch([(c_seg, remote, cookie)] * n, flags)
+        elif op == "read":
+            def post(n: int, cookie: Any, flags: Any) -> int:
+                return client.post_rdma_read_batch([(c_seg, remote, cookie)] * n, flags)
+        else:
+            def post(n: int, cookie: Any, flags: Any) -> int:
+                return client.post_send_batch([(c_seg, cookie)] * n, flags)
+        suppress, signal = CompletionFlags.SUPPRESS, CompletionFlags.DEFAULT
+
+        async def receiver(total: int) -> float:
+            got = 0
+            while got < total:
+                events = await s_evd.wait(1, timeout=120)
+                for ev in events:
+                    if not ev.ok:
+                        raise RuntimeError(f"a receive failed: {ev.status}")
+                got += len(events)
+                server.post_recv_batch([(s_seg, None)] * len(events))
+            return time.perf_counter()
+
+        async def stream(total: int) -> Tuple[float, float]:
+            recv_task = asyncio.ensure_future(receiver(total)) if op == "send" else None
+            start = time.perf_counter()
+            posted = completed = 0
+            while completed < total:
+                while posted < total and posted - completed < depth:
+                    n = min(batch, total - posted, depth - (posted - completed))
+                    if n > 1:
+                        post(n - 1, None, suppress)
+                    post(1, n, signal)
+                    posted += n
+                for ev in await c_evd.wait(1, timeout=120):
+                    if not ev.ok:
+                        raise RuntimeError(f"{op} failed: {ev.status}")
+                    completed += ev.cookie
+            end = time.perf_counter()
+            if recv_task is not None:
+                end = await recv_task
+            return start, end
+
+        if warmup:
+            await stream(warmup)
+        start, end = await stream(iters)
+        expected = bytes(i & 0xFF for i in range(size))
+        landed = bytes(c_buf) if op == "read" else bytes(s_buf)
+        if landed != expected:
+            raise AssertionError(f"the {op} bandwidth run moved other bytes than it should have")
+        await client.disconnect()
+    return BandwidthSample(op, size, iters, end - start)
+
+
+def _bw_perftest(op: str, size: int, depth: int, iters: int, device: str, address: str,
+                 timeout: float) -> PerftestResult:
+    return run_perftest_pair(BW_TOOLS[op], ["-s", str(size), "-n", str(iters), "-t", str(depth)],
+                             device=device, address=address, timeout=timeout)
+
+
+def bandwidth(op: str = "write", size: int = 65536, depth: int = 64, iters: int = 1000, loop: str = "asyncio",
+              *, batch: int = 16, perftest: bool = True, device: Optional[str] = None,
+              address: Optional[str] = None, timeout: float = 300.0) -> BandwidthReport:
+    """``aiodat bench bandwidth``: aiodat's streaming ``op`` (write, read, send), then ``ib_<op>_bw -R``.
+
+    Same device, size, depth and iteration count, one after the other.  The
+    report's ``ratio()`` is aiodat's MB/s over perftest's average MB/s.
+    """
+    _check_bw(op, size, depth, iters, batch)
+    device, address = device_and_address(device, address)
+    sample = run_on_loop(loop, lambda: bandwidth_stream(device, address, op, size, depth, iters, batch))
+    report = BandwidthReport(device, address, loop, op, size, depth, batch, sample)
+    if perftest:
+        report.perftest = _bw_perftest(op, size, depth, iters, device, address, timeout)
+    return report
+
+
+def rate(size: int = 64, depth: int = 128, iters: int = 20000, loop: str = "asyncio", *, batch: int = 32,
+         perftest: bool = True, device: Optional[str] = None, address: Optional[str] = None,
+         timeout: float = 300.0) -> BandwidthReport:
+    """``aiodat bench rate``: small-message send rate beside ``ib_send_bw -R`` (ratio of Mpps)."""
+    _check_bw("send", size, depth, iters, batch)
+    device, address = device_and_address(device, address)
+    sample = run_on_loop(loop, lambda: bandwidth_stream(device, address, "send", size, depth, iters, batch))
+    report = BandwidthReport(device, address, loop, "send", size, depth, batch, sample, kind="rate")
+    if perftest:
+        report.perftest = _bw_perftest("send", size, depth, iters, device, address, timeout)
+    return report

@@ -91,6 +91,29 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
     st.add_argument("--no-perftest", action="store_true", help="skip the perftest ceiling figures")
     st.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bw = bsub.add_parser(
+        "bandwidth", help="RDMA write/read or send bandwidth vs ib_write_bw/ib_read_bw/ib_send_bw -R",
+        description="aiodat streams SIZE-byte operations with up to DEPTH in flight, posted in batches "
+                    "(one crossing into C per batch, one completion per batch), then runs the perftest "
+                    "tool with the same size, depth and iterations; prints both and the ratio.")
+    bw.add_argument("--op", choices=("write", "read", "send"), default="write", help="operation (default write)")
+    bw.add_argument("--size", "-s", type=int, default=65536, help="bytes per operation (default 65536)")
+    bw.add_argument("--depth", "-t", type=int, default=64, help="requests in flight (default 64)")
+    bw.add_argument("--iters", "-n", type=int, default=1000, help="operations (default 1000)")
+    bw.add_argument("--batch", type=int, default=16, help="requests per batch post (default 16)")
+    rt = bsub.add_parser(
+        "rate", help="small-message send rate vs ib_send_bw -R",
+        description="aiodat's send message rate (SIZE-byte sends, DEPTH in flight, batched posts) beside "
+                    "ib_send_bw -R with the same size, depth and iterations; prints Mpps and the ratio.")
+    rt.add_argument("--size", "-s", type=int, default=64, help="bytes per message (default 64)")
+    rt.add_argument("--depth", "-t", type=int, default=128, help="sends in flight (default 128)")
+    rt.add_argument("--iters", "-n", type=int, default=20000, help="messages (default 20000)")
+    rt.add_argument("--batch", type=int, default=32, help="sends per batch post (default 32)")
+    for sp in (bw, rt):
+        sp.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)")
+        sp.add_argument("--no-perftest", action="store_true", help="measure aiodat only")
+        sp.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
+        sp.add_argument("--json", action="store_true", help="print the figures as JSON")
     so = bsub.add_parser(
         "soak", help="many connections doing mixed operations for a while; checks nothing grows",
         description="CONNECTIONS connections on one device doing send/recv ping-pong, RDMA write + "
@@ -127,6 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_ping(parser, args)
         if args.command == "bench" and args.bench == "streams":
             return cmd_bench_streams(args)
+        if args.command == "bench" and args.bench in ("bandwidth", "rate"):
+            return cmd_bench_bandwidth(args)
         if args.command == "bench" and args.bench == "soak":
             return cmd_bench_soak(args)
         if args.command == "bench":
@@ -382,6 +407,38 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
                                      processes=args.processes, device=args.device)
     except DATError as exc:
         _err(f"aiodat bench latency: {exc}")
+        return 1
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(report.format())
+    return 0
+
+
+def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
+    """``aiodat bench bandwidth`` / ``aiodat bench rate``: see :func:`aiodat.bench.bandwidth` and ``rate``."""
+    from aiodat import DATError
+    from aiodat import bench
+
+    name = f"aiodat bench {args.bench}"
+    if min(args.size, args.depth, args.iters, args.batch) < 1 or args.batch > args.depth:
+        _err(f"{name}: error: --size, --depth, --iters and --batch must be >= 1, and --batch <= --depth")
+        return 2
+    if args.loop == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            _err(f"{name}: --loop uvloop needs uvloop (pip install uvloop)")
+            return 1
+    try:
+        if args.bench == "rate":
+            report = bench.rate(args.size, args.depth, args.iters, args.loop, batch=args.batch,
+                                perftest=not args.no_perftest, device=args.device)
+        else:
+            report = bench.bandwidth(args.op, args.size, args.depth, args.iters, args.loop, batch=args.batch,
+                                     perftest=not args.no_perftest, device=args.device)
+    except (DATError, RuntimeError, AssertionError) as exc:
+        _err(f"{name}: {exc}")
         return 1
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
