@@ -675,8 +675,8 @@ class EP(Handle):
             if self._quiet and wc.wr_id in self._quiet:
                 self._quiet.discard(wc.wr_id)
                 notify = bool(wc.status)
-            return DTOCompletionEvent(EventType.DTO_COMPLETION, evd, self, cookie, status, wc.byte_len, op,
-                                      imm, wc.vendor_err, src, notify)
+            return DTOCompletionEvent._completed(evd, self, cookie, status, wc.byte_len, op,
+                                                 imm, wc.vendor_err, src, notify)
         entry = self._pop_send(wc.wr_id)
         if entry is None:
             return None
@@ -696,8 +696,8 @@ class EP(Handle):
             # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
             # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
             self._on_async_error(f"{op.value} with cookie {cookie!r} completed with {status}")
-        return DTOCompletionEvent(EventType.DTO_COMPLETION, evd, self, cookie, status, length, op,
-                                  None, wc.vendor_err, None, notify)
+        return DTOCompletionEvent._completed(evd, self, cookie, status, length, op,
+                                             None, wc.vendor_err, None, notify)
 
     def _pop_send(self, wr_id: int) -> Any:
         # Earlier entries without a completion of their own finished before this one.

@@ -142,6 +142,18 @@ class DTOCompletionEvent(Event):
     #: but does not wake a waiting task by itself (DAT's unsignalled notification)
     notify: bool = field(default=True, repr=False, compare=False)
 
+    @classmethod
+    def _completed(cls, evd: "EVD", ep: "EP", cookie: Any, status: str, length: int, op: DTOOp,
+                   imm: Optional[int], vendor_err: int, src_qp: Optional[int],
+                   notify: bool) -> "DTOCompletionEvent":
+        """Build one event per completion on the hot path: a single dict update instead of the
+        frozen dataclass __init__, which sets each field through object.__setattr__."""
+        event = object.__new__(cls)
+        event.__dict__.update(type=EventType.DTO_COMPLETION, evd=evd, ep=ep, cookie=cookie, status=status,
+                              transferred_length=length, operation=op, imm_data=imm,
+                              vendor_err=vendor_err, src_qp=src_qp, notify=notify)
+        return event
+
     @property
     def ok(self) -> bool:
         """True when the transfer succeeded."""
