@@ -211,10 +211,16 @@ class EP(Handle):
         super().__init__(pz)
         self._ia, self._pz, self._srq, self.attrs = ia, pz, srq, attrs
         self._own_evds: List["EVD"] = []
-        self.recv_evd: "EVD" = recv_evd or self._private_evd(attrs.max_recv_dtos, EvdFlags.DTO)
-        self.request_evd: "EVD" = request_evd or self._private_evd(
-            attrs.max_request_dtos, EvdFlags.DTO | EvdFlags.RMR_BIND)
-        self.connect_evd: "EVD" = connect_evd or self._private_evd(16, EvdFlags.CONNECTION)
+        try:
+            self.recv_evd: "EVD" = recv_evd or self._private_evd(attrs.max_recv_dtos, EvdFlags.DTO, "recv_evd")
+            self.request_evd: "EVD" = request_evd or self._private_evd(
+                attrs.max_request_dtos, EvdFlags.DTO | EvdFlags.RMR_BIND, "request_evd")
+            self.connect_evd: "EVD" = connect_evd or self._private_evd(16, EvdFlags.CONNECTION, "connect_evd")
+        except BaseException:  # leave no half-made EP in the PZ (its close would fail, the PZ never free)
+            self._destroy_own_evds()
+            self._closed = True
+            pz._children.pop(self, None)
+            raise
         self._state = EPState.UNCONNECTED
         self._ids = itertools.count(1)
         self._send_q: Deque[Tuple[int, Any, DTOOp, Tuple[Segment, ...], Any]] = deque()
@@ -235,9 +241,13 @@ class EP(Handle):
         if srq is not None:
             srq._eps[self] = None
 
-    def _private_evd(self, qlen: int, streams: EvdFlags) -> "EVD":
+    def _private_evd(self, qlen: int, streams: EvdFlags, what: str = "EVD") -> "EVD":
         from aiodat.evd import EVD
 
+        limit = self._ia._device_attr.max_cqe
+        if qlen > limit:
+            raise InvalidParameter(f"the EP's own {what} would need {qlen} entries, more than max_evd_qlen "
+                                   f"{limit}: lower the EPAttr queue depth or pass an EVD")
         evd = EVD(self._ia, max(qlen, 1), streams)
         self._own_evds.append(evd)
         return evd
