@@ -517,3 +517,18 @@ async def test_lmr_free_refused_while_receive_posted(ia: Any, loop_errors: List[
         other.free()
     ep.free()
     other.free()
+
+
+def test_ep_whose_own_evd_cannot_be_made(ia: Any) -> None:
+    """An EP whose own EVD would exceed max_evd_qlen raises, leaving nothing half-made behind."""
+    pz = ia.create_pz()
+    limit = ia.query().ia_attr.max_evd_qlen
+    if limit >= ia.query().ia_attr.transport_attr.max_qp_wr:
+        pytest.skip("this device's CQs are as deep as its QPs")
+    evds_before = sum(isinstance(c, aiodat.EVD) for c in ia._children)
+    with pytest.raises(aiodat.InvalidParameter) as info:
+        ia.create_ep(pz, attrs=aiodat.EPAttr(max_recv_dtos=limit + 1))
+    assert "recv_evd" in str(info.value) and str(limit) in str(info.value)
+    assert sum(isinstance(c, aiodat.EVD) for c in ia._children) == evds_before
+    pz.free()  # no half-made EP holds the PZ
+    ia.close()  # and closing raises nothing
