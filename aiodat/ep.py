@@ -368,6 +368,8 @@ class EP(Handle):
     def post_recv(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
         """Post a receive into ``segments`` (dat_ep_post_recv); it completes on ``recv_evd``."""
+        if not isinstance(flags, int):
+            raise InvalidParameter(f"flags must be CompletionFlags, not {type(flags).__name__}")
         segs = as_segments(segments)
         self._check_post(segs, self.attrs.max_recv_iov, "post_recv")
         if self._srq is not None:
@@ -446,6 +448,8 @@ class EP(Handle):
                   target: Any = None, ah: Any = None, remote_qpn: int = 0, remote_qkey: int = 0,
                   bind: Optional[Tuple[Any, int, Any, int, int, int]] = None) -> None:
         """Fill the EP's single request and post it; remember it for its completion."""
+        if not isinstance(flags, int):
+            raise InvalidParameter(f"flags must be CompletionFlags, not {type(flags).__name__}")
         if self._state is not EPState.CONNECTED and self.attrs.service_type is ServiceType.RC and opcode != WR_BIND_MW:
             raise InvalidState(f"cannot post {op.value} on an EP in state {self._state.value} (connect it first)")
         wr = self._wr
