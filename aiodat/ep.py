@@ -399,29 +399,42 @@ class EP(Handle):
             raise InvalidState("this EP receives from an SRQ: post to srq.post_recv_batch")
         if self._state in (EPState.DISCONNECTED, EPState.ERROR):
             raise InvalidState(f"cannot post a receive on an EP in state {self._state.value}")
-        batch = [(as_segments(segs), cookie) for segs, cookie in items]
-        for segs, _ in batch:
-            self._check_post(segs, self.attrs.max_recv_iov, "post_recv_batch")
+        batch = []
+        last_in: Any = batch  # a sentinel no item is
+        checked: Tuple[Segment, ...] = ()
+        for segs, cookie in items:
+            if segs is not last_in:  # the same segments again: checked already
+                checked = as_segments(segs)
+                self._check_post(checked, self.attrs.max_recv_iov, "post_recv_batch")
+                last_in = segs
+            batch.append((checked, cookie))
         n = len(batch)
         if n == 0:
             return 0
-        ids = ffi.new("uint64_t[]", n)
-        starts = ffi.new("int[]", n)
-        counts = ffi.new("int[]", n)
-        sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
-        entries = []
-        start = 0
-        for i, (segs, cookie) in enumerate(batch):
-            wr_id = next(self._ids) * 2 + 1
-            ids[i], starts[i], counts[i] = wr_id, start, len(segs)
-            self._fill_sges(sges, start, segs)
-            start += len(segs)
-            entries.append((wr_id, cookie, segs))
+        id_gen = self._ids
+        wr_ids = [next(id_gen) * 2 + 1 for _ in range(n)]
+        first = batch[0][0]
+        if all(segs is first for segs, _ in batch):  # one scatter list shared by every receive
+            sges = ffi.new("struct aiodat_sge[]", max(1, len(first)))
+            self._fill_sges(sges, 0, first)
+            starts = ffi.new("int[]", n)
+            counts = ffi.new("int[]", [len(first)] * n)
+        else:
+            sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
+            start_list, start = [], 0
+            for segs, _ in batch:
+                self._fill_sges(sges, start, segs)
+                start_list.append(start)
+                start += len(segs)
+            starts = ffi.new("int[]", start_list)
+            counts = ffi.new("int[]", [len(segs) for segs, _ in batch])
+        ids = ffi.new("uint64_t[]", wr_ids)
         err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, n, sges, self._posted)
         posted = self._posted[0]
-        for entry in entries[:posted]:
-            self._recv_q.append(entry)
-            self._track(entry[2], 1)
+        self._recv_q.extend([(wr_ids[i], batch[i][1], batch[i][0]) for i in range(posted)])
+        for segs, _ in batch[:posted]:
+            for seg in segs:
+                seg.lmr._inflight += 1
         if err:
             raise self._post_error(err, f"post_recv_batch (posted {posted} of {n})", len(self._recv_q),
                                    self.attrs.max_recv_dtos)
@@ -493,9 +506,15 @@ class EP(Handle):
     def post_send_batch(self, items: Iterable[Tuple[Segments, Any]],
                         flags: CompletionFlags = CompletionFlags.DEFAULT) -> int:
         """Post many sends in one crossing into C; ``items`` are (segments, cookie) pairs. Returns how many were posted."""
-        batch = [(as_segments(segs), cookie) for segs, cookie in items]
-        for segs, _ in batch:
-            self._check_post(segs, self.attrs.max_request_iov, "post_send_batch")
+        batch = []
+        last_in: Any = batch  # a sentinel no item is
+        checked: Tuple[Segment, ...] = ()
+        for segs, cookie in items:
+            if segs is not last_in:  # the same segments again (a stream of one buffer): checked already
+                checked = as_segments(segs)
+                self._check_post(checked, self.attrs.max_request_iov, "post_send_batch")
+                last_in = segs
+            batch.append((checked, cookie))
         return self._post_many(DTOOp.SEND, WR_SEND, batch, flags)
 
     # -- RDMA and atomics ---------------------------------------------------------
@@ -626,14 +645,19 @@ class EP(Handle):
                       what: str) -> Tuple[List[Tuple[Tuple[Segment, ...], Any]], List["RemoteRegion"]]:
         batch: List[Tuple[Tuple[Segment, ...], Any]] = []
         remotes: List["RemoteRegion"] = []
+        last_local: Any = batch  # sentinels no item is
+        last_remote: Any = batch
+        segs: Tuple[Segment, ...] = ()
         for item in items:
             try:
                 local, remote, cookie = item
             except (TypeError, ValueError):
                 raise InvalidParameter(f"{what}: items must be (local_segments, remote, cookie) triples") from None
-            segs = as_segments(local, "local_segments")
-            self._check_post(segs, limit, what)
-            self._check_remote(remote, segs, what)
+            if local is not last_local or remote is not last_remote:  # else: checked already
+                segs = as_segments(local, "local_segments")
+                self._check_post(segs, limit, what)
+                self._check_remote(remote, segs, what)
+                last_local, last_remote = local, remote
             batch.append((segs, cookie))
             remotes.append(remote)
         return batch, remotes
@@ -645,6 +669,11 @@ class EP(Handle):
         n = len(batch)
         if n == 0:
             return 0
+        first = batch[0][0]
+        if n > 1 and all(segs is first for segs, _ in batch) and (
+                remotes is None or all(r is remotes[0] for r in remotes)):
+            return self._post_same(op, opcode, first, [cookie for _, cookie in batch], flags,
+                                   remotes[0] if remotes is not None else None)
         wrs = ffi.new("struct aiodat_send_wr[]", n)
         sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
         send_flags = self._send_flags(CompletionFlags(flags))
@@ -668,6 +697,38 @@ class EP(Handle):
             self._track(entry[3], 1)
             if quiet:
                 self._quiet.add(entry[0])
+        if err:
+            raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
+                                   len(self._send_q), self.attrs.max_request_dtos)
+        return posted
+
+    def _post_same(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookies: List[Any],
+                   flags: CompletionFlags, remote: Optional["RemoteRegion"]) -> int:
+        """The batch fast path: n requests on the same segments (and remote): one scatter/gather
+        list, the request written once and copied n times in C, only the wr_ids set one by one."""
+        n = len(cookies)
+        wrs = ffi.new("struct aiodat_send_wr[]", n)
+        sges = ffi.new("struct aiodat_sge[]", max(1, len(segs)))
+        self._fill_sges(sges, 0, segs)
+        wr = wrs[0]
+        wr.opcode, wr.send_flags = opcode, self._send_flags(CompletionFlags(flags))
+        wr.sge_start, wr.num_sge = 0, len(segs)
+        if remote is not None:
+            wr.remote_addr, wr.rkey = remote.address, remote.rmr_context
+        size = ffi.sizeof("struct aiodat_send_wr")
+        raw = ffi.buffer(wrs)
+        raw[size:] = raw[0:size] * (n - 1)
+        ids = self._ids
+        wr_ids = [next(ids) * 2 for _ in range(n)]
+        for i, wr_id in enumerate(wr_ids):
+            wrs[i].wr_id = wr_id
+        err = lib.aiodat_post_send(self._qp, wrs, n, sges, self._posted)
+        posted = self._posted[0]
+        self._send_q.extend([(wr_ids[i], cookies[i], op, segs, None) for i in range(posted)])
+        for seg in segs:
+            seg.lmr._inflight += posted
+        if flags & CompletionFlags.UNSIGNALLED and not flags & CompletionFlags.SUPPRESS:
+            self._quiet.update(wr_ids[:posted])
         if err:
             raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
                                    len(self._send_q), self.attrs.max_request_dtos)
