@@ -663,6 +663,10 @@ async def _soak(device: str, address: str, seconds: float, connections: int, int
             i = 0
             try:
                 while not stop.is_set():
+                    # An await whose events are already queued returns without yielding (rxe on
+                    # one device often completes inline), so yield once per operation: fairness
+                    # between the connections, and the reporting timer fires on time.
+                    await asyncio.sleep(0)
                     i += 1
                     t0 = time.perf_counter()
                     kind = i % 4
