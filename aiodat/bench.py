@@ -901,9 +901,7 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
 
         acceptor = asyncio.ensure_future(accept())
         await client.connect(address, psp.port, timeout=30)
-        await acceptor
-        if op == "send":
-            _short_rnr_timer(server)
+        await acceptor  # cm.py shortens the RNR timer of every new connection
         remote = s_seg.remote()
 
         if op == "write":
@@ -957,21 +955,6 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
             raise AssertionError(f"the {op} bandwidth run moved other bytes than it should have")
         await client.disconnect()
     return BandwidthSample(op, size, iters, end - start)
-
-
-def _short_rnr_timer(ep: Any) -> None:
-    """Set the receiver's RNR NAK timer to 0.01 ms (encoding 1).
-
-    The IB CM leaves min_rnr_timer at 0, which encodes the longest delay,
-    655 ms: a sender that finds no receive posted stalls that long.  A Python
-    receiver reposts more slowly than rxe delivers, so without this the
-    message rate measured the RNR timer, not aiodat.  (RTS->RTS may change it.)
-    """
-    from aiodat._lib import ffi, lib
-
-    attr = ffi.new("struct ibv_qp_attr *")
-    attr.min_rnr_timer = 1
-    lib.ibv_modify_qp(ep._qp, attr, lib.IBV_QP_MIN_RNR_TIMER)
 
 
 def _bw_perftest(op: str, size: int, depth: int, iters: int, device: str, address: str,

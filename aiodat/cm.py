@@ -337,6 +337,7 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
     if kind == ESTABLISHED:
         _cancel_timer(ep)
         ep._state = EPState.CONNECTED
+        _short_rnr_timer(ep)
         _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_ESTABLISHED, ep.connect_evd, ep, pdata))
         return
     if kind == DISCONNECTED:
@@ -347,6 +348,23 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
         _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep, pdata))
         return
     # CONNECT_RESPONSE (not seen with a QP attached), TIMEWAIT_EXIT, multicast: nothing to do here
+
+
+#: the receiver-not-ready NAK delay aiodat gives every connection (IB encoding 1: 0.01 ms)
+MIN_RNR_TIMER = 1
+
+
+def _short_rnr_timer(ep: "EP") -> None:
+    """Shorten the RNR NAK delay of a newly connected QP (RTS->RTS may change it).
+
+    The IB CM leaves min_rnr_timer at 0, which encodes the longest delay, 655 ms:
+    a peer that sends before a receive is posted would stall that long per retry.
+    A Python receiver reposts more slowly than the device delivers, so a short
+    delay matters; the retry count stays unlimited (rnr_retry_count 7).
+    """
+    attr = ffi.new("struct ibv_qp_attr *")
+    attr.min_rnr_timer = MIN_RNR_TIMER
+    lib.ibv_modify_qp(ep._qp, attr, lib.IBV_QP_MIN_RNR_TIMER)  # best effort: the default still works
 
 
 def _fail_connect(ep: "EP", etype: EventType, reason: str, pdata: bytes = b"") -> None:

@@ -392,3 +392,28 @@ async def test_cancelled_connect(ia: Any, loop_errors: List[dict]) -> None:
         assert event is not None and event.type is EventType.CONNECTION_EVENT_ESTABLISHED and event.ep is client
         hit += 1
     assert hit, "never caught the connect between its outcome and the task's wake-up"
+
+
+async def test_send_before_receive_is_posted_waits_briefly(ia: Any, loop_errors: List[dict]) -> None:
+    """A send that finds no receive posted is retried after a short RNR delay, not 655 ms per retry.
+
+    The IB CM leaves min_rnr_timer at its longest setting; cm.py shortens it on ESTABLISHED.
+    """
+    from aiodat._lib import ffi, lib
+    from aiodat.cm import MIN_RNR_TIMER
+
+    pair = await make_ep_pair(ia)
+    for ep in (pair.client, pair.server):
+        attr = ffi.new("struct ibv_qp_attr *")
+        init = ffi.new("struct ibv_qp_init_attr *")
+        assert lib.ibv_query_qp(ep._qp, attr, lib.IBV_QP_MIN_RNR_TIMER, init) == 0
+        assert attr.min_rnr_timer == MIN_RNR_TIMER
+    # The message still arrives once the receiver posts, and nothing is lost.
+    pair.client_lmr.memoryview()[0:4] = b"late"
+    pair.client.post_send(pair.client_lmr[0:4], cookie="early")
+    await asyncio.sleep(0.2)
+    pair.server.post_recv(pair.server_lmr[0:64], cookie="late")
+    (got,) = await pair.server.recv_evd.wait(timeout=T)
+    assert got.ok and bytes(pair.server_lmr.memoryview()[0:4]) == b"late"
+    (sent,) = await pair.client.request_evd.wait(timeout=T)
+    assert sent.ok and sent.cookie == "early"
