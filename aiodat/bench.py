@@ -64,7 +64,7 @@ def device_and_address(device: Optional[str] = None, address: Optional[str] = No
     if found is None:
         raise ProviderNotFound(
             "no RDMA device with an IPv4 address here; run the benchmark where rxe is up: "
-            "`aiodat rxe run -- aiodat bench latency`"
+            "`aiodat rxe run -- aiodat bench ...`"
         )
     return found.name, address or found.address
 
@@ -394,7 +394,8 @@ async def latency_pingpong(device: str, address: str, size: int = 2, iters: int 
     iteration runs from one send to the next; the first ``warmup`` iterations
     are not counted.
     """
-    from aiodat import EvdFlags, open_ia
+    from aiodat import open_ia
+    from aiodat.cm import connect_pair
 
     _check_sizes(size, iters)
     if processes not in (1, 2):
@@ -410,16 +411,7 @@ async def latency_pingpong(device: str, address: str, size: int = 2, iters: int 
             if processes == 1:
                 server, s_evd, s_send, s_recv, s_bufs = _endpoint(ia, pz, size, False)
                 server.post_recv(s_recv)
-                cr_evd = ia.create_evd(4, EvdFlags.CR)
-                psp = ia.create_psp_any(cr_evd)
-
-                async def accept() -> None:
-                    event = await cr_evd.wait_one(timeout=30)
-                    await event.cr.accept(server)
-
-                acceptor = asyncio.ensure_future(accept())
-                await client.connect(address, psp.port, timeout=30)
-                await acceptor
+                await connect_pair(client, server)
                 server_task = asyncio.ensure_future(_pong(server, s_evd, s_send, s_recv, total))
             else:
                 child, port = await _start_pong_process(device, address, size, total, loop_name)
@@ -869,6 +861,7 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
     checked at the end.
     """
     from aiodat import CompletionFlags, EPAttr, EvdFlags, Privileges, open_ia
+    from aiodat.cm import connect_pair
 
     _check_bw(op, size, depth, iters, batch)
     warmup = min(depth * 2, iters) if warmup is None else warmup
@@ -892,16 +885,7 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
         s_seg = pz.register(s_buf, priv)[0:size]
         if op == "send":
             server.post_recv_batch([(s_seg, None)] * recv_depth)
-        cr_evd = ia.create_evd(4, EvdFlags.CR)
-        psp = ia.create_psp_any(cr_evd)
-
-        async def accept() -> None:
-            event = await cr_evd.wait_one(timeout=30)
-            await event.cr.accept(server)
-
-        acceptor = asyncio.ensure_future(accept())
-        await client.connect(address, psp.port, timeout=30)
-        await acceptor  # cm.py shortens the RNR timer of every new connection
+        await connect_pair(client, server)  # cm.py shortens the RNR timer of every new connection
         remote = s_seg.remote()
 
         if op == "write":

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 NO_DEVICE = (
     "no RDMA device on this machine; run aiodat where one is up, e.g. on Soft-RoCE with "
@@ -388,111 +388,82 @@ def cmd_ping(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 # -- bench ---------------------------------------------------------------------------
 
 
-def cmd_bench_latency(args: argparse.Namespace) -> int:
-    """``aiodat bench latency``: see :func:`aiodat.bench.bench_latency`."""
+def _run_bench(name: str, args: argparse.Namespace, run: Callable[[], Any],
+               errors: Tuple[Type[BaseException], ...] = ()) -> int:
+    """Check --loop, run one benchmark and print its report (text, or JSON with --json).
+
+    Exit status: 0, or 1 when the benchmark failed (a DATError or one of ``errors``) or its
+    report says it is not ok (``report.ok`` where a report has one, e.g. the soak's checks).
+    """
     from aiodat import DATError
-    from aiodat import bench
 
-    if args.size < 1 or args.iters < 1:
-        _err("aiodat bench latency: error: --size and --iters must be >= 1")
-        return 2
-    if args.loop == "uvloop":
-        try:
-            import uvloop  # noqa: F401
-        except ImportError:
-            _err("aiodat bench latency: --loop uvloop needs uvloop (pip install uvloop)")
-            return 1
-    try:
-        report = bench.bench_latency(args.size, args.iters, args.loop, perftest=not args.no_perftest,
-                                     processes=args.processes, device=args.device)
-    except DATError as exc:
-        _err(f"aiodat bench latency: {exc}")
-        return 1
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
-    else:
-        print(report.format())
-    return 0
-
-
-def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
-    """``aiodat bench bandwidth`` / ``aiodat bench rate``: see :func:`aiodat.bench.bandwidth` and ``rate``."""
-    from aiodat import DATError
-    from aiodat import bench
-
-    name = f"aiodat bench {args.bench}"
-    if min(args.size, args.depth, args.iters, args.batch) < 1 or args.batch > args.depth:
-        _err(f"{name}: error: --size, --depth, --iters and --batch must be >= 1, and --batch <= --depth")
-        return 2
-    if args.loop == "uvloop":
+    if getattr(args, "loop", None) == "uvloop":
         try:
             import uvloop  # noqa: F401
         except ImportError:
             _err(f"{name}: --loop uvloop needs uvloop (pip install uvloop)")
             return 1
     try:
-        if args.bench == "rate":
-            report = bench.rate(args.size, args.depth, args.iters, args.loop, batch=args.batch,
-                                perftest=not args.no_perftest, device=args.device)
-        else:
-            report = bench.bandwidth(args.op, args.size, args.depth, args.iters, args.loop, batch=args.batch,
-                                     perftest=not args.no_perftest, device=args.device)
-    except (DATError, RuntimeError, AssertionError) as exc:
+        report = run()
+    except (DATError, *errors) as exc:
         _err(f"{name}: {exc}")
         return 1
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.format())
+    return 0 if getattr(report, "ok", True) else 1
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    """``aiodat bench latency``: see :func:`aiodat.bench.bench_latency`."""
+    from aiodat import bench
+
+    if args.size < 1 or args.iters < 1:
+        _err("aiodat bench latency: error: --size and --iters must be >= 1")
+        return 2
+    return _run_bench("aiodat bench latency", args, lambda: bench.bench_latency(
+        args.size, args.iters, args.loop, perftest=not args.no_perftest, processes=args.processes,
+        device=args.device))
+
+
+def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
+    """``aiodat bench bandwidth`` / ``aiodat bench rate``: see :func:`aiodat.bench.bandwidth` and ``rate``."""
+    from aiodat import bench
+
+    name = f"aiodat bench {args.bench}"
+    if min(args.size, args.depth, args.iters, args.batch) < 1 or args.batch > args.depth:
+        _err(f"{name}: error: --size, --depth, --iters and --batch must be >= 1, and --batch <= --depth")
+        return 2
+    if args.bench == "rate":
+        def run() -> Any:
+            return bench.rate(args.size, args.depth, args.iters, args.loop, batch=args.batch,
+                              perftest=not args.no_perftest, device=args.device)
     else:
-        print(report.format())
-    return 0
+        def run() -> Any:
+            return bench.bandwidth(args.op, args.size, args.depth, args.iters, args.loop, batch=args.batch,
+                                   perftest=not args.no_perftest, device=args.device)
+    return _run_bench(name, args, run, (RuntimeError, AssertionError))
 
 
 def cmd_bench_streams(args: argparse.Namespace) -> int:
     """``aiodat bench streams``: see :func:`aiodat.bench.streams`."""
-    from aiodat import DATError
     from aiodat import bench
 
     if args.write_size < 1 or args.total < args.write_size or args.size < 1 or args.iters < 1:
         _err("aiodat bench streams: error: --write-size, --size and --iters must be >= 1, --total >= --write-size")
         return 2
-    try:
-        report = bench.streams(args.write_size, args.total, args.size, args.iters, args.loop, device=args.device,
-                               perftest=not args.no_perftest)
-    except DATError as exc:
-        _err(f"aiodat bench streams: {exc}")
-        return 1
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
-    else:
-        print(report.format())
-    return 0
+    return _run_bench("aiodat bench streams", args, lambda: bench.streams(
+        args.write_size, args.total, args.size, args.iters, args.loop, device=args.device,
+        perftest=not args.no_perftest))
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
     """``aiodat bench soak``: see :func:`aiodat.bench.soak`."""
-    from aiodat import DATError
     from aiodat import bench
 
     if args.seconds <= 0 or args.connections < 1 or args.interval <= 0:
         _err("aiodat bench soak: error: --seconds and --interval must be > 0, --connections >= 1")
         return 2
-    if args.loop == "uvloop":
-        try:
-            import uvloop  # noqa: F401
-        except ImportError:
-            _err("aiodat bench soak: --loop uvloop needs uvloop (pip install uvloop)")
-            return 1
-    try:
-        report = bench.soak(args.seconds, args.connections, args.loop, interval=args.interval,
-                            device=args.device)
-    except DATError as exc:
-        _err(f"aiodat bench soak: {exc}")
-        return 1
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
-    else:
-        print(report.format())
-    return 0 if report.ok else 1
+    return _run_bench("aiodat bench soak", args, lambda: bench.soak(
+        args.seconds, args.connections, args.loop, interval=args.interval, device=args.device))
 
 
 if __name__ == "__main__":

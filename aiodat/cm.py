@@ -36,7 +36,6 @@ from aiodat.errors import (
     ConnQualInUse,
     InvalidParameter,
     InvalidState,
-    TimeoutExpired,
     Unreachable,
     error_from_errno,
 )
@@ -499,14 +498,80 @@ def detach_cm_id(ep: "EP") -> None:
     _drop_connection(ep)
 
 
+async def connect_pair(client: "EP", server: "EP", timeout: float = 30.0) -> "PSP":
+    """Connect two unconnected EPs of one IA to each other through a PSP on a free port.
+
+    A loopback pair for tests, benchmarks and examples: the server side accepts
+    the first request on ``server`` while ``client`` connects.  Returns the PSP;
+    free it and its ``cr_evd`` when no more pairs are wanted.
+    """
+    ia = client.ia
+    cr_evd = ia.create_evd(4, EvdFlags.CR)
+    psp = PSP(ia, 0, cr_evd, 16)
+
+    async def accept() -> None:
+        event = await cr_evd.wait_one(timeout=timeout)
+        await event.cr.accept(server, timeout=timeout)
+
+    acceptor = asyncio.ensure_future(accept())
+    try:
+        await client.connect(psp.address or "0.0.0.0", psp.port, timeout=timeout)
+        await acceptor
+    except BaseException:
+        acceptor.cancel()
+        await asyncio.gather(acceptor, return_exceptions=True)
+        psp.close()
+        cr_evd.close()
+        raise
+    return psp
+
+
 # -- the passive side ---------------------------------------------------------------
 
 
-class PSP(Handle):
+class Listener(Handle):
+    """A listening rdma_cm id bound to the IA's address: what PSPs and datagram service points share."""
+
+    _close_rank = 0  # before PZs and EVDs: stop new requests first
+
+    def _listen(self, ia: "IA", addr: Any, port: int, port_space: int, backlog: int, what: str) -> None:
+        """Bind and listen on ``port`` (0: one the provider picks); sets ``port`` and ``address``."""
+        self._ia = ia
+        self._cm_id = ia._cm.create_id(self, port_space)
+        if lib.rdma_bind_addr(self._cm_id, ffi.cast("struct sockaddr *", addr)):
+            err = ffi.errno
+            self.close()
+            if err == 98:  # EADDRINUSE
+                raise ConnQualInUse(f"{what} {port} is already listened on ({ia.address})")
+            raise error_from_errno(err, f"binding {what} {port}")
+        if lib.rdma_listen(self._cm_id, backlog):
+            err = ffi.errno
+            self.close()
+            raise error_from_errno(err, f"listening on {what} {port}")
+        bound = _address(lib.rdma_get_local_addr(self._cm_id))
+        #: the port (connection qualifier) listened on
+        self.port: int = bound[1] if bound else port
+        #: the address listened on
+        self.address: Optional[str] = ia.address
+        ia._attach_loop()
+
+    def free(self) -> None:
+        """Stop listening (dat_psp_free); requests not yet answered are rejected."""
+        self._check()
+        self.close()
+
+    def _release(self) -> None:
+        self._ia._cm.destroy_id(self._cm_id)
+        self._cm_id = ffi.NULL
+
+    def __repr__(self) -> str:
+        return f"<aiodat.{type(self).__name__} port={getattr(self, 'port', '?')}{' closed' if self._closed else ''}>"
+
+
+class PSP(Listener):
     """A Public Service Point: listens on a port for connection requests (dat_psp_create)."""
 
     _kind = "psp"
-    _close_rank = 0  # before PZs and EVDs: stop new requests first
 
     def __init__(self, ia: "IA", port: int, cr_evd: "EVD", backlog: int) -> None:
         from aiodat.evd import EVD
@@ -523,25 +588,8 @@ class PSP(Handle):
             raise InvalidParameter(f"backlog must be an int >= 1, got {backlog!r}")
         addr = _sockaddr(ia.address or "0.0.0.0", port)
         super().__init__(ia)
-        self._ia = ia
         self.cr_evd = cr_evd
-        self._cm_id = ia._cm.create_id(self, lib.RDMA_PS_TCP)
-        if lib.rdma_bind_addr(self._cm_id, ffi.cast("struct sockaddr *", addr)):
-            err = ffi.errno
-            self.close()
-            if err == 98:  # EADDRINUSE
-                raise ConnQualInUse(f"port {port} is already listened on ({ia.address})")
-            raise error_from_errno(err, f"binding port {port}")
-        if lib.rdma_listen(self._cm_id, backlog):
-            err = ffi.errno
-            self.close()
-            raise error_from_errno(err, f"listening on port {port}")
-        #: the port (connection qualifier) listened on
-        bound = _address(lib.rdma_get_local_addr(self._cm_id))
-        self.port: int = bound[1] if bound else port
-        #: the address listened on
-        self.address: Optional[str] = ia.address
-        ia._attach_loop()
+        self._listen(ia, addr, port, lib.RDMA_PS_TCP, backlog, "port")
 
     def _on_request(self, cm_id: Any, pdata: bytes, responder: int, initiator: int) -> None:
         cr = CR(self, cm_id, pdata, responder, initiator)
@@ -551,18 +599,6 @@ class PSP(Handle):
         """Return the PSP's parameters (dat_psp_query): ia, port, address, cr_evd."""
         self._check()
         return {"ia": self._ia, "port": self.port, "address": self.address, "cr_evd": self.cr_evd}
-
-    def free(self) -> None:
-        """Stop listening (dat_psp_free); pending requests are rejected."""
-        self._check()
-        self.close()
-
-    def _release(self) -> None:
-        self._ia._cm.destroy_id(self._cm_id)
-        self._cm_id = ffi.NULL
-
-    def __repr__(self) -> str:
-        return f"<aiodat.PSP port={getattr(self, 'port', '?')}{' closed' if self._closed else ''}>"
 
 
 class CR(Handle):

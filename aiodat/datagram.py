@@ -38,10 +38,10 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from aiodat._handle import Handle
+from aiodat.cm import Listener
 from aiodat._lib import ffi, lib
 from aiodat.errors import (
     InvalidParameter,
-    InvalidState,
     TimeoutExpired,
     Unreachable,
     ConnectionRejected,
@@ -50,7 +50,7 @@ from aiodat.errors import (
 
 if TYPE_CHECKING:
     from aiodat.ep import EP
-    from aiodat.ia import IA, PZ
+    from aiodat.ia import PZ
 
 #: bytes of Global Route Header at the start of every UD receive
 GRH_SIZE = 40
@@ -221,7 +221,7 @@ async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes =
     return await _await(res, timeout)
 
 
-class DatagramPSP(Handle):
+class DatagramPSP(Listener):
     """A datagram service point: answers address resolutions for a UD EP (ib_init_dgrm_svc + SIDR).
 
     Every request a peer's ``resolve_datagram`` sends to ``port`` is accepted
@@ -230,39 +230,19 @@ class DatagramPSP(Handle):
     """
 
     _kind = "datagram psp"
-    _close_rank = 0
 
     def __init__(self, ep: "EP", port: int, private_data: bytes = b"") -> None:
-        from aiodat.cm import _address, _private, _sockaddr
+        from aiodat.cm import _private, _sockaddr
 
         _check_ud(ep, "serve_datagram")
         ia = ep._ia
         self._pdata = _private(private_data, SERVE_PRIVATE_DATA_MAX, "serve_datagram")
         addr = _sockaddr(ia.address or "0.0.0.0", port)
         super().__init__(ia)
-        self._ia = ia
         self.ep = ep
         self.requests = 0
         self.peers: list = []
-        self._cm_id = ia._cm.create_id(self, lib.RDMA_PS_UDP)
-        if lib.rdma_bind_addr(self._cm_id, ffi.cast("struct sockaddr *", addr)):
-            err = ffi.errno
-            self.close()
-            if err == 98:
-                from aiodat.errors import ConnQualInUse
-
-                raise ConnQualInUse(f"UDP port {port} is already served ({ia.address})")
-            raise error_from_errno(err, f"binding UDP port {port}")
-        if lib.rdma_listen(self._cm_id, 128):
-            err = ffi.errno
-            self.close()
-            raise error_from_errno(err, f"listening on UDP port {port}")
-        bound = _address(lib.rdma_get_local_addr(self._cm_id))
-        #: the UDP port (service id) served
-        self.port: int = bound[1] if bound else port
-        #: the address served
-        self.address: Optional[str] = ia.address
-        ia._attach_loop()
+        self._listen(ia, addr, port, lib.RDMA_PS_UDP, 128, "UDP port")
 
     def _on_cm_request(self, ev: Any, pdata: bytes) -> None:
         """A SIDR REQ: accept it with the EP's QP number, then drop the request's id."""
@@ -280,18 +260,6 @@ class DatagramPSP(Handle):
             self.requests += 1
             self.peers.append((cm_addresses(cm_id)[1], pdata))
         lib.rdma_destroy_id(cm_id)
-
-    def free(self) -> None:
-        """Stop serving."""
-        self._check()
-        self.close()
-
-    def _release(self) -> None:
-        self._ia._cm.destroy_id(self._cm_id)
-        self._cm_id = ffi.NULL
-
-    def __repr__(self) -> str:
-        return f"<aiodat.DatagramPSP port={getattr(self, 'port', '?')}{' closed' if self._closed else ''}>"
 
 
 class _Joiner(_Resolution):

@@ -27,11 +27,10 @@ from aiodat.errors import (
     QueueFull,
     error_from_errno,
 )
-from aiodat.evd import DTOCompletionEvent, DTOOp, EvdFlags, EventType, ConnectionEvent, RMRBindEvent
+from aiodat.evd import DTOCompletionEvent, DTOOp, EvdFlags, EventType, ConnectionEvent
 from aiodat.memory import LMR, Segment
 
 if TYPE_CHECKING:
-    from aiodat.cm import CR
     from aiodat.evd import EVD
     from aiodat.ia import IA, PZ
     from aiodat.memory import RemoteRegion

@@ -47,6 +47,11 @@ class Provider:
     state: str  #: port state as ibv_devinfo prints it, e.g. "PORT_ACTIVE"
     gids: Tuple[str, ...]  #: the port's valid GIDs, IPv6 notation
 
+    @property
+    def address(self) -> Optional[str]:
+        """The port's IPv4 address (its first IPv4-mapped GID), which rdma_cm connects to; None if it has none."""
+        return _ipv4_of_gids(self.gids)
+
 
 _PORT_STATES = ("PORT_NOP", "PORT_DOWN", "PORT_INIT", "PORT_ARMED", "PORT_ACTIVE", "PORT_ACTIVE_DEFER")
 

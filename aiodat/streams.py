@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import os
 import socket
 import struct
@@ -188,15 +187,8 @@ def _device_for(host: Optional[str]) -> str:
     """The device to use for ``host``: the one whose address it is, else $AIODAT_RXE_DEVICE, else the first."""
     from aiodat.ia import list_providers
 
-    candidates: List[Tuple[str, str]] = []
-    for provider in list_providers():
-        if provider.state != "PORT_ACTIVE":
-            continue
-        for gid in provider.gids:
-            v4 = ipaddress.IPv6Address(gid).ipv4_mapped
-            if v4 is not None:
-                candidates.append((provider.name, str(v4)))
-                break
+    candidates: List[Tuple[str, str]] = [(p.name, p.address) for p in list_providers()
+                                         if p.state == "PORT_ACTIVE" and p.address]
     for name, addr in candidates:
         if host and addr == host:
             return name

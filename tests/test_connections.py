@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, AsyncIterator, List, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 
@@ -15,18 +15,6 @@ from aiodat.testing.plugin import make_ep_pair
 pytestmark = pytest.mark.rxe
 
 T = 30.0  # generous bound for every wait: the QEMU guest runs under TCG
-
-
-@pytest.fixture
-async def loop_errors() -> AsyncIterator[List[dict]]:
-    """Records anything that escapes into the loop's exception handler; the test fails if something did."""
-    loop = asyncio.get_running_loop()
-    errors: List[dict] = []
-    old = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, context: errors.append(context))
-    yield errors
-    loop.set_exception_handler(old)
-    assert not errors, f"exceptions escaped into the event loop: {errors}"
 
 
 def listen(ia: Any, qlen: int = 8) -> Tuple[Any, Any]:

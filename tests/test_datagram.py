@@ -1,7 +1,6 @@
 """Issue 4: UD datagrams over rdma_cm's UDP port space and multicast, on real rxe."""
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Tuple
 
 import pytest

@@ -8,7 +8,7 @@ import gc
 import mmap
 import os
 import time
-from typing import Any, AsyncIterator, List
+from typing import Any, List
 
 import pytest
 
@@ -19,18 +19,6 @@ from aiodat.testing.plugin import make_ep_pair
 pytestmark = pytest.mark.rxe
 
 T = 30.0  # bound for every wait: the QEMU guest runs under TCG
-
-
-@pytest.fixture
-async def loop_errors() -> AsyncIterator[List[dict]]:
-    """Records anything that escapes into the loop's exception handler; the test fails if something did."""
-    loop = asyncio.get_running_loop()
-    errors: List[dict] = []
-    old = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, context: errors.append(context))
-    yield errors
-    loop.set_exception_handler(old)
-    assert not errors, f"exceptions escaped into the event loop: {errors}"
 
 
 def open_fds() -> int:

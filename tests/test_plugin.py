@@ -10,7 +10,6 @@ device the device tests must skip with the how-to message (host-only tests).
 from __future__ import annotations
 
 import importlib.metadata
-import textwrap
 from typing import Any
 
 import pytest

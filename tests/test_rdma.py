@@ -5,7 +5,7 @@ import asyncio
 import zlib
 import sys
 import time
-from typing import Any, List
+from typing import Any
 
 import pytest
 

@@ -15,9 +15,8 @@ import random
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
-from typing import Any, AsyncIterator, List, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 

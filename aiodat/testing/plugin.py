@@ -43,15 +43,9 @@ def find_device() -> Optional[RdmaDevice]:
     addr = os.environ.get("AIODAT_RXE_ADDR")
     if name and addr:
         return RdmaDevice(name, addr, os.environ.get("AIODAT_RXE_NETDEV"))
-    import ipaddress
-
     for provider in list_providers():
-        if provider.state != "PORT_ACTIVE":
-            continue
-        for gid in provider.gids:
-            v4 = ipaddress.IPv6Address(gid).ipv4_mapped
-            if v4 is not None:
-                return RdmaDevice(provider.name, str(v4))
+        if provider.state == "PORT_ACTIVE" and provider.address:
+            return RdmaDevice(provider.name, provider.address)
     return None
 
 
@@ -177,39 +171,23 @@ class EPPair:
 
 async def make_ep_pair(ia: Any, buffer_size: int = 4096, attrs: Any = None) -> EPPair:
     """Connect two fresh EPs of ``ia`` through a PSP on a free port and return them."""
-    import asyncio
-
-    from aiodat import EvdFlags, Privileges
+    from aiodat import Privileges
+    from aiodat.cm import connect_pair
 
     pz = ia.create_pz()
     privileges = Privileges.ALL
     client_lmr = pz.register(bytearray(buffer_size), privileges)
     server_lmr = pz.register(bytearray(buffer_size), privileges)
-    cr_evd = ia.create_evd(8, EvdFlags.CR)
-    psp = ia.create_psp_any(cr_evd)
     client = ia.create_ep(pz, attrs=attrs)
     server = ia.create_ep(pz, attrs=attrs)
-
-    async def accept() -> None:
-        event = await cr_evd.wait_one(timeout=30)
-        await event.cr.accept(server)
-
-    pair = EPPair(ia, pz, client, server, client_lmr, server_lmr, psp, cr_evd)
-    acceptor = asyncio.ensure_future(accept())
+    pair = EPPair(ia, pz, client, server, client_lmr, server_lmr, None, None)
     try:
-        await ia_connect(client, psp)
-        await acceptor
+        pair.psp = await connect_pair(client, server)
     except BaseException:
-        acceptor.cancel()
-        await asyncio.gather(acceptor, return_exceptions=True)
         pair.close()
         raise
+    pair.cr_evd = pair.psp.cr_evd
     return pair
-
-
-async def ia_connect(ep: Any, psp: Any) -> bytes:
-    """Connect ``ep`` to ``psp`` on the same IA's address."""
-    return await ep.connect(psp.address, psp.port, timeout=30)
 
 
 @pytest.fixture
