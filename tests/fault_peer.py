@@ -20,7 +20,7 @@ import os
 import sys
 
 import aiodat
-from aiodat import EvdFlags, EventType, Privileges
+from aiodat import EvdFlags, Privileges
 
 
 def _loop_run(coro: "asyncio.Future") -> None:
