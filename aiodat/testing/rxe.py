@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "ADDR",
@@ -966,11 +966,28 @@ def _qemu_argv(plan: _GuestPlan, initrd: str, ctl: str,
 def _run_qemu(cmd: List[str], deadline: float, timeout: float, memory: str, cpus: int,
               env: Optional[Mapping[str, str]], cwd: str, verbose: bool,
               rw_paths: Optional[Sequence[str]]) -> int:
+    prep = _prepare_guests(env, cwd, rw_paths)
+    if prep is None:
+        return EXIT_TESTBED_FAILED
+    q, kernel, guest_env, tty_size, rw, initrd = prep
+    plan = _GuestPlan(
+        index=0, cmd=list(cmd), cwd=cwd, env=guest_env, tty_size=tty_size,
+        rw_paths=rw, kernel=kernel, busybox=q["busybox"],
+        qemu=q["qemu"], memory=memory, cpus=cpus, accel=q["accel"], verbose=verbose,
+    )
+    guest = _Guest(plan, initrd)
+    return guest.run(deadline, timeout)
+
+
+def _prepare_guests(env: Optional[Mapping[str, str]], cwd: str, rw_paths: Optional[Sequence[str]]) -> Optional[
+        Tuple[Dict[str, Any], "_Kernel", Dict[str, str], Any, List[str], str]]:
+    """What every guest of a run shares: QEMU's facts, the kernel, the caller's environment,
+    the tty size, the read-write shares and the initramfs; None (after saying why) if it cannot boot."""
     st = status()
     q = st["qemu"]
     if not q["usable"]:
         _msg("aiodat rxe: cannot boot a QEMU guest here.\n" + format_status(st))
-        return EXIT_TESTBED_FAILED
+        return None
     kernel = _find_kernels()[0]
     guest_env = _caller_env(env, cwd, "qemu", GUEST_DEVICE)
     tty_size = _host_tty_size()
@@ -980,18 +997,13 @@ def _run_qemu(cmd: List[str], deadline: float, timeout: float, memory: str, cpus
         guest_env["TERM"] = "dumb"
     if rw_paths is None:
         rw_paths = [] if os.path.realpath(cwd) == "/" else [os.path.realpath(cwd)]
-    plan = _GuestPlan(
-        index=0, cmd=list(cmd), cwd=cwd, env=guest_env, tty_size=tty_size,
-        rw_paths=[os.path.realpath(p) for p in rw_paths], kernel=kernel, busybox=q["busybox"],
-        qemu=q["qemu"], memory=memory, cpus=cpus, accel=q["accel"], verbose=verbose,
-    )
+    rw = [os.path.realpath(p) for p in rw_paths]
     try:
-        initrd = _initramfs(kernel, plan.busybox)
+        initrd = _initramfs(kernel, q["busybox"])
     except (OSError, LookupError, RuntimeError, subprocess.CalledProcessError) as e:
         _msg("aiodat rxe: cannot build the initramfs: %s" % e)
-        return EXIT_TESTBED_FAILED
-    guest = _Guest(plan, initrd)
-    return guest.run(deadline, timeout)
+        return None
+    return q, kernel, guest_env, tty_size, rw, initrd
 
 
 def _hosts_env(base: Dict[str, str], index: int, hosts_dir: str) -> Dict[str, str]:
@@ -1010,24 +1022,10 @@ def _run_qemu_hosts(cmd: List[str], deadline: float, timeout: float, memory: str
                     env: Optional[Mapping[str, str]], cwd: str, verbose: bool,
                     rw_paths: Optional[Sequence[str]]) -> int:
     """Two guests joined by a virtio NIC each: ``cmd`` runs on host A, an agent on host B."""
-    st = status()
-    q = st["qemu"]
-    if not q["usable"]:
-        _msg("aiodat rxe: cannot boot a QEMU guest here.\n" + format_status(st))
+    prep = _prepare_guests(env, cwd, rw_paths)
+    if prep is None:
         return EXIT_TESTBED_FAILED
-    kernel = _find_kernels()[0]
-    base_env = _caller_env(env, cwd, "qemu", GUEST_DEVICE)
-    tty_size = _host_tty_size()
-    if tty_size is None and not any(k in base_env for k in ("FORCE_COLOR", "PY_COLORS")):
-        base_env["TERM"] = "dumb"
-    if rw_paths is None:
-        rw_paths = [] if os.path.realpath(cwd) == "/" else [os.path.realpath(cwd)]
-    rw = [os.path.realpath(p) for p in rw_paths]
-    try:
-        initrd = _initramfs(kernel, q["busybox"])
-    except (OSError, LookupError, RuntimeError, subprocess.CalledProcessError) as e:
-        _msg("aiodat rxe: cannot build the initramfs: %s" % e)
-        return EXIT_TESTBED_FAILED
+    q, kernel, base_env, tty_size, rw, initrd = prep
     netdir = tempfile.mkdtemp(prefix="aiodat-link-")
     sock = os.path.join(netdir, "link.sock")
     stream = "stream,id=aiodatnet,server=%s,addr.type=unix,addr.path=" + sock.replace(",", ",,")
