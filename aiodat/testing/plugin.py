@@ -50,12 +50,14 @@ def find_device() -> Optional[RdmaDevice]:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add ``--aiodat-loop`` (the event loop async tests run on)."""
     group = parser.getgroup("aiodat")
     group.addoption("--aiodat-loop", choices=("asyncio", "uvloop"), default=None,
                     help="event loop for async tests (default: $AIODAT_LOOP or asyncio)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``rxe`` marker."""
     config.addinivalue_line("markers", "rxe: the test needs an RDMA device (rxe or real)")
 
 
@@ -81,6 +83,7 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> D
 
 
 def pytest_report_header(config: pytest.Config) -> str:
+    """Say in the report header which loop, device and test bed the run uses."""
     device = os.environ.get("AIODAT_RXE_DEVICE", "auto-detect")
     return f"aiodat: loop={_loop_name(config)} device={device} testbed={os.environ.get('AIODAT_TESTBED', 'none')}"
 
@@ -103,6 +106,7 @@ def _device_or_skip() -> RdmaDevice:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip (or fail under AIODAT_REQUIRE_DEVICE=1) an ``rxe``-marked test when there is no device."""
     if item.get_closest_marker("rxe") is not None:
         _device_or_skip()
 

@@ -252,15 +252,19 @@ class CpioWriter:
         out.write(b"\0" * (-len(data) % 4))
 
     def add_dir(self, name: str, mode: int = 0o755) -> None:
+        """Append a directory to the archive."""
         self._entry(name, stat.S_IFDIR | mode, nlink=2)
 
     def add_file(self, name: str, data: bytes, mode: int = 0o644) -> None:
+        """Append a regular file with these bytes to the archive."""
         self._entry(name, stat.S_IFREG | mode, data)
 
     def add_symlink(self, name: str, target: str) -> None:
+        """Append a symbolic link to target to the archive."""
         self._entry(name, stat.S_IFLNK | 0o777, target.encode())
 
     def add_chardev(self, name: str, major: int, minor: int, mode: int = 0o600) -> None:
+        """Append a character device node (major, minor) to the archive."""
         self._entry(name, stat.S_IFCHR | mode, rdev=(major, minor))
 
     def finish(self) -> bytes:
