@@ -301,9 +301,20 @@ def _conn_param(ep: "EP", pdata: bytes, responder: int, initiator: int) -> Tuple
     param.private_data_len = len(pdata)
     param.responder_resources = responder
     param.initiator_depth = initiator
-    param.retry_count = 7
-    param.rnr_retry_count = 7
+    param.retry_count = ep.attrs.retry_count
+    param.rnr_retry_count = 7  # receiver-not-ready: retry for ever (see _short_rnr_timer)
     return param, keep
+
+
+def _set_ack_timeout(ep: "EP", cm_id: Any) -> int:
+    """Give the QP the EP's ACK timeout, if it has one; call before rdma_connect/rdma_accept
+    (they move the QP to RTS, where the timeout is set).  Returns 0 or an errno."""
+    if ep.attrs.ack_timeout is None:
+        return 0
+    value = ffi.new("uint8_t *", ep.attrs.ack_timeout)
+    if lib.rdma_set_option(cm_id, lib.RDMA_OPTION_ID, lib.RDMA_OPTION_ID_ACK_TIMEOUT, value, 1):
+        return ffi.errno or 22
+    return 0
 
 
 def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
@@ -316,7 +327,7 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
             _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_resolve_route: errno {ffi.errno}")
         return
     if kind == ROUTE_RESOLVED:
-        err = lib.aiodat_cm_attach_qp(cm_id, ep._qp)
+        err = lib.aiodat_cm_attach_qp(cm_id, ep._qp) or _set_ack_timeout(ep, cm_id)
         param, _keep = _conn_param(ep, ep._pending_private, ep.attrs.max_rdma_read_in, ep.attrs.max_rdma_read_out)
         if err or lib.rdma_connect(cm_id, param):
             _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_connect: errno {err or ffi.errno}")
@@ -650,6 +661,10 @@ class CR(Handle):
         err = lib.aiodat_cm_attach_qp(self._cm_id, ep._qp)
         if err:
             raise error_from_errno(err, "accepting on an EP of another device")
+        err = _set_ack_timeout(ep, self._cm_id)
+        if err:
+            lib.aiodat_cm_attach_qp(self._cm_id, ffi.NULL)
+            raise error_from_errno(err, "rdma_set_option(RDMA_OPTION_ID_ACK_TIMEOUT)")
         param, _keep = _conn_param(ep, pdata, min(ep.attrs.max_rdma_read_in, self._initiator),
                                    min(ep.attrs.max_rdma_read_out, self._responder))
         if lib.rdma_accept(self._cm_id, param):

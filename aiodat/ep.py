@@ -91,6 +91,14 @@ class EPAttr:
     max_rdma_read_out: int = 4
     max_inline_data: int = 0
     service_type: ServiceType = ServiceType.RC
+    #: how many times the transport resends an unacknowledged request before it fails with
+    #: IBV_WC_RETRY_EXC_ERR and the connection breaks (0-7; the connecting side's value is the
+    #: one both QPs use).  The default is 6, not the usual 7, because rxe retries for ever at 7.
+    retry_count: int = 6
+    #: the ACK timeout of this side's QP, IB-encoded: 4.096 us * 2**ack_timeout (1-31).  None
+    #: keeps the connection manager's (on RoCE 19, about 2.1 s).  With retry_count it sets how
+    #: long a dead link takes to be reported: about (retry_count + 1) timeouts.
+    ack_timeout: Optional[int] = None
 
     def _validate(self, ia: "IA") -> None:
         dev = ia._device_attr
@@ -99,11 +107,14 @@ class EPAttr:
             "max_recv_iov": min(dev.max_sge, 32), "max_request_iov": min(dev.max_sge, 32),
             "max_rdma_read_in": dev.max_qp_rd_atom, "max_rdma_read_out": dev.max_qp_init_rd_atom,
         }
+        limits["retry_count"] = 7
         for name, limit in limits.items():
             value = getattr(self, name)
-            low = 0 if name.startswith("max_rdma_read") else 1
+            low = 0 if name.startswith("max_rdma_read") or name == "retry_count" else 1
             if not isinstance(value, int) or not low <= value <= limit:
                 raise InvalidParameter(f"EPAttr.{name} must be between {low} and {limit}, got {value!r}")
+        if self.ack_timeout is not None and (not isinstance(self.ack_timeout, int) or not 1 <= self.ack_timeout <= 31):
+            raise InvalidParameter(f"EPAttr.ack_timeout must be None or between 1 and 31, got {self.ack_timeout!r}")
 
 
 # ibv_wr_opcode values (enum ibv_wr_opcode, stable ABI)
@@ -117,6 +128,27 @@ WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 
 #: CompletionFlags value -> ibv_send_flags, filled by EP._post_one
 _SEND_FLAGS_CACHE: Dict[Any, int] = {}
+
+
+def _send_flags(flags: int) -> int:
+    """The ibv_send_flags of a CompletionFlags value."""
+    send_flags = 0
+    if not flags & CompletionFlags.SUPPRESS:
+        send_flags |= SEND_SIGNALED
+    if flags & CompletionFlags.SOLICITED_WAIT:
+        send_flags |= SEND_SOLICITED
+    if flags & CompletionFlags.BARRIER_FENCE:
+        send_flags |= SEND_FENCE
+    return send_flags
+
+
+#: CompletionFlags value (0-15) -> (ibv_send_flags, posted UNSIGNALLED): the enum arithmetic done once
+_SEND_BITS = [(_send_flags(f), bool(f & CompletionFlags.UNSIGNALLED and not f & CompletionFlags.SUPPRESS))
+              for f in range(16)]
+# the hot paths compare by identity with these
+_NO_FLAGS = CompletionFlags.DEFAULT
+_CONNECTED, _DISCONNECTED, _ERROR = EPState.CONNECTED, EPState.DISCONNECTED, EPState.ERROR
+_SEND, _RECV = DTOOp.SEND, DTOOp.RECV
 
 
 def _wc_status_name(status: int) -> str:
@@ -233,6 +265,8 @@ class EP(Handle):
         self._posted = ffi.new("int *")
         self._recv_wr = (ffi.new("uint64_t[1]"), ffi.new("int[1]"), ffi.new("int[1]"))
         self._quiet: set = set()  # wr_ids posted UNSIGNALLED: their events do not notify
+        self._rc = attrs.service_type is ServiceType.RC  # the post fast paths are for RC only
+        self._ud = attrs.service_type is ServiceType.UD
         self._grh_lmr: Optional[LMR] = None  # scratch for the GRH of post_recv_datagram
         self._qp = self._create_qp()
         self.qp_num: int = self._qp.qp_num
@@ -335,10 +369,16 @@ class EP(Handle):
         from aiodat.cm import cm_addresses
 
         local, remote = cm_addresses(self._cm_id)
+        retry_count = ack_timeout = None
+        if self._state is EPState.CONNECTED and self._rc:
+            attr, init = ffi.new("struct ibv_qp_attr *"), ffi.new("struct ibv_qp_init_attr *")
+            if not lib.ibv_query_qp(self._qp, attr, lib.IBV_QP_TIMEOUT | lib.IBV_QP_RETRY_CNT, init):
+                retry_count, ack_timeout = attr.retry_cnt, attr.timeout
         return EPParam(ia=self._ia, pz=self._pz, state=self._state, attrs=self.attrs, qp_num=self.qp_num,
                        local_address=local, remote_address=remote, recv_evd=self.recv_evd,
                        request_evd=self.request_evd, connect_evd=self.connect_evd, srq=self._srq,
-                       outstanding_requests=len(self._send_q), outstanding_recvs=len(self._recv_q))
+                       outstanding_requests=len(self._send_q), outstanding_recvs=len(self._recv_q),
+                       retry_count=retry_count, ack_timeout=ack_timeout)
 
     # -- posting -----------------------------------------------------------
     def _check_post(self, segs: Tuple[Segment, ...], limit: int, what: str) -> None:
@@ -367,6 +407,19 @@ class EP(Handle):
     def post_recv(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
         """Post a receive into ``segments`` (dat_ep_post_recv); it completes on ``recv_evd``."""
+        if type(segments) is Segment and flags is _NO_FLAGS and self._srq is None and not self._closed:
+            # The hot path (one segment, default flags): the same checks as below, in fewer
+            # steps, and scalars into C instead of filling arrays field by field.
+            lmr, state = segments.lmr, self._state
+            if lmr._pz is self._pz and not lmr._closed and state is not _DISCONNECTED and state is not _ERROR:
+                wr_id = next(self._ids) * 2 + 1
+                err = lib.aiodat_post_recv1(self._qp, wr_id, lmr.address + segments.offset, segments.length,
+                                            lmr.lmr_context)
+                if err:
+                    raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
+                self._recv_q.append((wr_id, cookie, (segments,)))
+                lmr._inflight += 1
+                return
         if not isinstance(flags, int):
             raise InvalidParameter(f"flags must be CompletionFlags, not {type(flags).__name__}")
         segs = as_segments(segments)
@@ -445,14 +498,7 @@ class EP(Handle):
         return error_from_errno(err, what)
 
     def _send_flags(self, flags: CompletionFlags) -> int:
-        send_flags = 0
-        if not flags & CompletionFlags.SUPPRESS:
-            send_flags |= SEND_SIGNALED
-        if flags & CompletionFlags.SOLICITED_WAIT:
-            send_flags |= SEND_SOLICITED
-        if flags & CompletionFlags.BARRIER_FENCE:
-            send_flags |= SEND_FENCE
-        return send_flags
+        return _send_flags(flags)
 
     def _post_one(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookie: Any,
                   flags: CompletionFlags, *, imm_data: Optional[int] = None,
@@ -495,6 +541,21 @@ class EP(Handle):
     def post_send(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT, *, imm_data: Optional[int] = None) -> None:
         """Send the bytes of ``segments`` to the peer (dat_ep_post_send); with ``imm_data``, a send with immediate."""
+        if (type(segments) is Segment and imm_data is None and type(flags) is CompletionFlags and 0 <= flags < 16
+                and self._state is _CONNECTED and self._rc and not self._closed):
+            lmr = segments.lmr
+            if lmr._pz is self._pz and not lmr._closed:  # the hot path, as in post_recv
+                send_flags, quiet = _SEND_BITS[flags]
+                wr_id = next(self._ids) * 2
+                err = lib.aiodat_post_send1(self._qp, wr_id, WR_SEND, send_flags, 0, lmr.address + segments.offset,
+                                            segments.length, lmr.lmr_context, 0, 0)
+                if err:
+                    raise self._post_error(err, "post send", len(self._send_q), self.attrs.max_request_dtos)
+                self._send_q.append((wr_id, cookie, _SEND, (segments,), None))
+                lmr._inflight += 1
+                if quiet:
+                    self._quiet.add(wr_id)
+                return
         segs = as_segments(segments)
         self._check_post(segs, self.attrs.max_request_iov, "post_send")
         if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
@@ -734,44 +795,48 @@ class EP(Handle):
         return posted
 
     # -- completions (called by evd.py) ---------------------------------------
-    def _completion_event(self, wc: Any, evd: "EVD") -> Any:
-        status = _wc_status_name(wc.status) if wc.status else "IBV_WC_SUCCESS"
-        if wc.wr_id & 1:
+    def _completion_event(self, wc: Tuple[int, ...], evd: "EVD") -> Any:
+        """The event of one completion; ``wc`` is a struct aiodat_wc as a tuple (evd._WC)."""
+        wr_id, code, opcode, vendor_err, byte_len, imm_data, _qpn, src_qp, wc_flags = wc[:9]
+        status = _wc_status_name(code) if code else "IBV_WC_SUCCESS"
+        if wr_id & 1:
             if self._srq is not None:
-                cookie, segs = self._srq._complete(wc.wr_id)
+                cookie, segs = self._srq._complete(wr_id)
             else:
-                cookie, segs = self._pop_recv(wc.wr_id)
-            self._track(segs, -1)
-            op = DTOOp.RECV_RDMA_WRITE_IMM if wc.opcode == WC_RECV_RDMA_WITH_IMM else DTOOp.RECV
-            imm = wc.imm_data if wc.wc_flags & 2 else None  # IBV_WC_WITH_IMM
-            src = wc.src_qp if self.attrs.service_type is ServiceType.UD else None
+                cookie, segs = self._pop_recv(wr_id)
+            for seg in segs:
+                seg.lmr._inflight -= 1
+            op = DTOOp.RECV_RDMA_WRITE_IMM if opcode == WC_RECV_RDMA_WITH_IMM else _RECV
+            imm = imm_data if wc_flags & 2 else None  # IBV_WC_WITH_IMM
             notify = True
-            if self._quiet and wc.wr_id in self._quiet:
-                self._quiet.discard(wc.wr_id)
-                notify = bool(wc.status)
-            return DTOCompletionEvent._completed(evd, self, cookie, status, wc.byte_len, op,
-                                                 imm, wc.vendor_err, src, notify)
-        entry = self._pop_send(wc.wr_id)
+            if self._quiet and wr_id in self._quiet:
+                self._quiet.discard(wr_id)
+                notify = bool(code)
+            return DTOCompletionEvent._completed(evd, self, cookie, status, byte_len, op,
+                                                 imm, vendor_err, src_qp if self._ud else None, notify)
+        entry = self._pop_send(wr_id)
         if entry is None:
             return None
         _, cookie, op, segs, target = entry
         self._track(segs, -1)
-        if op in (DTOOp.BIND, DTOOp.UNBIND):
+        if op is DTOOp.BIND or op is DTOOp.UNBIND:
             return target._bind_completed(evd, cookie, status, op)
-        length = wc.byte_len if op in (DTOOp.RDMA_READ, DTOOp.COMPARE_SWAP, DTOOp.FETCH_ADD) else sum(
-            s.length for s in segs)
-        if op in (DTOOp.COMPARE_SWAP, DTOOp.FETCH_ADD) and not wc.status:
-            length = 8  # verbs leaves byte_len undefined for atomics; 8 bytes landed locally
+        if op is DTOOp.RDMA_READ:
+            length = byte_len
+        elif op is DTOOp.COMPARE_SWAP or op is DTOOp.FETCH_ADD:
+            length = 8 if not code else byte_len  # verbs leaves byte_len undefined; 8 bytes landed locally
+        else:
+            length = sum(s.length for s in segs)
         notify = True
-        if self._quiet and wc.wr_id in self._quiet:
-            self._quiet.discard(wc.wr_id)
-            notify = bool(wc.status)
-        if wc.status and wc.status != 5 and self.attrs.service_type is ServiceType.RC:  # 5: WR_FLUSH_ERR
+        if self._quiet and wr_id in self._quiet:
+            self._quiet.discard(wr_id)
+            notify = bool(code)
+        if code and code != 5 and self._rc:  # 5: WR_FLUSH_ERR
             # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
             # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
             self._on_async_error(f"{op.value} with cookie {cookie!r} completed with {status}")
         return DTOCompletionEvent._completed(evd, self, cookie, status, length, op,
-                                             None, wc.vendor_err, None, notify)
+                                             None, vendor_err, None, notify)
 
     def _pop_send(self, wr_id: int) -> Any:
         # Earlier entries without a completion of their own finished before this one.
@@ -1028,3 +1093,6 @@ class EPParam:
     srq: Optional["SRQ"]
     outstanding_requests: int
     outstanding_recvs: int
+    #: the QP's transport retry count and ACK timeout as the device reports them (None before connecting)
+    retry_count: Optional[int] = None
+    ack_timeout: Optional[int] = None

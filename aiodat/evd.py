@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import struct
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Deque, List, Optional
@@ -259,6 +260,8 @@ class EVD(Handle):
         self._cq: Any = ffi.NULL
         self._watch: Optional[FdWatch] = None
         self._wcs: Any = None
+        # a wait pumps the IA's fds first only if they feed this EVD
+        self._pump_on_wait = bool(int(streams) & _FED_BY_IA)
         if streams & (EvdFlags.DTO | EvdFlags.RMR_BIND):
             self._create_cq()
 
@@ -276,6 +279,7 @@ class EVD(Handle):
             self._fail(InsufficientResources(f"ibv_create_cq({self._qlen}) failed (errno {ffi.errno})"))
         self._watch = FdWatch(self._channel.fd, self._on_readable, "completion channel")
         self._wcs = ffi.new("struct aiodat_wc[]", 64)
+        self._wc_bytes = ffi.buffer(self._wcs)
         self._nevents = ffi.new("int *")
         ia._cq_owner[int(ffi.cast("uintptr_t", self._cq))] = self
         if lib.ibv_req_notify_cq(self._cq, 0):
@@ -289,39 +293,46 @@ class EVD(Handle):
     def _drain_cq(self, rearm: bool = True) -> bool:
         """Move completions from the CQ into the queue while there is room (one C call per 64).
 
+        With ``rearm`` the channel's event is read and acked and the CQ re-armed
+        first (the reader callback's drain); without, the CQ is only polled.
         Returns True when an event that notifies arrived (anything but an
         UNSIGNALLED completion).  Solicited waits: verbs cannot narrow an armed
         CQ, so a channel event counts as solicited only when the arm it
         consumed was made solicited-only; a failed completion always counts.
         """
-        if self._cq == ffi.NULL:
+        if self._wcs is None:
             return False
         notified = False
+        queue = self._queue
         while True:
-            room = max(0, min(64, self._qlen - len(self._queue)))
-            was_solicited_arm = self._armed_solicited
-            got = lib.aiodat_cq_drain(self._channel if rearm else ffi.NULL, self._cq, int(self._solicited),
+            room = self._qlen - len(queue)
+            room = 64 if room > 64 else (room if room > 0 else 0)
+            solicited = self._solicited
+            got = lib.aiodat_cq_drain(self._channel if rearm else _NULL, self._cq, solicited,
                                       self._wcs, room, self._nevents)
             if got < 0:
                 raise error_from_errno(-got, "polling the CQ")
-            fired = self._nevents[0] > 0
-            if self._solicited and fired and was_solicited_arm:
-                self._solicited_hit = True
-            # the re-arm narrows only when the previous arm was consumed (or already narrow)
-            self._armed_solicited = self._solicited and (fired or was_solicited_arm)
-            owner = self._ia._qpn_owner
-            for i in range(got):
-                wc = self._wcs[i]
-                ep = owner.get(wc.qp_num)
-                if ep is not None:
-                    event = ep._completion_event(wc, self)
-                    if event is not None:
-                        self._queue.append(event)
-                        if getattr(event, "notify", True):
-                            notified = True
-                        if wc.status:
-                            self._solicited_hit = True  # an error completion always notifies
-                            notified = True
+            if rearm:
+                was_solicited_arm = self._armed_solicited
+                fired = self._nevents[0] > 0
+                if solicited and fired and was_solicited_arm:
+                    self._solicited_hit = True
+                # the re-arm narrows only when the previous arm was consumed (or already narrow)
+                self._armed_solicited = solicited and (fired or was_solicited_arm)
+            if got:
+                owner = self._ia._qpn_owner
+                # one struct unpack per completion instead of a cffi attribute read per field
+                for wc in _WC.iter_unpack(self._wc_bytes[0:got * _WC.size]):
+                    ep = owner.get(wc[_WC_QP_NUM])
+                    if ep is not None:
+                        event = ep._completion_event(wc, self)
+                        if event is not None:
+                            queue.append(event)
+                            if wc[_WC_STATUS]:
+                                self._solicited_hit = True  # an error completion always notifies
+                                notified = True
+                            elif getattr(event, "notify", True):
+                                notified = True
             if got < room or room == 0:
                 return notified
 
@@ -421,19 +432,23 @@ class EVD(Handle):
         wait on an EVD at a time (DAT_INVALID_STATE otherwise).  Cancelling the
         wait loses nothing: the events stay queued.
         """
-        self._check()
-        if not isinstance(threshold, int) or not 1 <= threshold <= self._qlen:
+        if self._closed:
+            self._check()
+        if type(threshold) is not int or not 1 <= threshold <= self._qlen:
             raise InvalidParameter(f"threshold must be between 1 and qlen ({self._qlen}), got {threshold!r}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         if self._waiter is not None:
             raise InvalidState("another task is already waiting on this EVD")
-        loop = asyncio.get_running_loop()
-        self._attach(loop)
-        if solicited_only != self._solicited and self._cq != ffi.NULL:
-            self._solicited = solicited_only
+        loop = _get_running_loop()
+        watch, ia = self._watch, self._ia
+        if (watch is None or watch._loop is not loop or ia._cm.watch._loop is not loop
+                or ia._async_source.watch._loop is not loop or self._sharers):
+            self._attach(loop)
+        if solicited_only:
+            self._solicited = self._wcs is not None
         self._solicited_hit = False
-        if solicited_only or int(self._streams) & _FED_BY_IA or getattr(self, "_armed_solicited", False):
+        if solicited_only or self._pump_on_wait or self._armed_solicited:
             self._pump()
         else:
             # Hot path of a DTO-only EVD: poll the CQ, no system call.  The CQ stays armed
@@ -567,6 +582,17 @@ class EVDParam:
 
 #: streams whose events the IA's fds (rdma_cm channel, device async fd) feed, not the EVD's own CQ
 _FED_BY_IA = int(EvdFlags.CR | EvdFlags.CONNECTION | EvdFlags.ASYNC)
+_NULL = ffi.NULL
+_get_running_loop = asyncio.get_running_loop
+
+#: struct aiodat_wc (shim.h) as Python's struct reads it, native alignment and padding
+_WC = struct.Struct("@QiiIIIIIIHB5x")
+_WC_STATUS, _WC_QP_NUM = 1, 6
+_WC_LAYOUT = {"wr_id": 0, "status": 8, "opcode": 12, "vendor_err": 16, "byte_len": 20, "imm_data": 24,
+              "qp_num": 28, "src_qp": 32, "wc_flags": 36, "slid": 40, "sl": 42}
+if _WC.size != ffi.sizeof("struct aiodat_wc") or any(  # shim and module disagree: never read garbage
+        ffi.offsetof("struct aiodat_wc", name) != offset for name, offset in _WC_LAYOUT.items()):
+    raise ImportError("struct aiodat_wc in the built shim does not match aiodat.evd's layout: rebuild aiodat")
 
 # ibv_event_type -> (DAT event type, kind of object it names)
 _ASYNC_MAP = {

@@ -405,3 +405,37 @@ async def test_send_before_receive_is_posted_waits_briefly(ia: Any, loop_errors:
     assert got.ok and bytes(pair.server_lmr.memoryview()[0:4]) == b"late"
     (sent,) = await pair.client.request_evd.wait(timeout=T)
     assert sent.ok and sent.cookie == "early"
+
+
+async def test_retry_count_and_ack_timeout_reach_the_qp(ia: Any, loop_errors: List[dict]) -> None:
+    """EPAttr.retry_count and ack_timeout are what the connected QPs use; the defaults are a
+    finite budget (rxe treats a retry count of 7 as "for ever", so aiodat's default is 6)."""
+    pair = await make_ep_pair(ia)
+    try:
+        for ep in (pair.client, pair.server):
+            param = ep.query()
+            assert param.retry_count == EPAttr().retry_count == 6, param
+            assert param.ack_timeout is not None and 1 <= param.ack_timeout <= 31, param
+    finally:
+        pair.close()
+    pair = await make_ep_pair(ia, attrs=EPAttr(retry_count=3, ack_timeout=14))
+    try:
+        client, server = pair.client.query(), pair.server.query()
+        assert (client.retry_count, client.ack_timeout) == (3, 14), client
+        # the connecting side's retry count travels in the REQ; the timeout is each side's own
+        assert (server.retry_count, server.ack_timeout) == (3, 14), server
+        # data still flows with the short timeout
+        pair.server.post_recv(pair.server_lmr[0:8], cookie="r")
+        pair.client_lmr.memoryview()[0:8] = b"retry=3!"
+        pair.client.post_send(pair.client_lmr[0:8], cookie="s")
+        assert (await pair.server.recv_evd.wait_one(timeout=T)).ok
+        assert bytes(pair.server_lmr.memoryview()[0:8]) == b"retry=3!"
+    finally:
+        pair.close()
+    unconnected = ia.create_ep(ia.create_pz())
+    assert unconnected.query().retry_count is None and unconnected.query().ack_timeout is None
+    for bad in (dict(retry_count=8), dict(retry_count=-1), dict(ack_timeout=0), dict(ack_timeout=32),
+                dict(ack_timeout="14")):
+        name = next(iter(bad))
+        with pytest.raises(aiodat.InvalidParameter, match=f"EPAttr.{name}"):
+            ia.create_ep(ia.create_pz(), attrs=EPAttr(**bad))

@@ -107,6 +107,35 @@ int aiodat_post_send(struct ibv_qp *qp, const struct aiodat_send_wr *wrs, int n,
 }
 
 /* Post n receives to a QP (srq NULL) or to an SRQ. */
+/* The hot path of a single-segment request: scalars in, no arrays for Python to fill.
+ * remote_addr/rkey are used by RDMA opcodes only. */
+int aiodat_post_send1(struct ibv_qp *qp, uint64_t wr_id, int opcode, unsigned int send_flags,
+                      uint32_t imm_data, uint64_t addr, uint32_t length, uint32_t lkey,
+                      uint64_t remote_addr, uint32_t rkey)
+{
+    struct ibv_sge sge = { .addr = addr, .length = length, .lkey = lkey };
+    struct ibv_send_wr wr, *bad;
+
+    memset(&wr, 0, sizeof(wr));
+    wr.wr_id = wr_id;
+    wr.opcode = (enum ibv_wr_opcode)opcode;
+    wr.send_flags = send_flags;
+    wr.imm_data = htonl(imm_data);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.wr.rdma.remote_addr = remote_addr;
+    wr.wr.rdma.rkey = rkey;
+    return ibv_post_send(qp, &wr, &bad);
+}
+
+int aiodat_post_recv1(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr, uint32_t length, uint32_t lkey)
+{
+    struct ibv_sge sge = { .addr = addr, .length = length, .lkey = lkey };
+    struct ibv_recv_wr wr = { .wr_id = wr_id, .next = NULL, .sg_list = &sge, .num_sge = 1 }, *bad;
+
+    return ibv_post_recv(qp, &wr, &bad);
+}
+
 int aiodat_post_recv(struct ibv_qp *qp, struct ibv_srq *srq, const uint64_t *wr_ids,
                      const int *sge_starts, const int *num_sges, int n,
                      const struct aiodat_sge *sges, int *n_posted)
@@ -191,7 +220,11 @@ int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int sol
     void *ev_ctx;
     unsigned int events = 0;
 
-    while (channel && ibv_get_cq_event(channel, &ev_cq, &ev_ctx) == 0) {
+    /* One read is enough: aiodat arms a CQ only here and at its creation, always
+     * after reading, and an armed CQ raises one channel event; so at most one is
+     * pending, and a second read would only return EAGAIN (a system call saved
+     * per wake-up). */
+    if (channel && ibv_get_cq_event(channel, &ev_cq, &ev_ctx) == 0) {
         /* one CQ per channel in aiodat; ack on the CQ the event named */
         ibv_ack_cq_events(ev_cq, 1);
         events++;

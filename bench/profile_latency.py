@@ -1,0 +1,159 @@
+"""Where does a ping-pong message's time go?  A developer's tool, run in the rxe guest:
+
+    aiodat rxe run -- .venv/bin/python bench/profile_latency.py [--loop uvloop] [--iters 2000]
+
+It runs the one-process send/recv ping-pong of ``aiodat bench latency`` with a
+clock around each step (the clock itself costs a little; compare the steps with
+each other), then times the loop's and cffi's own costs on their own.  Figures
+are mean microseconds per call.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any, Callable, Dict, List
+
+from aiodat import CompletionFlags, DTOOp, open_ia
+from aiodat.bench import SIGNAL_EVERY, _endpoint, device_and_address, run_on_loop
+from aiodat.cm import connect_pair
+from aiodat.evd import EVD
+
+TOTALS: Dict[str, List[int]] = defaultdict(lambda: [0, 0])
+clock = time.perf_counter_ns
+
+
+def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its time added to TOTALS[name]."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            cell = TOTALS[name]
+            cell[0] += clock() - t0
+            cell[1] += 1
+    return wrapper
+
+
+async def side(ep: Any, evd: Any, send_seg: Any, recv_seg: Any, total: int, client: bool) -> None:
+    wait, post_recv, post_send = evd.wait, timed("post_recv", ep.post_recv), timed("post_send", ep.post_send)
+    suppress, signal, recv_op = CompletionFlags.SUPPRESS, CompletionFlags.DEFAULT, DTOOp.RECV
+    for i in range(total):
+        if client:
+            post_recv(recv_seg)
+            post_send(send_seg, None, signal if i % SIGNAL_EVERY == 0 else suppress)
+        got = False
+        while not got:
+            t0 = clock()
+            events = await wait()
+            cell = TOTALS["await evd.wait() (incl. sleep)"]
+            cell[0] += clock() - t0
+            cell[1] += 1
+            for ev in events:
+                if ev.operation is recv_op:
+                    got = True
+        if not client:
+            if i + 1 < total:
+                post_recv(recv_seg)
+            post_send(send_seg, None, signal if i % SIGNAL_EVERY == 0 else suppress)
+
+
+class TimedLib:
+    """The cffi lib with its hot C calls timed (a module's ``lib`` global is swapped for this)."""
+
+    def __init__(self, lib: Any, names: List[str]) -> None:
+        self._lib = lib
+        for name in names:
+            setattr(self, name, timed("C " + name, getattr(lib, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+
+async def pingpong(iters: int) -> float:
+    import aiodat.ep
+    import aiodat.evd
+
+    device, _ = device_and_address()
+    aiodat.ep.lib = TimedLib(aiodat.ep.lib, ["aiodat_post_send", "aiodat_post_recv"])  # type: ignore
+    aiodat.evd.lib = TimedLib(aiodat.evd.lib, ["aiodat_cq_drain"])  # type: ignore
+    EVD._on_readable = timed("EVD._on_readable (reader callback)", EVD._on_readable)  # type: ignore
+    EVD._drain_cq = timed("EVD._drain_cq", EVD._drain_cq)  # type: ignore
+    with open_ia(device) as ia:
+        pz = ia.create_pz()
+        client, c_evd, c_send, c_recv, _b1 = _endpoint(ia, pz, 2, True)
+        server, s_evd, s_send, s_recv, _b2 = _endpoint(ia, pz, 2, False)
+        server.post_recv(s_recv)
+        await connect_pair(client, server)
+        TOTALS.clear()
+        t0 = clock()
+        await asyncio.gather(side(server, s_evd, s_send, s_recv, iters, False),
+                             side(client, c_evd, c_send, c_recv, iters, True))
+        elapsed = clock() - t0
+        await client.disconnect()
+    return elapsed / iters / 2000.0
+
+
+async def loop_costs(n: int) -> Dict[str, float]:
+    loop = asyncio.get_running_loop()
+    out = {}
+    t0 = clock()
+    for _ in range(n):
+        fut = loop.create_future()
+        loop.call_soon(fut.set_result, None)
+        await fut
+    out["future round trip (create, call_soon set_result, await)"] = (clock() - t0) / n / 1000
+    t0 = clock()
+    for _ in range(n):
+        await asyncio.sleep(0)
+    out["asyncio.sleep(0)"] = (clock() - t0) / n / 1000
+    from aiodat._lib import ffi, lib
+    wcs = ffi.new("struct aiodat_wc[64]")
+    nev = ffi.new("int *")
+    device, _ = device_and_address()
+    with open_ia(device) as ia:
+        evd = ia.create_evd(64, __import__("aiodat").EvdFlags.DTO)
+        cq = evd._cq
+        t0 = clock()
+        for _ in range(n):
+            lib.aiodat_cq_drain(ffi.NULL, cq, 0, wcs, 64, nev)
+        out["lib.aiodat_cq_drain, empty CQ, no channel (cffi call)"] = (clock() - t0) / n / 1000
+        t0 = clock()
+        for _ in range(n):
+            evd._drain_cq(rearm=False)
+        out["EVD._drain_cq(rearm=False), empty"] = (clock() - t0) / n / 1000
+        t0 = clock()
+        for _ in range(n):
+            evd.dequeue()
+        out["EVD.dequeue(), empty (pumps the IA)"] = (clock() - t0) / n / 1000
+    t0 = clock()
+    for _ in range(n):
+        pass
+    out["empty loop iteration"] = (clock() - t0) / n / 1000
+
+    def f() -> None:
+        pass
+    t0 = clock()
+    for _ in range(n):
+        f()
+    out["Python call of an empty function"] = (clock() - t0) / n / 1000
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loop", default="uvloop", choices=["asyncio", "uvloop"])
+    ap.add_argument("--iters", type=int, default=2000)
+    args = ap.parse_args()
+    half = run_on_loop(args.loop, lambda: pingpong(args.iters))
+    print(f"loop={args.loop} iters={args.iters}: mean half round trip {half:.1f} us (clocks included)")
+    for name, (ns, count) in sorted(TOTALS.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {name:45s} {ns / max(count, 1) / 1000:9.1f} us x {count / args.iters:5.2f} per message")
+    for name, us in run_on_loop(args.loop, lambda: loop_costs(2000)).items():
+        print(f"  {name:60s} {us:8.2f} us")
+
+
+if __name__ == "__main__":
+    main()
