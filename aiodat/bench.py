@@ -435,16 +435,21 @@ async def latency_pingpong(device: str, address: str, size: int = 2, iters: int 
 
 async def _start_pong_process(device: str, address: str, size: int, total: int,
                               loop_name: str) -> Tuple[Any, int]:
+    return await _start_child(["pong", device, address, str(size), str(total)], loop_name)
+
+
+async def _start_child(args: List[str], loop_name: str) -> Tuple[Any, int]:
+    """Start ``python -m aiodat.bench ARGS... LOOP`` and read the port it listens on."""
     import sys
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "aiodat.bench", "pong", device, address, str(size), str(total), loop_name,
+        sys.executable, "-m", "aiodat.bench", *args, loop_name,
         stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 60)
     if not line.startswith(b"port "):
         await _finish_child(proc)
-        raise RuntimeError(f"the pong process did not start (said {line!r})")
+        raise RuntimeError(f"the {args[0]} process did not start (said {line!r})")
     return proc, int(line.split()[1])
 
 
@@ -518,19 +523,22 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
 
 
 def _main(argv: Sequence[str]) -> int:
-    """``python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL LOOP``: the server of a two-process ping-pong."""
-    if len(argv) != 6 or argv[0] != "pong":
-        print("usage: python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL LOOP  (used by aiodat bench)")
-        return 2
-    _, device, address, size, total, loop_name = argv
-    run_on_loop(loop_name, lambda: _pong_process(device, address, int(size), int(total)))
-    return 0
+    """The child of a two-process benchmark (started by ``aiodat bench``):
 
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(_main(sys.argv[1:]))
+    ``python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL LOOP``: the server of a ping-pong;
+    ``python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP``: the receiving side of a bandwidth run.
+    """
+    if len(argv) == 6 and argv[0] == "pong":
+        _, device, address, size, total, loop_name = argv
+        run_on_loop(loop_name, lambda: _pong_process(device, address, int(size), int(total)))
+        return 0
+    if len(argv) == 7 and argv[0] == "sink":
+        _, device, op, size, depth, total, loop_name = argv
+        run_on_loop(loop_name, lambda: _sink_process(device, op, int(size), int(depth), int(total)))
+        return 0
+    print("usage: python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL LOOP\n"
+          "       python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP  (children of aiodat bench)")
+    return 2
 
 
 # --------------------------------------------------------------------------
@@ -789,6 +797,7 @@ class BandwidthReport:
     aiodat: BandwidthSample
     perftest: Optional[PerftestResult] = None
     kind: str = "bandwidth"
+    processes: int = 1
 
     def ratio(self) -> Optional[float]:
         """aiodat / perftest: bandwidth (MB/sec average) or, for ``rate``, message rate (Mpps)."""
@@ -806,7 +815,7 @@ class BandwidthReport:
         res = self.perftest
         return {"kind": self.kind, "device": self.device, "address": self.address, "loop": self.loop,
                 "op": self.op, "size": self.size, "depth": self.depth, "batch": self.batch,
-                "iters": self.aiodat.iters,
+                "iters": self.aiodat.iters, "processes": self.processes,
                 "aiodat": {"MB_per_s": self.aiodat.mib_per_s, "Mpps": self.aiodat.mpps,
                            "seconds": self.aiodat.seconds},
                 "perftest": None if res is None else {
@@ -819,7 +828,8 @@ class BandwidthReport:
         tool = BW_TOOLS[self.op]
         lines = [
             f"aiodat bench {self.kind}: {self.device} ({self.address}), loop={self.loop}, op={self.op}, "
-            f"size={self.size} B, iters={self.aiodat.iters}, depth={self.depth}, batch={self.batch}",
+            f"size={self.size} B, iters={self.aiodat.iters}, depth={self.depth}, batch={self.batch}, "
+            f"{self.processes} process(es)",
             f"  {'what':<36}{'MB/s':>10}{'Mpps':>10}",
             f"  {'aiodat (batched posts, evd.wait)':<36}{self.aiodat.mib_per_s:>10.2f}{self.aiodat.mpps:>10.4f}",
         ]
@@ -847,8 +857,67 @@ def _check_bw(op: str, size: int, depth: int, iters: int, batch: int) -> None:
         raise ValueError(f"batch ({batch}) cannot exceed depth ({depth})")
 
 
+def _bw_setup(ia: Any, op: str, size: int, depth: int, server: bool) -> Tuple[Any, Any, Any, Any, int]:
+    """One side of a bandwidth run: its EP (on one DTO EVD), the EVD, the buffer and a segment of it."""
+    from aiodat import EPAttr, EvdFlags, Privileges
+
+    pz = ia.create_pz()
+    dev = ia._device_attr
+    reads = min(16, dev.max_qp_init_rd_atom, dev.max_qp_rd_atom)
+    recv_depth = 2 * depth if op == "send" else 1
+    attrs = EPAttr(max_request_dtos=depth, max_recv_dtos=recv_depth, max_rdma_read_in=reads,
+                   max_rdma_read_out=reads)
+    evd = ia.create_evd((recv_depth if server else depth) + 8, EvdFlags.DTO)
+    ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd, attrs=attrs)
+    buf = bytearray(size)
+    if (op == "read") == server:  # the side whose bytes travel holds the pattern
+        buf[:] = bytes(i & 0xFF for i in range(size))
+    seg = pz.register(buf, Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_READ)[0:size]
+    if server and op == "send":
+        ep.post_recv_batch([(seg, None)] * recv_depth)
+    return ep, evd, buf, seg, recv_depth
+
+
+async def _bw_receive(ep: Any, evd: Any, seg: Any, total: int) -> float:
+    """Receive ``total`` messages, reposting each receive as it completes; the time of the last."""
+    got = 0
+    while got < total:
+        events = await evd.wait(1, timeout=120)
+        for ev in events:
+            if ev.status != "IBV_WC_SUCCESS":
+                raise RuntimeError(f"a receive failed: {ev.status}")
+        got += len(events)
+        ep.post_recv_batch([(seg, None)] * len(events))
+    return time.perf_counter()
+
+
+async def _sink_process(device: str, op: str, size: int, depth: int, total: int) -> None:
+    """The child of a two-process bandwidth run: accept one connection (handing the client its
+    buffer in the accept private data), receive ``total`` messages if ``op`` is send, wait for the
+    disconnect and check the bytes that landed."""
+    import sys
+
+    from aiodat import EvdFlags, EventType, open_ia
+
+    with open_ia(device) as ia:
+        server, evd, buf, seg, _ = _bw_setup(ia, op, size, depth, server=True)
+        cr_evd = ia.create_evd(4, EvdFlags.CR)
+        psp = ia.create_psp_any(cr_evd)
+        sys.stdout.write(f"port {psp.port}\n")
+        sys.stdout.flush()
+        event = await cr_evd.wait_one(timeout=60)
+        await event.cr.accept(server, private_data=seg.remote().to_bytes())
+        if op == "send":
+            await _bw_receive(server, evd, seg, total)
+        while (await server.connect_evd.wait_one(timeout=600)).type is not EventType.CONNECTION_EVENT_DISCONNECTED:
+            pass
+        if op != "read" and bytes(buf) != bytes(i & 0xFF for i in range(size)):
+            raise AssertionError(f"the {op} bandwidth run moved other bytes than it should have")
+
+
 async def bandwidth_stream(device: str, address: str, op: str = "write", size: int = 65536, depth: int = 64,
-                           iters: int = 1000, batch: int = 16, warmup: Optional[int] = None) -> BandwidthSample:
+                           iters: int = 1000, batch: int = 16, warmup: Optional[int] = None,
+                           processes: int = 1, loop_name: str = "asyncio") -> BandwidthSample:
     """Stream ``iters`` ``size``-byte operations from a client EP to a server EP of one IA.
 
     Up to ``depth`` requests are in flight.  They are posted ``batch`` at a
@@ -856,70 +925,64 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
     ``post_send_batch``), all but the last of each batch with
     ``CompletionFlags.SUPPRESS``, so each batch costs one completion and one
     wake-up.  For ``send`` the server keeps ``2 * depth`` receives posted and
-    reposts them in batches (``post_recv_batch``) as they complete; the time
-    runs until the server has received the last message.  The data is
-    checked at the end.
+    reposts them in batches (``post_recv_batch``) as they complete.  The data
+    is checked at the end.
+
+    ``processes=1``: both EPs in this process, on one loop; for ``send`` the
+    time runs until the server has received the last message.
+    ``processes=2``: the server is a child process (``python -m aiodat.bench
+    sink``, same loop kind), as perftest runs its two sides, so receiving and
+    sending each have a CPU; the time runs until the last request completes
+    (for a send, the peer has acknowledged it: it is in its receive queue).
     """
-    from aiodat import CompletionFlags, EPAttr, EvdFlags, Privileges, open_ia
+    from aiodat import CompletionFlags, RemoteRegion, open_ia
     from aiodat.cm import connect_pair
 
     _check_bw(op, size, depth, iters, batch)
+    if processes not in (1, 2):
+        raise ValueError(f"processes must be 1 or 2, got {processes!r}")
     warmup = min(depth * 2, iters) if warmup is None else warmup
     with open_ia(device) as ia:
-        pz = ia.create_pz()
-        dev = ia._device_attr
-        reads = min(16, dev.max_qp_init_rd_atom, dev.max_qp_rd_atom)
-        recv_depth = 2 * depth if op == "send" else 1
-        attrs = EPAttr(max_request_dtos=depth, max_recv_dtos=recv_depth, max_rdma_read_in=reads,
-                       max_rdma_read_out=reads)
-        c_evd = ia.create_evd(depth + 8, EvdFlags.DTO)
-        s_evd = ia.create_evd(recv_depth + 8, EvdFlags.DTO)
-        client = ia.create_ep(pz, recv_evd=c_evd, request_evd=c_evd, attrs=attrs)
-        server = ia.create_ep(pz, recv_evd=s_evd, request_evd=s_evd, attrs=attrs)
-        c_buf, s_buf = bytearray(size), bytearray(size)
-        c_buf[:] = bytes(i & 0xFF for i in range(size)) if op != "read" else bytes(size)
-        if op == "read":
-            s_buf[:] = bytes(i & 0xFF for i in range(size))
-        priv = Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_READ
-        c_seg = pz.register(c_buf, priv)[0:size]
-        s_seg = pz.register(s_buf, priv)[0:size]
-        if op == "send":
-            server.post_recv_batch([(s_seg, None)] * recv_depth)
-        await connect_pair(client, server)  # cm.py shortens the RNR timer of every new connection
-        remote = s_seg.remote()
-
-        if op == "write":
-            def post(n: int, cookie: Any, flags: Any) -> int:
-                return client.post_rdma_write_batch([(c_seg, remote, cookie)] * n, flags)
-        elif op == "read":
-            def post(n: int, cookie: Any, flags: Any) -> int:
-                return client.post_rdma_read_batch([(c_seg, remote, cookie)] * n, flags)
+        client, c_evd, c_buf, c_seg, _ = _bw_setup(ia, op, size, depth, server=False)
+        child = None
+        if processes == 1:
+            server, s_evd, s_buf, s_seg, _ = _bw_setup(ia, op, size, depth, server=True)
+            await connect_pair(client, server)  # cm.py shortens the RNR timer of every new connection
+            remote = s_seg.remote()
         else:
-            def post(n: int, cookie: Any, flags: Any) -> int:
-                return client.post_send_batch([(c_seg, cookie)] * n, flags)
-        suppress, signal = CompletionFlags.SUPPRESS, CompletionFlags.DEFAULT
+            child, port = await _start_child(["sink", device, op, str(size), str(depth), str(warmup + iters)],
+                                             loop_name)
+            try:
+                remote = RemoteRegion.from_bytes(await client.connect(address, port, timeout=30))
+            except BaseException:
+                child.kill()
+                await _finish_child(child)
+                raise
 
-        async def receiver(total: int) -> float:
-            got = 0
-            while got < total:
-                events = await s_evd.wait(1, timeout=120)
-                for ev in events:
-                    if not ev.ok:
-                        raise RuntimeError(f"a receive failed: {ev.status}")
-                got += len(events)
-                server.post_recv_batch([(s_seg, None)] * len(events))
-            return time.perf_counter()
+        # n requests in one call, only the last signalled: its cookie says how many it completes
+        suppress, signal = CompletionFlags.SUPPRESS, CompletionFlags.DEFAULT
+        if op == "write":
+            def post(n: int) -> int:
+                return client.post_rdma_write_batch([(c_seg, remote, None)] * (n - 1) + [(c_seg, remote, n)],
+                                                    suppress, signal)
+        elif op == "read":
+            def post(n: int) -> int:
+                return client.post_rdma_read_batch([(c_seg, remote, None)] * (n - 1) + [(c_seg, remote, n)],
+                                                   suppress, signal)
+        else:
+            def post(n: int) -> int:
+                return client.post_send_batch([(c_seg, None)] * (n - 1) + [(c_seg, n)], suppress, signal)
 
         async def stream(total: int) -> Tuple[float, float]:
-            recv_task = asyncio.ensure_future(receiver(total)) if op == "send" else None
+            recv_task = None
+            if op == "send" and child is None:
+                recv_task = asyncio.ensure_future(_bw_receive(server, s_evd, s_seg, total))
             start = time.perf_counter()
             posted = completed = 0
             while completed < total:
                 while posted < total and posted - completed < depth:
                     n = min(batch, total - posted, depth - (posted - completed))
-                    if n > 1:
-                        post(n - 1, None, suppress)
-                    post(1, n, signal)
+                    post(n)
                     posted += n
                 for ev in await c_evd.wait(1, timeout=120):
                     if not ev.ok:
@@ -930,14 +993,19 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
                 end = await recv_task
             return start, end
 
-        if warmup:
-            await stream(warmup)
-        start, end = await stream(iters)
-        expected = bytes(i & 0xFF for i in range(size))
-        landed = bytes(c_buf) if op == "read" else bytes(s_buf)
-        if landed != expected:
-            raise AssertionError(f"the {op} bandwidth run moved other bytes than it should have")
-        await client.disconnect()
+        try:
+            if warmup:
+                await stream(warmup)
+            start, end = await stream(iters)
+            expected = bytes(i & 0xFF for i in range(size))
+            if (op == "read" or child is None) and bytes(c_buf if op == "read" else s_buf) != expected:
+                raise AssertionError(f"the {op} bandwidth run moved other bytes than it should have")
+            await client.disconnect()
+        finally:
+            if child is not None:
+                await _finish_child(child)
+        if child is not None and child.returncode != 0:
+            raise RuntimeError(f"the receiving process failed (exit status {child.returncode})")
     return BandwidthSample(op, size, iters, end - start)
 
 
@@ -949,7 +1017,7 @@ def _bw_perftest(op: str, size: int, depth: int, iters: int, device: str, addres
 
 def bandwidth(op: str = "write", size: int = 65536, depth: int = 64, iters: int = 1000, loop: str = "asyncio",
               *, batch: int = 16, perftest: bool = True, device: Optional[str] = None,
-              address: Optional[str] = None, timeout: float = 300.0) -> BandwidthReport:
+              address: Optional[str] = None, timeout: float = 300.0, processes: int = 2) -> BandwidthReport:
     """``aiodat bench bandwidth``: aiodat's streaming ``op`` (write, read, send), then ``ib_<op>_bw -R``.
 
     Same device, size, depth and iteration count, one after the other.  The
@@ -957,8 +1025,9 @@ def bandwidth(op: str = "write", size: int = 65536, depth: int = 64, iters: int 
     """
     _check_bw(op, size, depth, iters, batch)
     device, address = device_and_address(device, address)
-    sample = run_on_loop(loop, lambda: bandwidth_stream(device, address, op, size, depth, iters, batch))
-    report = BandwidthReport(device, address, loop, op, size, depth, batch, sample)
+    sample = run_on_loop(loop, lambda: bandwidth_stream(device, address, op, size, depth, iters, batch,
+                                                        processes=processes, loop_name=loop))
+    report = BandwidthReport(device, address, loop, op, size, depth, batch, sample, processes=processes)
     if perftest:
         report.perftest = _bw_perftest(op, size, depth, iters, device, address, timeout)
     return report
@@ -966,12 +1035,20 @@ def bandwidth(op: str = "write", size: int = 65536, depth: int = 64, iters: int 
 
 def rate(size: int = 64, depth: int = 128, iters: int = 20000, loop: str = "asyncio", *, batch: int = 32,
          perftest: bool = True, device: Optional[str] = None, address: Optional[str] = None,
-         timeout: float = 300.0) -> BandwidthReport:
+         timeout: float = 300.0, processes: int = 2) -> BandwidthReport:
     """``aiodat bench rate``: small-message send rate beside ``ib_send_bw -R`` (ratio of Mpps)."""
     _check_bw("send", size, depth, iters, batch)
     device, address = device_and_address(device, address)
-    sample = run_on_loop(loop, lambda: bandwidth_stream(device, address, "send", size, depth, iters, batch))
-    report = BandwidthReport(device, address, loop, "send", size, depth, batch, sample, kind="rate")
+    sample = run_on_loop(loop, lambda: bandwidth_stream(device, address, "send", size, depth, iters, batch,
+                                                        processes=processes, loop_name=loop))
+    report = BandwidthReport(device, address, loop, "send", size, depth, batch, sample, kind="rate",
+                             processes=processes)
     if perftest:
         report.perftest = _bw_perftest("send", size, depth, iters, device, address, timeout)
     return report
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))

@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     for sp in (bw, rt):
         sp.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)")
         sp.add_argument("--no-perftest", action="store_true", help="measure aiodat only")
+        sp.add_argument("--processes", type=int, choices=(1, 2), default=2,
+                        help="2 (default): the receiving side is a child process, as perftest runs its two "
+                             "sides; 1: both sides on one loop")
         sp.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
         sp.add_argument("--json", action="store_true", help="print the figures as JSON")
     so = bsub.add_parser(
@@ -435,11 +438,11 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     if args.bench == "rate":
         def run() -> Any:
             return bench.rate(args.size, args.depth, args.iters, args.loop, batch=args.batch,
-                              perftest=not args.no_perftest, device=args.device)
+                              perftest=not args.no_perftest, device=args.device, processes=args.processes)
     else:
         def run() -> Any:
             return bench.bandwidth(args.op, args.size, args.depth, args.iters, args.loop, batch=args.batch,
-                                   perftest=not args.no_perftest, device=args.device)
+                                   perftest=not args.no_perftest, device=args.device, processes=args.processes)
     return _run_bench(name, args, run, (RuntimeError, AssertionError))
 
 

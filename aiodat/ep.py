@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from itertools import repeat
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -28,6 +29,7 @@ from aiodat.errors import (
     error_from_errno,
 )
 from aiodat.evd import DTOCompletionEvent, DTOOp, EvdFlags, EventType, ConnectionEvent
+from aiodat.evd import _DTO_COMPLETION, _new, _setattr
 from aiodat.memory import LMR, Segment
 
 if TYPE_CHECKING:
@@ -145,6 +147,16 @@ def _send_flags(flags: int) -> int:
 #: CompletionFlags value (0-15) -> (ibv_send_flags, posted UNSIGNALLED): the enum arithmetic done once
 _SEND_BITS = [(_send_flags(f), bool(f & CompletionFlags.UNSIGNALLED and not f & CompletionFlags.SUPPRESS))
               for f in range(16)]
+def _batch_bits(flags: Any, last_flags: Any) -> Tuple[Tuple[int, bool], Tuple[int, bool]]:
+    """(ibv_send_flags, UNSIGNALLED) of a batch's requests and of its last one, flags checked."""
+    out = []
+    for name, value in (("flags", flags), ("last_flags", last_flags)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 16:
+            raise InvalidParameter(f"{name} must be CompletionFlags, got {value!r}")
+        out.append(_SEND_BITS[value])
+    return out[0], out[1]
+
+
 # the hot paths compare by identity with these
 _NO_FLAGS = CompletionFlags.DEFAULT
 _CONNECTED, _DISCONNECTED, _ERROR = EPState.CONNECTED, EPState.DISCONNECTED, EPState.ERROR
@@ -463,23 +475,30 @@ class EP(Handle):
         n = len(batch)
         if n == 0:
             return 0
-        id_gen = self._ids
-        wr_ids = [next(id_gen) * 2 + 1 for _ in range(n)]
         first = batch[0][0]
         if all(segs is first for segs, _ in batch):  # one scatter list shared by every receive
             sges = ffi.new("struct aiodat_sge[]", max(1, len(first)))
             self._fill_sges(sges, 0, first)
-            starts = ffi.new("int[]", n)
-            counts = ffi.new("int[]", [len(first)] * n)
-        else:
-            sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
-            start_list, start = [], 0
-            for segs, _ in batch:
-                self._fill_sges(sges, start, segs)
-                start_list.append(start)
-                start += len(segs)
-            starts = ffi.new("int[]", start_list)
-            counts = ffi.new("int[]", [len(segs) for segs, _ in batch])
+            first_id = self._take_ids(n) * 2 + 1
+            err = lib.aiodat_post_recv_same(self._qp, ffi.NULL, first_id, 2, n, sges, len(first), self._posted)
+            posted = self._posted[0]
+            self._recv_q.extend(zip(range(first_id, first_id + 2 * posted, 2), [c for _, c in batch], repeat(first)))
+            for seg in first:
+                seg.lmr._inflight += posted
+            if err:
+                raise self._post_error(err, f"post_recv_batch (posted {posted} of {n})", len(self._recv_q),
+                                       self.attrs.max_recv_dtos)
+            return posted
+        id_gen = self._ids
+        wr_ids = [next(id_gen) * 2 + 1 for _ in range(n)]
+        sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
+        start_list, start = [], 0
+        for segs, _ in batch:
+            self._fill_sges(sges, start, segs)
+            start_list.append(start)
+            start += len(segs)
+        starts = ffi.new("int[]", start_list)
+        counts = ffi.new("int[]", [len(segs) for segs, _ in batch])
         ids = ffi.new("uint64_t[]", wr_ids)
         err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, n, sges, self._posted)
         posted = self._posted[0]
@@ -491,6 +510,12 @@ class EP(Handle):
             raise self._post_error(err, f"post_recv_batch (posted {posted} of {n})", len(self._recv_q),
                                    self.attrs.max_recv_dtos)
         return posted
+
+    def _take_ids(self, n: int) -> int:
+        """Reserve ``n`` consecutive request numbers (a batch's wr_ids); returns the first."""
+        first = next(self._ids)
+        self._ids = itertools.count(first + n)
+        return first
 
     def _post_error(self, err: int, what: str, outstanding: int, limit: int) -> Exception:
         if err == 12:  # ENOMEM from a full work queue
@@ -564,8 +589,13 @@ class EP(Handle):
         self._post_one(DTOOp.SEND, opcode, segs, cookie, flags, imm_data=imm_data)
 
     def post_send_batch(self, items: Iterable[Tuple[Segments, Any]],
-                        flags: CompletionFlags = CompletionFlags.DEFAULT) -> int:
-        """Post many sends in one crossing into C; ``items`` are (segments, cookie) pairs. Returns how many were posted."""
+                        flags: CompletionFlags = CompletionFlags.DEFAULT,
+                        last_flags: Optional[CompletionFlags] = None) -> int:
+        """Post many sends in one crossing into C; ``items`` are (segments, cookie) pairs. Returns how many were posted.
+
+        ``last_flags`` (default: ``flags``) are the last request's: ``flags=SUPPRESS,
+        last_flags=DEFAULT`` asks for one completion per batch, which also retires the others.
+        """
         batch = []
         last_in: Any = batch  # a sentinel no item is
         checked: Tuple[Segment, ...] = ()
@@ -575,7 +605,7 @@ class EP(Handle):
                 self._check_post(checked, self.attrs.max_request_iov, "post_send_batch")
                 last_in = segs
             batch.append((checked, cookie))
-        return self._post_many(DTOOp.SEND, WR_SEND, batch, flags)
+        return self._post_many(DTOOp.SEND, WR_SEND, batch, flags, last_flags)
 
     # -- RDMA and atomics ---------------------------------------------------------
     def _check_remote(self, remote: Any, segs: Tuple[Segment, ...], what: str) -> None:
@@ -683,23 +713,27 @@ class EP(Handle):
                        compare_add=self._u64(compare, "compare"), swap=self._u64(swap, "swap"))
 
     def post_rdma_write_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]],
-                              flags: CompletionFlags = CompletionFlags.DEFAULT) -> int:
+                              flags: CompletionFlags = CompletionFlags.DEFAULT,
+                              last_flags: Optional[CompletionFlags] = None) -> int:
         """Post many RDMA writes in one crossing into C; ``items`` are (local_segments, remote, cookie).
 
         Every item is checked as :meth:`post_rdma_write` checks it before any
         is posted.  Returns how many were posted (all of them, or QueueFull is
-        raised saying how many went).
+        raised saying how many went).  ``last_flags`` as in :meth:`post_send_batch`.
         """
         batch, remotes = self._remote_batch(items, self.attrs.max_request_iov, "post_rdma_write_batch")
-        return self._post_many(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, batch, flags, remotes)
+        return self._post_many(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, batch, flags, last_flags, remotes)
 
     def post_rdma_read_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]],
-                             flags: CompletionFlags = CompletionFlags.DEFAULT) -> int:
-        """Post many RDMA reads in one crossing into C; ``items`` are (local_segments, remote, cookie)."""
+                             flags: CompletionFlags = CompletionFlags.DEFAULT,
+                             last_flags: Optional[CompletionFlags] = None) -> int:
+        """Post many RDMA reads in one crossing into C; ``items`` are (local_segments, remote, cookie).
+
+        ``last_flags`` as in :meth:`post_send_batch`."""
         if self.attrs.max_rdma_read_out == 0:
             raise InvalidParameter("post_rdma_read_batch: this EP was created with EPAttr.max_rdma_read_out=0")
         batch, remotes = self._remote_batch(items, self._read_iov_limit(), "post_rdma_read_batch")
-        return self._post_many(DTOOp.RDMA_READ, WR_RDMA_READ, batch, flags, remotes)
+        return self._post_many(DTOOp.RDMA_READ, WR_RDMA_READ, batch, flags, last_flags, remotes)
 
     def _remote_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]], limit: int,
                       what: str) -> Tuple[List[Tuple[Tuple[Segment, ...], Any]], List["RemoteRegion"]]:
@@ -723,7 +757,9 @@ class EP(Handle):
         return batch, remotes
 
     def _post_many(self, op: DTOOp, opcode: int, batch: List[Tuple[Tuple[Segment, ...], Any]],
-                   flags: CompletionFlags, remotes: Optional[Sequence["RemoteRegion"]] = None) -> int:
+                   flags: CompletionFlags, last_flags: Optional[CompletionFlags] = None,
+                   remotes: Optional[Sequence["RemoteRegion"]] = None) -> int:
+        bits = _batch_bits(flags, flags if last_flags is None else last_flags)
         if self._state is not EPState.CONNECTED:
             raise InvalidState(f"cannot post on an EP in state {self._state.value} (connect it first)")
         n = len(batch)
@@ -732,17 +768,17 @@ class EP(Handle):
         first = batch[0][0]
         if n > 1 and all(segs is first for segs, _ in batch) and (
                 remotes is None or all(r is remotes[0] for r in remotes)):
-            return self._post_same(op, opcode, first, [cookie for _, cookie in batch], flags,
+            return self._post_same(op, opcode, first, [cookie for _, cookie in batch], bits,
                                    remotes[0] if remotes is not None else None)
         wrs = ffi.new("struct aiodat_send_wr[]", n)
         sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
-        send_flags = self._send_flags(CompletionFlags(flags))
+        (send_flags, quiet), (last_send_flags, last_quiet) = bits
         entries = []
         start = 0
         for i, (segs, cookie) in enumerate(batch):
             wr = wrs[i]
             wr_id = next(self._ids) * 2
-            wr.wr_id, wr.opcode, wr.send_flags = wr_id, opcode, send_flags
+            wr.wr_id, wr.opcode, wr.send_flags = wr_id, opcode, send_flags if i + 1 < n else last_send_flags
             wr.sge_start, wr.num_sge = start, len(segs)
             if remotes is not None:
                 wr.remote_addr, wr.rkey = remotes[i].address, remotes[i].rmr_context
@@ -751,11 +787,10 @@ class EP(Handle):
             entries.append((wr_id, cookie, op, segs, None))
         err = lib.aiodat_post_send(self._qp, wrs, n, sges, self._posted)
         posted = self._posted[0]
-        quiet = bool(flags & CompletionFlags.UNSIGNALLED and not flags & CompletionFlags.SUPPRESS)
-        for entry in entries[:posted]:
+        for i, entry in enumerate(entries[:posted]):
             self._send_q.append(entry)
             self._track(entry[3], 1)
-            if quiet:
+            if quiet if i + 1 < n else last_quiet:
                 self._quiet.add(entry[0])
         if err:
             raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
@@ -763,32 +798,29 @@ class EP(Handle):
         return posted
 
     def _post_same(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookies: List[Any],
-                   flags: CompletionFlags, remote: Optional["RemoteRegion"]) -> int:
+                   bits: Tuple[Tuple[int, bool], Tuple[int, bool]], remote: Optional["RemoteRegion"]) -> int:
         """The batch fast path: n requests on the same segments (and remote): one scatter/gather
         list, the request written once and copied n times in C, only the wr_ids set one by one."""
         n = len(cookies)
-        wrs = ffi.new("struct aiodat_send_wr[]", n)
         sges = ffi.new("struct aiodat_sge[]", max(1, len(segs)))
         self._fill_sges(sges, 0, segs)
-        wr = wrs[0]
-        wr.opcode, wr.send_flags = opcode, self._send_flags(CompletionFlags(flags))
+        (send_flags, quiet), (last_send_flags, last_quiet) = bits
+        wr = ffi.new("struct aiodat_send_wr *")
+        wr.opcode, wr.send_flags = opcode, send_flags
         wr.sge_start, wr.num_sge = 0, len(segs)
         if remote is not None:
             wr.remote_addr, wr.rkey = remote.address, remote.rmr_context
-        size = ffi.sizeof("struct aiodat_send_wr")
-        raw = ffi.buffer(wrs)
-        raw[size:] = raw[0:size] * (n - 1)
-        ids = self._ids
-        wr_ids = [next(ids) * 2 for _ in range(n)]
-        for i, wr_id in enumerate(wr_ids):
-            wrs[i].wr_id = wr_id
-        err = lib.aiodat_post_send(self._qp, wrs, n, sges, self._posted)
+        first = self._take_ids(n) * 2
+        err = lib.aiodat_post_send_same(self._qp, wr, last_send_flags, sges, first, 2, n, self._posted)
         posted = self._posted[0]
-        self._send_q.extend([(wr_ids[i], cookies[i], op, segs, None) for i in range(posted)])
+        wr_ids = range(first, first + 2 * posted, 2)
+        self._send_q.extend(zip(wr_ids, cookies, repeat(op), repeat(segs), repeat(None)))
         for seg in segs:
             seg.lmr._inflight += posted
-        if flags & CompletionFlags.UNSIGNALLED and not flags & CompletionFlags.SUPPRESS:
-            self._quiet.update(wr_ids[:posted])
+        if quiet:
+            self._quiet.update(wr_ids[:n - 1])
+        if last_quiet and posted == n:
+            self._quiet.add(wr_ids[-1])
         if err:
             raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
                                    len(self._send_q), self.attrs.max_request_dtos)
@@ -800,20 +832,28 @@ class EP(Handle):
         wr_id, code, opcode, vendor_err, byte_len, imm_data, _qpn, src_qp, wc_flags = wc[:9]
         status = _wc_status_name(code) if code else "IBV_WC_SUCCESS"
         if wr_id & 1:
+            queue = self._recv_q
             if self._srq is not None:
                 cookie, segs = self._srq._complete(wr_id)
+            elif queue and queue[0][0] == wr_id:  # receives complete in order: the usual case
+                _, cookie, segs = queue.popleft()
             else:
                 cookie, segs = self._pop_recv(wr_id)
             for seg in segs:
                 seg.lmr._inflight -= 1
-            op = DTOOp.RECV_RDMA_WRITE_IMM if opcode == WC_RECV_RDMA_WITH_IMM else _RECV
-            imm = imm_data if wc_flags & 2 else None  # IBV_WC_WITH_IMM
             notify = True
             if self._quiet and wr_id in self._quiet:
                 self._quiet.discard(wr_id)
                 notify = bool(code)
-            return DTOCompletionEvent._completed(evd, self, cookie, status, byte_len, op,
-                                                 imm, vendor_err, src_qp if self._ud else None, notify)
+            # DTOCompletionEvent._completed, inlined: receives are the hottest completions
+            event = _new(DTOCompletionEvent)
+            _setattr(event, "__dict__", {
+                "type": _DTO_COMPLETION, "evd": evd, "ep": self, "cookie": cookie, "status": status,
+                "transferred_length": byte_len,
+                "operation": DTOOp.RECV_RDMA_WRITE_IMM if opcode == WC_RECV_RDMA_WITH_IMM else _RECV,
+                "imm_data": imm_data if wc_flags & 2 else None,  # IBV_WC_WITH_IMM
+                "vendor_err": vendor_err, "src_qp": src_qp if self._ud else None, "notify": notify})
+            return event
         entry = self._pop_send(wr_id)
         if entry is None:
             return None
@@ -840,13 +880,15 @@ class EP(Handle):
 
     def _pop_send(self, wr_id: int) -> Any:
         # Earlier entries without a completion of their own finished before this one.
-        q = self._send_q
+        q, quiet = self._send_q, self._quiet
         while q:
             entry = q.popleft()
             if entry[0] == wr_id:
                 return entry
-            self._track(entry[3], -1)
-            self._quiet.discard(entry[0])
+            for seg in entry[3]:
+                seg.lmr._inflight -= 1
+            if quiet:
+                quiet.discard(entry[0])
         return None
 
     def _pop_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:

@@ -62,6 +62,9 @@ class EvdFlags(enum.IntFlag):
     ALL = SOFTWARE | CR | DTO | CONNECTION | RMR_BIND
 
 
+_new, _setattr = object.__new__, object.__setattr__  # build frozen events without their __init__
+
+
 class EventType(enum.IntEnum):
     """DAT event numbers (DAT_EVENT_NUMBER); aiodat's own async events are numbered from 0x20001."""
 
@@ -149,10 +152,11 @@ class DTOCompletionEvent(Event):
                    notify: bool) -> "DTOCompletionEvent":
         """Build one event per completion on the hot path: a single dict update instead of the
         frozen dataclass __init__, which sets each field through object.__setattr__."""
-        event = object.__new__(cls)
-        event.__dict__.update(type=EventType.DTO_COMPLETION, evd=evd, ep=ep, cookie=cookie, status=status,
-                              transferred_length=length, operation=op, imm_data=imm,
-                              vendor_err=vendor_err, src_qp=src_qp, notify=notify)
+        event = _new(cls)
+        _setattr(event, "__dict__", {
+            "type": _DTO_COMPLETION, "evd": evd, "ep": ep, "cookie": cookie, "status": status,
+            "transferred_length": length, "operation": op, "imm_data": imm, "vendor_err": vendor_err,
+            "src_qp": src_qp, "notify": notify})
         return event
 
     @property
@@ -380,8 +384,12 @@ class EVD(Handle):
         self._drain_cq()
 
     def _take(self, max_events: Optional[int]) -> List[Event]:
-        count = len(self._queue) if max_events is None else min(max_events, len(self._queue))
-        events = [self._queue.popleft() for _ in range(count)]
+        queue = self._queue
+        if max_events is None or max_events >= len(queue):
+            events = list(queue)
+            queue.clear()
+        else:
+            events = [queue.popleft() for _ in range(max_events)]
         if len(self._queue) < self._qlen:
             self._overflow_reported = False
         return events
@@ -582,6 +590,7 @@ class EVDParam:
 
 #: streams whose events the IA's fds (rdma_cm channel, device async fd) feed, not the EVD's own CQ
 _FED_BY_IA = int(EvdFlags.CR | EvdFlags.CONNECTION | EvdFlags.ASYNC)
+_DTO_COMPLETION = EventType.DTO_COMPLETION
 _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
 

@@ -107,6 +107,65 @@ int aiodat_post_send(struct ibv_qp *qp, const struct aiodat_send_wr *wrs, int n,
 }
 
 /* Post n receives to a QP (srq NULL) or to an SRQ. */
+/* n copies of one request (a stream on one buffer): only the wr_ids differ,
+ * first_wr_id, first_wr_id + step, ..., and the last request's flags.  Returns
+ * 0 or the errno of the first failed post; *n_posted says how many went. */
+int aiodat_post_send_same(struct ibv_qp *qp, const struct aiodat_send_wr *tmpl, unsigned int last_send_flags,
+                          const struct aiodat_sge *sges, uint64_t first_wr_id, uint64_t step, int n,
+                          int *n_posted)
+{
+    struct aiodat_send_wr w[AIODAT_CHUNK];
+    int done = 0;
+
+    *n_posted = 0;
+    while (done < n) {
+        int count = n - done < AIODAT_CHUNK ? n - done : AIODAT_CHUNK, posted = 0;
+        for (int i = 0; i < count; i++) {
+            w[i] = *tmpl;
+            w[i].wr_id = first_wr_id + (uint64_t)(done + i) * step;
+            if (done + i == n - 1)
+                w[i].send_flags = last_send_flags;  /* e.g. the one signalled request of a batch */
+        }
+        int rc = aiodat_post_send(qp, w, count, sges, &posted);
+        done += posted;
+        *n_posted = done;
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+/* n receives into the same scatter list (num_sge entries), wr_ids as above. */
+int aiodat_post_recv_same(struct ibv_qp *qp, struct ibv_srq *srq, uint64_t first_wr_id, uint64_t step, int n,
+                          const struct aiodat_sge *sges, int num_sge, int *n_posted)
+{
+    struct ibv_recv_wr wr[AIODAT_CHUNK], *bad;
+    struct ibv_sge sg[32];
+    int done = 0;
+
+    *n_posted = 0;
+    if (num_sge < 0 || num_sge > 32)
+        return EINVAL;
+    fill_sges(sg, sges, num_sge);
+    while (done < n) {
+        int count = n - done < AIODAT_CHUNK ? n - done : AIODAT_CHUNK;
+        for (int i = 0; i < count; i++) {
+            wr[i].wr_id = first_wr_id + (uint64_t)(done + i) * step;
+            wr[i].sg_list = num_sge ? sg : NULL;  /* the provider copies it at post time */
+            wr[i].num_sge = num_sge;
+            wr[i].next = i + 1 < count ? &wr[i + 1] : NULL;
+        }
+        int rc = srq ? ibv_post_srq_recv(srq, wr, &bad) : ibv_post_recv(qp, wr, &bad);
+        if (rc) {
+            *n_posted = done + (int)(bad - wr);
+            return rc;
+        }
+        done += count;
+        *n_posted = done;
+    }
+    return 0;
+}
+
 /* The hot path of a single-segment request: scalars in, no arrays for Python to fill.
  * remote_addr/rkey are used by RDMA opcodes only. */
 int aiodat_post_send1(struct ibv_qp *qp, uint64_t wr_id, int opcode, unsigned int send_flags,

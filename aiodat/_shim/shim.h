@@ -235,6 +235,11 @@ int aiodat_post_send(struct ibv_qp *qp, const struct aiodat_send_wr *wrs, int n,
 int aiodat_post_send1(struct ibv_qp *qp, uint64_t wr_id, int opcode, unsigned int send_flags,
                       uint32_t imm_data, uint64_t addr, uint32_t length, uint32_t lkey,
                       uint64_t remote_addr, uint32_t rkey);
+int aiodat_post_send_same(struct ibv_qp *qp, const struct aiodat_send_wr *tmpl, unsigned int last_send_flags,
+                          const struct aiodat_sge *sges, uint64_t first_wr_id, uint64_t step, int n,
+                          int *n_posted);
+int aiodat_post_recv_same(struct ibv_qp *qp, struct ibv_srq *srq, uint64_t first_wr_id, uint64_t step, int n,
+                          const struct aiodat_sge *sges, int num_sge, int *n_posted);
 int aiodat_post_recv1(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr, uint32_t length, uint32_t lkey);
 int aiodat_post_recv(struct ibv_qp *qp, struct ibv_srq *srq, const uint64_t *wr_ids,
                      const int *sge_starts, const int *num_sges, int n,
