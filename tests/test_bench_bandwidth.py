@@ -32,12 +32,15 @@ def test_report_ratio_and_format() -> None:
 
 
 @pytest.mark.rxe
+@pytest.mark.parametrize("processes", [1, 2])
 @pytest.mark.parametrize("op", ["write", "read", "send"])
-def test_short_real_run(rdma_device: Any, op: str) -> None:
+def test_short_real_run(rdma_device: Any, op: str, processes: int) -> None:
+    """Each op, with the receiving side in this process or in a child (which checks the bytes it got)."""
     report = bench.bandwidth(op, 4096, 16, 200, batch=4, perftest=False, device=rdma_device.name,
-                             address=rdma_device.address)
+                             address=rdma_device.address, processes=processes)
     assert report.aiodat.iters == 200 and report.aiodat.seconds > 0 and report.aiodat.mib_per_s > 0
     assert report.ratio() is None and f"op={op}" in report.format()
+    assert f"{processes} process(es)" in report.format() and report.as_dict()["processes"] == processes
 
 
 @pytest.mark.rxe

@@ -271,12 +271,15 @@ async def test_batch_writes_64mib_checksum(ia: Any) -> None:
                             | Privileges.REMOTE_READ)
     remote = dst_lmr.remote()
     items = [(src_lmr[o:o + chunk], remote[o:o + chunk], o) for o in range(0, size, chunk)]
-    # post in batches of 16, only the last of each batch signalled
+    # post in batches of 16, only the last of each batch signalled: in two calls, or in one with last_flags
     done = 0
     for b in range(0, len(items), 16):
         batch = items[b:b + 16]
-        assert p.client.post_rdma_write_batch(batch[:-1], CompletionFlags.SUPPRESS) == len(batch) - 1
-        assert p.client.post_rdma_write_batch(batch[-1:]) == 1
+        if b % 32:
+            assert p.client.post_rdma_write_batch(batch, CompletionFlags.SUPPRESS, CompletionFlags.DEFAULT) == 16
+        else:
+            assert p.client.post_rdma_write_batch(batch[:-1], CompletionFlags.SUPPRESS) == len(batch) - 1
+            assert p.client.post_rdma_write_batch(batch[-1:]) == 1
         ev = (await one(p.client.request_evd)).raise_for_status()
         assert ev.cookie == batch[-1][2]
         done += len(batch)
@@ -292,6 +295,27 @@ async def test_batch_writes_64mib_checksum(ia: Any) -> None:
     assert [e.cookie for e in events] == [r[2] for r in reads]
     assert all(e.ok and e.transferred_length == chunk for e in events)
     assert zlib.crc32(back.memoryview()) == zlib.crc32(memoryview(src)[base:])
+
+
+async def test_batch_of_one_buffer_signals_only_the_last(ia: Any) -> None:
+    """32 sends of one segment in one call with last_flags: one completion (the last cookie), which
+    retires the other 31; 32 receives into one segment in one call complete in order."""
+    p = await make_ep_pair(ia, 4096, EPAttr(max_request_dtos=64, max_recv_dtos=64))
+    seg = p.client_lmr[0:64]
+    p.client_lmr.memoryview()[0:64] = bytes(range(64))
+    assert p.server.post_recv_batch([(p.server_lmr[0:64], i) for i in range(32)]) == 32
+    assert p.client.post_send_batch([(seg, i) for i in range(32)], CompletionFlags.SUPPRESS,
+                                    last_flags=CompletionFlags.DEFAULT) == 32
+    ev = (await one(p.client.request_evd)).raise_for_status()
+    assert ev.cookie == 31 and ev.transferred_length == 64
+    received = await p.server.recv_evd.wait(32, timeout=T)
+    assert [e.cookie for e in received] == list(range(32)) and all(e.ok for e in received)
+    assert bytes(p.server_lmr.memoryview()[0:64]) == bytes(range(64))
+    assert p.client.query().outstanding_requests == 0 and p.server.query().outstanding_recvs == 0
+    assert p.client.request_evd.dequeue() is None  # the 31 suppressed sends produced nothing
+    with pytest.raises(aiodat.InvalidParameter, match="last_flags"):
+        p.client.post_send_batch([(seg, 0)], CompletionFlags.SUPPRESS, last_flags="signal")
+    p.client_lmr.free()  # nothing of it is in flight any more
 
 
 async def test_lmr_same_buffer_twice_and_sync(ia: Any) -> None:
