@@ -77,7 +77,7 @@ async def pingpong(iters: int) -> float:
     import aiodat.evd
 
     device, _ = device_and_address()
-    aiodat.ep.lib = TimedLib(aiodat.ep.lib, ["aiodat_post_send", "aiodat_post_recv"])  # type: ignore
+    aiodat.ep.lib = TimedLib(aiodat.ep.lib, ["aiodat_post_send1", "aiodat_post_recv1"])  # type: ignore
     aiodat.evd.lib = TimedLib(aiodat.evd.lib, ["aiodat_cq_drain"])  # type: ignore
     EVD._on_readable = timed("EVD._on_readable (reader callback)", EVD._on_readable)  # type: ignore
     EVD._drain_cq = timed("EVD._drain_cq", EVD._drain_cq)  # type: ignore
