@@ -453,8 +453,8 @@ class EVD(Handle):
         if (watch is None or watch._loop is not loop or ia._cm.watch._loop is not loop
                 or ia._async_source.watch._loop is not loop or self._sharers):
             self._attach(loop)
-        if solicited_only:
-            self._solicited = self._wcs is not None
+        if solicited_only is not self._solicited and self._wcs is not None:
+            self._solicited = bool(solicited_only)
         self._solicited_hit = False
         if solicited_only or self._pump_on_wait or self._armed_solicited:
             self._pump()
