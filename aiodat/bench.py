@@ -857,7 +857,7 @@ def _check_bw(op: str, size: int, depth: int, iters: int, batch: int) -> None:
         raise ValueError(f"batch ({batch}) cannot exceed depth ({depth})")
 
 
-def _bw_setup(ia: Any, op: str, size: int, depth: int, server: bool) -> Tuple[Any, Any, Any, Any, int]:
+def _bw_setup(ia: Any, op: str, size: int, depth: int, server: bool) -> Tuple[Any, Any, Any, Any]:
     """One side of a bandwidth run: its EP (on one DTO EVD), the EVD, the buffer and a segment of it."""
     from aiodat import EPAttr, EvdFlags, Privileges
 
@@ -875,7 +875,7 @@ def _bw_setup(ia: Any, op: str, size: int, depth: int, server: bool) -> Tuple[An
     seg = pz.register(buf, Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_READ)[0:size]
     if server and op == "send":
         ep.post_recv_batch([(seg, None)] * recv_depth)
-    return ep, evd, buf, seg, recv_depth
+    return ep, evd, buf, seg
 
 
 async def _bw_receive(ep: Any, evd: Any, seg: Any, total: int) -> float:
@@ -900,7 +900,7 @@ async def _sink_process(device: str, op: str, size: int, depth: int, total: int)
     from aiodat import EvdFlags, EventType, open_ia
 
     with open_ia(device) as ia:
-        server, evd, buf, seg, _ = _bw_setup(ia, op, size, depth, server=True)
+        server, evd, buf, seg = _bw_setup(ia, op, size, depth, server=True)
         cr_evd = ia.create_evd(4, EvdFlags.CR)
         psp = ia.create_psp_any(cr_evd)
         sys.stdout.write(f"port {psp.port}\n")
@@ -943,10 +943,10 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
         raise ValueError(f"processes must be 1 or 2, got {processes!r}")
     warmup = min(depth * 2, iters) if warmup is None else warmup
     with open_ia(device) as ia:
-        client, c_evd, c_buf, c_seg, _ = _bw_setup(ia, op, size, depth, server=False)
+        client, c_evd, c_buf, c_seg = _bw_setup(ia, op, size, depth, server=False)
         child = None
         if processes == 1:
-            server, s_evd, s_buf, s_seg, _ = _bw_setup(ia, op, size, depth, server=True)
+            server, s_evd, s_buf, s_seg = _bw_setup(ia, op, size, depth, server=True)
             await connect_pair(client, server)  # cm.py shortens the RNR timer of every new connection
             remote = s_seg.remote()
         else:

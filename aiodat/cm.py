@@ -313,7 +313,7 @@ def _set_ack_timeout(ep: "EP", cm_id: Any) -> int:
         return 0
     value = ffi.new("uint8_t *", ep.attrs.ack_timeout)
     if lib.rdma_set_option(cm_id, lib.RDMA_OPTION_ID, lib.RDMA_OPTION_ID_ACK_TIMEOUT, value, 1):
-        return ffi.errno or 22
+        return ffi.errno or 22  # EINVAL when librdmacm left no errno
     return 0
 
 

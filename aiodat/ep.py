@@ -16,7 +16,7 @@ import itertools
 from itertools import repeat
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Deque, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from aiodat._handle import Handle
 from aiodat._lib import ffi, lib
@@ -29,7 +29,6 @@ from aiodat.errors import (
     error_from_errno,
 )
 from aiodat.evd import DTOCompletionEvent, DTOOp, EvdFlags, EventType, ConnectionEvent
-from aiodat.evd import _DTO_COMPLETION, _new, _setattr
 from aiodat.memory import LMR, Segment
 
 if TYPE_CHECKING:
@@ -128,8 +127,6 @@ SEND_FENCE, SEND_SIGNALED, SEND_SOLICITED, SEND_INLINE = 1, 2, 4, 8
 WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 
 
-#: CompletionFlags value -> ibv_send_flags, filled by EP._post_one
-_SEND_FLAGS_CACHE: Dict[Any, int] = {}
 
 
 def _send_flags(flags: int) -> int:
@@ -147,14 +144,11 @@ def _send_flags(flags: int) -> int:
 #: CompletionFlags value (0-15) -> (ibv_send_flags, posted UNSIGNALLED): the enum arithmetic done once
 _SEND_BITS = [(_send_flags(f), bool(f & CompletionFlags.UNSIGNALLED and not f & CompletionFlags.SUPPRESS))
               for f in range(16)]
-def _batch_bits(flags: Any, last_flags: Any) -> Tuple[Tuple[int, bool], Tuple[int, bool]]:
-    """(ibv_send_flags, UNSIGNALLED) of a batch's requests and of its last one, flags checked."""
-    out = []
-    for name, value in (("flags", flags), ("last_flags", last_flags)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 16:
-            raise InvalidParameter(f"{name} must be CompletionFlags, got {value!r}")
-        out.append(_SEND_BITS[value])
-    return out[0], out[1]
+def _flag_bits(name: str, value: Any) -> Tuple[int, bool]:
+    """(ibv_send_flags, posted UNSIGNALLED) of a request's CompletionFlags, checked."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 16:
+        raise InvalidParameter(f"{name} must be CompletionFlags, got {value!r}")
+    return _SEND_BITS[value]
 
 
 # the hot paths compare by identity with these
@@ -522,26 +516,19 @@ class EP(Handle):
             return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding)")
         return error_from_errno(err, what)
 
-    def _send_flags(self, flags: CompletionFlags) -> int:
-        return _send_flags(flags)
-
     def _post_one(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookie: Any,
                   flags: CompletionFlags, *, imm_data: Optional[int] = None,
                   remote: Optional["RemoteRegion"] = None, compare_add: int = 0, swap: int = 0,
                   target: Any = None, ah: Any = None, remote_qpn: int = 0, remote_qkey: int = 0,
                   bind: Optional[Tuple[Any, int, Any, int, int, int]] = None) -> None:
         """Fill the EP's single request and post it; remember it for its completion."""
-        if not isinstance(flags, int):
-            raise InvalidParameter(f"flags must be CompletionFlags, not {type(flags).__name__}")
+        send_flags, quiet = _flag_bits("flags", flags)
         if self._state is not EPState.CONNECTED and self.attrs.service_type is ServiceType.RC and opcode != WR_BIND_MW:
             raise InvalidState(f"cannot post {op.value} on an EP in state {self._state.value} (connect it first)")
         wr = self._wr
         wr_id = next(self._ids) * 2
         wr.wr_id = wr_id
         wr.opcode = opcode
-        send_flags = _SEND_FLAGS_CACHE.get(flags)
-        if send_flags is None:  # the enum arithmetic is slow: do it once per flags value
-            send_flags = _SEND_FLAGS_CACHE[flags] = self._send_flags(CompletionFlags(flags))
         wr.send_flags = send_flags
         wr.imm_data = imm_data or 0
         wr.sge_start, wr.num_sge = 0, len(segs)
@@ -560,7 +547,7 @@ class EP(Handle):
             raise self._post_error(err, f"post {op.value}", len(self._send_q), self.attrs.max_request_dtos)
         self._send_q.append((wr_id, cookie, op, segs, target))
         self._track(segs, 1)
-        if flags & CompletionFlags.UNSIGNALLED and not flags & CompletionFlags.SUPPRESS:
+        if quiet:
             self._quiet.add(wr_id)
 
     def post_send(self, segments: Segments, cookie: Any = None,
@@ -759,7 +746,7 @@ class EP(Handle):
     def _post_many(self, op: DTOOp, opcode: int, batch: List[Tuple[Tuple[Segment, ...], Any]],
                    flags: CompletionFlags, last_flags: Optional[CompletionFlags] = None,
                    remotes: Optional[Sequence["RemoteRegion"]] = None) -> int:
-        bits = _batch_bits(flags, flags if last_flags is None else last_flags)
+        bits = (_flag_bits("flags", flags), _flag_bits("last_flags", flags if last_flags is None else last_flags))
         if self._state is not EPState.CONNECTED:
             raise InvalidState(f"cannot post on an EP in state {self._state.value} (connect it first)")
         n = len(batch)
@@ -845,15 +832,10 @@ class EP(Handle):
             if self._quiet and wr_id in self._quiet:
                 self._quiet.discard(wr_id)
                 notify = bool(code)
-            # DTOCompletionEvent._completed, inlined: receives are the hottest completions
-            event = _new(DTOCompletionEvent)
-            _setattr(event, "__dict__", {
-                "type": _DTO_COMPLETION, "evd": evd, "ep": self, "cookie": cookie, "status": status,
-                "transferred_length": byte_len,
-                "operation": DTOOp.RECV_RDMA_WRITE_IMM if opcode == WC_RECV_RDMA_WITH_IMM else _RECV,
-                "imm_data": imm_data if wc_flags & 2 else None,  # IBV_WC_WITH_IMM
-                "vendor_err": vendor_err, "src_qp": src_qp if self._ud else None, "notify": notify})
-            return event
+            op = DTOOp.RECV_RDMA_WRITE_IMM if opcode == WC_RECV_RDMA_WITH_IMM else _RECV
+            imm = imm_data if wc_flags & 2 else None  # IBV_WC_WITH_IMM
+            return DTOCompletionEvent._completed(evd, self, cookie, status, byte_len, op,
+                                                 imm, vendor_err, src_qp if self._ud else None, notify)
         entry = self._pop_send(wr_id)
         if entry is None:
             return None
