@@ -3,7 +3,7 @@
 Run with ``aiodat rxe run --hosts 2 -- env AIODAT_REQUIRE_DEVICE=1 python -m pytest -m hosts2 tests/test_faults.py``
 (once per loop: ``--aiodat-loop asyncio`` / ``uvloop``).  The test runs on host A; the peer program
 (tests/fault_peer.py) runs on host B through :mod:`aiodat.testing.hosts`, on the same loop.
-Faults: SIGKILL of the peer, tc netem packet loss on both directions, the link down, a listener
+Faults: SIGKILL of the peer, tc netem packet loss, delay and reordering on both directions, the link down, a listener
 whose link is down.  Each test states what must hold; the bounds are the ones docs/reliability.md names.
 Measured figures are appended as JSON lines to ``$AIODAT_FIGURES`` when that is set.
 """
@@ -360,6 +360,75 @@ async def test_streams_under_packet_loss(ia: Any, peers: List[hosts.RemoteProces
     mib, secs = under_loss[0] >> 20, under_loss[1]
     figure("streams_loss", loss=loss, outcome="intact", mib_under_loss=mib, lossy_s=round(secs, 2),
            mb_s_under_loss=round(under_loss[0] / secs / 1e6, 2) if secs else None, total_s=round(elapsed, 2))
+
+
+# ---------------------------------------------------------------------------
+# delay and reordering
+
+
+async def _probe_rtt(ep: Any, src: Any, remote: Any) -> float:
+    """Seconds for one 64-byte RDMA write to complete (a request and its ACK)."""
+    t = time.monotonic()
+    ep.post_rdma_write(src[0:64], remote[0:64], cookie="probe")
+    (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+    return time.monotonic() - t
+
+
+def _counter(name: str) -> int:
+    """One of our rxe port's hw_counters."""
+    path = "/sys/class/infiniband/%s/ports/1/hw_counters/%s" % (os.environ["AIODAT_RXE_DEVICE"], name)
+    with open(path) as f:
+        return int(f.read())
+
+
+async def test_rdma_write_with_delay_and_reordering(ia: Any, peers: List[hosts.RemoteProcess]) -> None:
+    """netem delay on both hosts is real (a write's round trip grows by at least twice the minimum
+    delay).  With delay, jitter and 2% reordering both ways during a 4 MiB RDMA write (64 KiB
+    writes, 4 in flight), the responder NAKs each gap (our rcvd_seq_err counter grows) and the
+    sender resends from it; each such NAK costs one of the write's retries.  Either every write
+    succeeds and the peer's sha256 equals ours, or a write runs out of retries and the failure is
+    reported (an error completion, the EP no longer CONNECTED).  Never a success with other data."""
+    size, chunk, delay, jitter = 4 << 20, 64 << 10, 10.0, 5.0
+    pz = ia.create_pz()
+    ep, ctl, remote, _ = await _connect_server(ia, pz, peers, size)
+    data = bytearray(os.urandom(size))
+    src = pz.register(data, Privileges.ALL)
+    base = min([await _probe_rtt(ep, src, remote) for _ in range(3)])
+    failed: List[str] = []
+    try:
+        for h in (0, 1):
+            await hosts.netem(h, delay_ms=delay, jitter_ms=jitter)
+        delayed = min([await _probe_rtt(ep, src, remote) for _ in range(3)])
+        assert delayed >= base + 2 * (delay - jitter) / 1000, (base, delayed)
+        for h in (0, 1):  # netem reorders by sending 2% of the packets at once, the rest delayed
+            await hosts.netem(h, delay_ms=delay, jitter_ms=jitter, reorder=2)
+        seq_errors = _counter("rcvd_seq_err")
+        t0 = time.monotonic()
+        posted = done = 0
+        while done < posted or (posted < size // chunk and not failed):
+            while posted < size // chunk and posted - done < 4 and not failed:
+                off = posted * chunk
+                ep.post_rdma_write(src[off:off + chunk], remote[off:off + chunk], cookie=posted)
+                posted += 1
+            for e in await ep.request_evd.wait(timeout=BROKEN_BOUND):
+                done += 1
+                if not e.ok:
+                    failed.append(e.status)
+        elapsed = time.monotonic() - t0
+        seq_errors = _counter("rcvd_seq_err") - seq_errors
+    finally:
+        await hosts.clear_netem(0)
+        await hosts.clear_netem(1)
+    facts = dict(seq_naks=seq_errors, base_rtt_ms=round(base * 1000, 1), delayed_rtt_ms=round(delayed * 1000, 1))
+    assert seq_errors > 0, "netem reordered nothing the transport noticed"
+    if failed:
+        assert ep.state is not EPState.CONNECTED, "a write failed but the connection still claims CONNECTED"
+        figure("delay_reorder", outcome="reported", statuses=sorted(set(failed)), mib_done=done * chunk >> 20,
+               **facts)
+        return
+    assert await _remote_sum(ep, ctl) == hashlib.sha256(data).digest(), "the data differs after reordering"
+    figure("delay_reorder", outcome="intact", mib=size >> 20, seconds=round(elapsed, 2), **facts)
+    await ep.disconnect(timeout=T)
 
 
 # ---------------------------------------------------------------------------
