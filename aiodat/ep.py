@@ -819,15 +819,11 @@ class EP(Handle):
         wr_id, code, opcode, vendor_err, byte_len, imm_data, _qpn, src_qp, wc_flags = wc[:9]
         status = _wc_status_name(code) if code else "IBV_WC_SUCCESS"
         if wr_id & 1:
-            queue = self._recv_q
             if self._srq is not None:
                 cookie, segs = self._srq._complete(wr_id)
-            elif queue and queue[0][0] == wr_id:  # receives complete in order: the usual case
-                _, cookie, segs = queue.popleft()
             else:
                 cookie, segs = self._pop_recv(wr_id)
-            for seg in segs:
-                seg.lmr._inflight -= 1
+            self._track(segs, -1)
             notify = True
             if self._quiet and wr_id in self._quiet:
                 self._quiet.discard(wr_id)
@@ -867,8 +863,7 @@ class EP(Handle):
             entry = q.popleft()
             if entry[0] == wr_id:
                 return entry
-            for seg in entry[3]:
-                seg.lmr._inflight -= 1
+            self._track(entry[3], -1)
             if quiet:
                 quiet.discard(entry[0])
         return None
