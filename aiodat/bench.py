@@ -414,7 +414,7 @@ async def latency_pingpong(device: str, address: str, size: int = 2, iters: int 
                 await connect_pair(client, server)
                 server_task = asyncio.ensure_future(_pong(server, s_evd, s_send, s_recv, total))
             else:
-                child, port = await _start_pong_process(device, address, size, total, loop_name)
+                child, port = await _start_child(["pong", device, address, str(size), str(total)], loop_name)
                 await client.connect(address, port, timeout=30)
             stamps = await _ping(client, c_evd, c_send, c_recv, total)
             if server_task is not None:
@@ -431,11 +431,6 @@ async def latency_pingpong(device: str, address: str, size: int = 2, iters: int 
             raise RuntimeError(f"the pong process failed (exit status {child.returncode})")
     half = sorted((stamps[i + 1] - stamps[i]) / 2000.0 for i in range(warmup, total))
     return LatencySample(half)
-
-
-async def _start_pong_process(device: str, address: str, size: int, total: int,
-                              loop_name: str) -> Tuple[Any, int]:
-    return await _start_child(["pong", device, address, str(size), str(total)], loop_name)
 
 
 async def _start_child(args: List[str], loop_name: str) -> Tuple[Any, int]:
