@@ -300,45 +300,59 @@ class EVD(Handle):
         With ``rearm`` the channel's event is read and acked and the CQ re-armed
         first (the reader callback's drain); without, the CQ is only polled.
         Returns True when an event that notifies arrived (anything but an
-        UNSIGNALLED completion).  Solicited waits: verbs cannot narrow an armed
-        CQ, so a channel event counts as solicited only when the arm it
-        consumed was made solicited-only; a failed completion always counts.
+        UNSIGNALLED completion).
         """
-        if self._wcs is None:
+        wcs = self._wcs
+        if wcs is None:
             return False
         notified = False
         queue = self._queue
         while True:
             room = self._qlen - len(queue)
-            room = 64 if room > 64 else (room if room > 0 else 0)
+            if room > 64:
+                room = 64
+            elif room < 0:
+                room = 0
             solicited = self._solicited
-            got = lib.aiodat_cq_drain(self._channel if rearm else _NULL, self._cq, solicited,
-                                      self._wcs, room, self._nevents)
-            if got < 0:
-                raise error_from_errno(-got, "polling the CQ")
-            if rearm:
-                was_solicited_arm = self._armed_solicited
-                fired = self._nevents[0] > 0
-                if solicited and fired and was_solicited_arm:
-                    self._solicited_hit = True
-                # the re-arm narrows only when the previous arm was consumed (or already narrow)
-                self._armed_solicited = solicited and (fired or was_solicited_arm)
+            got = lib.aiodat_cq_drain(self._channel if rearm else _NULL, self._cq, solicited, wcs, room,
+                                      self._nevents)
+            if rearm and (solicited or self._armed_solicited):
+                self._note_solicited_arm(solicited)
             if got:
-                owner = self._ia._qpn_owner
-                # one struct unpack per completion instead of a cffi attribute read per field
-                for wc in _WC.iter_unpack(self._wc_bytes[0:got * _WC.size]):
-                    ep = owner.get(wc[_WC_QP_NUM])
-                    if ep is not None:
-                        event = ep._completion_event(wc, self)
-                        if event is not None:
-                            queue.append(event)
-                            if wc[_WC_STATUS]:
-                                self._solicited_hit = True  # an error completion always notifies
-                                notified = True
-                            elif getattr(event, "notify", True):
-                                notified = True
+                if got < 0:
+                    raise error_from_errno(-got, "polling the CQ")
+                if self._queue_completions(got):
+                    notified = True
             if got < room or room == 0:
                 return notified
+
+    def _note_solicited_arm(self, solicited: bool) -> None:
+        """After a re-arm, for solicited waits.  Verbs cannot narrow an armed CQ, so a channel
+        event counts as solicited only when the arm it consumed was made solicited-only, and
+        the new arm is narrow only when the previous one was consumed (or already narrow)."""
+        was_solicited_arm = self._armed_solicited
+        fired = self._nevents[0] > 0
+        if solicited and fired and was_solicited_arm:
+            self._solicited_hit = True
+        self._armed_solicited = solicited and (fired or was_solicited_arm)
+
+    def _queue_completions(self, got: int) -> bool:
+        """Turn the first ``got`` polled completions into events; True if one of them notifies."""
+        notified = False
+        queue, owner = self._queue, self._ia._qpn_owner
+        # one struct unpack per completion instead of a cffi attribute read per field
+        for wc in _WC.iter_unpack(self._wc_bytes[0:got * _WC_SIZE]):
+            ep = owner.get(wc[_WC_QP_NUM])
+            if ep is not None:
+                event = ep._completion_event(wc, self)
+                if event is not None:
+                    queue.append(event)
+                    if wc[_WC_STATUS]:
+                        self._solicited_hit = True  # an error completion always notifies
+                        notified = True
+                    elif getattr(event, "notify", True):
+                        notified = True
+        return notified
 
     def _on_readable(self) -> None:
         """The loop's reader callback for the completion channel."""
@@ -388,10 +402,11 @@ class EVD(Handle):
         if max_events is None or max_events >= len(queue):
             events = list(queue)
             queue.clear()
+            self._overflow_reported = False  # there is room again
         else:
             events = [queue.popleft() for _ in range(max_events)]
-        if len(self._queue) < self._qlen:
-            self._overflow_reported = False
+            if len(queue) < self._qlen:
+                self._overflow_reported = False
         return events
 
     # -- DAT calls ---------------------------------------------------------
@@ -453,10 +468,10 @@ class EVD(Handle):
         if (watch is None or watch._loop is not loop or ia._cm.watch._loop is not loop
                 or ia._async_source.watch._loop is not loop or self._sharers):
             self._attach(loop)
-        if solicited_only is not self._solicited and self._wcs is not None:
-            self._solicited = bool(solicited_only)
-        self._solicited_hit = False
         if solicited_only or self._pump_on_wait or self._armed_solicited:
+            # (self._solicited is False here: only a wait sets it, and its end clears it)
+            self._solicited = bool(solicited_only) and self._wcs is not None
+            self._solicited_hit = False
             self._pump()
         else:
             # Hot path of a DTO-only EVD: poll the CQ, no system call.  The CQ stays armed
@@ -597,6 +612,7 @@ _get_running_loop = asyncio.get_running_loop
 #: struct aiodat_wc (shim.h) as Python's struct reads it, native alignment and padding
 _WC = struct.Struct("@QiiIIIIIIHB5x")
 _WC_STATUS, _WC_QP_NUM = 1, 6
+_WC_SIZE = _WC.size
 _WC_LAYOUT = {"wr_id": 0, "status": 8, "opcode": 12, "vendor_err": 16, "byte_len": 20, "imm_data": 24,
               "qp_num": 28, "src_qp": 32, "wc_flags": 36, "slid": 40, "sl": 42}
 if _WC.size != ffi.sizeof("struct aiodat_wc") or any(  # shim and module disagree: never read garbage

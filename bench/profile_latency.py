@@ -1,11 +1,14 @@
 """Where does a ping-pong message's time go?  A developer's tool, run in the rxe guest:
 
     aiodat rxe run -- .venv/bin/python bench/profile_latency.py [--loop uvloop] [--iters 2000]
+    aiodat rxe run -- .venv/bin/python bench/profile_latency.py --bytecodes [--iters 200]
 
 It runs the one-process send/recv ping-pong of ``aiodat bench latency`` with a
 clock around each step (the clock itself costs a little; compare the steps with
 each other), then times the loop's and cffi's own costs on their own.  Figures
-are mean microseconds per call.
+are mean microseconds per call.  With ``--bytecodes`` it instead counts the
+bytecodes each function executes per round trip (``sys.settrace`` opcode
+events): a measure of the Python on the path that the host's load cannot blur.
 """
 from __future__ import annotations
 
@@ -142,11 +145,56 @@ async def loop_costs(n: int) -> Dict[str, float]:
     return out
 
 
+async def count_bytecodes(iters: int) -> Dict[str, int]:
+    """Bytecodes executed per function during ``iters`` round trips of the ping-pong."""
+    import sys
+
+    from aiodat.bench import _ping, _pong
+
+    counts: Dict[str, int] = defaultdict(int)
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        if event == "opcode":
+            code = frame.f_code
+            counts[f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"] += 1
+        return tracer
+
+    device, _ = device_and_address()
+    with open_ia(device) as ia:
+        pz = ia.create_pz()
+        client, c_evd, c_send, c_recv, _b1 = _endpoint(ia, pz, 2, True)
+        server, s_evd, s_send, s_recv, _b2 = _endpoint(ia, pz, 2, False)
+        server.post_recv(s_recv)
+        await connect_pair(client, server)
+        for total, traced in ((20, False), (iters, True)):  # a warm-up round, then the counted one
+            if traced:
+                server.post_recv(s_recv)
+            pong = asyncio.ensure_future(_pong(server, s_evd, s_send, s_recv, total))
+            if traced:
+                sys.settrace(tracer)
+            try:
+                await _ping(client, c_evd, c_send, c_recv, total)
+                await pong
+            finally:
+                sys.settrace(None)
+        await client.disconnect()
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--loop", default="uvloop", choices=["asyncio", "uvloop"])
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--bytecodes", action="store_true", help="count bytecodes per function instead of timing")
     args = ap.parse_args()
+    if args.bytecodes:
+        counts = run_on_loop(args.loop, lambda: count_bytecodes(args.iters))
+        for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            if n >= args.iters:
+                print(f"  {n / args.iters:8.1f}  {name}")
+        print(f"  {sum(counts.values()) / args.iters:8.1f}  in all, per round trip ({args.loop})")
+        return
     half = run_on_loop(args.loop, lambda: pingpong(args.iters))
     print(f"loop={args.loop} iters={args.iters}: mean half round trip {half:.1f} us (clocks included)")
     for name, (ns, count) in sorted(TOTALS.items(), key=lambda kv: -kv[1][0]):
