@@ -14,7 +14,10 @@ round trip beside ``ib_send_lat -R -e``'s typical from the same round:
   loop (``add_reader`` and a future), with as little Python as it can: the
   floor of any asyncio design that posts and polls through cffi;
 * ``raw poll``: the same calls with no event loop at all, blocking in
-  ``select.poll`` on the completion channel: the floor of Python itself.
+  ``select.poll`` on the completion channel: the floor of Python itself;
+* ``aiodat posts`` and ``aiodat wait``: the raw loop with aiodat's
+  ``ep.post_recv``/``ep.post_send`` in place of the raw posts, or with
+  ``await evd.wait()`` in place of the raw wait: which of the two costs more.
 
 So aiodat's own cost is ``aiodat`` minus ``raw loop``, the event loop's is
 ``raw loop`` minus ``raw poll``, and what Python costs over C is ``raw poll``
@@ -31,7 +34,7 @@ import sys
 import time
 from typing import Any, List, Optional
 
-from aiodat import EvdFlags, open_ia
+from aiodat import CompletionFlags, DTOOp, EvdFlags, open_ia
 from aiodat._lib import ffi, lib
 from aiodat.bench import (SIGNAL_EVERY, _endpoint, device_and_address, latency_pingpong, percentile,
                           run_on_loop, run_perftest_pair)
@@ -43,10 +46,23 @@ WR_SEND, SEND_SIGNALED = 2, 2
 
 
 class RawSide:
-    """One side of the ping-pong over the shim, on an EP and EVD that aiodat set up."""
+    """One side of the ping-pong over the shim, on an EP and EVD that aiodat set up.
 
-    def __init__(self, ep: Any, evd: Any, send_seg: Any, recv_seg: Any) -> None:
-        evd._watch.detach()  # this side reads the channel itself
+    ``aiodat_posts``/``aiodat_wait`` put aiodat's own posts or wait back in.
+    """
+
+    def __init__(self, ep: Any, evd: Any, send_seg: Any, recv_seg: Any, *,
+                 aiodat_posts: bool = False, aiodat_wait: bool = False) -> None:
+        if aiodat_posts:
+            flags = (CompletionFlags.DEFAULT, CompletionFlags.SUPPRESS)
+            self.post_recv = lambda: ep.post_recv(recv_seg)  # type: ignore[method-assign]
+            self.post_send = lambda i: ep.post_send(  # type: ignore[method-assign]
+                send_seg, None, flags[0] if i % SIGNAL_EVERY == 0 else flags[1])
+        if aiodat_wait:
+            self.wait_loop = lambda: self._aiodat_wait(evd)  # type: ignore[method-assign]
+            self.use_loop = lambda: None  # type: ignore[method-assign]
+        else:
+            evd._watch.detach()  # this side reads the channel itself
         self.channel, self.cq, self.qp = evd._channel, evd._cq, ep._qp
         self.fd = self.channel.fd
         self.wcs = ffi.new("struct aiodat_wc[]", 64)
@@ -83,6 +99,12 @@ class RawSide:
                 await self.fut
                 self.fut = None
         self.recvs -= 1
+
+    async def _aiodat_wait(self, evd: Any) -> None:
+        while True:
+            for event in await evd.wait():
+                if event.operation is DTOOp.RECV:
+                    return
 
     def wait_poll(self) -> None:
         if self.poller is None:
@@ -130,8 +152,9 @@ async def ping(side: RawSide, total: int, poll: bool) -> List[int]:
     return stamps
 
 
-async def run_raw(device: str, address: str, total: int, processes: int, poll: bool, loop_name: str) -> float:
-    """p50 half round trip (us) of the raw ping-pong."""
+async def run_raw(device: str, address: str, total: int, processes: int, poll: bool, loop_name: str,
+                  **aiodat_parts: bool) -> float:
+    """p50 half round trip (us) of the raw ping-pong (``aiodat_parts``: see RawSide, one process)."""
     with open_ia(device) as ia:
         pz = ia.create_pz()
         c_ep, c_evd, c_send, c_recv, _bufs = _endpoint(ia, pz, 2, True)
@@ -140,7 +163,7 @@ async def run_raw(device: str, address: str, total: int, processes: int, poll: b
             s_ep, s_evd, s_send, s_recv, _sbufs = _endpoint(ia, pz, 2, False)
             s_ep.post_recv(s_recv)
             await connect_pair(c_ep, s_ep)
-            server = RawSide(s_ep, s_evd, s_send, s_recv)
+            server = RawSide(s_ep, s_evd, s_send, s_recv, **aiodat_parts)
             server.use_loop()
             task = asyncio.ensure_future(pong(server, total, False))
         else:
@@ -149,7 +172,7 @@ async def run_raw(device: str, address: str, total: int, processes: int, poll: b
             assert child.stdout is not None
             port = int(child.stdout.readline().split()[1])
             await c_ep.connect(address, port, timeout=30)
-        client = RawSide(c_ep, c_evd, c_send, c_recv)
+        client = RawSide(c_ep, c_evd, c_send, c_recv, **aiodat_parts)
         if not poll:
             client.use_loop()
         stamps = await ping(client, total, poll)
@@ -205,6 +228,9 @@ def main() -> None:
                 rows.append((f"raw loop, {loop_name}, {procs} process{'es' if procs > 1 else ''}", p50))
         p50 = run_on_loop("asyncio", lambda: run_raw(device, address, total, 2, True, "asyncio"))
         rows.append(("raw poll, no loop, 2 processes", p50))
+        for part in ("aiodat_posts", "aiodat_wait"):
+            p50 = run_on_loop("uvloop", lambda: run_raw(device, address, total, 1, False, "uvloop", **{part: True}))
+            rows.append((f"{part.replace('_', ' ')}, uvloop, 1 process", p50))
         for name, p50 in rows:
             ratio = f"{p50 / typical:.2f}x" if typical else "n/a"
             print(f"  {name:34s} p50 {p50:7.1f} us  {ratio}", flush=True)
