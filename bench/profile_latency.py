@@ -16,7 +16,8 @@ import argparse
 import asyncio
 import time
 from collections import defaultdict
-from typing import Any, Callable, Dict, List
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Dict, List, Tuple
 
 from aiodat import CompletionFlags, DTOOp, open_ia
 from aiodat.bench import SIGNAL_EVERY, _endpoint, device_and_address, run_on_loop
@@ -75,27 +76,34 @@ class TimedLib:
         return getattr(self._lib, name)
 
 
+@asynccontextmanager
+async def connected_pair() -> AsyncIterator[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
+    """One IA with two connected EPs as ``aiodat.bench._endpoint`` makes them (client, server),
+    the server's first receive posted; disconnected at the end."""
+    device, _ = device_and_address()
+    with open_ia(device) as ia:
+        pz = ia.create_pz()
+        client, server = _endpoint(ia, pz, 2, True), _endpoint(ia, pz, 2, False)
+        server[0].post_recv(server[3])
+        await connect_pair(client[0], server[0])
+        yield client, server
+        await client[0].disconnect()
+
+
 async def pingpong(iters: int) -> float:
     import aiodat.ep
     import aiodat.evd
 
-    device, _ = device_and_address()
     aiodat.ep.lib = TimedLib(aiodat.ep.lib, ["aiodat_post_send1", "aiodat_post_recv1"])  # type: ignore
     aiodat.evd.lib = TimedLib(aiodat.evd.lib, ["aiodat_cq_drain"])  # type: ignore
     EVD._on_readable = timed("EVD._on_readable (reader callback)", EVD._on_readable)  # type: ignore
     EVD._drain_cq = timed("EVD._drain_cq", EVD._drain_cq)  # type: ignore
-    with open_ia(device) as ia:
-        pz = ia.create_pz()
-        client, c_evd, c_send, c_recv, _b1 = _endpoint(ia, pz, 2, True)
-        server, s_evd, s_send, s_recv, _b2 = _endpoint(ia, pz, 2, False)
-        server.post_recv(s_recv)
-        await connect_pair(client, server)
+    async with connected_pair() as ((client, c_evd, c_send, c_recv, _b1), (server, s_evd, s_send, s_recv, _b2)):
         TOTALS.clear()
         t0 = clock()
         await asyncio.gather(side(server, s_evd, s_send, s_recv, iters, False),
                              side(client, c_evd, c_send, c_recv, iters, True))
         elapsed = clock() - t0
-        await client.disconnect()
     return elapsed / iters / 2000.0
 
 
@@ -160,13 +168,7 @@ async def count_bytecodes(iters: int) -> Dict[str, int]:
             counts[f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"] += 1
         return tracer
 
-    device, _ = device_and_address()
-    with open_ia(device) as ia:
-        pz = ia.create_pz()
-        client, c_evd, c_send, c_recv, _b1 = _endpoint(ia, pz, 2, True)
-        server, s_evd, s_send, s_recv, _b2 = _endpoint(ia, pz, 2, False)
-        server.post_recv(s_recv)
-        await connect_pair(client, server)
+    async with connected_pair() as ((client, c_evd, c_send, c_recv, _b1), (server, s_evd, s_send, s_recv, _b2)):
         for total, traced in ((20, False), (iters, True)):  # a warm-up round, then the counted one
             if traced:
                 server.post_recv(s_recv)
@@ -178,7 +180,6 @@ async def count_bytecodes(iters: int) -> Dict[str, int]:
                 await pong
             finally:
                 sys.settrace(None)
-        await client.disconnect()
     return counts
 
 
