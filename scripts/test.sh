@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: set-up, host-only tests, then the device
-# tests on real rxe (natively or in a QEMU guest), once on asyncio and once on uvloop.
+# tests on real rxe (natively or in a QEMU guest), once on asyncio and once on uvloop,
+# then the two-host fault tests, the docs build and the shim under ASan.
 # Device tests must run there: AIODAT_REQUIRE_DEVICE=1 turns a missing device into a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
