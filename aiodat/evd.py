@@ -468,30 +468,32 @@ class EVD(Handle):
         if (watch is None or watch._loop is not loop or ia._cm.watch._loop is not loop
                 or ia._async_source.watch._loop is not loop or self._sharers):
             self._attach(loop)
-        if solicited_only or self._pump_on_wait or self._armed_solicited:
-            # (self._solicited is False here: only a wait sets it, and its end clears it)
-            self._solicited = bool(solicited_only) and self._wcs is not None
-            self._solicited_hit = False
-            self._pump()
-        else:
-            # Hot path of a DTO-only EVD: poll the CQ, no system call.  The CQ stays armed
-            # (or its channel holds an unread event, which the reader callback drains and re-arms).
-            self._drain_cq(rearm=False)
-        if len(self._queue) >= threshold:
-            return self._take(max_events)
-        fut: "asyncio.Future[None]" = loop.create_future()
-        self._waiter, self._threshold = fut, threshold
-        timer = None
-        if timeout is not None:
-            timer = loop.call_later(timeout, self._expire, fut, timeout)
         try:
-            await fut
+            if solicited_only or self._pump_on_wait or self._armed_solicited:
+                # (self._solicited is False here: only a wait sets it, and every way out clears it)
+                self._solicited = bool(solicited_only) and self._wcs is not None
+                self._solicited_hit = False
+                self._pump()
+            else:
+                # Hot path of a DTO-only EVD: poll the CQ, no system call.  The CQ stays armed (or
+                # its channel holds an unread event, which the reader callback drains and re-arms).
+                self._drain_cq(rearm=False)
+            if len(self._queue) >= threshold:
+                return self._take(max_events)
+            fut: "asyncio.Future[None]" = loop.create_future()
+            self._waiter, self._threshold = fut, threshold
+            timer = None
+            if timeout is not None:
+                timer = loop.call_later(timeout, self._expire, fut, timeout)
+            try:
+                await fut
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+            return self._take(max_events)
         finally:
-            self._waiter = None
-            self._solicited = False
-            if timer is not None:
-                timer.cancel()
-        return self._take(max_events)
+            self._solicited = False  # also after returning at once or failing before sleeping
 
     def _expire(self, fut: "asyncio.Future[None]", timeout: float) -> None:
         if not fut.done():

@@ -247,6 +247,35 @@ async def test_solicited_wait_ends_early_only_on_solicited(ia: Any) -> None:
         await one(p.client.request_evd)
 
 
+async def test_solicited_wait_that_returns_at_once_leaves_the_next_wait_plain(ia: Any) -> None:
+    p = await make_ep_pair(ia, 4096)
+    rx = p.server.recv_evd
+    for i in range(4):
+        p.server.post_recv(p.server_lmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
+    p.client.post_send(p.client_lmr[0:4], "a")
+    assert [e.cookie for e in await rx.wait(1, timeout=T)] == ["r0"]  # the EVD is on the loop, armed for all
+    p.client.post_send(p.client_lmr[0:4], "b")
+    await asyncio.sleep(1.0)  # the reader callback queues r1 and re-arms
+    # r1 is queued already: this solicited wait returns without sleeping
+    assert [e.cookie for e in await rx.wait(1, timeout=T, solicited_only=True)] == ["r1"]
+    # A plain wait for two unsolicited receives must wake on both.  Were the EVD still in
+    # solicited mode, the first one's drain would re-arm the CQ for solicited completions
+    # only and the second would never raise an event (no timeout here to rescue it).
+    waiter = asyncio.ensure_future(rx.wait(2))
+    await asyncio.sleep(0.05)
+    p.client.post_send(p.client_lmr[0:4], "c")
+    await asyncio.sleep(1.0)  # c's drain (and re-arm) happens before d is sent
+    assert not waiter.done()
+    p.client.post_send(p.client_lmr[0:4], "d")
+    try:
+        events = await asyncio.wait_for(waiter, T)
+    finally:
+        waiter.cancel()
+    assert [e.cookie for e in events] == ["r2", "r3"]
+    for _ in range(4):
+        await one(p.client.request_evd)
+
+
 async def test_barrier_fence_sends_what_a_read_fetched(ia: Any) -> None:
     p = await make_ep_pair(ia, 1 << 16)
     p.server_lmr.memoryview()[0:32768] = pattern(32768, 11)
