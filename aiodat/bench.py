@@ -456,22 +456,30 @@ async def _finish_child(proc: Any) -> None:
         await proc.wait()
 
 
-async def _pong_process(device: str, address: str, size: int, total: int) -> None:
-    """The child of ``processes=2``: listen on a free port, print it, echo ``total`` messages."""
+async def _accept_one(ia: Any, ep: Any, private_data: bytes = b"") -> None:
+    """A benchmark's child process: listen on a free port, tell the parent which (one line,
+    ``port N``, on stdout, as :func:`_start_child` reads it) and accept one connection onto ``ep``."""
     import sys
 
-    from aiodat import EvdFlags, open_ia
+    from aiodat import EvdFlags
+
+    cr_evd = ia.create_evd(4, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    sys.stdout.write(f"port {psp.port}\n")
+    sys.stdout.flush()
+    event = await cr_evd.wait_one(timeout=60)
+    await event.cr.accept(ep, private_data=private_data)
+
+
+async def _pong_process(device: str, address: str, size: int, total: int) -> None:
+    """The child of ``processes=2``: listen on a free port, print it, echo ``total`` messages."""
+    from aiodat import open_ia
 
     with open_ia(device) as ia:
         pz = ia.create_pz()
         server, s_evd, s_send, s_recv, s_bufs = _endpoint(ia, pz, size, False)
         server.post_recv(s_recv)
-        cr_evd = ia.create_evd(4, EvdFlags.CR)
-        psp = ia.create_psp_any(cr_evd)
-        sys.stdout.write(f"port {psp.port}\n")
-        sys.stdout.flush()
-        event = await cr_evd.wait_one(timeout=60)
-        await event.cr.accept(server)
+        await _accept_one(ia, server)
         await _pong(server, s_evd, s_send, s_recv, total)
         if s_bufs[1] != bytes(i & 0xFF for i in range(size)):
             raise AssertionError("the server received other bytes than the client sent")
@@ -890,18 +898,11 @@ async def _sink_process(device: str, op: str, size: int, depth: int, total: int)
     """The child of a two-process bandwidth run: accept one connection (handing the client its
     buffer in the accept private data), receive ``total`` messages if ``op`` is send, wait for the
     disconnect and check the bytes that landed."""
-    import sys
-
-    from aiodat import EvdFlags, EventType, open_ia
+    from aiodat import EventType, open_ia
 
     with open_ia(device) as ia:
         server, evd, buf, seg = _bw_setup(ia, op, size, depth, server=True)
-        cr_evd = ia.create_evd(4, EvdFlags.CR)
-        psp = ia.create_psp_any(cr_evd)
-        sys.stdout.write(f"port {psp.port}\n")
-        sys.stdout.flush()
-        event = await cr_evd.wait_one(timeout=60)
-        await event.cr.accept(server, private_data=seg.remote().to_bytes())
+        await _accept_one(ia, server, seg.remote().to_bytes())
         if op == "send":
             await _bw_receive(server, evd, seg, total)
         while (await server.connect_evd.wait_one(timeout=600)).type is not EventType.CONNECTION_EVENT_DISCONNECTED:

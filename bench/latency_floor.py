@@ -34,9 +34,9 @@ import sys
 import time
 from typing import Any, List, Optional
 
-from aiodat import CompletionFlags, DTOOp, EvdFlags, open_ia
+from aiodat import CompletionFlags, DTOOp, open_ia
 from aiodat._lib import ffi, lib
-from aiodat.bench import (SIGNAL_EVERY, _endpoint, device_and_address, latency_pingpong, percentile,
+from aiodat.bench import (SIGNAL_EVERY, _accept_one, _endpoint, device_and_address, latency_pingpong, percentile,
                           run_on_loop, run_perftest_pair)
 from aiodat.cm import connect_pair
 from aiodat.evd import _WC
@@ -190,11 +190,7 @@ async def child_main(device: str, total: int, poll: bool) -> None:
         pz = ia.create_pz()
         ep, evd, send_seg, recv_seg, _bufs = _endpoint(ia, pz, 2, False)
         ep.post_recv(recv_seg)
-        cr_evd = ia.create_evd(4, EvdFlags.CR)
-        psp = ia.create_psp_any(cr_evd)
-        print(f"port {psp.port}", flush=True)
-        event = await cr_evd.wait_one(timeout=60)
-        await event.cr.accept(ep)
+        await _accept_one(ia, ep)
         side = RawSide(ep, evd, send_seg, recv_seg)
         if not poll:
             side.use_loop()
