@@ -127,8 +127,6 @@ SEND_FENCE, SEND_SIGNALED, SEND_SOLICITED, SEND_INLINE = 1, 2, 4, 8
 WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 
 
-
-
 def _send_flags(flags: int) -> int:
     """The ibv_send_flags of a CompletionFlags value."""
     send_flags = 0
@@ -144,6 +142,8 @@ def _send_flags(flags: int) -> int:
 #: CompletionFlags value (0-15) -> (ibv_send_flags, posted UNSIGNALLED): the enum arithmetic done once
 _SEND_BITS = [(_send_flags(f), bool(f & CompletionFlags.UNSIGNALLED and not f & CompletionFlags.SUPPRESS))
               for f in range(16)]
+
+
 def _flag_bits(name: str, value: Any) -> Tuple[int, bool]:
     """(ibv_send_flags, posted UNSIGNALLED) of a request's CompletionFlags, checked."""
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 16:

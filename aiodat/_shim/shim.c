@@ -106,7 +106,6 @@ int aiodat_post_send(struct ibv_qp *qp, const struct aiodat_send_wr *wrs, int n,
     return 0;
 }
 
-/* Post n receives to a QP (srq NULL) or to an SRQ. */
 /* n copies of one request (a stream on one buffer): only the wr_ids differ,
  * first_wr_id, first_wr_id + step, ..., and the last request's flags.  Returns
  * 0 or the errno of the first failed post; *n_posted says how many went. */
@@ -195,6 +194,7 @@ int aiodat_post_recv1(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr, uint32_t
     return ibv_post_recv(qp, &wr, &bad);
 }
 
+/* Post n receives to a QP (srq NULL) or to an SRQ. */
 int aiodat_post_recv(struct ibv_qp *qp, struct ibv_srq *srq, const uint64_t *wr_ids,
                      const int *sge_starts, const int *num_sges, int n,
                      const struct aiodat_sge *sges, int *n_posted)
