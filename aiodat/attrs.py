@@ -698,7 +698,9 @@ class ProviderAttr:
     ``max_private_data_size`` is the connect (REQ) limit of rdma_cm on
     InfiniBand/RoCE, 56 bytes, below DAT's nominal 64-byte minimum because
     the wire cannot carry more; accept (REP) carries up to 196 and reject
-    (REJ) up to 148 bytes, listed in ``provider_specific_attr``.
+    (REJ) up to 148 bytes, listed in ``provider_specific_attr``.  Private data
+    is raw: what the caller gives goes on the wire as is, and what arrives is
+    the CM's whole block, zero-filled past what the peer sent.
     """
 
     _AS_DICT_EXTRAS: ClassVar[Tuple[str, ...]] = ("num_provider_specific_attr",)
@@ -835,9 +837,8 @@ def default_provider_consts(version: str = "0.0") -> Dict[str, Any]:
         ),
         # objects belong to one event loop / thread
         "is_thread_safe": False,
-        # rdma_cm REQ private data on IB/RoCE is 56 bytes (REP 196, REJ 148); aiodat
-        # spends one byte on a length prefix because the CM pads to the full size
-        "max_private_data_size": 55,
+        # rdma_cm REQ private data on IB/RoCE is 56 bytes (REP 196, REJ 148), sent raw
+        "max_private_data_size": 56,
         "supports_multipath": False,
         # the consumer creates the EP and passes it to cr.accept()
         "ep_creator": "DAT_PSP_CREATES_EP_NEVER",
@@ -863,9 +864,9 @@ def default_provider_consts(version: str = "0.0") -> Dict[str, Any]:
         "ha_supported": False,
         "ha_loadbalancing": "DAT_HA_LB_NONE",
         "provider_specific_attr": (
-            NamedAttr("max_private_data_size_connect", "55"),
-            NamedAttr("max_private_data_size_accept", "195"),
-            NamedAttr("max_private_data_size_reject", "147"),
+            NamedAttr("max_private_data_size_connect", "56"),
+            NamedAttr("max_private_data_size_accept", "196"),
+            NamedAttr("max_private_data_size_reject", "148"),
         ),
         "zb_supported": False,
         "extension_supported": "DAT_EXTENSION_NONE",

@@ -46,12 +46,13 @@ if TYPE_CHECKING:
     from aiodat.evd import EVD
     from aiodat.ia import IA
 
-#: private data limits as aiodat offers them: the IB CM's REQ/REP/REJ sizes as rdma_cm
-#: leaves them (56, 196, 148 bytes) less the one length byte aiodat puts first, because
-#: the CM pads private data to its full size and the peer must know how much was sent
-CONNECT_PRIVATE_DATA_MAX = 55
-ACCEPT_PRIVATE_DATA_MAX = 195
-REJECT_PRIVATE_DATA_MAX = 147
+#: private data limits through rdma_cm on InfiniBand/RoCE: the IB CM's REQ, REP and REJ
+#: private data (92, 196, 148 bytes) less rdma_cm's 36-byte header in the REQ.  Private data
+#: is raw: the caller's bytes go on the wire as given, and the receiver gets what the CM
+#: delivered, which on IB/RoCE is always the full size, zero-filled past what was sent.
+CONNECT_PRIVATE_DATA_MAX = 56
+ACCEPT_PRIVATE_DATA_MAX = 196
+REJECT_PRIVATE_DATA_MAX = 148
 
 # enum rdma_cm_event_type
 (ADDR_RESOLVED, ADDR_ERROR, ROUTE_RESOLVED, ROUTE_ERROR, CONNECT_REQUEST, CONNECT_RESPONSE,
@@ -68,6 +69,7 @@ def _key(cm_id: Any) -> int:
 
 
 def _private(data: Union[bytes, bytearray, memoryview, None], limit: int, what: str) -> bytes:
+    """The caller's private data, checked against the CM's limit; sent exactly as given."""
     if data is None:
         return b""
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -75,17 +77,10 @@ def _private(data: Union[bytes, bytearray, memoryview, None], limit: int, what: 
     data = bytes(data)
     if len(data) > limit:
         raise InvalidParameter(
-            f"{what} private data is {len(data)} bytes; the provider's maximum is {limit} "
+            f"{what} private data is {len(data)} bytes; the CM carries at most {limit} "
             f"(max_private_data_size)"
         )
-    return bytes((len(data),)) + data if data else b""
-
-
-def _unframe(raw: bytes) -> bytes:
-    """The private data a peer sent: the length byte says how much of the padded block is real."""
-    if not raw or raw[0] > len(raw) - 1:
-        return raw if raw.strip(b"\0") else b""  # a peer that is not aiodat, or none at all
-    return raw[1:1 + raw[0]]
+    return data
 
 
 def _sockaddr(host: str, port: int) -> Any:
@@ -166,7 +161,7 @@ class CMChannel:
     def dispatch(self, ev: Any) -> None:
         """Route one copied-out event to the PSP, CR or EP that owns its cm_id."""
         kind = ev.event
-        pdata = _unframe(bytes(ffi.buffer(ev.private_data, ev.private_data_len)))
+        pdata = bytes(ffi.buffer(ev.private_data, ev.private_data_len))  # raw, as the CM delivered it
         if kind == CONNECT_REQUEST:
             psp = self.owners.get(_key(ev.listen_id))
             if isinstance(psp, PSP) and not psp.closed:
@@ -624,7 +619,8 @@ class CR(Handle):
         self._cm_id = cm_id
         self._responder = responder
         self._initiator = initiator
-        #: the private data the peer sent with its request
+        #: the private data the CM delivered with the request, raw from offset 0 (on IB/RoCE
+        #: the whole 56-byte field, zero-filled past what the peer sent)
         self.private_data: bytes = pdata
         local, remote = cm_addresses(cm_id)
         #: the peer's (host, port)
@@ -638,7 +634,11 @@ class CR(Handle):
         self._accept(ep, private_data, None)
 
     async def accept(self, ep: "EP", private_data: bytes = b"", timeout: Optional[float] = 10.0) -> None:
-        """Accept on ``ep`` and return once the connection is ESTABLISHED."""
+        """Accept on ``ep`` and return once the connection is ESTABLISHED.
+
+        ``private_data`` (at most 196 bytes on IB/RoCE) goes on the wire exactly
+        as given; the peer receives the CM's zero-filled 196-byte block.
+        """
         fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
         self._accept(ep, private_data, fut, timeout)
         try:
@@ -680,7 +680,11 @@ class CR(Handle):
         _start_timer(ep, timeout, EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR, "accept")
 
     def reject(self, private_data: bytes = b"") -> None:
-        """Refuse the request (dat_cr_reject); the peer's connect fails with ConnectionRejected."""
+        """Refuse the request (dat_cr_reject); the peer's connect fails with ConnectionRejected.
+
+        ``private_data`` (at most 148 bytes on IB/RoCE) is sent as given; the
+        peer's ``ConnectionRejected.private_data`` is the CM's zero-filled block.
+        """
         self._check()
         pdata = _private(private_data, REJECT_PRIVATE_DATA_MAX, "reject")
         keep = ffi.new("char[]", pdata) if pdata else ffi.NULL

@@ -56,10 +56,11 @@ if TYPE_CHECKING:
 GRH_SIZE = 40
 #: the QP number multicast sends go to
 MULTICAST_QPN = 0xFFFFFF
-#: private data aiodat offers on a datagram resolution (SIDR REQ/REP less rdma_cm's header and
-#: aiodat's length byte)
-RESOLVE_PRIVATE_DATA_MAX = 179
-SERVE_PRIVATE_DATA_MAX = 135
+#: private data a datagram resolution carries through rdma_cm on IB/RoCE: the SIDR REQ's 216
+#: bytes less rdma_cm's 36-byte header, and the SIDR REP's 136.  Raw, as for connections:
+#: the receiver gets the CM's full, zero-filled block.
+RESOLVE_PRIVATE_DATA_MAX = 180
+SERVE_PRIVATE_DATA_MAX = 136
 
 # enum rdma_cm_event_type (see cm.py)
 (_ADDR_RESOLVED, _ADDR_ERROR, _ROUTE_RESOLVED, _ROUTE_ERROR, _CONNECT_REQUEST, _CONNECT_RESPONSE,
@@ -98,7 +99,8 @@ class AddressHandle(Handle):
         self.remote_qkey: int = remote_qkey
         #: the (host, port) resolved, or (group, 0) for multicast
         self.address: Optional[Tuple[str, int]] = address
-        #: what the peer's DatagramPSP sent back with its answer
+        #: the private data of the peer's answer (SIDR REP) as the CM delivered it: raw, from
+        #: offset 0, on IB/RoCE the whole 136-byte field zero-filled past what was sent
         self.private_data: bytes = private_data
 
     def free(self) -> None:

@@ -931,14 +931,19 @@ class EP(Handle):
         number and Q_Key (SIDR); the answer becomes an
         :class:`aiodat.datagram.AddressHandle` to pass to :meth:`post_send_to`.
         Raises Unreachable, ConnectionRejected (nothing serves that port) or
-        TimeoutExpired.  UD endpoints only.
+        TimeoutExpired.  UD endpoints only.  ``private_data`` (at most 180 bytes)
+        is sent as given; the handle's ``private_data`` is the CM's raw SIDR REP
+        block (136 bytes on IB/RoCE, zero-filled).
         """
         from aiodat.datagram import resolve_datagram
 
         return await resolve_datagram(self, host, port, private_data, timeout)
 
     def serve_datagram(self, port: int = 0, private_data: bytes = b"") -> Any:
-        """Answer datagram resolutions on UDP-port-space ``port`` with this EP's QP (a DatagramPSP)."""
+        """Answer datagram resolutions on UDP-port-space ``port`` with this EP's QP (a DatagramPSP).
+
+        ``private_data`` (at most 136 bytes) goes raw into every answer.
+        """
         from aiodat.datagram import DatagramPSP
 
         return DatagramPSP(self, port, private_data)
@@ -992,6 +997,11 @@ class EP(Handle):
 
     async def connect(self, host: str, port: int, private_data: bytes = b"", timeout: float = 10.0) -> bytes:
         """Connect to a PSP at ``host:port`` and return the peer's accept private data.
+
+        ``private_data`` (at most 56 bytes through rdma_cm on IB/RoCE) goes on
+        the wire exactly as given.  The value returned is what the CM
+        delivered, from offset 0: on IB/RoCE the whole 196-byte REP field,
+        zero-filled past what the peer sent.
 
         Raises :class:`aiodat.ConnectionRejected` (with the peer's reject private
         data), :class:`aiodat.Unreachable` or :class:`aiodat.TimeoutExpired`.

@@ -405,8 +405,9 @@ class NotImplementedByProvider(DATError, NotImplementedError):
 class ConnectionRejected(DATError, ConnectionRefusedError):
     """The peer rejected the connection request (DAT_CONNECTION_EVENT_PEER_REJECTED).
 
-    ``private_data`` holds the bytes the peer sent with its reject (empty if
-    none); ``reason`` is the CM reject reason number when known (e.g. 28,
+    ``private_data`` holds the reject's private data as the CM delivered it,
+    raw from offset 0 (on IB/RoCE the whole 148-byte field, zero-filled past
+    what the peer sent); ``reason`` is the CM reject reason number when known (e.g. 28,
     IB_CM_REJ_CONSUMER_DEFINED), else None.
     """
 

@@ -256,7 +256,7 @@ def test_provider_attr_defaults(q: Any) -> None:
         "DAT_COMPLETION_SOLICITED_WAIT_FLAG", "DAT_COMPLETION_BARRIER_FENCE_FLAG",
     }
     assert pa.is_thread_safe is False
-    assert pa.max_private_data_size == 55  # rdma_cm REQ 56 less aiodat's length byte
+    assert pa.max_private_data_size == 56  # rdma_cm REQ private data on IB/RoCE, raw
     assert pa.ep_creator == "DAT_PSP_CREATES_EP_NEVER"
     assert pa.pz_support == "DAT_PZ_UNIQUE"
     assert pa.optimal_buffer_alignment > 0 and 256 % pa.optimal_buffer_alignment == 0
@@ -270,7 +270,7 @@ def test_provider_attr_defaults(q: Any) -> None:
     assert pa.rmr_scope_supported == "DAT_RMR_SCOPE_ANY"  # MEM_WINDOW and MEM_WINDOW_TYPE_2B
     assert pa.ha_loadbalancing == "DAT_HA_LB_NONE"
     assert pa.num_provider_specific_attr == len(pa.provider_specific_attr)
-    assert dict(pa.provider_specific_attr)["max_private_data_size_accept"] == "195"
+    assert dict(pa.provider_specific_attr)["max_private_data_size_accept"] == "196"
 
 
 def test_as_dict_is_json(q: Any) -> None:
@@ -300,7 +300,7 @@ def test_as_dict_is_json(q: Any) -> None:
     assert pa["lmr_mem_types_supported"] == ["DAT_MEM_TYPE_VIRTUAL"]
     assert pa["completion_flags_supported"] == sorted(pa["completion_flags_supported"])
     assert pa["evd_stream_merging_supported"]["DAT_EVD_DTO_FLAG"]["DAT_EVD_ASYNC_FLAG"] is True
-    assert pa["provider_specific_attr"]["max_private_data_size_reject"] == "147"
+    assert pa["provider_specific_attr"]["max_private_data_size_reject"] == "148"
     assert pa["num_provider_specific_attr"] == 3
 
 

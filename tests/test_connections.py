@@ -22,6 +22,12 @@ def listen(ia: Any, qlen: int = 8) -> Tuple[Any, Any]:
     return ia.create_psp_any(cr_evd), cr_evd
 
 
+def padded(data: bytes, size: int) -> bytes:
+    """What the CM delivers on IB/RoCE for ``data``: the whole block, zero-filled past it."""
+    assert len(data) <= size
+    return data + bytes(size - len(data))
+
+
 async def next_event(evd: Any, expected: EventType) -> Any:
     event = await evd.wait_one(timeout=T)
     assert event.type is expected, event
@@ -41,7 +47,7 @@ async def test_lifecycle_states_both_sides(ia: Any, loop_errors: List[dict]) -> 
     assert client.state is EPState.ACTIVE_CONNECTION_PENDING
     assert request.psp is psp and request.evd is cr_evd
     cr = request.cr
-    assert cr.private_data == b"hello"
+    assert cr.private_data == padded(b"hello", 56)
     assert cr.remote_address is not None and cr.remote_address[0] == ia.address
     assert cr.local_address == (ia.address, psp.port)
     assert server.state is EPState.UNCONNECTED  # a request does not touch any EP
@@ -49,7 +55,7 @@ async def test_lifecycle_states_both_sides(ia: Any, loop_errors: List[dict]) -> 
     accepting = asyncio.ensure_future(cr.accept(server, b"welcome", timeout=T))
     await asyncio.sleep(0)  # the accept task has posted; no CM event was read in between
     assert server.state is EPState.PASSIVE_CONNECTION_PENDING
-    assert await asyncio.wait_for(connecting, T) == b"welcome"
+    assert await asyncio.wait_for(connecting, T) == padded(b"welcome", 196)
     await asyncio.wait_for(accepting, T)
     assert client.state is EPState.CONNECTED and server.state is EPState.CONNECTED
 
@@ -100,11 +106,12 @@ async def test_private_data_both_directions_exact(ia: Any, loop_errors: List[dic
     for request_pdata, accept_pdata in cases:
         client, server, seen_by_server, seen_by_client = await connect_pair(
             ia, pz, psp, cr_evd, request_pdata, accept_pdata)
-        assert seen_by_server == request_pdata
-        assert seen_by_client == accept_pdata
+        assert seen_by_server == padded(request_pdata, CONNECT_PRIVATE_DATA_MAX)
+        assert seen_by_client == padded(accept_pdata, ACCEPT_PRIVATE_DATA_MAX)
         client.free()
         server.free()
-    assert ia.query().provider_attr.max_private_data_size >= CONNECT_PRIVATE_DATA_MAX
+    assert ia.query().provider_attr.max_private_data_size == CONNECT_PRIVATE_DATA_MAX == 56
+    assert ACCEPT_PRIVATE_DATA_MAX == 196
 
 
 async def test_reject_with_private_data(ia: Any, loop_errors: List[dict]) -> None:
@@ -120,7 +127,7 @@ async def test_reject_with_private_data(ia: Any, loop_errors: List[dict]) -> Non
         with pytest.raises(aiodat.ConnectionRejected) as info:
             await asyncio.wait_for(connecting, T)
         assert isinstance(info.value, ConnectionRefusedError)
-        assert info.value.private_data == reason
+        assert info.value.private_data == padded(reason, REJECT_PRIVATE_DATA_MAX)
         assert "rejected" in str(info.value)
         assert client.state is EPState.DISCONNECTED
         with pytest.raises(aiodat.InvalidHandle):
@@ -137,7 +144,8 @@ async def test_connect_without_listener_fails_clearly(ia: Any, loop_errors: List
         await client.connect(ia.address, port, timeout=10)
     elapsed = time.monotonic() - started
     assert elapsed < 5, f"took {elapsed:.1f}s: the reject should come back at once, not at the timeout"
-    assert isinstance(info.value, ConnectionRefusedError) and info.value.private_data == b""
+    assert isinstance(info.value, ConnectionRefusedError)
+    assert info.value.private_data == bytes(148)  # the CM's own REJ: a zero-filled block
     assert f"{ia.address}:{port}" in str(info.value)
     assert client.state is EPState.DISCONNECTED
 
@@ -180,7 +188,7 @@ async def test_private_data_over_max_names_the_maximum(ia: Any, loop_errors: Lis
     cr.reject(b"z" * REJECT_PRIVATE_DATA_MAX)  # the request is still there to answer
     with pytest.raises(aiodat.ConnectionRejected) as rejected:
         await asyncio.wait_for(connecting, T)
-    assert rejected.value.private_data == b"z" * REJECT_PRIVATE_DATA_MAX
+    assert rejected.value.private_data == b"z" * REJECT_PRIVATE_DATA_MAX == b"z" * 148
 
 
 async def test_port_in_use_and_psp_any(ia: Any, loop_errors: List[dict]) -> None:
@@ -214,14 +222,15 @@ async def test_fifty_concurrent_connections(ia: Any, loop_errors: List[dict]) ->
                 assert event.type is EventType.CONNECTION_REQUEST
                 server = ia.create_ep(pz, server_dto, server_dto, server_conn, attrs=attrs)
                 servers.append(server)
-                accepts.append(asyncio.ensure_future(event.cr.accept(server, event.cr.private_data, timeout=T)))
+                accepts.append(asyncio.ensure_future(event.cr.accept(server, event.cr.private_data.rstrip(b"\0"),
+                                                                     timeout=T)))
         await asyncio.gather(*accepts)
 
     server_task = asyncio.ensure_future(serve())
     replies = await asyncio.wait_for(asyncio.gather(*(
         c.connect(ia.address, psp.port, b"client %d" % i, timeout=T) for i, c in enumerate(clients))), 4 * T)
     await asyncio.wait_for(server_task, T)
-    assert replies == [b"client %d" % i for i in range(n)]  # each got its own request echoed back
+    assert replies == [padded(b"client %d" % i, 196) for i in range(n)]  # each got its own request echoed back
     assert len(servers) == n
     assert all(ep.state is EPState.CONNECTED for ep in clients + servers)
     assert len({ep.query().local_address for ep in clients}) == n
@@ -253,14 +262,14 @@ async def test_nowait_forms_report_on_connect_evd(ia: Any, loop_errors: List[dic
     client.connect_nowait(ia.address, psp.port, b"raw request", timeout=T)
     assert client.state is EPState.ACTIVE_CONNECTION_PENDING
     request = await next_event(cr_evd, EventType.CONNECTION_REQUEST)
-    assert request.cr.private_data == b"raw request"
+    assert request.cr.private_data == padded(b"raw request", 56)
     request.cr.accept_nowait(server, b"raw reply")
     assert server.state is EPState.PASSIVE_CONNECTION_PENDING
     with pytest.raises(aiodat.InvalidHandle):
         request.cr.accept_nowait(server)  # a CR is answered once
 
     established = await next_event(client.connect_evd, EventType.CONNECTION_EVENT_ESTABLISHED)
-    assert established.ep is client and established.private_data == b"raw reply"
+    assert established.ep is client and established.private_data == padded(b"raw reply", 196)
     established = await next_event(server.connect_evd, EventType.CONNECTION_EVENT_ESTABLISHED)
     assert established.ep is server
     assert client.state is EPState.CONNECTED and server.state is EPState.CONNECTED
@@ -276,7 +285,7 @@ async def test_nowait_forms_report_on_connect_evd(ia: Any, loop_errors: List[dic
     other.connect_nowait(ia.address, psp.port, timeout=T)
     (await next_event(cr_evd, EventType.CONNECTION_REQUEST)).cr.reject(b"full")
     rejected = await next_event(other.connect_evd, EventType.CONNECTION_EVENT_PEER_REJECTED)
-    assert rejected.private_data == b"full" and rejected.ep is other
+    assert rejected.private_data == padded(b"full", 148) and rejected.ep is other
     assert other.state is EPState.DISCONNECTED
 
 

@@ -162,7 +162,7 @@ async def test_overflow_of_connection_events(ia: Any, loop_errors: List[dict]) -
     overflow = await ia.async_evd.wait_one(timeout=T)
     assert overflow.type is EventType.ASYNC_ERROR_EVD_OVERFLOW and overflow.obj is cr_evd
     requests = await cr_evd.wait(timeout=T)
-    assert sorted(e.cr.private_data for e in requests) == [b"%d" % i for i in range(n)]
+    assert sorted(e.cr.private_data for e in requests) == [(b"%d" % i).ljust(56, b"\0") for i in range(n)]
     servers = []
     for event in requests:
         server = ia.create_ep(pz)

@@ -138,7 +138,7 @@ async def _accept_flood(ia: Any, pz: Any, cr_evd: Any, lmr: Any, peers: List[hos
                         port: int) -> Any:
     flood = start_peer(peers, "flood", hosts.address(0), port)
     ev = await wait_type(cr_evd, (EventType.CONNECTION_REQUEST,), T)
-    assert ev.cr.private_data == b"flood"
+    assert ev.cr.private_data == b"flood".ljust(56, b"\0")
     ep = ia.create_ep(pz, attrs=EPAttr(max_recv_dtos=64, max_request_dtos=64))
     for i in range(32):
         ep.post_recv(lmr[i * 4096:(i + 1) * 4096], cookie=i)

@@ -214,7 +214,7 @@ def test_query_has_every_seed_attribute(ia: Any) -> None:
         assert hasattr(q.provider_attr, name), f"provider_attr.{name} missing"
     assert q.ia_attr.adapter_name
     assert q.ia_attr.max_eps and q.ia_attr.max_evd_qlen
-    assert q.provider_attr.max_private_data_size >= 55
+    assert q.provider_attr.max_private_data_size == 56
 
 
 def _ibv_devinfo(device: str) -> str:
