@@ -361,7 +361,7 @@ def _endpoint(ia: Any, pz: Any, size: int, fill: bool) -> Tuple[Any, Any, Any, A
     recv_seg = pz.register(recv_buf, Privileges.DEFAULT)[0:size]
     evd = ia.create_evd(2 * _DEPTH, EvdFlags.DTO)
     ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd,
-                      attrs=EPAttr(max_recv_dtos=_DEPTH, max_request_dtos=_DEPTH))
+                      attrs=EPAttr(max_recv_dtos=_DEPTH, max_request_dtos=_DEPTH, min_rnr_timer=1))
     return ep, evd, send_seg, recv_seg, [send_buf, recv_buf]
 
 
@@ -868,8 +868,10 @@ def _bw_setup(ia: Any, op: str, size: int, depth: int, server: bool) -> Tuple[An
     dev = ia._device_attr
     reads = min(16, dev.max_qp_init_rd_atom, dev.max_qp_rd_atom)
     recv_depth = 2 * depth if op == "send" else 1
+    # min_rnr_timer 1 (0.01 ms): a Python receiver reposts more slowly than rxe delivers, and
+    # perftest's own QPs are set up the same way (docs/performance.md, "The RNR timer")
     attrs = EPAttr(max_request_dtos=depth, max_recv_dtos=recv_depth, max_rdma_read_in=reads,
-                   max_rdma_read_out=reads)
+                   max_rdma_read_out=reads, min_rnr_timer=1)
     evd = ia.create_evd((recv_depth if server else depth) + 8, EvdFlags.DTO)
     ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd, attrs=attrs)
     buf = bytearray(size)

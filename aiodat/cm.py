@@ -16,13 +16,22 @@ one, otherwise to the EP's connect_evd: the ``*_nowait`` forms leave every
 outcome on the EVD, as DAT does.
 
 The QP stays aiodat's (created in ep.py and moved to INIT at once, so receives
-can be posted before connecting); it is handed to librdmacm by setting the
-cm_id's ``qp`` as rdma_create_qp would, so librdmacm moves it through RTR/RTS
-on connect and accept and to ERR on disconnect.
+can be posted before connecting) and is never handed to librdmacm: aiodat
+follows librdmacm's QP-less flow.  rdma_connect and rdma_accept carry the QP
+number; the shim's ``aiodat_cm_ready_qp`` moves the QP through INIT, RTR and
+RTS with the attributes rdma_cm negotiated (``rdma_init_qp_attr``, the call
+librdmacm itself makes) plus the EP's own transport settings, the passive side
+before rdma_accept, the active side on CONNECT_RESPONSE, which it then answers
+with rdma_establish.  aiodat moves the QP to ERR itself where librdmacm would
+(before a DREQ, on the peer's DREQ).
 """
 from __future__ import annotations
 
 import asyncio
+import errno
+import ipaddress
+import os
+import socket
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 from aiodat._fdwatch import FdWatch
@@ -34,6 +43,7 @@ from aiodat.errors import (
     ConnectionTimedOut,
     NonPeerRejected,
     ConnQualInUse,
+    InvalidAddress,
     InvalidParameter,
     InvalidState,
     Unreachable,
@@ -83,21 +93,73 @@ def _private(data: Union[bytes, bytearray, memoryview, None], limit: int, what: 
     return data
 
 
+def _check_port(port: int) -> None:
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
+        raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
+
+
 def _sockaddr(host: str, port: int) -> Any:
+    """A numeric IPv4 or IPv6 address (``"fe80::1%netdev"`` for a scoped one) as a sockaddr.
+
+    A host name is resolved here, blocking; the awaitable paths resolve names
+    first with :func:`resolve_host`, so the loop never waits on DNS.
+    """
     if not isinstance(host, str):
         raise InvalidParameter(f"host must be an IP address string, not {type(host).__name__}")
-    if not isinstance(port, int) or not 0 <= port <= 0xFFFF:
-        raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
+    _check_port(port)
     addr = ffi.new("struct sockaddr_storage *")
     if lib.aiodat_sockaddr(host.encode(), port, addr):
-        import socket
-
         try:  # a host name: resolve it the ordinary way
             host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-        except OSError:
+        except (OSError, UnicodeError):
             raise InvalidParameter(f"cannot resolve host {host!r}") from None
         lib.aiodat_sockaddr(host.encode(), port, addr)
     return addr
+
+
+def _is_numeric(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.partition("%")[0])
+        return True
+    except ValueError:
+        return False
+
+
+async def resolve_host(host: str, family: int = 0) -> str:
+    """``host`` as a numeric address: a name is looked up with ``loop.getaddrinfo``, off the loop.
+
+    ``family`` (socket.AF_INET or AF_INET6) prefers addresses of the IA's own family.
+    """
+    if not isinstance(host, str):
+        raise InvalidParameter(f"host must be an IP address or host name string, not {type(host).__name__}")
+    if _is_numeric(host):
+        return host
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise InvalidAddress(f"cannot resolve host {host!r}: {exc}") from None
+    same = [info for info in infos if info[0] == family]
+    return str((same or infos)[0][4][0])
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _check_family(ia: "IA", host: str) -> None:
+    """rdma_cm binds a connection to the IA's address, so the peer must have the same family."""
+    if ia.address and isinstance(host, str) and _is_numeric(host) and _family(host) != _family(ia.address):
+        want = "IPv6" if _family(host) == socket.AF_INET6 else "IPv4"
+        raise InvalidAddress(f"{host} is {want} but the IA's address {ia.address} is not; open the IA "
+                             f"with address= one of its {want} addresses: {', '.join(ia.addresses) or 'none'}")
+
+
+def listen_address(ia: "IA", port: int) -> Any:
+    """The sockaddr a PSP binds: the IA's own address, never the wildcard (which would take every device's requests)."""
+    if not ia.address:
+        raise InvalidAddress(f"{ia.name} has no IP address to listen on: give one of its netdevs an address "
+                             f"(RoCE: the Ethernet netdev; InfiniBand: its IPoIB netdev)")
+    return _sockaddr(ia.address, port)
 
 
 def _address(sa: Any) -> Optional[Tuple[str, int]]:
@@ -236,6 +298,7 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     from aiodat.ep import EPState
 
     _check_can_connect(ep)
+    _check_family(ep._ia, host)
     pdata = _private(private_data, CONNECT_PRIVATE_DATA_MAX, "connect")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise InvalidParameter(f"timeout must be None or > 0 seconds, got {timeout!r}")
@@ -290,6 +353,7 @@ def _timed_out(ep: "EP", cm_id: Any, etype: EventType, reason: str) -> None:
 
 
 def _conn_param(ep: "EP", pdata: bytes, responder: int, initiator: int) -> Tuple[Any, Any]:
+    """An rdma_conn_param with the EP's QP number (the QP-less flow) and transport settings."""
     param = ffi.new("struct rdma_conn_param *")
     keep = ffi.new("char[]", pdata) if pdata else ffi.NULL
     param.private_data = keep
@@ -297,19 +361,18 @@ def _conn_param(ep: "EP", pdata: bytes, responder: int, initiator: int) -> Tuple
     param.responder_resources = responder
     param.initiator_depth = initiator
     param.retry_count = ep.attrs.retry_count
-    param.rnr_retry_count = 7  # receiver-not-ready: retry for ever (see _short_rnr_timer)
+    param.rnr_retry_count = ep.attrs.rnr_retry
+    param.qp_num = ep.qp_num
+    param.srq = 1 if ep._srq is not None else 0
     return param, keep
 
 
-def _set_ack_timeout(ep: "EP", cm_id: Any) -> int:
-    """Give the QP the EP's ACK timeout, if it has one; call before rdma_connect/rdma_accept
-    (they move the QP to RTS, where the timeout is set).  Returns 0 or an errno."""
-    if ep.attrs.ack_timeout is None:
-        return 0
-    value = ffi.new("uint8_t *", ep.attrs.ack_timeout)
-    if lib.rdma_set_option(cm_id, lib.RDMA_OPTION_ID, lib.RDMA_OPTION_ID_ACK_TIMEOUT, value, 1):
-        return ffi.errno or 22  # EINVAL when librdmacm left no errno
-    return 0
+def _ready_qp(ep: "EP", cm_id: Any, responder: int = -1, initiator: int = -1) -> int:
+    """The EP's QP through INIT, RTR and RTS as rdma_cm negotiated it, with the EP's RNR timer
+    and ACK timeout (-1: the CM's RDMA read depths).  0, or an errno with the QP in ERR."""
+    a = ep.attrs
+    return lib.aiodat_cm_ready_qp(cm_id, ep._qp, responder, initiator, a.min_rnr_timer,
+                                  -1 if a.ack_timeout is None else a.ack_timeout)
 
 
 def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
@@ -322,10 +385,22 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
             _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_resolve_route: errno {ffi.errno}")
         return
     if kind == ROUTE_RESOLVED:
-        err = lib.aiodat_cm_attach_qp(cm_id, ep._qp) or _set_ack_timeout(ep, cm_id)
         param, _keep = _conn_param(ep, ep._pending_private, ep.attrs.max_rdma_read_in, ep.attrs.max_rdma_read_out)
-        if err or lib.rdma_connect(cm_id, param):
-            _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_connect: errno {err or ffi.errno}")
+        if lib.rdma_connect(cm_id, param):
+            _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_connect: errno {ffi.errno}")
+        return
+    if kind == CONNECT_RESPONSE:  # the REP: ready the QP, then the RTU (rdma_establish)
+        err = _ready_qp(ep, cm_id)
+        if err:
+            lib.rdma_reject(cm_id, ffi.NULL, 0)
+            _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE,
+                          f"readying the QP for the connection: {os.strerror(err)}")
+        elif lib.rdma_establish(cm_id):
+            err = ffi.errno
+            ep._to_error(check=False)
+            _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_establish: {os.strerror(err)}")
+        else:
+            _established(ep, pdata)
         return
     if kind in (ADDR_ERROR, ROUTE_ERROR, UNREACHABLE, CONNECT_ERROR):
         etype = (EventType.CONNECTION_EVENT_TIMED_OUT if status == -_ETIMEDOUT
@@ -339,37 +414,31 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
                  else EventType.CONNECTION_EVENT_NON_PEER_REJECTED)
         _fail_connect(ep, etype, f"rejected (reason {status})", pdata)
         return
-    if kind == ESTABLISHED:
-        _cancel_timer(ep)
-        ep._state = EPState.CONNECTED
-        _short_rnr_timer(ep)
-        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_ESTABLISHED, ep.connect_evd, ep, pdata))
+    if kind == ESTABLISHED:  # the passive side's RTU arrived
+        _established(ep, pdata)
         return
     if kind == DISCONNECTED:
         _cancel_timer(ep)
         if ep._state is EPState.CONNECTED:
-            lib.rdma_disconnect(cm_id)  # the peer's DREQ: our QP to ERR, flushing what is posted
+            _disconnect(ep)  # the peer's DREQ: our QP to ERR, flushing what is posted, and the DREP
         ep._state = EPState.DISCONNECTED
         _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep, pdata))
         return
-    # CONNECT_RESPONSE (not seen with a QP attached), TIMEWAIT_EXIT, multicast: nothing to do here
+    # TIMEWAIT_EXIT, multicast: nothing to do here
 
 
-#: the receiver-not-ready NAK delay aiodat gives every connection (IB encoding 1: 0.01 ms)
-MIN_RNR_TIMER = 1
+def _established(ep: "EP", pdata: bytes) -> None:
+    from aiodat.ep import EPState
+
+    _cancel_timer(ep)
+    ep._state = EPState.CONNECTED
+    _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_ESTABLISHED, ep.connect_evd, ep, pdata))
 
 
-def _short_rnr_timer(ep: "EP") -> None:
-    """Shorten the RNR NAK delay of a newly connected QP (RTS->RTS may change it).
-
-    The IB CM leaves min_rnr_timer at 0, which encodes the longest delay, 655 ms:
-    a peer that sends before a receive is posted would stall that long per retry.
-    A Python receiver reposts more slowly than the device delivers, so a short
-    delay matters; the retry count stays unlimited (rnr_retry_count 7).
-    """
-    attr = ffi.new("struct ibv_qp_attr *")
-    attr.min_rnr_timer = MIN_RNR_TIMER
-    lib.ibv_modify_qp(ep._qp, attr, lib.IBV_QP_MIN_RNR_TIMER)  # best effort: the default still works
+def _disconnect(ep: "EP") -> int:
+    """What librdmacm's rdma_disconnect does for a QP of its own: QP to ERR, then DREQ (or DREP). 0 or errno."""
+    ep._to_error(check=False)
+    return ffi.errno if lib.rdma_disconnect(ep._cm_id) else 0
 
 
 def _fail_connect(ep: "EP", etype: EventType, reason: str, pdata: bytes = b"") -> None:
@@ -422,6 +491,9 @@ async def _await_outcome(ep: "EP", fut: "asyncio.Future[ConnectionEvent]") -> Co
 
 async def connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: Optional[float]) -> bytes:
     """``await ep.connect(...)``: see :meth:`aiodat.EP.connect`."""
+    _check_can_connect(ep)
+    _check_port(port)
+    host = await resolve_host(host, _family(ep._ia.address or ""))
     fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
     start_connect(ep, host, port, private_data, timeout, fut)
     try:
@@ -462,8 +534,8 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
         ep._to_error()
     ep._connect_waiter = waiter
     ep._state = EPState.DISCONNECT_PENDING
-    if lib.rdma_disconnect(ep._cm_id):
-        err = ffi.errno
+    err = _disconnect(ep)
+    if err:
         ep._state = EPState.DISCONNECTED
         raise error_from_errno(err, "rdma_disconnect")
     ep._ia._attach_loop()
@@ -492,8 +564,7 @@ def _drop_connection(ep: "EP") -> None:
         return
     if ep._state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING, EPState.PASSIVE_CONNECTION_PENDING,
                      EPState.ACTIVE_CONNECTION_PENDING):
-        lib.rdma_disconnect(cm_id)
-    lib.aiodat_cm_attach_qp(cm_id, ffi.NULL)
+        _disconnect(ep)
     ep._cm_id = ffi.NULL
     ep._ia._cm.destroy_id(cm_id)
 
@@ -521,7 +592,7 @@ async def connect_pair(client: "EP", server: "EP", timeout: float = 30.0) -> "PS
 
     acceptor = asyncio.ensure_future(accept())
     try:
-        await client.connect(psp.address or "0.0.0.0", psp.port, timeout=timeout)
+        await client.connect(psp.address, psp.port, timeout=timeout)
         await acceptor
     except BaseException:
         acceptor.cancel()
@@ -592,7 +663,7 @@ class PSP(Listener):
             raise InvalidParameter("cr_evd does not accept the CR (connection request) stream")
         if not isinstance(backlog, int) or backlog < 1:
             raise InvalidParameter(f"backlog must be an int >= 1, got {backlog!r}")
-        addr = _sockaddr(ia.address or "0.0.0.0", port)
+        addr = listen_address(ia, port)
         super().__init__(ia)
         self.cr_evd = cr_evd
         self._listen(ia, addr, port, lib.RDMA_PS_TCP, backlog, "port")
@@ -658,19 +729,19 @@ class CR(Handle):
         if ep._ia is not self._ia:
             raise InvalidParameter("the EP belongs to another IA")
         pdata = _private(private_data, ACCEPT_PRIVATE_DATA_MAX, "accept")
-        err = lib.aiodat_cm_attach_qp(self._cm_id, ep._qp)
+        responder = min(ep.attrs.max_rdma_read_in, self._initiator)
+        initiator = min(ep.attrs.max_rdma_read_out, self._responder)
+        # The QP must be ready (RTS) before the REP goes: the peer may send once it has it.
+        # A failure from here on leaves the QP in ERR, so the EP ends DISCONNECTED (reset() reuses it).
+        err = _ready_qp(ep, self._cm_id, responder, initiator)
+        if err == errno.EXDEV:
+            raise InvalidParameter("accepting on an EP of another device than the request's")
+        if not err:
+            param, _keep = _conn_param(ep, pdata, responder, initiator)
+            err = ffi.errno if lib.rdma_accept(self._cm_id, param) else 0
         if err:
-            raise error_from_errno(err, "accepting on an EP of another device")
-        err = _set_ack_timeout(ep, self._cm_id)
-        if err:
-            lib.aiodat_cm_attach_qp(self._cm_id, ffi.NULL)
-            raise error_from_errno(err, "rdma_set_option(RDMA_OPTION_ID_ACK_TIMEOUT)")
-        param, _keep = _conn_param(ep, pdata, min(ep.attrs.max_rdma_read_in, self._initiator),
-                                   min(ep.attrs.max_rdma_read_out, self._responder))
-        if lib.rdma_accept(self._cm_id, param):
-            err = ffi.errno
-            lib.aiodat_cm_attach_qp(self._cm_id, ffi.NULL)
-            raise error_from_errno(err, "rdma_accept")
+            ep._state = EPState.DISCONNECTED
+            raise error_from_errno(err, "accepting the connection (rdma_accept)")
         # The request's cm_id now belongs to the EP.
         ep._cm_id, self._cm_id = self._cm_id, ffi.NULL
         self._ia._cm.owners[_key(ep._cm_id)] = ep

@@ -18,9 +18,10 @@ The Access Layer's datagram service (ib_init_dgrm_svc, SIDR) and multicast
   of its own PD).  The result is an
   :class:`AddressHandle` to post sends to: ``ep.post_send_to(segs, ah)``.
 * ``await ep.join_multicast("239.1.1.1")`` resolves the group on the IA's
-  address, attaches the EP's QP to the id (librdmacm then calls
-  ibv_attach_mcast when the join completes, and ibv_detach_mcast on leave)
-  and returns a :class:`MulticastGroup` whose ``address_handle`` sends to the
+  address and joins it; when the join completes the EP's QP is attached to
+  the group's GID and LID (ibv_attach_mcast, as librdmacm would do for a QP
+  of its own; aiodat never hands its QP to librdmacm), and detached on leave;
+  it returns a :class:`MulticastGroup` whose ``address_handle`` sends to the
   group.  ``await ep.leave_multicast(group)`` (or ``group.leave()``) leaves.
 
 Receives on a UD EP begin with the 40-byte Global Route Header (GRH) the
@@ -138,7 +139,6 @@ class _Resolution:
     def destroy(self) -> None:
         if not self.closed:
             self.closed = True
-            lib.aiodat_cm_attach_qp(self.cm_id, ffi.NULL)
             self.cm.destroy_id(self.cm_id)
 
 
@@ -203,10 +203,12 @@ async def _await(res: _Resolution, timeout: Optional[float]) -> Any:
 async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes = b"",
                            timeout: Optional[float] = 10.0) -> AddressHandle:
     """``await ep.resolve_datagram(host, port)``: see :meth:`aiodat.EP.resolve_datagram`."""
-    from aiodat.cm import _private, _sockaddr
+    from aiodat.cm import _check_family, _family, _private, _sockaddr, resolve_host
 
     _check_ud(ep, "resolve_datagram")
     pdata = _private(private_data, RESOLVE_PRIVATE_DATA_MAX, "resolve_datagram")
+    host = await resolve_host(host, _family(ep._ia.address or ""))
+    _check_family(ep._ia, host)
     dst = _sockaddr(host, port)
     ia = ep._ia
     fut: "asyncio.Future[AddressHandle]" = asyncio.get_running_loop().create_future()
@@ -234,12 +236,12 @@ class DatagramPSP(Listener):
     _kind = "datagram psp"
 
     def __init__(self, ep: "EP", port: int, private_data: bytes = b"") -> None:
-        from aiodat.cm import _private, _sockaddr
+        from aiodat.cm import _private, listen_address
 
         _check_ud(ep, "serve_datagram")
         ia = ep._ia
         self._pdata = _private(private_data, SERVE_PRIVATE_DATA_MAX, "serve_datagram")
-        addr = _sockaddr(ia.address or "0.0.0.0", port)
+        addr = listen_address(ia, port)
         super().__init__(ia)
         self.ep = ep
         self.requests = 0
@@ -269,13 +271,17 @@ class _Joiner(_Resolution):
         kind = ev.event
         group: "MulticastGroup" = self.group  # type: ignore[attr-defined]
         if kind == _ADDR_RESOLVED and not self.fut.done():
-            err = lib.aiodat_cm_attach_qp(self.cm_id, self.ep._qp)
-            if err or lib.rdma_join_multicast(self.cm_id, ffi.cast("struct sockaddr *", group._sockaddr), ffi.NULL):
-                self.fail(error_from_errno(err or ffi.errno, f"{self.what}: rdma_join_multicast"))
+            if lib.rdma_join_multicast(self.cm_id, ffi.cast("struct sockaddr *", group._sockaddr), ffi.NULL):
+                self.fail(error_from_errno(ffi.errno, f"{self.what}: rdma_join_multicast"))
             return
         if kind == _MULTICAST_JOIN:
             if self.fut.done() or group.closed:
                 return
+            err = lib.aiodat_mcast_attach(self.ep._qp, ev, 1)
+            if err:
+                self.fail(error_from_errno(err, f"{self.what}: attaching the QP to the group"))
+                return
+            group._join_event = ffi.new("struct aiodat_cm_event *", ev[0])  # its GID and LID, to detach
             raw = lib.aiodat_create_ah(self.ep._pz._pd, ev)
             if raw == ffi.NULL:
                 self.fail(error_from_errno(ffi.errno, f"{self.what}: creating the group's address handle"))
@@ -307,6 +313,7 @@ class MulticastGroup(Handle):
         self.group = group
         self._sockaddr = _sockaddr(group, 0)
         self._joiner: Optional[_Joiner] = None
+        self._join_event: Any = None  # the MULTICAST_JOIN event the QP was attached by
         #: the handle multicast sends go to (set once joined)
         self.address_handle: Optional[AddressHandle] = None
         self.joined = False
@@ -320,6 +327,10 @@ class MulticastGroup(Handle):
 
     def _release(self) -> None:
         joiner, self._joiner = self._joiner, None
+        if self._join_event is not None:
+            if not self.ep.closed:
+                lib.aiodat_mcast_attach(self.ep._qp, self._join_event, 0)
+            self._join_event = None
         if joiner is not None and not joiner.closed:
             if self.joined:
                 lib.rdma_leave_multicast(joiner.cm_id, ffi.cast("struct sockaddr *", self._sockaddr))

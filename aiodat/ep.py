@@ -82,7 +82,8 @@ class ServiceType(enum.Enum):
 
 @dataclass(frozen=True)
 class EPAttr:
-    """Endpoint attributes (DAT_EP_ATTR): queue depths, segment limits and RDMA read depth."""
+    """Endpoint attributes (DAT_EP_ATTR): queue depths, segment limits, RDMA read depth and
+    the transport settings of the QP (see docs/hardware.md for when to change them)."""
 
     max_recv_dtos: int = 64
     max_request_dtos: int = 64
@@ -90,7 +91,11 @@ class EPAttr:
     max_request_iov: int = 1
     max_rdma_read_in: int = 4
     max_rdma_read_out: int = 4
-    max_inline_data: int = 0
+    #: sends and RDMA writes of at most this many bytes go inline (copied into the work request
+    #: at post time: no DMA read of the buffer, lower latency on hardware).  None: what the
+    #: device offers, up to DEFAULT_INLINE_DATA bytes (0 on a device without inline data); an
+    #: int asks for exactly that much and fails if the device cannot give it.
+    max_inline_data: Optional[int] = None
     service_type: ServiceType = ServiceType.RC
     #: how many times the transport resends an unacknowledged request before it fails with
     #: IBV_WC_RETRY_EXC_ERR and the connection breaks (0-7; the connecting side's value is the
@@ -100,6 +105,16 @@ class EPAttr:
     #: keeps the connection manager's (on RoCE 19, about 2.1 s).  With retry_count it sets how
     #: long a dead link takes to be reported: about (retry_count + 1) timeouts.
     ack_timeout: Optional[int] = None
+    #: how many times a send is retried after a receiver-not-ready NAK (0-7; 7: for ever, so a
+    #: slow receiver stalls the sender instead of breaking the connection)
+    rnr_retry: int = 7
+    #: the RNR NAK delay this side asks of a sender that finds no receive posted, IB-encoded
+    #: (1: 0.01 ms ... 12: 0.64 ms ... 31: 491 ms; 0: 655 ms).  12 is the usual value on
+    #: hardware; the connection manager would leave 0, the longest.
+    min_rnr_timer: int = 12
+    #: the completion vector (interrupt) of the EP's own EVDs' CQs; None spreads EVDs over the
+    #: device's vectors in turn (``ia.create_evd(comp_vector=...)`` for shared EVDs)
+    comp_vector: Optional[int] = None
 
     def _validate(self, ia: "IA") -> None:
         dev = ia._device_attr
@@ -108,14 +123,18 @@ class EPAttr:
             "max_recv_iov": min(dev.max_sge, 32), "max_request_iov": min(dev.max_sge, 32),
             "max_rdma_read_in": dev.max_qp_rd_atom, "max_rdma_read_out": dev.max_qp_init_rd_atom,
         }
-        limits["retry_count"] = 7
+        limits.update(retry_count=7, rnr_retry=7, min_rnr_timer=31)
         for name, limit in limits.items():
             value = getattr(self, name)
-            low = 0 if name.startswith("max_rdma_read") or name == "retry_count" else 1
-            if not isinstance(value, int) or not low <= value <= limit:
+            low = 0 if name.startswith("max_rdma_read") or name in ("retry_count", "rnr_retry", "min_rnr_timer") else 1
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= limit:
                 raise InvalidParameter(f"EPAttr.{name} must be between {low} and {limit}, got {value!r}")
-        if self.ack_timeout is not None and (not isinstance(self.ack_timeout, int) or not 1 <= self.ack_timeout <= 31):
-            raise InvalidParameter(f"EPAttr.ack_timeout must be None or between 1 and 31, got {self.ack_timeout!r}")
+        optional = {"ack_timeout": (1, 31), "max_inline_data": (0, 1 << 16),
+                    "comp_vector": (0, max(0, ia._context.num_comp_vectors - 1))}
+        for name, (low, high) in optional.items():
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high):
+                raise InvalidParameter(f"EPAttr.{name} must be None or between {low} and {high}, got {value!r}")
 
 
 # ibv_wr_opcode values (enum ibv_wr_opcode, stable ABI)
@@ -125,6 +144,10 @@ WR_LOCAL_INV, WR_BIND_MW = 7, 8
 # ibv_send_flags
 SEND_FENCE, SEND_SIGNALED, SEND_SOLICITED, SEND_INLINE = 1, 2, 4, 8
 WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
+_INLINE_OPCODES = (WR_SEND, WR_SEND_WITH_IMM, WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM)
+
+#: the inline data an EP asks for when EPAttr.max_inline_data is None
+DEFAULT_INLINE_DATA = 64
 
 
 def _send_flags(flags: int) -> int:
@@ -287,7 +310,7 @@ class EP(Handle):
         if qlen > limit:
             raise InvalidParameter(f"the EP's own {what} would need {qlen} entries, more than max_evd_qlen "
                                    f"{limit}: lower the EPAttr queue depth or pass an EVD")
-        evd = EVD(self._ia, max(qlen, 1), streams)
+        evd = EVD(self._ia, max(qlen, 1), streams, comp_vector=self.attrs.comp_vector)
         self._own_evds.append(evd)
         return evd
 
@@ -301,10 +324,17 @@ class EP(Handle):
         init.cap.max_recv_wr = 0 if self._srq is not None else a.max_recv_dtos
         init.cap.max_send_sge = a.max_request_iov
         init.cap.max_recv_sge = 0 if self._srq is not None else a.max_recv_iov
-        init.cap.max_inline_data = a.max_inline_data
+        init.cap.max_inline_data = DEFAULT_INLINE_DATA if a.max_inline_data is None else a.max_inline_data
         init.qp_type = lib.IBV_QPT_UD if a.service_type is ServiceType.UD else lib.IBV_QPT_RC
         init.sq_sig_all = 0
         qp = lib.ibv_create_qp(self._pz._pd, init)
+        if qp == ffi.NULL and a.max_inline_data is None:  # a device without (that much) inline data
+            init.cap.max_inline_data = 0
+            qp = lib.ibv_create_qp(self._pz._pd, init)
+        #: the bytes a send or RDMA write may have to go inline: what the device granted (it may
+        #: round up), but never more than an explicit EPAttr.max_inline_data
+        self.max_inline: int = init.cap.max_inline_data if a.max_inline_data is None else min(
+            init.cap.max_inline_data, a.max_inline_data)
         if qp == ffi.NULL:
             err = ffi.errno
             self._destroy_own_evds()
@@ -511,6 +541,12 @@ class EP(Handle):
         self._ids = itertools.count(first + n)
         return first
 
+    def _inline_bit(self, opcode: int, segs: Tuple[Segment, ...]) -> int:
+        """IBV_SEND_INLINE for a send or RDMA write small enough to go inline, else 0."""
+        if opcode in _INLINE_OPCODES and sum(seg.length for seg in segs) <= self.max_inline:
+            return SEND_INLINE
+        return 0
+
     def _post_error(self, err: int, what: str, outstanding: int, limit: int) -> Exception:
         if err == 12:  # ENOMEM from a full work queue
             return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding)")
@@ -529,7 +565,7 @@ class EP(Handle):
         wr_id = next(self._ids) * 2
         wr.wr_id = wr_id
         wr.opcode = opcode
-        wr.send_flags = send_flags
+        wr.send_flags = send_flags | self._inline_bit(opcode, segs)
         wr.imm_data = imm_data or 0
         wr.sge_start, wr.num_sge = 0, len(segs)
         wr.remote_addr = remote.address if remote is not None else 0
@@ -558,6 +594,8 @@ class EP(Handle):
             lmr = segments.lmr
             if lmr._pz is self._pz and not lmr._closed:  # the hot path, as in post_recv
                 send_flags, quiet = _SEND_BITS[flags]
+                if segments.length <= self.max_inline:
+                    send_flags |= SEND_INLINE
                 wr_id = next(self._ids) * 2
                 err = lib.aiodat_post_send1(self._qp, wr_id, WR_SEND, send_flags, 0, lmr.address + segments.offset,
                                             segments.length, lmr.lmr_context, 0, 0)
@@ -765,7 +803,8 @@ class EP(Handle):
         for i, (segs, cookie) in enumerate(batch):
             wr = wrs[i]
             wr_id = next(self._ids) * 2
-            wr.wr_id, wr.opcode, wr.send_flags = wr_id, opcode, send_flags if i + 1 < n else last_send_flags
+            wr.wr_id, wr.opcode = wr_id, opcode
+            wr.send_flags = (send_flags if i + 1 < n else last_send_flags) | self._inline_bit(opcode, segs)
             wr.sge_start, wr.num_sge = start, len(segs)
             if remotes is not None:
                 wr.remote_addr, wr.rkey = remotes[i].address, remotes[i].rmr_context
@@ -792,6 +831,8 @@ class EP(Handle):
         sges = ffi.new("struct aiodat_sge[]", max(1, len(segs)))
         self._fill_sges(sges, 0, segs)
         (send_flags, quiet), (last_send_flags, last_quiet) = bits
+        inline = self._inline_bit(opcode, segs)
+        send_flags, last_send_flags = send_flags | inline, last_send_flags | inline
         wr = ffi.new("struct aiodat_send_wr *")
         wr.opcode, wr.send_flags = opcode, send_flags
         wr.sge_start, wr.num_sge = 0, len(segs)
@@ -1044,12 +1085,15 @@ class EP(Handle):
         self._ia._qpn_owner[self.qp_num] = self
         self._state = EPState.UNCONNECTED
 
-    def _to_error(self) -> None:
-        """Move the QP to ERR at once: every posted request completes with the flush status."""
+    def _to_error(self, check: bool = True) -> None:
+        """Move the QP to ERR at once: every posted request completes with the flush status.
+
+        ``check=False`` is for tear-down paths, where a QP already in ERR (or
+        one the device refuses to move) must not stop the rest."""
         attr = ffi.new("struct ibv_qp_attr *")
         attr.qp_state = lib.IBV_QPS_ERR
         err = lib.ibv_modify_qp(self._qp, attr, lib.IBV_QP_STATE)
-        if err:
+        if err and check:
             raise error_from_errno(err, "moving the queue pair to ERR")
 
     def _drop_windows(self) -> None:

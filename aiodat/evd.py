@@ -235,7 +235,8 @@ class EVD(Handle):
     _kind = "evd"
     _close_rank = 20  # after PZs (and the EPs inside them), so QPs go before their CQs
 
-    def __init__(self, ia: "IA", qlen: int, streams: Optional[EvdFlags] = None, *, _is_async: bool = False) -> None:
+    def __init__(self, ia: "IA", qlen: int, streams: Optional[EvdFlags] = None, *, _is_async: bool = False,
+                 comp_vector: Optional[int] = None) -> None:
         if not isinstance(qlen, int) or qlen < 1:
             raise InvalidParameter(f"qlen must be an int >= 1, got {qlen!r}")
         max_qlen = ia._device_attr.max_cqe
@@ -244,6 +245,11 @@ class EVD(Handle):
         if streams is not None and (not isinstance(streams, int) or isinstance(streams, bool)):
             raise InvalidParameter(f"streams must be EvdFlags, not {type(streams).__name__}")
         streams = EvdFlags.ALL if streams is None else EvdFlags(streams)
+        vectors = ia._context.num_comp_vectors
+        if comp_vector is not None and (not isinstance(comp_vector, int) or isinstance(comp_vector, bool)
+                                        or not 0 <= comp_vector < max(vectors, 1)):
+            raise InvalidParameter(f"comp_vector must be None or between 0 and {max(vectors, 1) - 1} "
+                                   f"(the device has {vectors} completion vectors), got {comp_vector!r}")
         super().__init__(ia)
         self._ia = ia
         self._qlen = qlen
@@ -267,7 +273,11 @@ class EVD(Handle):
         # a wait pumps the IA's fds first only if they feed this EVD
         self._pump_on_wait = bool(int(streams) & _FED_BY_IA)
         if streams & (EvdFlags.DTO | EvdFlags.RMR_BIND):
+            #: the completion vector (interrupt) of the EVD's CQ; by default EVDs take the device's in turn
+            self.comp_vector: Optional[int] = ia._next_comp_vector() if comp_vector is None else comp_vector
             self._create_cq()
+        else:
+            self.comp_vector = None
 
     @classmethod
     def _create_async(cls, ia: "IA", qlen: int) -> "EVD":
@@ -278,7 +288,7 @@ class EVD(Handle):
         self._channel = lib.ibv_create_comp_channel(ia._context)
         if self._channel == ffi.NULL:
             self._fail(error_from_errno(ffi.errno, "creating a completion channel"))
-        self._cq = lib.ibv_create_cq(ia._context, self._qlen, ffi.NULL, self._channel, 0)
+        self._cq = lib.ibv_create_cq(ia._context, self._qlen, ffi.NULL, self._channel, self.comp_vector)
         if self._cq == ffi.NULL:
             self._fail(InsufficientResources(f"ibv_create_cq({self._qlen}) failed (errno {ffi.errno})"))
         self._watch = FdWatch(self._channel.fd, self._on_readable, "completion channel")
@@ -461,7 +471,9 @@ class EVD(Handle):
             raise InvalidParameter(f"threshold must be between 1 and qlen ({self._qlen}), got {threshold!r}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {timeout!r}")
-        if self._waiter is not None:
+        if self._waiter is not None and not self._waiter.done():
+            # (a done waiter is a wait that was cancelled or woken and has not run again yet:
+            # the EVD is free the moment task.cancel() cancels its future)
             raise InvalidState("another task is already waiting on this EVD")
         loop = _get_running_loop()
         watch, ia = self._watch, self._ia
@@ -488,12 +500,14 @@ class EVD(Handle):
             try:
                 await fut
             finally:
-                self._waiter = None
+                if self._waiter is fut:  # else a new wait has taken the EVD since this one was cancelled
+                    self._waiter = None
                 if timer is not None:
                     timer.cancel()
             return self._take(max_events)
         finally:
-            self._solicited = False  # also after returning at once or failing before sleeping
+            if self._waiter is None:  # the solicited flag is the current wait's, if another has begun
+                self._solicited = False  # also after returning at once or failing before sleeping
 
     def _expire(self, fut: "asyncio.Future[None]", timeout: float) -> None:
         if not fut.done():
@@ -546,7 +560,7 @@ class EVD(Handle):
         """Return the EVD's parameters (dat_evd_query)."""
         self._check()
         return EVDParam(ia=self._ia, qlen=self._qlen, streams=self._streams, queued=len(self._queue),
-                        is_async=self._is_async, waiting=self._waiter is not None)
+                        is_async=self._is_async, waiting=self._waiter is not None and not self._waiter.done())
 
     def resize(self, qlen: int) -> None:
         """Change the queue length (dat_evd_resize); below the number of queued events raises."""

@@ -7,13 +7,13 @@ rdma_cm event channel (see cm.py).  Everything else is created from the IA.
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from aiodat._handle import Handle, RootHandle
 from aiodat._lib import ffi, lib
+from aiodat.netdev import port_addresses, same_address
 from aiodat.errors import (
     InsufficientResources,
     InvalidHandle,
@@ -46,11 +46,13 @@ class Provider:
     link_layer: str  #: "Ethernet" (RoCE), "InfiniBand" or "Unspecified"
     state: str  #: port state as ibv_devinfo prints it, e.g. "PORT_ACTIVE"
     gids: Tuple[str, ...]  #: the port's valid GIDs, IPv6 notation
+    #: the IP addresses of the port's netdevs (IPoIB on InfiniBand), IPv4 first, then IPv6
+    addresses: Tuple[str, ...] = ()
 
     @property
     def address(self) -> Optional[str]:
-        """The port's IPv4 address (its first IPv4-mapped GID), which rdma_cm connects to; None if it has none."""
-        return _ipv4_of_gids(self.gids)
+        """The address ``open_ia`` picks by default (the first of ``addresses``); None if the port has none."""
+        return self.addresses[0] if self.addresses else None
 
 
 _PORT_STATES = ("PORT_NOP", "PORT_DOWN", "PORT_INIT", "PORT_ARMED", "PORT_ACTIVE", "PORT_ACTIVE_DEFER")
@@ -65,17 +67,18 @@ def _text(cdata: Any) -> str:
     return ffi.string(cdata).decode(errors="replace")
 
 
-def _gids(context: Any, port: int, table_len: int) -> List[str]:
+def _gids(context: Any, port: int, table_len: int) -> Dict[int, str]:
+    """The port's valid GIDs by table index, IPv6 notation."""
     gid = ffi.new("union ibv_gid *")
     buf = ffi.new("char[64]")
-    out = []
+    out = {}
     for index in range(table_len):
         if lib.ibv_query_gid(context, port, index, gid):
             break
         if not any(gid.raw[0:16]):
             continue  # an empty slot; RoCE tables are sparse
         lib.aiodat_gid_str(gid, buf, 64)
-        out.append(_text(buf))
+        out[index] = _text(buf)
     return out
 
 
@@ -128,6 +131,7 @@ def list_providers() -> List[Provider]:
                     pattr = ffi.new("struct ibv_port_attr *")
                     if lib.ibv_query_port(context, port, pattr):
                         continue
+                    gids = _gids(context, port, pattr.gid_tbl_len)
                     providers.append(
                         Provider(
                             name=name if port == 1 else f"{name}:{port}",
@@ -135,7 +139,8 @@ def list_providers() -> List[Provider]:
                             port=port,
                             link_layer=_LINK_LAYERS.get(pattr.link_layer, str(pattr.link_layer)),
                             state=port_state_name(pattr.state),
-                            gids=tuple(_gids(context, port, pattr.gid_tbl_len)),
+                            gids=tuple(gids.values()),
+                            addresses=tuple(port_addresses(name, port, gids)),
                         )
                     )
             finally:
@@ -159,12 +164,17 @@ def _parse_name(name: str) -> Tuple[str, int, bool]:
     return device, port, ro_aware
 
 
-def _ipv4_of_gids(gids: Sequence[str]) -> Optional[str]:
-    for gid in gids:
-        addr = ipaddress.IPv6Address(gid)
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
-    return None
+def _choose_address(name: str, addresses: Sequence[str], wanted: Optional[str]) -> Optional[str]:
+    """The IA's address: ``wanted`` if it is one of the port's, else the first (IPv4 before IPv6)."""
+    if wanted is None:
+        return addresses[0] if addresses else None
+    if not isinstance(wanted, str):
+        raise InvalidParameter(f"address must be an IP address string, not {type(wanted).__name__}")
+    for address in addresses:
+        if same_address(address, wanted):
+            return address
+    raise InvalidParameter(f"{wanted!r} is not an address of {name}; its netdevs have: "
+                           + (", ".join(addresses) or "none (give one of its netdevs an IP address)"))
 
 
 class IA(RootHandle):
@@ -176,7 +186,8 @@ class IA(RootHandle):
 
     _kind = "ia"
 
-    def __init__(self, name: str, async_evd_qlen: int = 8, async_evd: Optional["EVD"] = None) -> None:
+    def __init__(self, name: str, async_evd_qlen: int = 8, async_evd: Optional["EVD"] = None,
+                 address: Optional[str] = None) -> None:
         from aiodat.cm import CMChannel
         from aiodat.evd import EVD, AsyncSource
 
@@ -213,9 +224,13 @@ class IA(RootHandle):
                 raise ProviderNotFound(
                     f"{device} has {self._device_attr.phys_port_cnt} port(s); there is no port {port}"
                 )
-            #: the IA's IPv4 address (from the port's GID table), used to bind rdma_cm ids
-            self.address: Optional[str] = _ipv4_of_gids(_gids(self._context, port, self._port_attr().gid_tbl_len))
+            gids = _gids(self._context, port, self._port_attr().gid_tbl_len)
+            #: every IP address of the port's netdevs (IPoIB on InfiniBand), IPv4 first
+            self.addresses: Tuple[str, ...] = tuple(port_addresses(device, port, gids))
+            #: the IA's address: PSPs listen on it and connections leave from it
+            self.address: Optional[str] = _choose_address(name, self.addresses, address)
             self._qpn_owner: Dict[int, "EP"] = {}  # routes completions and QP events to EPs
+            self._comp_vectors_used = -1  # EVDs take the device's completion vectors in turn
             self._cq_owner: Dict[int, "EVD"] = {}  # CQ pointer -> EVD, for CQ async events
             self._srq_owner: Dict[int, "SRQ"] = {}  # SRQ pointer -> SRQ, for SRQ async events
             self._async_source = AsyncSource(self)
@@ -284,7 +299,7 @@ class IA(RootHandle):
             port_num=self.port,
             device_attr=_struct_dict(self._device_attr, "struct ibv_device_attr"),
             port_attr=_struct_dict(pattr, "struct ibv_port_attr"),
-            gids=_gids(self._context, self.port, pattr.gid_tbl_len),
+            gids=list(_gids(self._context, self.port, pattr.gid_tbl_len).values()),
             ia_address=self.address,
             provider_consts=_provider_consts(__version__),
         )
@@ -294,16 +309,25 @@ class IA(RootHandle):
         self._check()
         return PZ(self)
 
-    def create_evd(self, qlen: int, streams: Optional["EvdFlags"] = None) -> "EVD":
+    def create_evd(self, qlen: int, streams: Optional["EvdFlags"] = None,
+                   comp_vector: Optional[int] = None) -> "EVD":
         """Create an Event Dispatcher of at least ``qlen`` entries fed by ``streams`` (dat_evd_create).
 
         ``streams`` defaults to every stream (DTO, RMR bind, connection,
         connection request, software): aiodat merges any of them in one EVD.
+        ``comp_vector`` picks the completion vector (interrupt) of its CQ; by
+        default EVDs are spread over the device's vectors in turn.
         """
         from aiodat.evd import EVD
 
         self._check()
-        return EVD(self, qlen, streams)
+        return EVD(self, qlen, streams, comp_vector=comp_vector)
+
+    def _next_comp_vector(self) -> int:
+        """The next completion vector in turn, so CQs spread over the device's interrupts."""
+        vectors = max(1, self._context.num_comp_vectors)
+        self._comp_vectors_used += 1
+        return self._comp_vectors_used % vectors
 
     def create_ep(
         self,
@@ -357,8 +381,16 @@ def _provider_consts(version: str) -> Dict[str, Any]:
     return default_provider_consts(version)
 
 
-def open_ia(name: str, async_evd_qlen: int = 8, async_evd: Optional["EVD"] = None) -> IA:
+def open_ia(name: str, async_evd_qlen: int = 8, async_evd: Optional["EVD"] = None,
+            address: Optional[str] = None) -> IA:
     """Open an Interface Adapter by name (dat_ia_open).
+
+    The IA's ``address`` is the port's IP address rdma_cm uses: PSPs listen on
+    it and connections leave from it.  By default it is the first of
+    ``ia.addresses`` (the port's netdevs' addresses, IPoIB included; IPv4
+    before IPv6); ``address=`` names another one (IPv6 too, link-local as
+    ``"fe80::1%netdev"``), and raises InvalidParameter listing the port's
+    addresses if it is not one of them.
 
     ``name`` comes from :func:`list_providers` (``"rxe0"``, ``"rxe0:1"``); a
     ``RO_AWARE_`` prefix is removed and marks the application as coping with
@@ -368,7 +400,7 @@ def open_ia(name: str, async_evd_qlen: int = 8, async_evd: Optional["EVD"] = Non
     ``async_evd_qlen`` entries.  Raises :class:`aiodat.ProviderNotFound` (a
     LookupError) listing the names that exist when ``name`` is unknown.
     """
-    return IA(name, async_evd_qlen, async_evd)
+    return IA(name, async_evd_qlen, async_evd, address)
 
 
 class PZ(Handle):

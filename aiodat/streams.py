@@ -40,6 +40,7 @@ import collections
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -51,6 +52,8 @@ from aiodat.errors import (
     ModelNotSupported,
     ProviderNotFound,
 )
+from aiodat.cm import resolve_host
+from aiodat.netdev import same_address
 
 __all__ = [
     "open_connection", "start_server", "create_connection", "create_server", "StreamConfig",
@@ -121,7 +124,7 @@ _CONFIG_KEYS = ("buffer_size", "recv_depth", "window_size", "rdma_threshold")
 # left at their "off" value, refused otherwise
 _IGNORABLE = {"ssl": (None, False), "sock": (None,), "local_addr": (None,), "server_hostname": (None,),
               "ssl_handshake_timeout": (None,), "ssl_shutdown_timeout": (None,), "happy_eyeballs_delay": (None,),
-              "interleave": (None,), "family": (0, socket.AF_INET, socket.AF_UNSPEC), "proto": (0,),
+              "interleave": (None,), "family": (0, socket.AF_INET, socket.AF_INET6, socket.AF_UNSPEC), "proto": (0,),
               "flags": (0, socket.AI_PASSIVE), "reuse_address": (None, True, False), "reuse_port": (None, False),
               "all_errors": (False,)}
 
@@ -142,17 +145,17 @@ def _split_kwds(kwds: Dict[str, Any]) -> Tuple[StreamConfig, Dict[str, Any]]:
 
 
 class _IAPool:
-    """One IA per device per process, shared by all streams and closed with the last of them."""
+    """One IA per device and address per process, shared by all streams and closed with the last of them."""
 
     def __init__(self) -> None:
-        self._entries: Dict[str, List[Any]] = {}
+        self._entries: Dict[Tuple[str, Optional[str]], List[Any]] = {}
 
-    def acquire(self, name: str) -> Any:
+    def acquire(self, name: str, address: Optional[str] = None) -> Any:
         from aiodat.ia import open_ia
 
-        entry = self._entries.get(name)
+        entry = self._entries.get((name, address))
         if entry is None or entry[0].closed:
-            entry = self._entries[name] = [open_ia(name), 0]
+            entry = self._entries[(name, address)] = [open_ia(name, address=address), 0]
         entry[1] += 1
         return entry[0]
 
@@ -183,28 +186,54 @@ def shared_ia_count() -> int:
     return _POOL.open_count()
 
 
-def _device_for(host: Optional[str]) -> str:
-    """The device to use for ``host``: the one whose address it is, else $AIODAT_RXE_DEVICE, else the first."""
+#: how long the device and address list is reused before it is read again (a host that no
+#: device has also reads it again at once)
+PROVIDER_CACHE_SECONDS = 5.0
+_providers_cache: Tuple[float, List[Any]] = (-PROVIDER_CACHE_SECONDS, [])
+
+
+def _active_providers(refresh: bool = False) -> List[Any]:
+    """The active device ports with addresses, cached: reading them opens every device."""
+    global _providers_cache
     from aiodat.ia import list_providers
 
-    candidates: List[Tuple[str, str]] = [(p.name, p.address) for p in list_providers()
-                                         if p.state == "PORT_ACTIVE" and p.address]
-    for name, addr in candidates:
-        if host and addr == host:
-            return name
+    now = time.monotonic()
+    if refresh or now - _providers_cache[0] > PROVIDER_CACHE_SECONDS:
+        _providers_cache = (now, [p for p in list_providers() if p.state == "PORT_ACTIVE" and p.addresses])
+    return list(_providers_cache[1])
+
+
+def _device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optional[str]]:
+    """(device, address) for ``host``: the device that has that address, else one with an address of
+    the same family ($AIODAT_RXE_DEVICE first).  A server (``listening``) must name a device's own address."""
+    candidates = _active_providers()
+    if host and not any(same_address(a, host) for p in candidates for a in p.addresses):
+        candidates = _active_providers(refresh=True)  # an address may have been added since
+    for p in candidates:
+        for addr in p.addresses:
+            if host and same_address(addr, host):
+                return p.name, addr
+    if listening and host:
+        known = ", ".join(a for p in candidates for a in p.addresses) or "none"
+        raise InvalidAddress(f"cannot listen on {host}: no RDMA device has that address (an aiodat server "
+                             f"listens on a device's address; the devices have: {known})")
+    family6 = bool(host) and ":" in str(host)
     env = os.environ.get("AIODAT_RXE_DEVICE")
+    candidates.sort(key=lambda p: p.name != env)
+    for p in candidates:
+        for addr in p.addresses:
+            if (":" in addr) == family6:
+                return p.name, (None if addr == p.addresses[0] else addr)
     if env:
-        return env
-    if candidates:
-        return candidates[0][0]
-    raise ProviderNotFound("no active RDMA device with an IPv4 address; aiodat streams need one "
-                           "(run under `aiodat rxe run -- ...` for Soft-RoCE)")
+        return env, None
+    raise ProviderNotFound("no active RDMA device with an IP address%s; aiodat streams need one "
+                           "(run under `aiodat rxe run -- ...` for Soft-RoCE)" % (" of that family" if candidates else ""))
 
 
 class _IARef:
     """The IA a connection or server uses: pooled (by device name) or the caller's own IA object."""
 
-    def __init__(self, ia: Any, host: Optional[str]) -> None:
+    def __init__(self, ia: Any, host: Optional[str], listening: bool = False) -> None:
         from aiodat.ia import IA
 
         if isinstance(ia, IA):
@@ -213,7 +242,11 @@ class _IARef:
         else:
             if ia is not None and not isinstance(ia, str):
                 raise InvalidParameter(f"ia must be None, a device name or an aiodat.IA, not {type(ia).__name__}")
-            self.ia, self._pooled = _POOL.acquire(ia or _device_for(host)), True
+            if ia is None:
+                self.ia = _POOL.acquire(*_device_for(host, listening))
+            else:
+                self.ia = _POOL.acquire(ia, host if listening else None)
+            self._pooled = True
         self._released = False
 
     def share(self) -> "_IARef":
@@ -820,6 +853,7 @@ async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol]
     if host is None or port is None:
         raise InvalidAddress("aiodat streams need both host and port (there is no sock= form)")
     loop = asyncio.get_running_loop()
+    host = await resolve_host(host)
     iaref = _IARef(ia, host)
     res = None
     try:
@@ -866,6 +900,7 @@ class ListenSocket:
 
     def __init__(self, address: str, port: int, psp: Any) -> None:
         self._address, self._port = address, port
+        self.family = socket.AF_INET6 if ":" in address else socket.AF_INET
         #: the :class:`aiodat.PSP` listening
         self.psp = psp
 
@@ -904,7 +939,7 @@ class Server:
         self._cr_evd = cr_evd
         self._cfg = cfg
         self._accept_timeout = accept_timeout
-        self._sockets: Optional[List[ListenSocket]] = [ListenSocket(psp.address or "0.0.0.0", psp.port, psp)]
+        self._sockets: Optional[List[ListenSocket]] = [ListenSocket(psp.address, psp.port, psp)]
         self._transports: Dict[RdmaTransport, None] = {}
         self._pending: Dict["asyncio.Task[None]", None] = {}
         self._serving = False
@@ -1097,16 +1132,13 @@ async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], ho
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
         raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
     loop = asyncio.get_running_loop()
-    iaref = _IARef(ia, host)
+    if host is not None:
+        host = await resolve_host(host)
+    iaref = _IARef(ia, host, listening=True)
     try:
-        if host is not None and iaref.ia.address != host:
-            try:
-                host = socket.gethostbyname(host)
-            except OSError:
-                pass
-            if iaref.ia.address != host:
-                raise InvalidAddress(f"cannot listen on {host}: the RDMA device {iaref.ia.name} has address "
-                                     f"{iaref.ia.address} (an aiodat server listens on a device's address)")
+        if host is not None and not same_address(iaref.ia.address or "", host):
+            raise InvalidAddress(f"cannot listen on {host}: the IA {iaref.ia.name} has address "
+                                 f"{iaref.ia.address} (an aiodat server listens on its IA's address)")
         from aiodat.evd import EvdFlags
 
         cr_evd = iaref.ia.create_evd(max(8, backlog), EvdFlags.CR)

@@ -394,17 +394,18 @@ async def test_cancelled_connect(ia: Any, loop_errors: List[dict]) -> None:
 async def test_send_before_receive_is_posted_waits_briefly(ia: Any, loop_errors: List[dict]) -> None:
     """A send that finds no receive posted is retried after a short RNR delay, not 655 ms per retry.
 
-    The IB CM leaves min_rnr_timer at its longest setting; cm.py shortens it on ESTABLISHED.
+    The IB CM leaves min_rnr_timer at its longest setting; the QP gets EPAttr.min_rnr_timer
+    (12, 0.64 ms, by default) when cm.py readies it.
     """
     from aiodat._lib import ffi, lib
-    from aiodat.cm import MIN_RNR_TIMER
 
+    assert EPAttr().min_rnr_timer == 12
     pair = await make_ep_pair(ia)
     for ep in (pair.client, pair.server):
         attr = ffi.new("struct ibv_qp_attr *")
         init = ffi.new("struct ibv_qp_init_attr *")
         assert lib.ibv_query_qp(ep._qp, attr, lib.IBV_QP_MIN_RNR_TIMER, init) == 0
-        assert attr.min_rnr_timer == MIN_RNR_TIMER
+        assert attr.min_rnr_timer == 12
     # The message still arrives once the receiver posts, and nothing is lost.
     pair.client_lmr.memoryview()[0:4] = b"late"
     pair.client.post_send(pair.client_lmr[0:4], cookie="early")

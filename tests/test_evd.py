@@ -116,6 +116,25 @@ async def test_cancelled_waiter_loses_no_completion(ia: Any, loop_errors: List[d
     assert bytes(pair.server_lmr.memoryview()[0:5]) == b"hello"
 
 
+async def test_cancelled_wait_frees_the_evd_at_once(ia: Any, loop_errors: List[dict]) -> None:
+    """Issue 13: after task.cancel() another task may wait on the EVD at once, even before the
+    cancelled task has run again; the cancelled task's clean-up leaves the new wait alone."""
+    evd = ia.create_evd(4)
+    first = asyncio.ensure_future(evd.wait(timeout=T))
+    await asyncio.sleep(0)
+    assert evd.query().waiting
+    second = asyncio.ensure_future(evd.wait(timeout=T))  # its first step is queued now ...
+    first.cancel()  # ... ahead of the cancelled task's wake-up
+    assert not evd.query().waiting
+    await asyncio.sleep(0)  # second starts waiting; then the cancelled one runs its clean-up
+    await asyncio.sleep(0)
+    assert evd.query().waiting and not second.done()
+    evd.post_se("x")
+    assert [e.payload for e in await asyncio.wait_for(second, T)] == ["x"]
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
 async def test_cancelled_waiter_after_wakeup_keeps_events(ia: Any, loop_errors: List[dict]) -> None:
     """The waiter's future is already resolved when the task is cancelled: the events stay queued."""
     evd = ia.create_evd(4)

@@ -10,6 +10,9 @@
 #include <string.h>
 #include <stdlib.h>
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <stdio.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include "shim.h"
@@ -407,15 +410,81 @@ int aiodat_async_get_events(struct ibv_context *context, struct aiodat_async_eve
  * have): it then moves the QP through RTR/RTS on connect and accept and to
  * ERR on disconnect.  The QP must be on the id's device; librdmacm opens its
  * own ibv_context for it, so compare devices, not contexts. */
-int aiodat_cm_attach_qp(struct rdma_cm_id *id, struct ibv_qp *qp)
+/* librdmacm's QP-less flow (the QP is the caller's, never id->qp): take `qp` through INIT,
+ * RTR and RTS with the attributes rdma_cm negotiated for `id` (rdma_init_qp_attr), exactly
+ * as librdmacm does for a QP it owns, then apply the caller's choices: responder resources
+ * and initiator depth (-1: the CM's), the RNR NAK timer and the ACK timeout (-1: the CM's).
+ * The active side calls it on CONNECT_RESPONSE (then rdma_establish), the passive side
+ * before rdma_accept.  On failure the QP is left in ERR.  Returns 0 or an errno. */
+int aiodat_cm_ready_qp(struct rdma_cm_id *id, struct ibv_qp *qp, int resp_res, int init_depth,
+                       int min_rnr_timer, int ack_timeout)
 {
-    if (qp && id->verbs && qp->context != id->verbs &&
+    struct ibv_qp_attr attr;
+    struct ibv_port_attr port;
+    int mask, err;
+
+    if (qp->context != id->verbs && id->verbs &&
         strcmp(qp->context->device->name, id->verbs->device->name) != 0)
         return EXDEV;
-    id->qp = qp;
+    memset(&attr, 0, sizeof(attr));
+    attr.qp_state = IBV_QPS_INIT;
+    if (rdma_init_qp_attr(id, &attr, &mask))
+        return errno ? errno : EINVAL;
+    if ((err = ibv_modify_qp(qp, &attr, mask)))
+        goto fail;
+
+    memset(&attr, 0, sizeof(attr));
+    attr.qp_state = IBV_QPS_RTR;
+    if (rdma_init_qp_attr(id, &attr, &mask)) {
+        err = errno ? errno : EINVAL;
+        goto fail;
+    }
+    /* librdmacm's work-around for an rdma_ucm bug: bits 21-24 are RoCE-only */
+    if (!ibv_query_port(qp->context, id->port_num, &port) && port.link_layer == IBV_LINK_LAYER_INFINIBAND)
+        mask &= ~0xe00000;
+    if (resp_res >= 0)
+        attr.max_dest_rd_atomic = resp_res;
+    attr.min_rnr_timer = min_rnr_timer;
+    mask |= IBV_QP_MIN_RNR_TIMER;
+    if ((err = ibv_modify_qp(qp, &attr, mask)))
+        goto fail;
+
+    memset(&attr, 0, sizeof(attr));
+    attr.qp_state = IBV_QPS_RTS;
+    if (rdma_init_qp_attr(id, &attr, &mask)) {
+        err = errno ? errno : EINVAL;
+        goto fail;
+    }
+    if (init_depth >= 0)
+        attr.max_rd_atomic = init_depth;
+    if (ack_timeout >= 0) {
+        attr.timeout = ack_timeout;
+        mask |= IBV_QP_TIMEOUT;
+    }
+    if ((err = ibv_modify_qp(qp, &attr, mask)))
+        goto fail;
     return 0;
+fail:
+    memset(&attr, 0, sizeof(attr));
+    attr.qp_state = IBV_QPS_ERR;
+    ibv_modify_qp(qp, &attr, IBV_QP_STATE);
+    return err;
 }
 
+/* Attach (or detach) a UD QP to the multicast group of a MULTICAST_JOIN event, as librdmacm
+ * does for id->qp: the group's GID and LID are in the event's path. */
+int aiodat_mcast_attach(struct ibv_qp *qp, const struct aiodat_cm_event *ev, int attach)
+{
+    struct ibv_ah_attr attr;
+    if (!ev->has_ah_attr)
+        return EINVAL;
+    memcpy(&attr, ev->ah_attr, sizeof(attr));
+    return attach ? ibv_attach_mcast(qp, &attr.grh.dgid, attr.dlid)
+                  : ibv_detach_mcast(qp, &attr.grh.dgid, attr.dlid);
+}
+
+/* A numeric address, IPv4 or IPv6; an IPv6 one may name its scope ("fe80::1%ib0"), which
+ * link-local addresses need to say which interface they are on. */
 int aiodat_sockaddr(const char *host, uint16_t port, struct sockaddr_storage *out)
 {
     memset(out, 0, sizeof(*out));
@@ -426,14 +495,28 @@ int aiodat_sockaddr(const char *host, uint16_t port, struct sockaddr_storage *ou
         v4->sin_port = htons(port);
         return 0;
     }
-    if (inet_pton(AF_INET6, host, &v6->sin6_addr) == 1) {
-        v6->sin6_family = AF_INET6;
-        v6->sin6_port = htons(port);
-        return 0;
+    char text[INET6_ADDRSTRLEN + IF_NAMESIZE + 1];
+    if (strlen(host) >= sizeof(text))
+        return EINVAL;
+    strcpy(text, host);
+    char *scope = strchr(text, '%');
+    if (scope)
+        *scope++ = '\0';
+    if (inet_pton(AF_INET6, text, &v6->sin6_addr) != 1)
+        return EINVAL;
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(port);
+    if (scope) {
+        char *end;
+        unsigned long index = strtoul(scope, &end, 10);
+        v6->sin6_scope_id = (*scope && !*end) ? (uint32_t)index : if_nametoindex(scope);
+        if (!v6->sin6_scope_id)
+            return ENODEV;
     }
-    return EINVAL;
+    return 0;
 }
 
+/* An address as text; a scoped IPv6 address (link-local) gets its "%interface". */
 int aiodat_sockaddr_str(const struct sockaddr *addr, char *host, int host_len, uint16_t *port)
 {
     if (!addr)
@@ -449,10 +532,45 @@ int aiodat_sockaddr_str(const struct sockaddr *addr, char *host, int host_len, u
         const struct sockaddr_in6 *v6 = (const struct sockaddr_in6 *)addr;
         if (!inet_ntop(AF_INET6, &v6->sin6_addr, host, host_len))
             return errno;
+        char name[IF_NAMESIZE];
+        size_t used = strlen(host);
+        if (v6->sin6_scope_id && if_indextoname(v6->sin6_scope_id, name) &&
+            used + 1 + strlen(name) < (size_t)host_len)
+            sprintf(host + used, "%%%s", name);
         *port = ntohs(v6->sin6_port);
         return 0;
     }
     return EAFNOSUPPORT;
+}
+
+/* The IP addresses of network interface `ifname`, as text, one per line, in getifaddrs'
+ * order (IPv4 before IPv6); link-local IPv6 addresses carry their "%ifname".  0, or an
+ * errno (ENOSPC when `out` is too small for all of them). */
+int aiodat_if_addresses(const char *ifname, char *out, int out_len)
+{
+    struct ifaddrs *all;
+    if (getifaddrs(&all))
+        return errno;
+    int used = 0, err = 0;
+    out[0] = '\0';
+    for (struct ifaddrs *ifa = all; ifa && !err; ifa = ifa->ifa_next) {
+        if (!ifa->ifa_addr || strcmp(ifa->ifa_name, ifname) != 0)
+            continue;
+        int family = ifa->ifa_addr->sa_family;
+        if (family != AF_INET && family != AF_INET6)
+            continue;
+        char text[INET6_ADDRSTRLEN + IF_NAMESIZE + 1];
+        uint16_t port;
+        if (aiodat_sockaddr_str(ifa->ifa_addr, text, sizeof(text), &port))
+            continue;
+        int n = snprintf(out + used, out_len - used, "%s\n", text);
+        if (n >= out_len - used)
+            err = ENOSPC;
+        else
+            used += n;
+    }
+    freeifaddrs(all);
+    return err;
 }
 
 int aiodat_gid_str(const union ibv_gid *gid, char *out, int out_len)

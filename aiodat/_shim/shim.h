@@ -42,6 +42,7 @@ struct sockaddr_storage { ...; };
 #define IBV_QP_MIN_RNR_TIMER ...
 #define IBV_QP_TIMEOUT ...
 #define IBV_QP_RETRY_CNT ...
+#define IBV_QP_RNR_RETRY ...
 #define IBV_QP_CAP ...
 #define IBV_ACCESS_LOCAL_WRITE ...
 #define IBV_ACCESS_REMOTE_WRITE ...
@@ -171,6 +172,7 @@ int rdma_connect(struct rdma_cm_id *id, struct rdma_conn_param *conn_param);
 int rdma_accept(struct rdma_cm_id *id, struct rdma_conn_param *conn_param);
 int rdma_reject(struct rdma_cm_id *id, const void *private_data, uint8_t private_data_len);
 int rdma_disconnect(struct rdma_cm_id *id);
+int rdma_establish(struct rdma_cm_id *id);
 int rdma_migrate_id(struct rdma_cm_id *id, struct rdma_event_channel *channel);
 int rdma_join_multicast(struct rdma_cm_id *id, struct sockaddr *addr, void *context);
 int rdma_leave_multicast(struct rdma_cm_id *id, struct sockaddr *addr);
@@ -251,8 +253,11 @@ int aiodat_cm_get_events(struct rdma_event_channel *channel, struct ibv_pd *pd,
                          struct aiodat_cm_event *out, int max);
 struct ibv_ah *aiodat_create_ah(struct ibv_pd *pd, const struct aiodat_cm_event *ev);
 int aiodat_async_get_events(struct ibv_context *context, struct aiodat_async_event *out, int max);
-int aiodat_cm_attach_qp(struct rdma_cm_id *id, struct ibv_qp *qp);
+int aiodat_cm_ready_qp(struct rdma_cm_id *id, struct ibv_qp *qp, int resp_res, int init_depth,
+                       int min_rnr_timer, int ack_timeout);
+int aiodat_mcast_attach(struct ibv_qp *qp, const struct aiodat_cm_event *ev, int attach);
 int aiodat_sockaddr(const char *host, uint16_t port, struct sockaddr_storage *out);
 int aiodat_sockaddr_str(const struct sockaddr *addr, char *host, int host_len, uint16_t *port);
+int aiodat_if_addresses(const char *ifname, char *out, int out_len);
 int aiodat_gid_str(const union ibv_gid *gid, char *out, int out_len);
 size_t aiodat_sockaddr_storage_size(void);
