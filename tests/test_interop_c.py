@@ -1,0 +1,237 @@
+"""Issue 12: aiodat against C programs nobody here wrote the protocol of.
+
+* A plain librdmacm program (tests/cm_peer.c) that uses private data both ways, in both
+  roles: what each side sends is what the other reads, from offset 0, padded by the CM to its
+  fixed sizes (56 bytes with a request, 196 with an accept, 148 with a reject), and one
+  message crosses each way on the connection.
+* rdmacm-utils' rping, with aiodat speaking rping's protocol as the client.
+
+The C program is built here with gcc against the system's librdmacm (scripts/bootstrap.sh
+installs gcc and librdmacm-dev); it reports what the CM handed it on stdout.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+from typing import Any, List, Tuple
+
+import pytest
+
+import aiodat
+from aiodat import EvdFlags
+
+pytestmark = pytest.mark.rxe
+
+T = 60.0  # under TCG the C peer and the guest kernel are slow too
+HERE = Path(__file__).resolve().parent
+_ports = itertools.count(21000 + os.getpid() % 1000 * 10)
+
+
+@pytest.fixture(scope="module")
+def cm_peer(tmp_path_factory: Any) -> str:
+    """tests/cm_peer.c, compiled."""
+    gcc = shutil.which("gcc")
+    assert gcc, "gcc is needed to build tests/cm_peer.c (scripts/bootstrap.sh installs it)"
+    out = tmp_path_factory.mktemp("cm_peer") / "cm_peer"
+    subprocess.run([gcc, "-O1", "-Wall", "-Werror", "-o", str(out), str(HERE / "cm_peer.c"), "-lrdmacm", "-libverbs"],
+                   check=True, capture_output=True, text=True)
+    return str(out)
+
+
+class Peer:
+    """The C program running as a child process, its stdout read line by line."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lines: List[str] = []
+
+    @classmethod
+    async def start(cls, *args: str) -> "Peer":
+        proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        return cls(proc)
+
+    async def line(self, prefix: str) -> str:
+        """The next line the peer prints that starts with ``prefix`` (what follows it)."""
+        assert self.proc.stdout is not None
+        while True:
+            raw = await asyncio.wait_for(self.proc.stdout.readline(), T)
+            if not raw:
+                err = await self.proc.stderr.read() if self.proc.stderr else b""
+                raise AssertionError(f"cm_peer ended without printing {prefix!r}: {err.decode()}")
+            text = raw.decode().rstrip("\n")
+            self.lines.append(text)
+            if text.startswith(prefix):
+                return text[len(prefix):].strip()
+
+    async def pdata(self, prefix: str = "pdata") -> bytes:
+        length, _, hexed = (await self.line(prefix)).partition(" ")
+        data = bytes.fromhex(hexed)
+        assert len(data) == int(length)
+        return data
+
+    async def finish(self) -> List[str]:
+        """Wait for the peer to exit 0; return the lines it printed that were not read yet
+        (a C program's stdout into a pipe is block-buffered: it may come only at exit)."""
+        out, err = await asyncio.wait_for(self.proc.communicate(), T)
+        rest = out.decode().splitlines()
+        self.lines.extend(rest)
+        assert self.proc.returncode == 0, f"the peer exited {self.proc.returncode}: {err.decode()} ({self.lines})"
+        return rest
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+
+async def test_aiodat_client_against_c_server(ia: Any, cm_peer: str) -> None:
+    port = next(_ports)
+    peer = await Peer.start(cm_peer, "server", ia.address, str(port), "accept", "hello-from-c")
+    try:
+        await peer.line("listening")
+        pz = ia.create_pz()
+        ep = ia.create_ep(pz)
+        answer = pz.register(bytearray(128))
+        ep.post_recv(answer[0:128], cookie="answer")  # before connecting: the peer answers at once
+        reply = await ep.connect(ia.address, port, b"\x00hi from aiodat", timeout=T)
+        # the accept's private data byte for byte from offset 0, zero-filled to the REP's 196
+        assert reply == b"hello-from-c" + bytes(196 - 12)
+        # the C server read our bytes from offset 0 (a leading zero byte included), padded to 56
+        assert await peer.pdata() == b"\x00hi from aiodat" + bytes(56 - 15)
+        out = pz.register(bytearray(b"ping"))
+        ep.post_send(out, cookie="ping")
+        (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+        got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
+        assert bytes(answer.memoryview()[0:got.transferred_length]) == b"reply:ping"
+        assert await peer.line("recv") == "ping"
+        await ep.disconnect(timeout=T)
+        await peer.finish()
+    finally:
+        peer.kill()
+
+
+async def test_c_server_rejects_with_private_data(ia: Any, cm_peer: str) -> None:
+    port = next(_ports)
+    peer = await Peer.start(cm_peer, "server", ia.address, str(port), "reject", "go-away")
+    try:
+        await peer.line("listening")
+        ep = ia.create_ep(ia.create_pz())
+        with pytest.raises(aiodat.ConnectionRejected) as info:
+            await ep.connect(ia.address, port, b"may I?", timeout=T)
+        assert info.value.private_data == b"go-away" + bytes(148 - 7)
+        assert await peer.pdata() == b"may I?" + bytes(50)
+        await peer.finish()
+    finally:
+        peer.kill()
+
+
+async def serve_one(ia: Any) -> Tuple[Any, Any, Any]:
+    cr_evd = ia.create_evd(4, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    return psp, cr_evd, ia.create_pz()
+
+
+async def test_c_client_against_aiodat_server(ia: Any, cm_peer: str) -> None:
+    psp, cr_evd, pz = await serve_one(ia)
+    peer = await Peer.start(cm_peer, "client", ia.address, str(psp.port), "hello-from-c")
+    try:
+        request = await cr_evd.wait_one(timeout=T)
+        # the C client's bytes from offset 0, padded by the CM to the REQ's 56
+        assert request.cr.private_data == b"hello-from-c" + bytes(56 - 12)
+        ep = ia.create_ep(pz)
+        answer = pz.register(bytearray(128))
+        ep.post_recv(answer[0:128], cookie="answer")
+        welcome = b"welcome\x00from aiodat"  # a zero inside is data, as any byte is
+        await request.cr.accept(ep, welcome, timeout=T)
+        assert await peer.pdata() == welcome + bytes(196 - len(welcome))
+        out = pz.register(bytearray(b"pong?"))
+        ep.post_send(out, cookie="out")
+        (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+        got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
+        assert bytes(answer.memoryview()[0:got.transferred_length]) == b"reply:pong?"
+        await ep.disconnect(timeout=T)
+        await peer.finish()
+    finally:
+        peer.kill()
+
+
+async def test_aiodat_server_rejects_c_client_with_private_data(ia: Any, cm_peer: str) -> None:
+    psp, cr_evd, _ = await serve_one(ia)
+    peer = await Peer.start(cm_peer, "client", ia.address, str(psp.port), "knock")
+    try:
+        request = await cr_evd.wait_one(timeout=T)
+        assert request.cr.private_data[:5] == b"knock"
+        request.cr.reject(b"full, try later")
+        assert await peer.pdata("rejected") == b"full, try later" + bytes(148 - 15)
+        await peer.finish()
+    finally:
+        peer.kill()
+
+
+# -- rping (rdmacm-utils): its own protocol, aiodat as the client ------------------------
+
+#: struct rping_rdma_info: the buffer's address, rkey and size, big-endian, sent as 16 bytes
+RPING_INFO = struct.Struct("!QII")
+
+
+def rping_message(ping: int, size: int) -> bytes:
+    """What rping's client puts in its source buffer for ping number ``ping`` (rping.c)."""
+    text = bytearray(b"rdma-ping-%d: " % ping)
+    c = 65 + ping % 58
+    while len(text) < size:
+        text.append(c)
+        c = 65 if c >= 122 else c + 1
+    text[size - 1] = 0
+    return bytes(text)
+
+
+async def test_aiodat_rping_client_against_rping_server(ia: Any) -> None:
+    """aiodat plays rping's client: it advertises its source buffer, the C server RDMA-reads it,
+    says go ahead, aiodat advertises its sink, the server RDMA-writes the data back, and aiodat
+    checks every byte (rping -V's check) for each ping."""
+    rping = shutil.which("rping")
+    assert rping, "rping (rdmacm-utils) is needed: scripts/bootstrap.sh installs it"
+    size, count, port = 64, 3, next(_ports)
+    server = await Peer.start(rping, "-s", "-v", "-a", ia.address, "-p", str(port), "-S", str(size))
+    try:
+        pz = ia.create_pz()
+        source = pz.register(bytearray(size), aiodat.Privileges.DEFAULT | aiodat.Privileges.REMOTE_READ)
+        sink = pz.register(bytearray(size), aiodat.Privileges.DEFAULT | aiodat.Privileges.REMOTE_WRITE)
+        info, go = pz.register(bytearray(RPING_INFO.size)), pz.register(bytearray(2 * RPING_INFO.size))
+        ep = ia.create_ep(pz)
+        for attempt in range(50):  # rping binds its port a moment after it starts
+            try:
+                await ep.connect(ia.address, port, timeout=T)
+                break
+            except aiodat.NonPeerRejected:
+                ep.reset()
+                await asyncio.sleep(0.2)
+
+        async def advertise(lmr: Any) -> None:
+            """Send the 16-byte advert of ``lmr`` and wait for the server's 16-byte go-ahead."""
+            ep.post_recv(go[0:RPING_INFO.size], cookie="go-ahead")
+            info.memoryview()[:] = RPING_INFO.pack(lmr.address, lmr.rmr_context, size)
+            ep.post_send(info, cookie="advert")
+            (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+            got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
+            assert got.transferred_length == RPING_INFO.size
+
+        messages: List[str] = []
+        for ping in range(count):
+            message = rping_message(ping, size)
+            source.memoryview()[:] = message
+            sink.memoryview()[:] = bytes(size)
+            await advertise(source)  # the server RDMA-reads the source, then says go ahead
+            await advertise(sink)  # the server RDMA-writes what it read into the sink
+            assert bytes(sink.memoryview()) == message
+            messages.append(message.rstrip(b"\0").decode())
+        await ep.disconnect(timeout=T)
+        printed = [line for line in await server.finish() if line.startswith("server ping data: ")]
+        assert printed == ["server ping data: " + m for m in messages]  # what the server read, each time
+    finally:
+        server.kill()
