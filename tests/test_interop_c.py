@@ -235,3 +235,55 @@ async def test_aiodat_rping_client_against_rping_server(ia: Any) -> None:
         assert printed == ["server ping data: " + m for m in messages]  # what the server read, each time
     finally:
         server.kill()
+
+
+async def test_aiodat_rping_server_against_rping_client(ia: Any) -> None:
+    """aiodat plays rping's server against ``rping -c -V``: it RDMA-reads the client's source
+    buffer, says go ahead, then RDMA-writes the data into the client's sink; the C client
+    checks every byte (-V) and exits 0 only if all pings matched."""
+    from aiodat.memory import RemoteRegion
+
+    rping = shutil.which("rping")
+    assert rping, "rping (rdmacm-utils) is needed: scripts/bootstrap.sh installs it"
+    size, count = 64, 3
+    psp, cr_evd, pz = await serve_one(ia)
+    data = pz.register(bytearray(size))
+    advert, go = pz.register(bytearray(RPING_INFO.size)), pz.register(bytearray(RPING_INFO.size))
+    ep = ia.create_ep(pz)
+    ep.post_recv(advert, cookie="advert")  # the client sends its first advert at once
+    client = await Peer.start(rping, "-c", "-V", "-v", "-a", ia.address, "-p", str(psp.port),
+                              "-S", str(size), "-C", str(count))
+    try:
+        await (await cr_evd.wait_one(timeout=T)).cr.accept(ep, timeout=T)
+
+        async def next_advert() -> RemoteRegion:
+            got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
+            assert got.transferred_length == RPING_INFO.size
+            address, rkey, length = RPING_INFO.unpack(bytes(advert.memoryview()))
+            ep.post_recv(advert, cookie="advert")  # ready for the next one before saying go ahead
+            return RemoteRegion(address, length, rkey)
+
+        async def go_ahead() -> None:
+            ep.post_send(go, cookie="go-ahead")
+            (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+
+        seen = []
+        for ping in range(count):
+            source = await next_advert()
+            assert source.length == size
+            ep.post_rdma_read(data[0:size], source, cookie="read")
+            (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+            seen.append(bytes(data.memoryview()))
+            assert seen[-1] == rping_message(ping, size)  # rping's own pattern, read from its memory
+            await go_ahead()
+            sink = await next_advert()
+            length = seen[-1].index(0) + 1  # rping's server writes strlen + 1
+            ep.post_rdma_write(data[0:length], sink[0:length], cookie="write")
+            (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+            await go_ahead()
+        printed = [line for line in await client.finish() if line.startswith("ping data: ")]
+        assert printed == ["ping data: " + s.rstrip(b"\0").decode() for s in seen]
+        event = await ep.connect_evd.wait_one(timeout=T)  # the client disconnected after its pings
+        assert event.type is aiodat.EventType.CONNECTION_EVENT_DISCONNECTED
+    finally:
+        client.kill()
