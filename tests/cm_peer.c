@@ -25,6 +25,17 @@ static void die(const char *what)
     exit(1);
 }
 
+/* "<label> <len> <hex>": the private data of a CM event, as the CM delivered it. */
+static void print_pdata(const char *label, const struct rdma_cm_event *ev)
+{
+    const unsigned char *p = ev->param.conn.private_data;
+    printf("%s %d ", label, ev->param.conn.private_data_len);
+    for (int i = 0; i < ev->param.conn.private_data_len; i++)
+        printf("%02x", p[i]);
+    printf("\n");
+    fflush(stdout);
+}
+
 /* The next CM event, which must be `want`; its private data is printed when `show`. */
 static struct rdma_cm_event *expect(enum rdma_cm_event_type want, int show)
 {
@@ -36,14 +47,8 @@ static struct rdma_cm_event *expect(enum rdma_cm_event_type want, int show)
                 ev->status, rdma_event_str(want));
         exit(1);
     }
-    if (show) {
-        const unsigned char *p = ev->param.conn.private_data;
-        printf("pdata %d ", ev->param.conn.private_data_len);
-        for (int i = 0; i < ev->param.conn.private_data_len; i++)
-            printf("%02x", p[i]);
-        printf("\n");
-        fflush(stdout);
-    }
+    if (show)
+        print_pdata("pdata", ev);
     return ev;
 }
 
@@ -161,24 +166,15 @@ int main(int argc, char **argv)
     struct rdma_cm_event *ev;
     if (rdma_get_cm_event(channel, &ev))
         die("rdma_get_cm_event");
-    if (ev->event == RDMA_CM_EVENT_REJECTED) {  /* print the reject's private data */
-        const unsigned char *p = ev->param.conn.private_data;
-        printf("rejected %d ", ev->param.conn.private_data_len);
-        for (int i = 0; i < ev->param.conn.private_data_len; i++)
-            printf("%02x", p[i]);
-        printf("\n");
+    if (ev->event == RDMA_CM_EVENT_REJECTED) {
+        print_pdata("rejected", ev);
         return 0;
     }
     if (ev->event != RDMA_CM_EVENT_ESTABLISHED) {
         fprintf(stderr, "cm_peer: got %s (status %d)\n", rdma_event_str(ev->event), ev->status);
         return 1;
     }
-    const unsigned char *p = ev->param.conn.private_data;
-    printf("pdata %d ", ev->param.conn.private_data_len);
-    for (int i = 0; i < ev->param.conn.private_data_len; i++)
-        printf("%02x", p[i]);
-    printf("\n");
-    fflush(stdout);
+    print_pdata("pdata", ev);
     rdma_ack_cm_event(ev);
     converse(id);
     return 0;
