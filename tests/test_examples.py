@@ -25,6 +25,8 @@ EXAMPLES: Dict[str, Tuple[List[str], List[str]]] = {
                      ["counter = 20 (expected 20)", "distinct and complete: True"]),
     "kvstore.py": (["demo", "--transport", "rdma"],
                    ["FETCH blob sha256 matches: True", "demo done over aiodat (RDMA)"]),
+    # nvmeof.py needs the kernel's NVMe-oF target, which tests/test_nvmeof.py sets up and runs it against
+    "nvmeof.py": (["__via__", "test_nvmeof.py"], []),
     "rdma_write.py": (["--size", "262144"], ["contents verified"]),
     "srq_server.py": (["--clients", "3", "--messages", "10"],
                       ["received 30 of 30 messages from 3 clients", "every message arrived, in order"]),
