@@ -4,7 +4,8 @@
   roles: what each side sends is what the other reads, from offset 0, padded by the CM to its
   fixed sizes (56 bytes with a request, 196 with an accept, 148 with a reject), and one
   message crosses each way on the connection.
-* rdmacm-utils' rping, with aiodat speaking rping's protocol as the client.
+* rdmacm-utils' rping, with aiodat speaking rping's protocol in both roles, and librdmacm's
+  rdma_server / rdma_client examples.
 
 The C program is built here with gcc against the system's librdmacm (scripts/bootstrap.sh
 installs gcc and librdmacm-dev); it reports what the CM handed it on stdout.
@@ -204,13 +205,7 @@ async def test_aiodat_rping_client_against_rping_server(ia: Any) -> None:
         sink = pz.register(bytearray(size), aiodat.Privileges.DEFAULT | aiodat.Privileges.REMOTE_WRITE)
         info, go = pz.register(bytearray(RPING_INFO.size)), pz.register(bytearray(2 * RPING_INFO.size))
         ep = ia.create_ep(pz)
-        for attempt in range(50):  # rping binds its port a moment after it starts
-            try:
-                await ep.connect(ia.address, port, timeout=T)
-                break
-            except aiodat.NonPeerRejected:
-                ep.reset()
-                await asyncio.sleep(0.2)
+        await connect_when_listening(ep, ia.address, port)
 
         async def advertise(lmr: Any) -> None:
             """Send the 16-byte advert of ``lmr`` and wait for the server's 16-byte go-ahead."""
@@ -284,6 +279,65 @@ async def test_aiodat_rping_server_against_rping_client(ia: Any) -> None:
         printed = [line for line in await client.finish() if line.startswith("ping data: ")]
         assert printed == ["ping data: " + s.rstrip(b"\0").decode() for s in seen]
         event = await ep.connect_evd.wait_one(timeout=T)  # the client disconnected after its pings
+        assert event.type is aiodat.EventType.CONNECTION_EVENT_DISCONNECTED
+    finally:
+        client.kill()
+
+
+# -- rdma_server / rdma_client (librdmacm's examples): a 16-byte message each way -------------
+
+
+async def connect_when_listening(ep: Any, address: str, port: int) -> bytes:
+    """Connect to a C server that binds its port a moment after it starts."""
+    for _ in range(100):
+        try:
+            return await ep.connect(address, port, timeout=T)
+        except aiodat.NonPeerRejected:
+            ep.reset()
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"nothing listened on {address}:{port}")
+
+
+async def test_aiodat_client_against_rdma_server(ia: Any) -> None:
+    """rdma_server (rdma_create_ep, an inline send) receives our 16 bytes and answers with its 16."""
+    program = shutil.which("rdma_server")
+    assert program, "rdma_server (rdmacm-utils) is needed: scripts/bootstrap.sh installs it"
+    port = next(_ports)
+    server = await Peer.start(program, "-s", ia.address, "-p", str(port))
+    try:
+        pz = ia.create_pz()
+        ep = ia.create_ep(pz)
+        answer, out = pz.register(bytearray(64)), pz.register(bytearray(b"sixteen bytes!!\0"))
+        await connect_when_listening(ep, ia.address, port)  # (may reset the EP: receives go after)
+        ep.post_recv(answer[0:64], cookie="answer")  # before our message: the answer follows it
+        ep.post_send(out, cookie="message")
+        (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+        got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
+        assert got.transferred_length == 16 and bytes(answer.memoryview()[0:16]) == bytes(16)  # its zeroed buffer
+        event = await ep.connect_evd.wait_one(timeout=T)  # the server disconnects once it has sent
+        assert event.type is aiodat.EventType.CONNECTION_EVENT_DISCONNECTED
+        await server.finish()
+    finally:
+        server.kill()
+
+
+async def test_rdma_client_against_aiodat_server(ia: Any) -> None:
+    """rdma_client connects, sends 16 bytes and waits for 16; it exits 0 only if both completed."""
+    program = shutil.which("rdma_client")
+    assert program, "rdma_client (rdmacm-utils) is needed: scripts/bootstrap.sh installs it"
+    psp, cr_evd, pz = await serve_one(ia)
+    client = await Peer.start(program, "-s", ia.address, "-p", str(psp.port))
+    try:
+        ep = ia.create_ep(pz)
+        message, out = pz.register(bytearray(64)), pz.register(bytearray(b"reply from aiodat"[:16]))
+        ep.post_recv(message[0:64], cookie="message")
+        await (await cr_evd.wait_one(timeout=T)).cr.accept(ep, timeout=T)
+        got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
+        assert got.transferred_length == 16
+        ep.post_send(out, cookie="reply")
+        (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+        await client.finish()
+        event = await ep.connect_evd.wait_one(timeout=T)
         assert event.type is aiodat.EventType.CONNECTION_EVENT_DISCONNECTED
     finally:
         client.kill()
