@@ -288,13 +288,13 @@ class Queue:
                     waiter = self._waiting.pop(cqe.command_id, None)
                     if waiter is not None and not waiter.done():
                         waiter.set_result(cqe)
-        except (Exception, asyncio.CancelledError) as exc:
+        except BaseException as exc:   # flushed by our disconnect, a broken connection, or close()
             self._broken = exc
             for waiter in self._waiting.values():
                 if not waiter.done():
                     waiter.set_exception(NvmeofError(f"queue {self.qid} stopped: {exc!r}"))
-            if not isinstance(exc, (aiodat.DTOError, asyncio.CancelledError)):
-                raise
+            if not isinstance(exc, aiodat.DTOError):
+                raise                  # cancellation goes on; anything else is a bug to see
 
     async def submit(self, command: bytearray, data: Optional[Segment] = None, what: str = "command",
                      timeout: float = 30.0) -> Completion:
