@@ -5,7 +5,7 @@
   fixed sizes (56 bytes with a request, 196 with an accept, 148 with a reject), and one
   message crosses each way on the connection.
 * rdmacm-utils' rping, with aiodat speaking rping's protocol in both roles, and librdmacm's
-  rdma_server / rdma_client examples.
+  rdma_server / rdma_client examples, and ucmatose with several connections, both roles.
 
 The C program is built here with gcc against the system's librdmacm (scripts/bootstrap.sh
 installs gcc and librdmacm-dev); it reports what the CM handed it on stdout.
@@ -19,7 +19,7 @@ import shutil
 import struct
 import subprocess
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import pytest
 
@@ -287,9 +287,13 @@ async def test_aiodat_rping_server_against_rping_client(ia: Any) -> None:
 # -- rdma_server / rdma_client (librdmacm's examples): a 16-byte message each way -------------
 
 
-async def connect_when_listening(ep: Any, address: str, port: int) -> bytes:
-    """Connect to a C server that binds its port a moment after it starts."""
+async def connect_when_listening(ep: Any, address: str, port: int,
+                                 prepare: Optional[Callable[[], None]] = None) -> bytes:
+    """Connect to a C server that binds its port a moment after it starts.  A refused attempt
+    resets the EP (a new QP), so ``prepare`` (posting receives, say) runs before each attempt."""
     for _ in range(100):
+        if prepare is not None:
+            prepare()
         try:
             return await ep.connect(address, port, timeout=T)
         except aiodat.NonPeerRejected:
@@ -341,3 +345,90 @@ async def test_rdma_client_against_aiodat_server(ia: Any) -> None:
         assert event.type is aiodat.EventType.CONNECTION_EVENT_DISCONNECTED
     finally:
         client.kill()
+
+
+# -- ucmatose (rdmacm-utils' cmatose): several connections at once -----------------------
+
+UCMA_CONNECTIONS, UCMA_MESSAGES, UCMA_SIZE = 3, 4, 100
+
+
+async def ucmatose_exchange(eps: List[Any], lmrs: List[Any], server: bool) -> None:
+    """cmatose's data phase on established EPs (receives already posted): the server sends
+    ``UCMA_MESSAGES`` on each connection, then takes as many; the client takes, then replies."""
+
+    async def receive_all() -> None:
+        for ep in eps:
+            for _ in range(UCMA_MESSAGES):
+                got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
+                assert got.transferred_length == UCMA_SIZE
+
+    async def send_all() -> None:
+        for ep, lmr in zip(eps, lmrs):
+            for i in range(UCMA_MESSAGES):
+                ep.post_send(lmr[UCMA_MESSAGES * UCMA_SIZE:(UCMA_MESSAGES + 1) * UCMA_SIZE], cookie=i)
+        for ep in eps:
+            for _ in range(UCMA_MESSAGES):
+                (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+
+    if server:
+        await send_all()
+        await receive_all()
+    else:
+        await receive_all()
+        await send_all()
+
+
+def post_ucmatose_receives(ep: Any, lmr: Any) -> None:
+    """cmatose's receives, posted before connecting (its peer sends as soon as all are up)."""
+    for i in range(UCMA_MESSAGES):
+        ep.post_recv(lmr[i * UCMA_SIZE:(i + 1) * UCMA_SIZE], cookie=i)
+
+
+def ucmatose_endpoints(ia: Any) -> Tuple[List[Any], List[Any]]:
+    """One EP per connection and its buffer: UCMA_MESSAGES receive slots and one to send from."""
+    pz = ia.create_pz()
+    eps = [ia.create_ep(pz) for _ in range(UCMA_CONNECTIONS)]
+    return eps, [pz.register(bytearray((UCMA_MESSAGES + 1) * UCMA_SIZE)) for _ in eps]
+
+
+def ucmatose_args(program: str) -> List[str]:
+    return [program, "-c", str(UCMA_CONNECTIONS), "-C", str(UCMA_MESSAGES), "-S", str(UCMA_SIZE)]
+
+
+async def test_ucmatose_client_against_aiodat_server(ia: Any) -> None:
+    program = shutil.which("ucmatose")
+    assert program, "ucmatose (rdmacm-utils) is needed: scripts/bootstrap.sh installs it"
+    psp, cr_evd, _ = await serve_one(ia)
+    eps, lmrs = ucmatose_endpoints(ia)
+    for ep, lmr in zip(eps, lmrs):
+        post_ucmatose_receives(ep, lmr)
+    client = await Peer.start(*ucmatose_args(program), "-s", ia.address, "-p", str(psp.port))
+    try:
+        requests = [await cr_evd.wait_one(timeout=T) for _ in eps]
+        await asyncio.gather(*(r.cr.accept(ep, timeout=T) for r, ep in zip(requests, eps)))
+        await ucmatose_exchange(eps, lmrs, server=True)
+        await asyncio.gather(*(ep.disconnect(timeout=T) for ep in eps))
+        assert "data transfers complete" in "\n".join(await client.finish())
+    finally:
+        client.kill()
+
+
+async def test_aiodat_client_against_ucmatose_server(ia: Any) -> None:
+    program = shutil.which("ucmatose")
+    assert program, "ucmatose (rdmacm-utils) is needed: scripts/bootstrap.sh installs it"
+    port = next(_ports)
+    server = await Peer.start(*ucmatose_args(program), "-b", ia.address, "-p", str(port))
+    try:
+        eps, lmrs = ucmatose_endpoints(ia)
+        await connect_when_listening(eps[0], ia.address, port, lambda: post_ucmatose_receives(eps[0], lmrs[0]))
+        for ep, lmr in zip(eps[1:], lmrs[1:]):
+            post_ucmatose_receives(ep, lmr)
+        await asyncio.gather(*(ep.connect(ia.address, port, timeout=T) for ep in eps[1:]))
+        await ucmatose_exchange(eps, lmrs, server=False)
+        for ep in eps:  # the server disconnects every connection once it has all the replies
+            event = await ep.connect_evd.wait_one(timeout=T)
+            assert event.type is aiodat.EventType.CONNECTION_EVENT_DISCONNECTED
+        assert "data transfers complete" in "\n".join(server.lines + await server.finish())
+    finally:
+        server.kill()
+
