@@ -55,6 +55,7 @@ class Peer:
 
     def __init__(self, *args: str, line_buffered: bool = False) -> None:
         # stdout into a pipe is block-buffered in C: stdbuf -oL when a test must see a line early
+        self.name = args[0].rsplit("/", 1)[-1]
         self.args = (tool("stdbuf"), "-oL", *args) if line_buffered else args
         self.proc: Any = None
         self.lines: List[str] = []
@@ -72,9 +73,12 @@ class Peer:
     async def line(self, prefix: str) -> str:
         """Read up to the first line that starts with ``prefix``."""
         while True:
-            raw = await asyncio.wait_for(self.proc.stdout.readline(), T)
+            try:
+                raw = await asyncio.wait_for(self.proc.stdout.readline(), T)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"{self.name} printed no {prefix!r} within {T}s: {self.lines}") from None
             if not raw:
-                raise AssertionError(f"{self.args[0]} ended without printing {prefix!r}: "
+                raise AssertionError(f"{self.name} ended without printing {prefix!r}: "
                                      f"{self.lines} {(await self.proc.stderr.read()).decode()}")
             self.lines.append(raw.decode().rstrip("\n"))
             if self.lines[-1].startswith(prefix):
@@ -82,14 +86,20 @@ class Peer:
 
     async def finish(self) -> List[str]:
         """Wait for the program to exit; assert it exited 0; return all it printed."""
-        out, err = await asyncio.wait_for(self.proc.communicate(), T)
+        try:
+            await asyncio.wait_for(self.proc.wait(), T)  # (they print little: no pipe fills up)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+        out, err = await self.proc.communicate()
         self.lines.extend(out.decode().splitlines())
-        assert self.proc.returncode == 0, f"{self.args} exited {self.proc.returncode}: {self.lines} {err.decode()}"
+        assert self.proc.returncode == 0, f"{self.name} exited {self.proc.returncode} (-9: still running " \
+                                          f"after {T}s, killed): {self.lines} {err.decode()}"
         return self.lines
 
     async def listening(self, port: int) -> None:
         """Wait until the program's rdma_cm id listens on ``port`` (`rdma resource show cm_id`)."""
-        for _ in range(int(T * 5)):
+        deadline = asyncio.get_running_loop().time() + T
+        while asyncio.get_running_loop().time() < deadline:
             show = await asyncio.create_subprocess_exec(tool("rdma"), "-j", "resource", "show", "cm_id",
                                                         stdout=asyncio.subprocess.PIPE)
             out, _ = await show.communicate()
@@ -98,9 +108,9 @@ class Peer:
                 return
             if self.proc.returncode is not None:
                 await self.finish()  # says why it ended
-                raise AssertionError(f"{self.args} ended before listening: {self.lines}")
+                raise AssertionError(f"{self.name} ended before listening: {self.lines}")
             await asyncio.sleep(0.2)
-        raise AssertionError(f"{self.args} did not listen on port {port} within {T}s")
+        raise AssertionError(f"{self.name} did not listen on port {port} within {T}s")
 
 
 def free_port(ia: Any) -> int:
