@@ -4,9 +4,10 @@
   roles: what each side sends is what the other reads, from offset 0, padded by the CM to its
   fixed sizes (56 bytes with a request, 196 with an accept, 148 with a reject), and one
   message crosses each way on the connection.
-* rdmacm-utils' rping, with aiodat speaking rping's protocol in both roles.
+* rdmacm-utils' rping, with aiodat speaking rping's protocol in both roles, and librdmacm's
+  rdma_server / rdma_client examples, and ucmatose with several connections, both roles.
 
-rdma_server / rdma_client, ucmatose, udaddy and mckey are in test_interop.py.
+udaddy and mckey are in test_interop.py.
 
 The C program is built here with gcc against the system's librdmacm (scripts/bootstrap.sh
 installs gcc and librdmacm-dev); it reports what the CM handed it on stdout.
@@ -285,6 +286,9 @@ async def test_aiodat_rping_server_against_rping_client(ia: Any) -> None:
         client.kill()
 
 
+# -- rdma_server / rdma_client (librdmacm's examples): a 16-byte message each way -------------
+
+
 async def connect_when_listening(ep: Any, address: str, port: int,
                                  prepare: Optional[Callable[[], None]] = None) -> bytes:
     """Connect to a C server that binds its port a moment after it starts.  A refused attempt
@@ -298,3 +302,135 @@ async def connect_when_listening(ep: Any, address: str, port: int,
             ep.reset()
             await asyncio.sleep(0.2)
     raise AssertionError(f"nothing listened on {address}:{port}")
+
+
+async def test_aiodat_client_against_rdma_server(ia: Any) -> None:
+    """rdma_server (rdma_create_ep, an inline send) receives our 16 bytes and answers with its 16."""
+    program = shutil.which("rdma_server")
+    assert program, "rdma_server (rdmacm-utils) is needed: scripts/bootstrap.sh installs it"
+    port = next(_ports)
+    server = await Peer.start(program, "-s", ia.address, "-p", str(port))
+    try:
+        pz = ia.create_pz()
+        ep = ia.create_ep(pz)
+        answer, out = pz.register(bytearray(64)), pz.register(bytearray(b"sixteen bytes!!\0"))
+        await connect_when_listening(ep, ia.address, port)  # (may reset the EP: receives go after)
+        ep.post_recv(answer[0:64], cookie="answer")  # before our message: the answer follows it
+        ep.post_send(out, cookie="message")
+        (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+        got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
+        assert got.transferred_length == 16 and bytes(answer.memoryview()[0:16]) == bytes(16)  # its zeroed buffer
+        event = await ep.connect_evd.wait_one(timeout=T)  # the server disconnects once it has sent
+        assert event.type is aiodat.EventType.CONNECTION_EVENT_DISCONNECTED
+        await server.finish()
+    finally:
+        server.kill()
+
+
+async def test_rdma_client_against_aiodat_server(ia: Any) -> None:
+    """rdma_client connects, sends 16 bytes and waits for 16; it exits 0 only if both completed."""
+    program = shutil.which("rdma_client")
+    assert program, "rdma_client (rdmacm-utils) is needed: scripts/bootstrap.sh installs it"
+    psp, cr_evd, pz = await serve_one(ia)
+    client = await Peer.start(program, "-s", ia.address, "-p", str(psp.port))
+    try:
+        ep = ia.create_ep(pz)
+        message, out = pz.register(bytearray(64)), pz.register(bytearray(b"reply from aiodat"[:16]))
+        ep.post_recv(message[0:64], cookie="message")
+        await (await cr_evd.wait_one(timeout=T)).cr.accept(ep, timeout=T)
+        got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
+        assert got.transferred_length == 16
+        ep.post_send(out, cookie="reply")
+        (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+        await client.finish()
+        event = await ep.connect_evd.wait_one(timeout=T)
+        assert event.type is aiodat.EventType.CONNECTION_EVENT_DISCONNECTED
+    finally:
+        client.kill()
+
+
+# -- ucmatose (rdmacm-utils' cmatose): several connections at once -----------------------
+
+UCMA_CONNECTIONS, UCMA_MESSAGES, UCMA_SIZE = 3, 4, 100
+
+
+async def ucmatose_exchange(eps: List[Any], lmrs: List[Any], server: bool) -> None:
+    """cmatose's data phase on established EPs (receives already posted): the server sends
+    ``UCMA_MESSAGES`` on each connection, then takes as many; the client takes, then replies."""
+
+    async def receive_all() -> None:
+        for ep in eps:
+            for _ in range(UCMA_MESSAGES):
+                got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
+                assert got.transferred_length == UCMA_SIZE
+
+    async def send_all() -> None:
+        for ep, lmr in zip(eps, lmrs):
+            for i in range(UCMA_MESSAGES):
+                ep.post_send(lmr[UCMA_MESSAGES * UCMA_SIZE:(UCMA_MESSAGES + 1) * UCMA_SIZE], cookie=i)
+        for ep in eps:
+            for _ in range(UCMA_MESSAGES):
+                (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+
+    if server:
+        await send_all()
+        await receive_all()
+    else:
+        await receive_all()
+        await send_all()
+
+
+def post_ucmatose_receives(ep: Any, lmr: Any) -> None:
+    """cmatose's receives, posted before connecting (its peer sends as soon as all are up)."""
+    for i in range(UCMA_MESSAGES):
+        ep.post_recv(lmr[i * UCMA_SIZE:(i + 1) * UCMA_SIZE], cookie=i)
+
+
+def ucmatose_endpoints(ia: Any) -> Tuple[List[Any], List[Any]]:
+    """One EP per connection and its buffer: UCMA_MESSAGES receive slots and one to send from."""
+    pz = ia.create_pz()
+    eps = [ia.create_ep(pz) for _ in range(UCMA_CONNECTIONS)]
+    return eps, [pz.register(bytearray((UCMA_MESSAGES + 1) * UCMA_SIZE)) for _ in eps]
+
+
+def ucmatose_args(program: str) -> List[str]:
+    return [program, "-c", str(UCMA_CONNECTIONS), "-C", str(UCMA_MESSAGES), "-S", str(UCMA_SIZE)]
+
+
+async def test_ucmatose_client_against_aiodat_server(ia: Any) -> None:
+    program = shutil.which("ucmatose")
+    assert program, "ucmatose (rdmacm-utils) is needed: scripts/bootstrap.sh installs it"
+    psp, cr_evd, _ = await serve_one(ia)
+    eps, lmrs = ucmatose_endpoints(ia)
+    for ep, lmr in zip(eps, lmrs):
+        post_ucmatose_receives(ep, lmr)
+    client = await Peer.start(*ucmatose_args(program), "-s", ia.address, "-p", str(psp.port))
+    try:
+        requests = [await cr_evd.wait_one(timeout=T) for _ in eps]
+        await asyncio.gather(*(r.cr.accept(ep, timeout=T) for r, ep in zip(requests, eps)))
+        await ucmatose_exchange(eps, lmrs, server=True)
+        await asyncio.gather(*(ep.disconnect(timeout=T) for ep in eps))
+        assert "data transfers complete" in "\n".join(await client.finish())
+    finally:
+        client.kill()
+
+
+async def test_aiodat_client_against_ucmatose_server(ia: Any) -> None:
+    program = shutil.which("ucmatose")
+    assert program, "ucmatose (rdmacm-utils) is needed: scripts/bootstrap.sh installs it"
+    port = next(_ports)
+    server = await Peer.start(*ucmatose_args(program), "-b", ia.address, "-p", str(port))
+    try:
+        eps, lmrs = ucmatose_endpoints(ia)
+        await connect_when_listening(eps[0], ia.address, port, lambda: post_ucmatose_receives(eps[0], lmrs[0]))
+        for ep, lmr in zip(eps[1:], lmrs[1:]):
+            post_ucmatose_receives(ep, lmr)
+        await asyncio.gather(*(ep.connect(ia.address, port, timeout=T) for ep in eps[1:]))
+        await ucmatose_exchange(eps, lmrs, server=False)
+        for ep in eps:  # the server disconnects every connection once it has all the replies
+            event = await ep.connect_evd.wait_one(timeout=T)
+            assert event.type is aiodat.EventType.CONNECTION_EVENT_DISCONNECTED
+        assert "data transfers complete" in "\n".join(server.lines + await server.finish())
+    finally:
+        server.kill()
+
