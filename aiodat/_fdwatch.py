@@ -3,47 +3,123 @@
 aiodat hands three kinds of fd to the loop: completion channels (evd.py), the
 rdma_cm event channel (cm.py) and the IA's async fd (evd.py).  Each is made
 non-blocking and registered with ``loop.add_reader`` the first time something
-waits on it from a running loop; it follows the caller to a new loop (pytest
-gives each test its own), and is removed before the fd is destroyed and never
-on a loop that is already closed.
+waits on it from a running loop, and is removed before the fd is destroyed and
+never on a loop that is already closed.
+
+One loop: the first loop that watches an fd owns it.  Waiting on it from
+another loop (another thread's, or a second loop in this thread) raises
+InvalidState instead of moving the fd and stranding the owner's waiters.  Once
+the owner is closed, the next loop may take it over (pytest gives each test a
+loop of its own).
+
+Lifetimes: the loop holds the watch, never the object it reports to (the
+callback is held weakly), so an EVD or IA the program drops can be collected
+while its fd is watched.  Its finalizer must not touch the loop, so the fd
+stays open (``keep`` holds the raw object that owns it) until the loop itself
+notices: at the next readiness of the fd, or at the loop's next sweep (every
+``SWEEP_SECONDS`` while it watches anything), it unregisters the fd and lets
+the raw object go.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Optional
+import weakref
+from typing import Any, Callable, Optional, Set
 
 from aiodat._lib import lib
-from aiodat.errors import error_from_errno
+from aiodat.errors import InvalidState, error_from_errno
+
+#: how often a loop that watches aiodat fds looks for watches whose object was dropped
+SWEEP_SECONDS = 0.5
+
+# loop -> the watches it has registered (for the sweep); weak, so a dropped loop takes its set along
+_watched: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Set[FdWatch]]" = weakref.WeakKeyDictionary()
 
 
 class FdWatch:
-    """Registers ``callback`` as the reader of ``fd`` on whichever loop is running."""
+    """Registers ``callback`` (a bound method, held weakly) as the reader of ``fd`` on the running loop.
 
-    def __init__(self, fd: int, callback: Callable[[], None], what: str) -> None:
+    ``keep`` is whatever owns the fd (a raw verbs object): held as long as the
+    loop watches the fd, so the fd cannot be closed under the loop.
+    """
+
+    def __init__(self, fd: int, callback: Callable[[], None], what: str, keep: Any = None) -> None:
         err = lib.aiodat_set_nonblocking(fd)
         if err:
             raise error_from_errno(err, f"making the {what} fd non-blocking")
         self.fd = fd
-        self._callback = callback
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._callback = weakref.WeakMethod(callback)  # type: ignore[arg-type]
+        self._what = what
+        self._keep = keep
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # the loop watching now
+        self._owner: Optional[asyncio.AbstractEventLoop] = None  # the loop it belongs to
 
     def attach(self) -> Optional[asyncio.AbstractEventLoop]:
-        """Make sure the running loop (if any) watches the fd; return that loop."""
+        """Make sure the running loop (if any) watches the fd; return that loop.
+
+        Raises InvalidState if the fd belongs to another loop that is still open.
+        """
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return None
         if loop is not self._loop:
+            owner = self._owner
+            if owner is not None and owner is not loop and not owner.is_closed():
+                raise InvalidState(
+                    f"this aiodat object belongs to the event loop it first waited on ({owner!r}); its "
+                    f"{self._what} fd cannot be watched by another loop or thread ({loop!r}): "
+                    "open a separate IA for each loop")
             self.detach()
-            loop.add_reader(self.fd, self._callback)
-            self._loop = loop
+            loop.add_reader(self.fd, self._ready)
+            self._loop = self._owner = loop
+            watches = _watched.get(loop)
+            if watches is None:
+                watches = _watched[loop] = set()
+                loop.call_later(SWEEP_SECONDS, _sweep, loop)
+            watches.add(self)
         return loop
 
     def detach(self) -> None:
         """Stop watching; safe to call many times and after the loop closed."""
         loop, self._loop = self._loop, None
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.remove_reader(self.fd)
-            except (ValueError, OSError):
-                pass
+        if loop is not None:
+            watches = _watched.get(loop)
+            if watches is not None:
+                watches.discard(self)
+            if not loop.is_closed():
+                try:
+                    loop.remove_reader(self.fd)
+                except (ValueError, OSError):
+                    pass
+
+    @property
+    def orphaned(self) -> bool:
+        """True once the object the callback belongs to was collected."""
+        return self._callback() is None
+
+    def _ready(self) -> None:
+        callback = self._callback()
+        if callback is None:  # its object was dropped: stop watching, let the fd's owner go
+            self._retire()
+        else:
+            callback()
+
+    def _retire(self) -> None:
+        self.detach()
+        self._keep = None
+
+
+def _sweep(loop: asyncio.AbstractEventLoop) -> None:
+    """A loop callback: retire the watches whose object was dropped; again later while any remain."""
+    watches = _watched.get(loop)
+    if not watches:
+        _watched.pop(loop, None)
+        return
+    for watch in [w for w in watches if w.orphaned]:
+        watch._retire()
+    if watches:
+        loop.call_later(SWEEP_SECONDS, _sweep, loop)
+    else:
+        _watched.pop(loop, None)
+

@@ -3,16 +3,91 @@
 Objects form a tree (IA > PZ > LMR/RMR/EP/SRQ, IA > EVD, IA > PSP).  Closing a
 parent closes its children first, lowest ``_close_rank`` first, so the verbs
 see QPs destroyed before their CQs and MRs before their PD.  ``close()`` is
-idempotent; any other use after close raises :class:`aiodat.InvalidHandle`;
-an IA dropped unclosed warns with ResourceWarning (children are owned by their
-parent, so they are never dropped while it lives).
+idempotent; any other use after close raises :class:`aiodat.InvalidHandle`.
+
+Dropped objects: an object garbage-collected unclosed warns with
+ResourceWarning (naming where it was created when Python runs in development
+mode, ``python -X dev``).  Its verbs objects are freed by their :class:`Raw`
+holders, which hold the holders they depend on (a QP's holds its CQs' and its
+PD's), so plain reference counting frees children before parents, also when
+the Python objects die together in a garbage cycle.  Finalizers only destroy
+verbs objects: they never call into the event loop.
+
+Fork: verbs objects belong to the process that made them.  In a child after
+``fork()`` every aiodat object is abandoned without touching the device: no
+Raw holder destroys anything there (not when the child collects garbage, nor
+when it exits), and using an object raises :class:`aiodat.InvalidState`
+naming fork.
 """
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 import warnings
-from typing import Any, ClassVar, Dict, Optional
+import weakref
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
-from aiodat.errors import InvalidHandle
+from aiodat._lib import ffi
+from aiodat.errors import InvalidHandle, InvalidState
+
+#: bumped in every child after fork(): a Raw made in an older generation is the parent's
+_generation = 0
+#: every live root (IA): the child of a fork abandons their trees
+_roots: "weakref.WeakSet[Handle]" = weakref.WeakSet()
+#: raw objects whose destruction failed, with what they depend on (a buffer export, say): the
+#: device may still use them, so they stay alive for the life of the process
+_stranded: List[Tuple[str, Any, Tuple[Any, ...]]] = []
+
+
+def _after_fork_in_child() -> None:
+    global _generation
+    _generation += 1
+    for root in list(_roots):
+        root._abandon()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Raw:
+    """One verbs or rdma_cm object and the call that destroys it.
+
+    ``deps`` are the Raw holders (or buffers) it needs alive until it is
+    destroyed.  :meth:`release` destroys it once; dropping the last reference
+    releases it too (that is the finalizer of a dropped aiodat object).
+    Nothing is destroyed in a forked child.
+    """
+
+    __slots__ = ("ptr", "what", "_destroy", "_deps", "_generation", "__weakref__")
+
+    def __init__(self, ptr: Any, destroy: Callable[[Any], int], what: str, *deps: Any) -> None:
+        self.ptr = ptr
+        self.what = what
+        self._destroy = destroy
+        self._deps = deps
+        self._generation = _generation
+
+    def release(self) -> int:
+        """Destroy the object (once); return the destroy call's result (0 or an errno).
+
+        If destruction fails, the object and everything it depends on are kept
+        alive for the rest of the process (the device may still use them).
+        """
+        ptr, self.ptr = self.ptr, ffi.NULL
+        deps, self._deps = self._deps, ()
+        if ptr == ffi.NULL or self._generation != _generation:
+            return 0
+        err = self._destroy(ptr)
+        if err:
+            _stranded.append((self.what, ptr, deps))
+        return err
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # a finalizer: never raise
+            pass
 
 
 class Handle:
@@ -21,23 +96,34 @@ class Handle:
     _kind: ClassVar[str] = "object"
     #: children with a lower rank are closed first when their parent closes
     _close_rank: ClassVar[int] = 0
+    _closed = True  # until __init__ ran: a half-built object is never "unclosed"
+    _forked = False
+    _created_at: Optional[List[str]] = None
 
     def __init__(self, parent: Optional["Handle"]) -> None:
         self._parent = parent
         self._children: Dict["Handle", None] = {}  # insertion-ordered set
-        self._closed = False
+        if sys.flags.dev_mode:  # asyncpg's habit: say where a leaked object came from
+            self._created_at = traceback.format_stack()[:-2]
         if parent is not None:
             parent._check()
             parent._children[self] = None
+        else:
+            _roots.add(self)
+        self._closed = False
 
     @property
     def closed(self) -> bool:
-        """True once the object has been freed or closed."""
+        """True once the object has been freed or closed (or abandoned in a forked child)."""
         return self._closed
 
     def _check(self) -> None:
         """Raise InvalidHandle if this object (or an ancestor) is closed."""
         if self._closed:
+            if self._forked:
+                raise InvalidState(
+                    f"this {self._kind} was made before fork() and belongs to the parent process; "
+                    "aiodat objects are unusable in a child: open a new IA there")
             raise InvalidHandle(f"{self._kind} is closed", subtype=f"DAT_INVALID_HANDLE_{self._kind.upper()}")
 
     def close(self) -> None:
@@ -63,12 +149,30 @@ class Handle:
     def _release(self) -> None:
         """Destroy this object's own resources (children are already closed)."""
 
+    def _abandon(self) -> None:
+        """In a forked child: mark this tree unusable without touching the device."""
+        for child in list(self._children):
+            child._abandon()
+        self._closed = self._forked = True
+
     def _refuse_close_while(self, busy: bool, why: str) -> None:
         """DAT's free calls refuse with DAT_INVALID_STATE while the object is in use."""
         if busy:
-            from aiodat.errors import InvalidState
-
             raise InvalidState(f"cannot free {self._kind}: {why}")
+
+    def _warn_unclosed(self) -> None:
+        where = "".join(self._created_at) if self._created_at else ""
+        hint = (f"; it was created at:\n{where}" if where
+                else " (run Python with -X dev to see where it was created)")
+        warnings.warn(f"unclosed {self._kind} {self!r}{hint}", ResourceWarning, stacklevel=3, source=self)
+
+    def __del__(self) -> None:
+        # Only the warning: the Raw holders this object drops free its verbs objects, in order.
+        if not self._closed:
+            try:
+                self._warn_unclosed()
+            except Exception:
+                pass
 
     def __enter__(self) -> Any:
         self._check()
@@ -86,12 +190,12 @@ class Handle:
 
 
 class RootHandle(Handle):
-    """A handle with no parent (the IA): warns if garbage-collected unclosed."""
+    """A handle with no parent (the IA): closes its tree if garbage-collected unclosed."""
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            warnings.warn(f"unclosed {self._kind} {self!r}", ResourceWarning, stacklevel=2)
+        if not self._closed:
             try:
+                self._warn_unclosed()
                 self.close()
             except Exception:
                 pass

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Deque, List, Optional
 
 from aiodat._fdwatch import FdWatch
-from aiodat._handle import Handle
+from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
 from aiodat.errors import (
     DTOError,
@@ -270,6 +270,15 @@ class EVD(Handle):
         self._cq: Any = ffi.NULL
         self._watch: Optional[FdWatch] = None
         self._wcs: Any = None
+        #: completions polled from the CQ whose events could not be made yet (a failure halfway)
+        self._backlog: List[Any] = []
+        #: a failure of the reader callback with no task waiting: raised by the next wait or dequeue
+        self._pending_error: Optional[BaseException] = None
+        self._unarmed = False  # the last arm failed: arm again before anyone sleeps
+        self._arm_error: Optional[BaseException] = None
+        self._rearms = 0  # how many times a drain re-armed the CQ (once per wake-up)
+        #: awaited requests (rmr.bind) whose completion comes through this EVD's CQ: polled even when full
+        self._awaited = 0
         # a wait pumps the IA's fds first only if they feed this EVD
         self._pump_on_wait = bool(int(streams) & _FED_BY_IA)
         if streams & (EvdFlags.DTO | EvdFlags.RMR_BIND):
@@ -288,13 +297,16 @@ class EVD(Handle):
         self._channel = lib.ibv_create_comp_channel(ia._context)
         if self._channel == ffi.NULL:
             self._fail(error_from_errno(ffi.errno, "creating a completion channel"))
+        self._raw_channel = Raw(self._channel, lib.ibv_destroy_comp_channel, "completion channel")
         self._cq = lib.ibv_create_cq(ia._context, self._qlen, ffi.NULL, self._channel, self.comp_vector)
         if self._cq == ffi.NULL:
             self._fail(InsufficientResources(f"ibv_create_cq({self._qlen}) failed (errno {ffi.errno})"))
-        self._watch = FdWatch(self._channel.fd, self._on_readable, "completion channel")
+        self._raw_cq = Raw(self._cq, lib.ibv_destroy_cq, "CQ", self._raw_channel)  # the CQ goes first
+        # the loop keeps the channel (its fd) while it watches it, even if this EVD is dropped
+        self._watch = FdWatch(self._channel.fd, self._on_readable, "completion channel", keep=self._raw_channel)
         self._wcs = ffi.new("struct aiodat_wc[]", 64)
         self._wc_bytes = ffi.buffer(self._wcs)
-        self._nevents = ffi.new("int *")
+        self._status = ffi.new("int[2]")  # channel events read, arm errno (aiodat_cq_drain)
         ia._cq_owner[int(ffi.cast("uintptr_t", self._cq))] = self
         if lib.ibv_req_notify_cq(self._cq, 0):
             self._fail(error_from_errno(ffi.errno, "arming the CQ"))
@@ -307,93 +319,139 @@ class EVD(Handle):
     def _drain_cq(self, rearm: bool = True) -> bool:
         """Move completions from the CQ into the queue while there is room (one C call per 64).
 
-        With ``rearm`` the channel's event is read and acked and the CQ re-armed
-        first (the reader callback's drain); without, the CQ is only polled.
-        Returns True when an event that notifies arrived (anything but an
-        UNSIGNALLED completion).
+        With ``rearm`` (the reader callback's drain) the channel's event is read
+        and acked and the CQ re-armed, in the first call only: once per
+        wake-up, however many chunks follow.  A CQ whose last arm failed is
+        armed again by any drain.  Completions polled but not yet turned into
+        events when something raised stay in ``_backlog`` and come first next
+        time.  While an awaited request (``rmr.bind``) is outstanding the CQ is
+        polled even when the EVD is full, so its completion cannot be stranded
+        behind the EVD's capacity.  Returns True when an event that notifies
+        arrived (anything but an UNSIGNALLED completion).
         """
         wcs = self._wcs
         if wcs is None:
             return False
         notified = False
+        if self._backlog:
+            backlog, self._backlog = self._backlog, []
+            notified = self._queue_completions(iter(backlog))
         queue = self._queue
+        channel = self._channel if rearm else _NULL
+        arm = (1 if self._solicited else 0) if rearm or self._unarmed else -1
         while True:
-            room = self._qlen - len(queue)
-            if room > 64:
+            if self._awaited:
                 room = 64
-            elif room < 0:
-                room = 0
-            solicited = self._solicited
-            got = lib.aiodat_cq_drain(self._channel if rearm else _NULL, self._cq, solicited, wcs, room,
-                                      self._nevents)
-            if rearm and (solicited or self._armed_solicited):
-                self._note_solicited_arm(solicited)
+            else:
+                room = self._qlen - len(queue)
+                if room > 64:
+                    room = 64
+                elif room < 0:
+                    room = 0
+            got = lib.aiodat_cq_drain(channel, self._cq, arm, wcs, room, self._status)
+            if arm >= 0:
+                self._note_arm(bool(arm), channel is not _NULL)
+                channel, arm = _NULL, -1
             if got:
                 if got < 0:
                     raise error_from_errno(-got, "polling the CQ")
-                if self._queue_completions(got):
+                if self._queue_completions(_WC.iter_unpack(self._wc_bytes[0:got * _WC_SIZE])):
                     notified = True
             if got < room or room == 0:
+                if self._awaited and len(queue) > self._qlen:
+                    self._report_overflow(queue[-1])
                 return notified
 
-    def _note_solicited_arm(self, solicited: bool) -> None:
+    def _note_arm(self, solicited: bool, read_channel: bool) -> None:
+        """After an arm: remember a failure (the next sleeper must arm again), and for
+        solicited waits which kind of arm is in place."""
+        self._rearms += 1
+        err = self._status[1]
+        if err:
+            self._unarmed = True
+            self._arm_error = error_from_errno(err, "arming the CQ (ibv_req_notify_cq, tried twice)")
+            self._armed_solicited = False
+            return
+        self._unarmed = False
+        if solicited or self._armed_solicited:
+            self._note_solicited_arm(solicited, read_channel and self._status[0] > 0)
+
+    def _note_solicited_arm(self, solicited: bool, fired: bool) -> None:
         """After a re-arm, for solicited waits.  Verbs cannot narrow an armed CQ, so a channel
         event counts as solicited only when the arm it consumed was made solicited-only, and
         the new arm is narrow only when the previous one was consumed (or already narrow)."""
         was_solicited_arm = self._armed_solicited
-        fired = self._nevents[0] > 0
         if solicited and fired and was_solicited_arm:
             self._solicited_hit = True
         self._armed_solicited = solicited and (fired or was_solicited_arm)
 
-    def _queue_completions(self, got: int) -> bool:
-        """Turn the first ``got`` polled completions into events; True if one of them notifies."""
+    def _queue_completions(self, wcs: Any) -> bool:
+        """Turn polled completions (struct aiodat_wc tuples, see _WC) into events; True if one
+        of them notifies.  If one raises, the ones after it are kept in ``_backlog``."""
         notified = False
         queue, owner = self._queue, self._ia._qpn_owner
-        # one struct unpack per completion instead of a cffi attribute read per field
-        for wc in _WC.iter_unpack(self._wc_bytes[0:got * _WC_SIZE]):
+        for wc in wcs:
             ep = owner.get(wc[_WC_QP_NUM])
-            if ep is not None:
+            if ep is None:
+                continue
+            try:
                 event = ep._completion_event(wc, self)
-                if event is not None:
-                    queue.append(event)
-                    if wc[_WC_STATUS]:
-                        self._solicited_hit = True  # an error completion always notifies
-                        notified = True
-                    elif getattr(event, "notify", True):
-                        notified = True
+            except Exception as exc:
+                self._backlog = list(wcs)  # the rest of this batch: nothing polled is lost
+                exc.add_note(f"aiodat: the completion of wr_id {wc[0]:#x} on QP {wc[_WC_QP_NUM]} could not be "
+                             f"turned into an event; {len(self._backlog)} later completion(s) are kept")
+                raise
+            if event is not None:
+                queue.append(event)
+                if wc[_WC_STATUS]:
+                    self._solicited_hit = True  # an error completion always notifies
+                    notified = True
+                elif getattr(event, "notify", True):
+                    notified = True
         return notified
 
     def _on_readable(self) -> None:
-        """The loop's reader callback for the completion channel."""
+        """The loop's reader callback for the completion channel.  Never raises into the loop:
+        a failure goes to the waiting task, or to the next wait or dequeue if none waits."""
         if self._closed:
             return
         try:
-            notified = self._drain_cq()
-        except BaseException as exc:  # hand the failure to the waiter instead of the loop
+            if self._drain_cq():
+                self._wake()
+            waiter = self._waiter
+            if self._unarmed and waiter is not None and not waiter.done():
+                # a task still sleeps on this CQ, so it must be armed: try once more, else tell it
+                if self._drain_cq(rearm=False):
+                    self._wake()
+                if self._unarmed and not waiter.done():
+                    raise self._arm_error or InvalidState("the CQ could not be armed")
+        except Exception as exc:
             self._wake(exc)
-            return
-        if notified:
-            self._wake()
 
     def _push(self, event: Event) -> None:
         """Queue an event from a non-CQ stream (CM, async); never dropped."""
         if self._closed:
             return
         if len(self._queue) >= self._qlen:
-            self.overflow_count += 1
-            if not self._overflow_reported and not self._is_async:
-                self._overflow_reported = True
-                self._ia.async_evd._push(
-                    AsyncEvent(EventType.ASYNC_ERROR_EVD_OVERFLOW, self._ia.async_evd, obj=self,
-                               reason=f"{event.type.name} arrived with {len(self._queue)} events queued (qlen {self._qlen})")
-                )
+            self._report_overflow(event)
         self._queue.append(event)
         self._wake()
+
+    def _report_overflow(self, event: Event) -> None:
+        """An event is queued beyond qlen: count it, and tell the async EVD once per overflow."""
+        self.overflow_count += 1
+        if not self._overflow_reported and not self._is_async:
+            self._overflow_reported = True
+            self._ia.async_evd._push(
+                AsyncEvent(EventType.ASYNC_ERROR_EVD_OVERFLOW, self._ia.async_evd, obj=self,
+                           reason=f"{event.type.name} arrived with {len(self._queue)} events queued (qlen {self._qlen})")
+            )
 
     def _wake(self, exc: Optional[BaseException] = None) -> None:
         fut = self._waiter
         if fut is None or fut.done():
+            if exc is not None and self._pending_error is None:
+                self._pending_error = exc  # nobody waits: the next wait or dequeue raises it
             return
         if exc is not None:
             fut.set_exception(exc)
@@ -431,8 +489,13 @@ class EVD(Handle):
         return self._streams
 
     def dequeue(self) -> Optional[Event]:
-        """Return the next event, or None if there is none; never blocks (dat_evd_dequeue)."""
+        """Return the next event, or None if there is none; never blocks (dat_evd_dequeue).
+
+        A failure of the EVD's wake-up that no waiting task received is raised
+        here (or by the next wait), once; the events stay queued.
+        """
         self._check()
+        self._raise_pending()
         if not self._queue:
             self._pump()
         if not self._queue:
@@ -475,6 +538,8 @@ class EVD(Handle):
             # (a done waiter is a wait that was cancelled or woken and has not run again yet:
             # the EVD is free the moment task.cancel() cancels its future)
             raise InvalidState("another task is already waiting on this EVD")
+        if self._pending_error is not None:
+            self._raise_pending()
         loop = _get_running_loop()
         watch, ia = self._watch, self._ia
         if (watch is None or watch._loop is not loop or ia._cm.watch._loop is not loop
@@ -492,6 +557,12 @@ class EVD(Handle):
                 self._drain_cq(rearm=False)
             if len(self._queue) >= threshold:
                 return self._take(max_events)
+            if self._unarmed:  # the last arm failed: arm again now, or fail instead of sleeping forever
+                self._drain_cq(rearm=False)
+                if len(self._queue) >= threshold:
+                    return self._take(max_events)
+                if self._unarmed:
+                    raise self._arm_error or InvalidState("the CQ could not be armed")
             fut: "asyncio.Future[None]" = loop.create_future()
             self._waiter, self._threshold = fut, threshold
             timer = None
@@ -510,22 +581,36 @@ class EVD(Handle):
                 self._solicited = False  # also after returning at once or failing before sleeping
 
     def _expire(self, fut: "asyncio.Future[None]", timeout: float) -> None:
-        if not fut.done():
+        """The wait's timer: a last look, then the timeout fires, even if the look raised."""
+        if fut.done():
+            return
+        look_error: Optional[Exception] = None
+        try:
             self._pump()  # a last look: completions may sit in the CQ while the EVD was full
-            if len(self._queue) >= self._threshold:
-                fut.set_result(None)
-            else:
-                fut.set_exception(
-                    TimeoutExpired(f"EVD wait for {self._threshold} event(s) timed out after {timeout}s "
-                                   f"({len(self._queue)} queued)")
-                )
+        except Exception as exc:
+            look_error = exc
+        if look_error is None and len(self._queue) >= self._threshold:
+            fut.set_result(None)
+            return
+        expired = TimeoutExpired(f"EVD wait for {self._threshold} event(s) timed out after {timeout}s "
+                                 f"({len(self._queue)} queued)"
+                                 + (f"; its last look failed: {look_error}" if look_error else ""))
+        expired.__cause__ = look_error
+        fut.set_exception(expired)
+
+    def _raise_pending(self) -> None:
+        exc, self._pending_error = self._pending_error, None
+        if exc is not None:
+            raise exc
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._watch is not None:
-            self._watch.attach()
+        """Let ``loop`` watch this EVD's channel and its IA's fds (InvalidState if they belong
+        to another loop that is still open)."""
         self._ia._attach_loop()
         for ia in self._sharers:
             ia._attach_loop()
+        if self._watch is not None:
+            self._watch.attach()
 
     async def wait_one(self, timeout: Optional[float] = None) -> Event:
         """Wait for and return exactly one event."""
@@ -595,11 +680,11 @@ class EVD(Handle):
         if self._cq != ffi.NULL:
             self._ia._cq_owner.pop(int(ffi.cast("uintptr_t", self._cq)), None)
             # ack every event the channel still holds, then destroy CQ before channel
-            lib.aiodat_cq_drain(self._channel, self._cq, 0, self._wcs, 0, self._nevents)
-            lib.ibv_destroy_cq(self._cq)
+            lib.aiodat_cq_drain(self._channel, self._cq, -1, self._wcs, 0, self._status)
+            self._raw_cq.release()
             self._cq = ffi.NULL
         if self._channel != ffi.NULL:
-            lib.ibv_destroy_comp_channel(self._channel)
+            self._raw_channel.release()
             self._channel = ffi.NULL
 
     def __repr__(self) -> str:
@@ -684,29 +769,39 @@ class AsyncSource:
             if got <= 0:
                 return
             for i in range(got):
-                raw = self._buf[i]
-                name = _IBV_EVENT_NAMES[raw.event_type] if raw.event_type < len(_IBV_EVENT_NAMES) else str(raw.event_type)
-                kind_type, kind = _ASYNC_MAP.get(name, (EventType.ASYNC_ERROR_PROVIDER_INTERNAL_ERROR, ""))
-                obj: Any = None
-                port = None
-                if kind == "qp":
-                    obj = ia._qpn_owner.get(ffi.cast("struct ibv_qp *", raw.element).qp_num)
-                    if obj is not None:
-                        obj._on_async_error(name)
-                elif kind == "cq":
-                    obj = ia._cq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
-                elif kind == "srq":
-                    obj = ia._srq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
-                    if obj is not None:
-                        obj._on_async_event(name)
-                elif kind == "port":
-                    obj = ia  # the IA is the port; a shared async EVD tells its IAs apart by it
-                    port = raw.port_num
-                elif kind == "ia":
-                    obj = ia
-                ia.async_evd._push(AsyncEvent(kind_type, ia.async_evd, obj=obj, port=port, reason=name))
+                try:
+                    self._dispatch(self._buf[i])
+                except Exception as exc:  # one event's trouble must not lose the rest of the batch
+                    from aiodat.cm import report_internal_error
+
+                    report_internal_error(ia, exc, "turning a device async event into an event")
             if got < 16:
                 return
+
+    def _dispatch(self, raw: Any) -> None:
+        """One copied-out ibv async event -> an event on the async EVD.  ``raw.element`` is a key
+        only: the event was acked in C, so the object may be gone (the QP number was copied)."""
+        ia = self._ia
+        name = _IBV_EVENT_NAMES[raw.event_type] if raw.event_type < len(_IBV_EVENT_NAMES) else str(raw.event_type)
+        kind_type, kind = _ASYNC_MAP.get(name, (EventType.ASYNC_ERROR_PROVIDER_INTERNAL_ERROR, ""))
+        obj: Any = None
+        port = None
+        if kind == "qp":
+            obj = ia._qpn_owner.get(raw.qp_num)
+            if obj is not None:
+                obj._on_async_error(name)
+        elif kind == "cq":
+            obj = ia._cq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
+        elif kind == "srq":
+            obj = ia._srq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
+            if obj is not None:
+                obj._on_async_event(name)
+        elif kind == "port":
+            obj = ia  # the IA is the port; a shared async EVD tells its IAs apart by it
+            port = raw.port_num
+        elif kind == "ia":
+            obj = ia
+        ia.async_evd._push(AsyncEvent(kind_type, ia.async_evd, obj=obj, port=port, reason=name))
 
     def _on_readable(self) -> None:
         if not self._ia.closed:

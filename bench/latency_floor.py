@@ -67,7 +67,7 @@ class RawSide:
         self.fd = self.channel.fd
         self.wcs = ffi.new("struct aiodat_wc[]", 64)
         self.wc_bytes = ffi.buffer(self.wcs)
-        self.nevents = ffi.new("int *")
+        self.nevents = ffi.new("int[2]")  # channel events read, arm errno
         self.send = (send_seg.address, send_seg.length, send_seg.lmr_context)
         self.recv = (recv_seg.address, recv_seg.length, recv_seg.lmr_context)
         self.recvs = 0

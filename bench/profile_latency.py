@@ -122,15 +122,15 @@ async def loop_costs(n: int) -> Dict[str, float]:
     out["asyncio.sleep(0)"] = (clock() - t0) / n / 1000
     from aiodat._lib import ffi, lib
     wcs = ffi.new("struct aiodat_wc[64]")
-    nev = ffi.new("int *")
+    nev = ffi.new("int[2]")
     device, _ = device_and_address()
     with open_ia(device) as ia:
         evd = ia.create_evd(64, __import__("aiodat").EvdFlags.DTO)
         cq = evd._cq
         t0 = clock()
         for _ in range(n):
-            lib.aiodat_cq_drain(ffi.NULL, cq, 0, wcs, 64, nev)
-        out["lib.aiodat_cq_drain, empty CQ, no channel (cffi call)"] = (clock() - t0) / n / 1000
+            lib.aiodat_cq_drain(ffi.NULL, cq, -1, wcs, 64, nev)
+        out["lib.aiodat_cq_drain, empty CQ, no channel, no arm (cffi call)"] = (clock() - t0) / n / 1000
         t0 = clock()
         for _ in range(n):
             evd._drain_cq(rearm=False)

@@ -270,18 +270,45 @@ int aiodat_cq_poll(struct ibv_cq *cq, struct aiodat_wc *out, int max)
     return total;
 }
 
+/* Fault injection for aiodat's own tests (tests/test_wakeups.py): the next `count`
+ * calls of one kind fail as the device could make them fail.  Never set otherwise. */
+static int inject_notify_failures, inject_poll_failures;
+
+void aiodat_inject_fault(int what, int count)
+{
+    if (what == AIODAT_FAULT_NOTIFY)
+        inject_notify_failures = count;
+    else if (what == AIODAT_FAULT_POLL)
+        inject_poll_failures = count;
+}
+
+static int arm_cq(struct ibv_cq *cq, int solicited_only)
+{
+    if (inject_notify_failures > 0) {
+        inject_notify_failures--;
+        return EIO;
+    }
+    return ibv_req_notify_cq(cq, solicited_only);
+}
+
 /* The loop's reader callback for a completion channel, in one call: read and
- * ack every pending channel event (the fd is non-blocking), re-arm the CQ,
- * then poll it.  Arming before polling means a completion that lands after
- * the poll raises a new channel event, so none is stranded.  Returns the
- * number of completions copied (== max means: call again). */
-int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int solicited_only,
-                    struct aiodat_wc *out, int max, int *n_channel_events)
+ * ack the pending channel event (when `channel` is given; the fd is
+ * non-blocking), arm the CQ (arm: -1 no, 0 every completion, 1 solicited
+ * only), then poll it.  Arming before polling means a completion that lands
+ * after the poll raises a new channel event, so none is stranded.  A failed
+ * arm is retried once, then reported in status[1] (an errno) with the
+ * completions still polled: the caller must arm again before it sleeps.
+ * status[0] is the number of channel events read.  Returns the number of
+ * completions copied (== max means: call again, without channel or arm) or
+ * -errno when polling failed. */
+int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int arm,
+                    struct aiodat_wc *out, int max, int *status)
 {
     struct ibv_cq *ev_cq;
     void *ev_ctx;
-    unsigned int events = 0;
 
+    status[0] = 0;
+    status[1] = 0;
     /* One read is enough: aiodat arms a CQ only here and at its creation, always
      * after reading, and an armed CQ raises one channel event; so at most one is
      * pending, and a second read would only return EAGAIN (a system call saved
@@ -289,11 +316,14 @@ int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int sol
     if (channel && ibv_get_cq_event(channel, &ev_cq, &ev_ctx) == 0) {
         /* one CQ per channel in aiodat; ack on the CQ the event named */
         ibv_ack_cq_events(ev_cq, 1);
-        events++;
+        status[0] = 1;
     }
-    *n_channel_events = (int)events;
-    if (channel && ibv_req_notify_cq(cq, solicited_only))
+    if (arm >= 0 && arm_cq(cq, arm) && (status[1] = arm_cq(cq, arm)))
+        status[1] = status[1] > 0 ? status[1] : EIO;
+    if (inject_poll_failures > 0) {
+        inject_poll_failures--;
         return -EIO;
+    }
     return aiodat_cq_poll(cq, out, max);
 }
 
@@ -381,6 +411,7 @@ int aiodat_async_get_events(struct ibv_context *context, struct aiodat_async_eve
         d->event_type = ev.event_type;
         d->element = NULL;
         d->port_num = 0;
+        d->qp_num = 0;
         switch (ev.event_type) {
         case IBV_EVENT_CQ_ERR:
             d->element = ev.element.cq;
@@ -389,6 +420,7 @@ int aiodat_async_get_events(struct ibv_context *context, struct aiodat_async_eve
         case IBV_EVENT_COMM_EST: case IBV_EVENT_SQ_DRAINED: case IBV_EVENT_PATH_MIG:
         case IBV_EVENT_PATH_MIG_ERR: case IBV_EVENT_QP_LAST_WQE_REACHED:
             d->element = ev.element.qp;
+            d->qp_num = ev.element.qp->qp_num;
             break;
         case IBV_EVENT_SRQ_ERR: case IBV_EVENT_SRQ_LIMIT_REACHED:
             d->element = ev.element.srq;

@@ -17,6 +17,8 @@
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 #define AIODAT_CM_PRIVATE_DATA_MAX 256
+#define AIODAT_FAULT_NOTIFY 1
+#define AIODAT_FAULT_POLL 2
 #endif
 #else /* AIODAT_CFFI_CDEF */
 /* ---- (1) libibverbs ---------------------------------------------------- */
@@ -186,6 +188,8 @@ int rdma_set_option(struct rdma_cm_id *id, int level, int optname, void *optval,
 #define RDMA_OPTION_ID_ACK_TIMEOUT ...
 
 #define AIODAT_CM_PRIVATE_DATA_MAX ...
+#define AIODAT_FAULT_NOTIFY ...
+#define AIODAT_FAULT_POLL ...
 #endif /* AIODAT_CFFI_CDEF */
 
 /* ---- (2) the shim ------------------------------------------------------ */
@@ -227,8 +231,9 @@ struct aiodat_cm_event {
 
 /* One asynchronous (device) event, copied out and acked. */
 struct aiodat_async_event {
-    int event_type; void *element;   /* qp, cq or srq pointer; NULL for port events */
+    int event_type; void *element;   /* qp, cq or srq pointer (a key only: never dereferenced); NULL for port events */
     int port_num;
+    uint32_t qp_num;                 /* copied out before the ack: the QP may be gone afterwards */
 };
 
 int aiodat_set_nonblocking(int fd);
@@ -246,8 +251,9 @@ int aiodat_post_recv1(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr, uint32_t
 int aiodat_post_recv(struct ibv_qp *qp, struct ibv_srq *srq, const uint64_t *wr_ids,
                      const int *sge_starts, const int *num_sges, int n,
                      const struct aiodat_sge *sges, int *n_posted);
-int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int solicited_only,
-                    struct aiodat_wc *out, int max, int *n_channel_events);
+int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int arm,
+                    struct aiodat_wc *out, int max, int *status);
+void aiodat_inject_fault(int what, int count);
 int aiodat_cq_poll(struct ibv_cq *cq, struct aiodat_wc *out, int max);
 int aiodat_cm_get_events(struct rdma_event_channel *channel, struct ibv_pd *pd,
                          struct aiodat_cm_event *out, int max);
