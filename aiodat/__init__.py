@@ -32,6 +32,7 @@ from aiodat.memory import LMR, RMR, LMRParam, Privileges, RemoteRegion, RMRParam
 from aiodat.srq import SRQ, SRQParam, SRQState  # noqa: E402
 from aiodat.ep import EPRecvInfo  # noqa: E402
 from aiodat.streams import open_connection, start_server  # noqa: E402
+from aiodat._handle import fork_support  # noqa: E402
 
 __all__ = [
     "__version__", "list_providers", "open_ia", "Provider", "IA", "PZ", "IAQuery", "IAAttr",
@@ -40,7 +41,7 @@ __all__ = [
     "ConnectionEvent", "ConnectionRequestEvent", "SoftwareEvent", "AsyncEvent", "EP", "EPAttr",
     "EPParam", "EPState", "ServiceType", "CompletionFlags", "PSP", "CR", "DATError",
     "SRQ", "SRQParam", "SRQState", "EPRecvInfo",
-    "open_connection", "start_server",
+    "open_connection", "start_server", "fork_support",
 ]
 __all__ += [name for name in dir() if name[0].isupper() and name not in __all__
             and isinstance(globals()[name], type) and issubclass(globals()[name], DATError)]

@@ -28,7 +28,7 @@ import warnings
 import weakref
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
-from aiodat._lib import ffi
+from aiodat._lib import ffi, lib
 from aiodat.errors import InvalidHandle, InvalidState
 
 #: bumped in every child after fork(): a Raw made in an older generation is the parent's
@@ -48,6 +48,20 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def fork_support() -> str:
+    """How registered memory behaves across ``fork()`` here (``ibv_is_fork_initialized``).
+
+    ``"unneeded"``: the kernel copies pinned pages for the child at fork (Linux
+    5.13 and later), so the parent's registrations are unaffected whatever the
+    child does: the normal case, and what aiodat's fork tests run on.
+    ``"enabled"``: someone called ``ibv_fork_init``; registered memory is
+    MADV_DONTFORK, absent from the child (touching it there faults).
+    ``"disabled"``: an older kernel without it: a parent writing to registered
+    memory after fork may get a copy the device does not see.
+    """
+    return {0: "disabled", 1: "enabled", 2: "unneeded"}.get(lib.ibv_is_fork_initialized(), "disabled")
 
 
 class Raw:

@@ -85,6 +85,8 @@ async def _roundtrip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 @pytest.mark.parametrize("how", ["os.fork", "multiprocessing"])
 async def test_a_forked_child_never_destroys_the_parents_objects(ia: Any, rdma_device: Any, how: str,
                                                                 loop_errors: List[dict]) -> None:
+    # the guest's kernel (6.1) copies pinned pages for the child: what docs/reliability.md assumes
+    assert aiodat.fork_support() == "unneeded"
     pair = await make_ep_pair(ia)
     extra = pair.pz.register(bytearray(1 << 16))  # registered memory the child inherits
     await exchange(pair, b"before fork")

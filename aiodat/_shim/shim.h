@@ -147,6 +147,7 @@ int ibv_destroy_srq(struct ibv_srq *srq);
 int ibv_destroy_ah(struct ibv_ah *ah);
 uint32_t ibv_inc_rkey(uint32_t rkey);
 int ibv_fork_init(void);
+int ibv_is_fork_initialized(void);  /* enum ibv_fork_status: 0 disabled, 1 enabled, 2 unneeded */
 
 /* ---- (1) librdmacm ----------------------------------------------------- */
 #define RDMA_PS_TCP ...
