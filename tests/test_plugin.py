@@ -215,12 +215,31 @@ async def test_through_a_fixture_of_the_user(users_own_fixture):
 @pytest.mark.rxe
 async def test_rxe_marker():
     assert on_uvloop()
+
+
+@pytest.fixture(params=["tcp", pytest.param("rdma", marks=pytest.mark.rxe)])
+def transport(request):
+    return request.param
+
+
+async def test_rxe_marked_fixture_param(transport):
+    assert on_uvloop()
+
+
+@pytest.mark.parametrize("kind", ["plain", pytest.param("device", marks=pytest.mark.rxe)])
+async def test_rxe_marked_parameter(kind):
+    assert on_uvloop()
+
+
+@pytest.mark.parametrize("kind", ["a", "b"])
+async def test_plain_parameters(kind):
+    assert not on_uvloop()
 '''
 
 
 def test_loop_chosen_only_for_aiodat_tests(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--aiodat-loop uvloop: tests with aiodat's fixtures (also through a user's fixture) or the rxe marker run
-    on uvloop; plain async tests of the same project keep pytest-asyncio's default loop."""
+    """--aiodat-loop uvloop: tests with aiodat's fixtures (also through a user's fixture), the rxe marker or an
+    rxe-marked parameter run on uvloop; plain async tests of the same project keep pytest-asyncio's default loop."""
     pytest.importorskip("uvloop")
     # a device named by the test bed's environment is taken as given (nothing is opened), so the
     # rxe-marked test runs instead of skipping and its loop check is real
@@ -231,7 +250,7 @@ def test_loop_chosen_only_for_aiodat_tests(pytester: pytest.Pytester, monkeypatc
     pytester.makeini(INI)
     pytester.makepyfile(test_loops=LOOP_CHOICE_SUITE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--aiodat-loop=uvloop", "-v", timeout=300)
-    result.assert_outcomes(passed=5)
+    result.assert_outcomes(passed=11)
     # AIODAT_LOOP chooses the same way as the option
     monkeypatch.setenv("AIODAT_LOOP", "uvloop")
-    pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300).assert_outcomes(passed=5)
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300).assert_outcomes(passed=11)

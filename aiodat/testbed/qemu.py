@@ -133,7 +133,7 @@ class Guest:
 
         ``out_sink(which, data)`` receives the command's output; default: ours.
         """
-        self._write_ctl()
+        self.write_ctl()
         pipes = {name: os.pipe() for name in ("con", "out", "err")}
         fds = {name: w for name, (r, w) in pipes.items()}
         argv = qemu_argv(self.plan, self.initrd, self.ctl, fds)
@@ -170,7 +170,7 @@ class Guest:
             self.qlog.close()
             self.console.close()
             self.proc = None
-            self._diagnose("cannot start QEMU: %s" % e)
+            self.diagnose("cannot start QEMU: %s" % e)
             return False
         for w in fds.values():
             os.close(w)
@@ -196,26 +196,26 @@ class Guest:
     def result(self, timed_out: bool, timeout: float, name: str = "") -> int:
         """The exit status after QEMU ended (diagnosing failures)."""
         elapsed = time.monotonic() - self.t0
-        ready = self._read_ctl("ready")
-        exit_file = self._read_ctl("exitstatus")
+        ready = self.read_ctl("ready")
+        exit_file = self.read_ctl("exitstatus")
         who = (name + ": ") if name else ""
         if timed_out:
             where = "while the command ran" if ready else "before rxe came up in the guest"
-            self._diagnose(who + QEMU_TIMEOUT_MSG.format(timeout, where) + " after %.1f s" % elapsed,
+            self.diagnose(who + QEMU_TIMEOUT_MSG.format(timeout, where) + " after %.1f s" % elapsed,
                            console=not ready)
             return EXIT_TIMEOUT
-        err = self._read_ctl("setup-error")
+        err = self.read_ctl("setup-error")
         if err is not None:
-            self._diagnose(who + "the guest could not bring rxe up, the command did not run: " + err.strip())
+            self.diagnose(who + "the guest could not bring rxe up, the command did not run: " + err.strip())
             return EXIT_TESTBED_FAILED
         if exit_file is None:
-            self._diagnose(who + "QEMU exited (status %s) after %.1f s without the command's exit status%s"
+            self.diagnose(who + "QEMU exited (status %s) after %.1f s without the command's exit status%s"
                            % (self.proc.returncode, elapsed, "" if ready else "; rxe never came up"))
             return EXIT_TESTBED_FAILED
         try:
             rc = int(exit_file.strip())
         except ValueError:
-            self._diagnose(who + "unreadable exit status %r" % exit_file)
+            self.diagnose(who + "unreadable exit status %r" % exit_file)
             return EXIT_TESTBED_FAILED
         if self.plan.verbose:
             msg("aiodat rxe: %srxe up %s s after the guest kernel started; QEMU ran %.1f s; status %d"
@@ -237,7 +237,7 @@ class Guest:
             self.close()
         rc = self.result(timed_out, timeout)
         if self.ok:
-            self._finish_ok()
+            self.finish_ok()
         return rc
 
     def read_ctl(self, name: str) -> Optional[str]:

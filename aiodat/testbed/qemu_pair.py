@@ -69,7 +69,7 @@ def run_qemu_hosts(cmd: List[str], deadline: float, timeout: float, memory: str,
         tail = tail_of(b_log_path, 60)
         if tail:
             why += "\n--- last lines of host B's output (%s) ---\n%s" % (b_log_path, tail)
-        b._diagnose("host B: " + why)
+        b.diagnose("host B: " + why)
 
     timed_out = False
     b_died = False
@@ -110,16 +110,16 @@ def run_qemu_hosts(cmd: List[str], deadline: float, timeout: float, memory: str,
         shutil.rmtree(netdir, ignore_errors=True)
     elapsed = time.monotonic() - t0
     if b_died:
-        err = b._read_ctl("setup-error")
+        err = b.read_ctl("setup-error")
         b_report("QEMU of host B ended while host A was still running (%s); host A killed"
                  % ("set-up failed: " + err.strip() if err else "status %s" % b.proc.returncode))
-        a._diagnose("host A killed because host B ended", console=a._read_ctl("ready") is None)
+        a.diagnose("host A killed because host B ended", console=a.read_ctl("ready") is None)
         return EXIT_TESTBED_FAILED
     rc = a.result(timed_out, timeout, "host A")
     if a.ok and rc == 0:
         if verbose:
             msg("aiodat rxe: two hosts ran %.1f s" % elapsed)
-        a._finish_ok()
+        a.finish_ok()
         shutil.rmtree(b.rundir, ignore_errors=True)
         return rc
     if timed_out or not a.ok or rc != 0:

@@ -84,14 +84,35 @@ AIODAT_FIXTURES = frozenset({"rdma_device", "ia", "ep_pair", "aiodat_loop"})
 
 
 def uses_aiodat(item: pytest.Item) -> bool:
-    """True for a test of aiodat's: it carries the ``rxe`` marker or needs one of :data:`AIODAT_FIXTURES`.
+    """True for a test of aiodat's: it carries the ``rxe`` marker, one of its parameters does, or it
+    needs one of :data:`AIODAT_FIXTURES`.
 
     The fixtures are looked up in the test's whole fixture closure, so a
     user's fixture built on ``ia`` (say) makes its tests aiodat's too.
+    pytest-asyncio asks once per test function, before parametrization, so a
+    parameter marked ``rxe`` (``pytest.param(..., marks=pytest.mark.rxe)``, in
+    ``parametrize`` or in a fixture's ``params``) puts all of that test's
+    cases on the chosen loop.
     """
     if item.get_closest_marker("rxe") is not None:
         return True
-    return not AIODAT_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+    if not AIODAT_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())):
+        return True
+    return any(_marked_rxe(p) for p in _params(item))
+
+
+def _params(item: pytest.Item) -> Iterator[Any]:
+    """The parameter values of the test's ``parametrize`` marks and of the fixtures it uses."""
+    for mark in item.iter_markers("parametrize"):
+        yield from mark.args[1] if len(mark.args) > 1 else mark.kwargs.get("argvalues", ())
+    info = getattr(item, "_fixtureinfo", None)  # pytest's own; absent on items that are not functions
+    for defs in getattr(info, "name2fixturedefs", {}).values():
+        for fixturedef in defs:
+            yield from fixturedef.params or ()
+
+
+def _marked_rxe(param: Any) -> bool:
+    return any(getattr(mark, "name", None) == "rxe" for mark in getattr(param, "marks", ()))
 
 
 @pytest.hookimpl(optionalhook=True)
