@@ -83,8 +83,7 @@ def _rss_kib() -> int:
 
 async def _soak(device: str, address: str, seconds: float, connections: int, interval: float,
                 report: SoakReport) -> None:
-    from aiodat import EvdFlags, Privileges, open_ia
-    from aiodat.errors import DATError
+    from aiodat import DATError, EvdFlags, Privileges, open_ia
 
     ia = open_ia(device)
     try:
