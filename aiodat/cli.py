@@ -4,7 +4,7 @@ Subcommands::
 
     aiodat devices                      the RDMA device ports, like ibv_devices (+ state, link layer, GIDs)
     aiodat query [NAME] [--json]        every attribute of ia.query() (dat_ia_query)
-    aiodat rxe status | run [...] -- CMD   the rxe test bed (aiodat.testing.rxe)
+    aiodat rxe status | run [...] -- CMD   the rxe test bed (aiodat.testbed)
     aiodat ping HOST PORT [--count N]   send/recv round trips to an echo server
     aiodat ping --server PORT           answer pings (an echo server)
     aiodat bench latency [...]          aiodat's ping-pong beside ib_send_lat -R -e and ib_send_lat -R
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true", help="print IAQuery.as_dict() as JSON")
 
     r = sub.add_parser("rxe", help="the rxe test bed: status, run -- CMD", add_help=False,
-                       description="Delegates to aiodat.testing.rxe (see `aiodat rxe --help`).")
+                       description="Delegates to aiodat.testbed (see `aiodat rxe --help`).")
     r.add_argument("args", nargs=argparse.REMAINDER)
 
     p = sub.add_parser("ping", help="send/recv round trips to an echo server (or be one with --server)",
@@ -136,9 +136,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``aiodat`` command line; return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "rxe":
-        from aiodat.testing import rxe
+        from aiodat import testbed
 
-        return rxe.main(args_list[1:])
+        return testbed.main(args_list[1:])
     parser = _parser()
     try:
         args = parser.parse_args(args_list)

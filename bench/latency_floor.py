@@ -36,8 +36,9 @@ from typing import Any, List, Optional
 
 from aiodat import CompletionFlags, DTOOp, open_ia
 from aiodat._lib import ffi, lib
-from aiodat.bench import (SIGNAL_EVERY, _accept_one, _endpoint, device_and_address, latency_pingpong, percentile,
-                          run_on_loop, run_perftest_pair)
+from aiodat.bench import SIGNAL_EVERY, device_and_address, latency_pingpong, percentile, run_on_loop, run_perftest_pair
+from aiodat.bench.latency import endpoint
+from aiodat.bench.peer import accept_one
 from aiodat.cm import connect_pair
 from aiodat.evd import _WC
 
@@ -157,10 +158,10 @@ async def run_raw(device: str, address: str, total: int, processes: int, poll: b
     """p50 half round trip (us) of the raw ping-pong (``aiodat_parts``: see RawSide, one process)."""
     with open_ia(device) as ia:
         pz = ia.create_pz()
-        c_ep, c_evd, c_send, c_recv, _bufs = _endpoint(ia, pz, 2, True)
+        c_ep, c_evd, c_send, c_recv, _bufs = endpoint(ia, pz, 2, True)
         child = task = None
         if processes == 1:
-            s_ep, s_evd, s_send, s_recv, _sbufs = _endpoint(ia, pz, 2, False)
+            s_ep, s_evd, s_send, s_recv, _sbufs = endpoint(ia, pz, 2, False)
             s_ep.post_recv(s_recv)
             await connect_pair(c_ep, s_ep)
             server = RawSide(s_ep, s_evd, s_send, s_recv, **aiodat_parts)
@@ -188,9 +189,9 @@ async def run_raw(device: str, address: str, total: int, processes: int, poll: b
 async def child_main(device: str, total: int, poll: bool) -> None:
     with open_ia(device) as ia:
         pz = ia.create_pz()
-        ep, evd, send_seg, recv_seg, _bufs = _endpoint(ia, pz, 2, False)
+        ep, evd, send_seg, recv_seg, _bufs = endpoint(ia, pz, 2, False)
         ep.post_recv(recv_seg)
-        await _accept_one(ia, ep)
+        await accept_one(ia, ep)
         side = RawSide(ep, evd, send_seg, recv_seg)
         if not poll:
             side.use_loop()

@@ -20,7 +20,8 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Dict, List, Tuple
 
 from aiodat import CompletionFlags, DTOOp, open_ia
-from aiodat.bench import SIGNAL_EVERY, _endpoint, device_and_address, run_on_loop
+from aiodat.bench import SIGNAL_EVERY, device_and_address, run_on_loop
+from aiodat.bench.latency import endpoint
 from aiodat.cm import connect_pair
 from aiodat.evd import EVD
 
@@ -78,12 +79,12 @@ class TimedLib:
 
 @asynccontextmanager
 async def connected_pair() -> AsyncIterator[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
-    """One IA with two connected EPs as ``aiodat.bench._endpoint`` makes them (client, server),
+    """One IA with two connected EPs as ``aiodat.bench.latency.endpoint`` makes them (client, server),
     the server's first receive posted; disconnected at the end."""
     device, _ = device_and_address()
     with open_ia(device) as ia:
         pz = ia.create_pz()
-        client, server = _endpoint(ia, pz, 2, True), _endpoint(ia, pz, 2, False)
+        client, server = endpoint(ia, pz, 2, True), endpoint(ia, pz, 2, False)
         server[0].post_recv(server[3])
         await connect_pair(client[0], server[0])
         yield client, server
@@ -157,7 +158,7 @@ async def count_bytecodes(iters: int) -> Dict[str, int]:
     """Bytecodes executed per function during ``iters`` round trips of the ping-pong."""
     import sys
 
-    from aiodat.bench import _ping, _pong
+    from aiodat.bench.latency import ping, pong
 
     counts: Dict[str, int] = defaultdict(int)
 
@@ -172,12 +173,12 @@ async def count_bytecodes(iters: int) -> Dict[str, int]:
         for total, traced in ((20, False), (iters, True)):  # a warm-up round, then the counted one
             if traced:
                 server.post_recv(s_recv)
-            pong = asyncio.ensure_future(_pong(server, s_evd, s_send, s_recv, total))
+            server_task = asyncio.ensure_future(pong(server, s_evd, s_send, s_recv, total))
             if traced:
                 sys.settrace(tracer)
             try:
-                await _ping(client, c_evd, c_send, c_recv, total)
-                await pong
+                await ping(client, c_evd, c_send, c_recv, total)
+                await server_task
             finally:
                 sys.settrace(None)
     return counts

@@ -1,4 +1,4 @@
-"""The other side of the fault tests (tests/test_faults.py), run on host B by aiodat.testing.hosts.
+"""The other side of the fault tests (tests/test_faults.py), run on host B by aiodat.testbed.hosts.
 
     fault_peer.py server PORT SIZE         accept connections (each in its own task); all share one
                                            SIZE-byte registered buffer (remote write allowed), advertised

@@ -2,7 +2,7 @@
 
 Run with ``aiodat rxe run --hosts 2 -- env AIODAT_REQUIRE_DEVICE=1 python -m pytest -m hosts2 tests/test_faults.py``
 (once per loop: ``--aiodat-loop asyncio`` / ``uvloop``).  The test runs on host A; the peer program
-(tests/fault_peer.py) runs on host B through :mod:`aiodat.testing.hosts`, on the same loop.
+(tests/fault_peer.py) runs on host B through :mod:`aiodat.testbed.hosts`, on the same loop.
 Faults: SIGKILL of the peer, tc netem packet loss, delay and reordering on both directions, the link down, a listener
 whose link is down.  Each test states what must hold; the bounds are the ones docs/reliability.md names.
 Measured figures are appended as JSON lines to ``$AIODAT_FIGURES`` when that is set.
@@ -21,7 +21,7 @@ import pytest
 
 import aiodat
 from aiodat import EPAttr, EPState, EventType, EvdFlags, Privileges
-from aiodat.testing import hosts
+from aiodat.testbed import hosts
 
 pytestmark = pytest.mark.hosts2
 

@@ -1,5 +1,5 @@
 """The two-host test bed's pure pieces, on the host (no guest): the mailbox protocol of
-aiodat.testing.hosts against a real agent process, and the generated guest scripts and QEMU
+aiodat.testbed.hosts against a real agent process, and the generated guest scripts and QEMU
 arguments of ``rxe run --hosts 2``."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Iterator
 
 import pytest
 
-from aiodat.testing import hosts, rxe
+from aiodat import testbed
+from aiodat.testbed import _common, guest, hosts, modules, qemu_pair
 
 HOSTS_PY = os.path.join(os.path.dirname(os.path.abspath(hosts.__file__)), "hosts.py")
 
@@ -30,7 +31,7 @@ def agent(tmp_path: "os.PathLike[str]", monkeypatch: pytest.MonkeyPatch) -> Iter
     monkeypatch.setenv("AIODAT_HOSTS", "2")
     monkeypatch.setenv("AIODAT_HOSTS_DIR", d)
     monkeypatch.setenv("AIODAT_HOST_INDEX", "0")
-    monkeypatch.setenv("AIODAT_HOST_ADDRS", ",".join(rxe.HOST_ADDRS))
+    monkeypatch.setenv("AIODAT_HOST_ADDRS", ",".join(testbed.HOST_ADDRS))
     yield d
     proc.kill()
     proc.wait()
@@ -71,36 +72,36 @@ def test_kill_on_peer_and_on_self(agent: str) -> None:
 
 
 def test_guest_scripts_for_two_hosts(tmp_path: "os.PathLike[str]") -> None:
-    kernel = rxe._Kernel("6.1.0-test", "/boot/vmlinuz-6.1.0-test", "/lib/modules/6.1.0-test")
-    plan = rxe._GuestPlan(
+    kernel = modules.Kernel("6.1.0-test", "/boot/vmlinuz-6.1.0-test", "/lib/modules/6.1.0-test")
+    plan = guest.GuestPlan(
         index=0, cmd=["true"], cwd="/work", env={}, rw_paths=[], kernel=kernel, busybox="/bin/busybox",
-        qemu="qemu-system-x86_64", memory="2G", cpus=2, accel="tcg", addr=rxe.HOST_ADDRS[0],
-        nic=("stream,id=aiodatnet,server=on,addr.type=unix,addr.path=/tmp/x.sock", rxe.HOST_MACS[0]),
+        qemu="qemu-system-x86_64", memory="2G", cpus=2, accel="tcg", addr=testbed.HOST_ADDRS[0],
+        nic=("stream,id=aiodatnet,server=on,addr.type=unix,addr.path=/tmp/x.sock", _common.HOST_MACS[0]),
         hosts_dir=str(tmp_path), wait_for="ready-1")
-    stage2 = rxe._stage2_script(plan)
+    stage2 = guest.stage2_script(plan)
     assert "type dummy" not in stage2
-    assert "virtio_net sch_netem" in stage2 and rxe.HOST_MACS[0] in stage2
+    assert "virtio_net sch_netem" in stage2 and _common.HOST_MACS[0] in stage2
     assert 'name aiodat0' in stage2 and "169.254.78.1/24" in stage2
     assert "aiodathosts /run/aiodat-hosts" in stage2 and "ready-1" in stage2
     assert stage2.index("rdma link add") < stage2.index("ready-1") < stage2.index("run.sh")
-    argv = rxe._qemu_argv(plan, "/initrd", "/ctl", {"con": 3, "out": 4, "err": 5})
+    argv = guest.qemu_argv(plan, "/initrd", "/ctl", {"con": 3, "out": 4, "err": 5})
     assert "-nic" not in argv
-    assert plan.nic[0] in argv and "virtio-net-pci,netdev=aiodatnet,mac=%s" % rxe.HOST_MACS[0] in argv
+    assert plan.nic[0] in argv and "virtio-net-pci,netdev=aiodatnet,mac=%s" % _common.HOST_MACS[0] in argv
     assert any("mount_tag=aiodathosts" in a for a in argv)
-    single = rxe._GuestPlan(index=0, cmd=["true"], cwd="/work", env={}, rw_paths=[], kernel=kernel,
+    single = guest.GuestPlan(index=0, cmd=["true"], cwd="/work", env={}, rw_paths=[], kernel=kernel,
                             busybox="/bin/busybox", qemu="q", memory="2G", cpus=2, accel="tcg")
-    assert "type dummy" in rxe._stage2_script(single)
-    assert "none" == rxe._qemu_argv(single, "/i", "/c", {"con": 3, "out": 4, "err": 5})[
-        rxe._qemu_argv(single, "/i", "/c", {"con": 3, "out": 4, "err": 5}).index("-nic") + 1]
+    assert "type dummy" in guest.stage2_script(single)
+    assert "none" == guest.qemu_argv(single, "/i", "/c", {"con": 3, "out": 4, "err": 5})[
+        guest.qemu_argv(single, "/i", "/c", {"con": 3, "out": 4, "err": 5}).index("-nic") + 1]
 
 
 def test_hosts_env() -> None:
-    env = rxe._hosts_env({"PATH": "/bin"}, 1, "/run/aiodat-hosts")
+    env = qemu_pair.hosts_env({"PATH": "/bin"}, 1, "/run/aiodat-hosts")
     assert env["AIODAT_RXE_ADDR"] == "169.254.78.2" and env["AIODAT_PEER_ADDR"] == "169.254.78.1"
     assert env["AIODAT_HOSTS"] == "2" and env["AIODAT_HOST_INDEX"] == "1" and env["PATH"] == "/bin"
 
 
 def test_cli_rejects_bad_hosts() -> None:
-    assert rxe.main(["run", "--hosts", "3", "--", "true"]) == 2
+    assert testbed.main(["run", "--hosts", "3", "--", "true"]) == 2
     with pytest.raises(ValueError):
-        rxe.run(["true"], timeout=1, hosts=2, method="native")
+        testbed.run(["true"], timeout=1, hosts=2, method="native")

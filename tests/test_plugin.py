@@ -2,9 +2,10 @@
 
 The sample suite below is what a user writes: it never imports the plugin (the
 ``pytest11`` entry point loads it), uses the ``rxe`` marker and the
-``rdma_device`` / ``ia`` / ``ep_pair`` fixtures, a module-scoped event loop
-with a module-scoped connection of its own, and checks it runs on the loop
-chosen with ``--aiodat-loop``.  On rxe it must pass; on a machine without a
+``rdma_device`` / ``ia`` / ``ep_pair`` / ``aiodat_loop`` fixtures, a
+module-scoped event loop with a module-scoped connection of its own, and checks
+that its aiodat tests run on the loop chosen with ``--aiodat-loop`` while a
+plain async test keeps pytest-asyncio's default loop.  On rxe it must pass; on a machine without a
 device the device tests must skip with the how-to message (host-only tests).
 """
 from __future__ import annotations
@@ -53,9 +54,14 @@ async def test_message_across(ep_pair):
     assert ep_pair.client.state is aiodat.EPState.CONNECTED
 
 
-async def test_runs_on_the_chosen_loop():
+async def test_runs_on_the_chosen_loop(aiodat_loop):
     loop = asyncio.get_running_loop()
+    assert aiodat_loop == os.environ["EXPECT_LOOP"]
     assert ("uvloop" in type(loop).__module__) == (os.environ["EXPECT_LOOP"] == "uvloop"), type(loop)
+
+
+async def test_plain_async_test_keeps_the_default_loop():
+    assert "uvloop" not in type(asyncio.get_running_loop()).__module__
 '''
 
 MODULE_LOOP_SUITE = '''
@@ -140,7 +146,7 @@ def test_user_suite_passes_on_rxe(pytester: pytest.Pytester, request: pytest.Fix
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--aiodat-loop={loop}", "-v",
                                            timeout=600)
     result.stdout.fnmatch_lines([f"aiodat: loop={loop} *"])
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=7)
 
 
 def test_user_suite_skips_without_device(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,7 +158,7 @@ def test_user_suite_skips_without_device(pytester: pytest.Pytester, monkeypatch:
     monkeypatch.setenv("EXPECT_LOOP", "uvloop")
     _write_suite(pytester)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--aiodat-loop=uvloop", "-rs", timeout=300)
-    result.assert_outcomes(passed=1, skipped=5)
+    result.assert_outcomes(passed=2, skipped=5)
     result.stdout.fnmatch_lines(["*SKIPPED*no RDMA device here*aiodat rxe run -- python -m pytest*"])
 
 
@@ -169,5 +175,82 @@ def test_required_device_missing_is_an_error(pytester: pytest.Pytester, monkeypa
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
     outcomes: Any = result.parseoutcomes()
     assert outcomes.get("skipped", 0) == 0
-    assert outcomes.get("failed", 0) + outcomes.get("errors", 0) == 2 and outcomes.get("passed") == 1
+    assert outcomes.get("failed", 0) + outcomes.get("errors", 0) == 2 and outcomes.get("passed") == 2
     result.stdout.fnmatch_lines(["*AIODAT_REQUIRE_DEVICE=1 but no RDMA device is up*"])
+
+
+LOOP_CHOICE_SUITE = '''
+import asyncio
+
+import pytest
+import uvloop
+
+
+def on_uvloop():
+    return isinstance(asyncio.get_running_loop(), uvloop.Loop)
+
+
+async def test_plain():
+    assert not on_uvloop()
+
+
+class TestPlainClass:
+    async def test_plain_method(self):
+        assert not on_uvloop()
+
+
+async def test_aiodat_fixture(aiodat_loop):
+    assert aiodat_loop == "uvloop" and on_uvloop()
+
+
+@pytest.fixture
+def users_own_fixture(aiodat_loop):
+    return aiodat_loop
+
+
+async def test_through_a_fixture_of_the_user(users_own_fixture):
+    assert on_uvloop()
+
+
+@pytest.mark.rxe
+async def test_rxe_marker():
+    assert on_uvloop()
+
+
+@pytest.fixture(params=["tcp", pytest.param("rdma", marks=pytest.mark.rxe)])
+def transport(request):
+    return request.param
+
+
+async def test_rxe_marked_fixture_param(transport):
+    assert on_uvloop()
+
+
+@pytest.mark.parametrize("kind", ["plain", pytest.param("device", marks=pytest.mark.rxe)])
+async def test_rxe_marked_parameter(kind):
+    assert on_uvloop()
+
+
+@pytest.mark.parametrize("kind", ["a", "b"])
+async def test_plain_parameters(kind):
+    assert not on_uvloop()
+'''
+
+
+def test_loop_chosen_only_for_aiodat_tests(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--aiodat-loop uvloop: tests with aiodat's fixtures (also through a user's fixture), the rxe marker or an
+    rxe-marked parameter run on uvloop; plain async tests of the same project keep pytest-asyncio's default loop."""
+    pytest.importorskip("uvloop")
+    # a device named by the test bed's environment is taken as given (nothing is opened), so the
+    # rxe-marked test runs instead of skipping and its loop check is real
+    monkeypatch.setenv("AIODAT_RXE_DEVICE", "fake0")
+    monkeypatch.setenv("AIODAT_RXE_ADDR", "169.254.0.9")
+    monkeypatch.delenv("AIODAT_REQUIRE_DEVICE", raising=False)
+    monkeypatch.delenv("AIODAT_LOOP", raising=False)
+    pytester.makeini(INI)
+    pytester.makepyfile(test_loops=LOOP_CHOICE_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--aiodat-loop=uvloop", "-v", timeout=300)
+    result.assert_outcomes(passed=11)
+    # AIODAT_LOOP chooses the same way as the option
+    monkeypatch.setenv("AIODAT_LOOP", "uvloop")
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300).assert_outcomes(passed=11)

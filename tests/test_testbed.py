@@ -1,4 +1,4 @@
-"""Tests of the rxe test bed (aiodat.testing.rxe).
+"""Tests of the rxe test bed (aiodat.testbed).
 
 Most tests need no RDMA device and no guest: they check the pure pieces (the
 cpio writer, module ordering, the status report on a fake filesystem, the
@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from aiodat.testing import rxe
+from aiodat import testbed
+from aiodat.testbed import _common, guest, modules, probe
 
 
 # --------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def fake_moddir(root, version="6.1.0-99-amd64") -> str:
 
 
 def test_cpio_writer_round_trip(tmp_path):
-    w = rxe.CpioWriter()
+    w = testbed.CpioWriter()
     w.add_dir("bin")
     w.add_file("bin/busybox", b"\x7fELF" + bytes(range(256)) * 3, 0o755)
     w.add_symlink("bin/sh", "busybox")
@@ -140,7 +141,7 @@ def test_cpio_writer_round_trip(tmp_path):
 def test_cpio_writer_to_file(tmp_path):
     path = tmp_path / "a.cpio"
     with open(path, "wb") as f:
-        w = rxe.CpioWriter(f)
+        w = testbed.CpioWriter(f)
         w.add_file("x", b"abc")
         assert w.finish() == b""
     assert [e[0] for e in parse_newc(path.read_bytes())] == ["x"]
@@ -154,8 +155,8 @@ def test_cpio_writer_to_file(tmp_path):
 
 def test_module_load_order_puts_dependencies_first(tmp_path):
     moddir = fake_moddir(tmp_path)
-    order = [os.path.basename(p) for p in rxe._module_load_order(moddir, rxe._STAGE1_TARGETS)]
-    assert sorted(order) == sorted(m + ".ko" for m in rxe._STAGE1_FALLBACK)
+    order = [os.path.basename(p) for p in modules.load_order(moddir, modules.STAGE1_TARGETS)]
+    assert sorted(order) == sorted(m + ".ko" for m in modules.STAGE1_FALLBACK)
     pos = {m: i for i, m in enumerate(order)}
     for before, after in [("virtio_ring.ko", "virtio.ko"), ("virtio.ko", "virtio_pci.ko"),
                           ("virtio_pci_legacy_dev.ko", "virtio_pci.ko"),
@@ -167,39 +168,39 @@ def test_module_load_order_puts_dependencies_first(tmp_path):
 def test_module_load_order_skips_builtin_and_reports_missing(tmp_path):
     moddir = fake_moddir(tmp_path)
     make_file(moddir, "modules.builtin", "kernel/fs/overlayfs/overlay.ko\n")
-    order = rxe._module_load_order(moddir, rxe._STAGE1_TARGETS)
+    order = modules.load_order(moddir, modules.STAGE1_TARGETS)
     assert not any(p.endswith("overlay.ko") for p in order)
     with pytest.raises(LookupError, match="no_such"):
-        rxe._module_load_order(moddir, ["no_such"])
+        modules.load_order(moddir, ["no_such"])
 
 
 def test_compressed_module_is_found_and_decompressed(tmp_path):
     import lzma
 
     moddir = fake_moddir(tmp_path)
-    assert rxe._find_module(moddir, "rdma_rxe").endswith("rdma_rxe.ko.xz")
+    assert modules.find_module(moddir, "rdma_rxe").endswith("rdma_rxe.ko.xz")
     path = tmp_path / "m.ko.xz"
     path.write_bytes(lzma.compress(b"\x7fELFmodule"))
-    assert rxe._read_module(str(path)) == b"\x7fELFmodule"
+    assert modules.read_module(str(path)) == b"\x7fELFmodule"
 
 
 def test_elf_static_detection(tmp_path):
     fake_elf(tmp_path / "static", static=True)
     fake_elf(tmp_path / "dynamic", static=False)
-    assert rxe._elf_is_static(str(tmp_path / "static"))
-    assert not rxe._elf_is_static(str(tmp_path / "dynamic"))
-    assert not rxe._elf_is_static(str(tmp_path / "nonexistent"))
+    assert probe.elf_is_static(str(tmp_path / "static"))
+    assert not probe.elf_is_static(str(tmp_path / "dynamic"))
+    assert not probe.elf_is_static(str(tmp_path / "nonexistent"))
 
 
 def test_status_of_empty_root_names_missing_packages(tmp_path):
-    st = rxe.status(root=str(tmp_path))
+    st = testbed.status(root=str(tmp_path))
     assert st["method"] is None
     assert not st["native"]["usable"]
     assert not st["qemu"]["usable"]
     for pkg in ("qemu-system-x86", "linux-image-amd64", "busybox-static", "rdma-core",
                 "ibverbs-providers", "iproute2", "kmod"):
         assert pkg in st["missing_packages"], pkg
-    report = rxe.format_status(st)
+    report = testbed.format_status(st)
     assert "apt-get install" in report
     for pkg in st["missing_packages"]:
         assert pkg in report
@@ -223,11 +224,11 @@ def test_status_of_complete_fake_root(tmp_path):
     os.makedirs(root / "dev")
     (root / "dev/kvm").write_text("")
 
-    st = rxe.status(root=str(root))
+    st = testbed.status(root=str(root))
     assert st["missing_packages"] == [], st
     assert st["recommended_packages"] == []
     q = st["qemu"]
-    assert q["usable"], rxe.format_status(st)
+    assert q["usable"], testbed.format_status(st)
     assert q["kernel_version"] == "6.1.0-99-amd64"
     assert q["busybox"].endswith("/usr/bin/busybox")
     assert q["accel"] == "tcg"
@@ -236,19 +237,19 @@ def test_status_of_complete_fake_root(tmp_path):
 
     # ordinary KVM is only trusted with kvm_intel/kvm_amd and /dev/kvm
     os.makedirs(root / "sys/module/kvm_intel")
-    assert rxe.status(root=str(root))["qemu"]["accel"] == "kvm"
+    assert testbed.status(root=str(root))["qemu"]["accel"] == "kvm"
     (root / "dev/kvm").unlink()
-    assert rxe.status(root=str(root))["qemu"]["accel"] == "tcg"
+    assert testbed.status(root=str(root))["qemu"]["accel"] == "tcg"
 
     # a dynamically linked busybox is not enough
     fake_elf(root / "usr/bin/busybox", static=False)
-    st = rxe.status(root=str(root))
+    st = testbed.status(root=str(root))
     assert "busybox-static" in st["missing_packages"]
     assert not st["qemu"]["usable"]
 
 
 def test_gid_text():
-    assert rxe._gid_for("169.254.77.1") == "0000:0000:0000:0000:0000:ffff:a9fe:4d01"
+    assert _common.gid_for("169.254.77.1") == "0000:0000:0000:0000:0000:ffff:a9fe:4d01"
 
 
 # --------------------------------------------------------------------------
@@ -256,8 +257,8 @@ def test_gid_text():
 
 
 def _plan(tmp_path, cmd, env):
-    kernel = rxe._Kernel("6.1.0-99-amd64", "/boot/vmlinuz-6.1.0-99-amd64", "/lib/modules/6.1.0-99-amd64")
-    return rxe._GuestPlan(index=0, cmd=cmd, cwd=str(tmp_path), env=env, rw_paths=[str(tmp_path)],
+    kernel = modules.Kernel("6.1.0-99-amd64", "/boot/vmlinuz-6.1.0-99-amd64", "/lib/modules/6.1.0-99-amd64")
+    return guest.GuestPlan(index=0, cmd=cmd, cwd=str(tmp_path), env=env, rw_paths=[str(tmp_path)],
                           kernel=kernel, busybox="/bin/busybox", qemu="qemu-system-x86_64",
                           memory="2G", cpus=2, accel="tcg")
 
@@ -269,7 +270,7 @@ def test_run_script_restores_environment_and_cwd(tmp_path):
     code = ("import os, sys, json; print(json.dumps([os.getcwd(), dict(os.environ), sys.argv[1:]]))")
     plan = _plan(tmp_path, [sys.executable, "-c", code, "arg 1", "$x"], env)
     script = tmp_path / "run.sh"
-    script.write_text(rxe._run_script(plan))
+    script.write_text(guest.run_script(plan))
     res = subprocess.run(["sh", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          cwd="/", env={"PATH": "/usr/bin:/bin", "LEAK": "1"})
     assert res.returncode == 0, res.stderr
@@ -284,17 +285,17 @@ def test_run_script_restores_environment_and_cwd(tmp_path):
 
 
 def test_guest_scripts_and_qemu_argv(tmp_path):
-    env = rxe._caller_env({"HOME": "/root"}, str(tmp_path), "qemu", "rxe0")
+    env = _common.caller_env({"HOME": "/root"}, str(tmp_path), "qemu", "rxe0")
     assert env["AIODAT_RXE_DEVICE"] == "rxe0"
     assert env["AIODAT_RXE_ADDR"] == "169.254.77.1"
     assert env["AIODAT_RXE_NETDEV"] == "aiodat0"
     assert env["AIODAT_TESTBED"] == "qemu"
     plan = _plan(tmp_path, ["true"], env)
-    stage2 = rxe._stage2_script(plan)
+    stage2 = guest.stage2_script(plan)
     assert "rdma link add rxe0 type rxe netdev aiodat0" in stage2
     assert "169.254.77.1/24" in stage2
     assert str(tmp_path) in stage2
-    argv = rxe._qemu_argv(plan, "/x/initrd", "/x/ctl", {"con": 10, "out": 11, "err": 12})
+    argv = guest.qemu_argv(plan, "/x/initrd", "/x/ctl", {"con": 10, "out": 11, "err": 12})
     joined = " ".join(argv)
     assert "-accel tcg,thread=multi -cpu max" in joined
     assert "-no-reboot" in argv and "-nic" in argv
@@ -304,10 +305,10 @@ def test_guest_scripts_and_qemu_argv(tmp_path):
 
 
 def test_cli_usage_errors(capsys):
-    assert rxe.main(["run"]) == 2
-    assert rxe.main(["run", "--bogus", "--", "true"]) == 2
-    assert rxe.main(["frobnicate"]) == 2
-    assert rxe.main(["--help"]) == 0
+    assert testbed.main(["run"]) == 2
+    assert testbed.main(["run", "--bogus", "--", "true"]) == 2
+    assert testbed.main(["frobnicate"]) == 2
+    assert testbed.main(["--help"]) == 0
     assert "rxe run" in capsys.readouterr().out
 
 
@@ -316,17 +317,17 @@ def test_cli_usage_errors(capsys):
 
 
 def _need_testbed():
-    if rxe.status()["method"] is None:
-        pytest.skip("the rxe test bed cannot run here: " + rxe.format_status())
+    if testbed.status()["method"] is None:
+        pytest.skip("the rxe test bed cannot run here: " + testbed.format_status())
 
 
 @pytest.mark.testbed
 def test_deadline_kills_a_guest_that_never_finishes(capfd):
     _need_testbed()
     t0 = time.monotonic()
-    rc = rxe.run(["sleep", "1000"], timeout=20)
+    rc = testbed.run(["sleep", "1000"], timeout=20)
     elapsed = time.monotonic() - t0
-    assert rc == rxe.EXIT_TIMEOUT == 124
+    assert rc == testbed.EXIT_TIMEOUT == 124
     assert elapsed < 20 + 15
     assert "deadline of 20 s passed" in capfd.readouterr().err
 
@@ -337,7 +338,7 @@ def test_real_boot_has_an_active_rxe_device(tmp_path, capfd):
     script = ("cat /sys/class/infiniband/*/ports/1/state; ibv_devinfo; "
               "echo \"$AIODAT_TESTBED $AIODAT_RXE_DEVICE $AIODAT_RXE_ADDR\"; "
               "echo to-stderr >&2; echo written-in-guest > marker.txt; exit 7")
-    rc = rxe.run(["sh", "-c", script], timeout=300, cwd=str(tmp_path))
+    rc = testbed.run(["sh", "-c", script], timeout=300, cwd=str(tmp_path))
     out, err = capfd.readouterr()
     assert rc == 7, err
     assert "ACTIVE" in out
@@ -350,9 +351,9 @@ def test_real_boot_has_an_active_rxe_device(tmp_path, capfd):
 @pytest.mark.testbed
 def test_failed_rxe_setup_does_not_run_the_command(monkeypatch, capfd):
     _need_testbed()
-    monkeypatch.setattr(rxe, "_GUEST_MODULES", rxe._GUEST_MODULES + ("aiodat_no_such_module",))
-    rc = rxe.run(["echo", "the-command-ran"], timeout=300)
+    monkeypatch.setattr(modules, "GUEST_MODULES", modules.GUEST_MODULES + ("aiodat_no_such_module",))
+    rc = testbed.run(["echo", "the-command-ran"], timeout=300)
     out, err = capfd.readouterr()
-    assert rc == rxe.EXIT_TESTBED_FAILED == 125
+    assert rc == testbed.EXIT_TESTBED_FAILED == 125
     assert "the-command-ran" not in out
     assert "did not run" in err and "aiodat_no_such_module" in err

@@ -1,1 +1,1 @@
-"""aiodat.testing: the rxe test bed and the pytest plugin."""
+"""aiodat.testing: the pytest plugin (``aiodat.testing.plugin``); the rxe test bed is :mod:`aiodat.testbed`."""

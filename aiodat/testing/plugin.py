@@ -7,16 +7,21 @@ Gives a user's suite, once aiodat is installed:
   pytest``), unless ``AIODAT_REQUIRE_DEVICE=1`` (set by the test bed and CI),
   where a missing device is an error, never a skip;
 * ``--aiodat-loop asyncio|uvloop`` (or ``AIODAT_LOOP``): the event loop
-  pytest-asyncio runs the tests on;
+  pytest-asyncio runs aiodat's tests on.  Only tests that use one of aiodat's
+  fixtures (directly or through other fixtures) or carry the ``rxe`` marker
+  are aiodat's (:func:`uses_aiodat`); every other async test of the project
+  keeps pytest-asyncio's default loop;
 * fixtures: ``rdma_device`` (a :class:`RdmaDevice`: IA name and address),
-  ``ia`` (an open IA, closed after the test) and ``ep_pair`` (two connected
-  endpoints with their EVDs and registered buffers, see :class:`EPPair`).
+  ``ia`` (an open IA, closed after the test), ``ep_pair`` (two connected
+  endpoints with their EVDs and registered buffers, see :class:`EPPair`) and
+  ``aiodat_loop`` (the name of the loop the test runs on; needs no device).
 """
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import pytest
 
@@ -53,7 +58,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     """Add ``--aiodat-loop`` (the event loop async tests run on)."""
     group = parser.getgroup("aiodat")
     group.addoption("--aiodat-loop", choices=("asyncio", "uvloop"), default=None,
-                    help="event loop for async tests (default: $AIODAT_LOOP or asyncio)")
+                    help="event loop for async tests that use aiodat's fixtures or the rxe marker "
+                         "(default: $AIODAT_LOOP or asyncio); other async tests keep pytest-asyncio's")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -70,20 +76,63 @@ def _loop_factory(name: str) -> Callable[[], Any]:
         import uvloop
 
         return uvloop.new_event_loop
-    import asyncio
-
     return asyncio.new_event_loop
 
 
+#: aiodat's fixtures: a test that uses one of them runs on the loop chosen with --aiodat-loop
+AIODAT_FIXTURES = frozenset({"rdma_device", "ia", "ep_pair", "aiodat_loop"})
+
+
+def uses_aiodat(item: pytest.Item) -> bool:
+    """True for a test of aiodat's: it carries the ``rxe`` marker, one of its parameters does, or it
+    needs one of :data:`AIODAT_FIXTURES`.
+
+    The fixtures are looked up in the test's whole fixture closure, so a
+    user's fixture built on ``ia`` (say) makes its tests aiodat's too.
+    pytest-asyncio asks once per test function, before parametrization, so a
+    parameter marked ``rxe`` (``pytest.param(..., marks=pytest.mark.rxe)``, in
+    ``parametrize`` or in a fixture's ``params``) puts all of that test's
+    cases on the chosen loop.
+    """
+    if item.get_closest_marker("rxe") is not None:
+        return True
+    if not AIODAT_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())):
+        return True
+    return any(_marked_rxe(p) for p in _params(item))
+
+
+def _params(item: pytest.Item) -> Iterator[Any]:
+    """The parameter values of the test's ``parametrize`` marks and of the fixtures it uses."""
+    for mark in item.iter_markers("parametrize"):
+        yield from mark.args[1] if len(mark.args) > 1 else mark.kwargs.get("argvalues", ())
+    info = getattr(item, "_fixtureinfo", None)  # pytest's own; absent on items that are not functions
+    for defs in getattr(info, "name2fixturedefs", {}).values():
+        for fixturedef in defs:
+            yield from fixturedef.params or ()
+
+
+def _marked_rxe(param: Any) -> bool:
+    return any(getattr(mark, "name", None) == "rxe" for mark in getattr(param, "marks", ()))
+
+
 @pytest.hookimpl(optionalhook=True)
-def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Dict[str, Callable[[], Any]]:
-    """Run every async test on the loop chosen with --aiodat-loop / AIODAT_LOOP."""
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Callable[[], Any]]:
+    """pytest-asyncio (>= 1.3) asks, per test, which loop to run it on.
+
+    aiodat's tests (:func:`uses_aiodat`) get the loop chosen with
+    --aiodat-loop / AIODAT_LOOP.  For any other test a user's own hook, if
+    any, has already answered (conftest hooks are called before an installed
+    plugin's); otherwise the answer must still be a mapping, so it is
+    pytest-asyncio's own default: a new loop from the current event loop policy.
+    """
+    if not uses_aiodat(item):
+        return {"asyncio": asyncio.new_event_loop}
     name = _loop_name(config)
     return {name: _loop_factory(name)}
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    """Say in the report header which loop, device and test bed the run uses."""
+    """Say in the report header which loop (for aiodat's tests), device and test bed the run uses."""
     device = os.environ.get("AIODAT_RXE_DEVICE", "auto-detect")
     return f"aiodat: loop={_loop_name(config)} device={device} testbed={os.environ.get('AIODAT_TESTBED', 'none')}"
 
@@ -109,6 +158,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """Skip (or fail under AIODAT_REQUIRE_DEVICE=1) an ``rxe``-marked test when there is no device."""
     if item.get_closest_marker("rxe") is not None:
         _device_or_skip()
+
+
+@pytest.fixture
+def aiodat_loop(request: pytest.FixtureRequest) -> str:
+    """The name of the event loop the test runs on (``"asyncio"`` or ``"uvloop"``), as chosen with
+    ``--aiodat-loop`` / ``AIODAT_LOOP``.  Needs no device; using it makes an async test one of aiodat's."""
+    return _loop_name(request.config)
 
 
 @pytest.fixture(scope="session")

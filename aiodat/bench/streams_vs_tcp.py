@@ -13,7 +13,6 @@ differ, as in examples/kvstore.py):
 
 TCP runs on 127.0.0.1, RDMA on the device's address (rxe runs over the
 guest's own network stack, so both are "loopback" in the same guest).
-:func:`aiodat.bench.streams` is the entry point; this module holds the code.
 """
 from __future__ import annotations
 
@@ -22,6 +21,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any, Dict, List, Optional
+
+from .harness import device_and_address, run_on_loop
+from .perftest import run_perftest_pair
+from .stats import percentile
 
 
 @dataclass
@@ -157,8 +160,6 @@ async def _latency(streams: ModuleType, host: str, size: int, iters: int) -> Lis
 async def measure(transport: str, streams: ModuleType, host: str, write_size: int, total: int, size: int,
                   iters: int) -> StreamsFigures:
     """Both figures for one transport."""
-    from aiodat.bench import percentile
-
     tput = await _throughput(streams, host, write_size, total)
     rtts = await _latency(streams, host, size, iters)
     return StreamsFigures(transport, tput["mb_s"], percentile(rtts, 50), percentile(rtts, 99), tput["stats"])
@@ -166,8 +167,6 @@ async def measure(transport: str, streams: ModuleType, host: str, write_size: in
 
 def _perftest(device: str, address: str, write_size: int, total: int, size: int,
               iters: int) -> Dict[str, Optional[float]]:
-    from aiodat.bench import run_perftest_pair
-
     n = str(max(5, total // write_size))
     out: Dict[str, Optional[float]] = {}
     for key, tool in (("ib_write_bw_mb_s", "ib_write_bw"), ("ib_send_bw_mb_s", "ib_send_bw")):
@@ -180,12 +179,18 @@ def _perftest(device: str, address: str, write_size: int, total: int, size: int,
     return out
 
 
-def run(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters: int = 1000, loop: str = "asyncio",
-        device: Optional[str] = None, address: Optional[str] = None, tcp_host: str = "127.0.0.1",
-        perftest: bool = True) -> StreamsReport:
-    """Measure aiodat streams and asyncio TCP streams; see :func:`aiodat.bench.streams`."""
-    from aiodat.bench import device_and_address, run_on_loop
-    from aiodat.errors import InvalidParameter
+def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters: int = 1000,
+            loop: str = "asyncio", *, device: Optional[str] = None, address: Optional[str] = None,
+            tcp_host: str = "127.0.0.1", perftest: bool = True) -> StreamsReport:
+    """``aiodat bench streams``: aiodat streams beside asyncio TCP streams, same code, same loop, same machine.
+
+    Throughput of ``total`` bytes in ``write_size``-byte ``write`` + ``drain``
+    calls, and ``iters`` round trips of ``size``-byte request/response
+    (median and p99), over aiodat on the device's address and over asyncio
+    TCP on ``tcp_host``; with ``perftest``, ``ib_write_bw``/``ib_send_bw -R`` and
+    ``ib_send_lat -R -e`` afterwards as the device's ceiling.
+    """
+    from aiodat import InvalidParameter
 
     for name, value, low in (("write_size", write_size, 1), ("total", total, write_size), ("size", size, 1),
                              ("iters", iters, 1)):

@@ -1,0 +1,32 @@
+"""The child of a two-process benchmark (started by ``aiodat bench``, see :mod:`aiodat.bench.peer`):
+
+``python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL LOOP``: the server of a ping-pong;
+``python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP``: the receiving side of a bandwidth run.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from .harness import run_on_loop
+from .latency import pong_process
+from .throughput import sink_process
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run the child named by ``argv[0]``; 2 with a usage line for anything else."""
+    if len(argv) == 6 and argv[0] == "pong":
+        _, device, address, size, total, loop_name = argv
+        run_on_loop(loop_name, lambda: pong_process(device, address, int(size), int(total)))
+        return 0
+    if len(argv) == 7 and argv[0] == "sink":
+        _, device, op, size, depth, total, loop_name = argv
+        run_on_loop(loop_name, lambda: sink_process(device, op, int(size), int(depth), int(total)))
+        return 0
+    print("usage: python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL LOOP\n"
+          "       python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP  (children of aiodat bench)")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

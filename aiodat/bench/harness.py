@@ -1,0 +1,68 @@
+"""Where and on what a benchmark runs: the device and its address, and a fresh asyncio or uvloop loop."""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Awaitable, Callable, Optional, Tuple, TypeVar
+
+T = TypeVar("T")
+
+#: event loops the benchmarks can run on
+LOOPS = ("asyncio", "uvloop")
+
+
+def device_and_address(device: Optional[str] = None, address: Optional[str] = None) -> Tuple[str, str]:
+    """The IA name and IPv4 address to benchmark on.
+
+    Defaults: ``$AIODAT_RXE_DEVICE`` / ``$AIODAT_RXE_ADDR`` (set by ``aiodat rxe
+    run``), else the first active port with an IPv4 GID.  Raises
+    :class:`aiodat.ProviderNotFound` when there is none.
+    """
+    from aiodat import ProviderNotFound, open_ia
+
+    if device and address:
+        return device, address
+    if device and not address:
+        with open_ia(device) as ia:
+            address = ia.address
+        if not address:
+            raise ProviderNotFound(f"{device} has no IPv4 address (GID) for rdma_cm")
+        return device, address
+    found = _find_device()
+    if found is None:
+        raise ProviderNotFound(
+            "no RDMA device with an IPv4 address here; run the benchmark where rxe is up: "
+            "`aiodat rxe run -- aiodat bench ...`"
+        )
+    return found[0], address or found[1]
+
+
+def _find_device() -> Optional[Tuple[str, str]]:
+    """The test bed's device (its environment), else the first active port with an IPv4 address."""
+    from aiodat import list_providers
+
+    name, addr = os.environ.get("AIODAT_RXE_DEVICE"), os.environ.get("AIODAT_RXE_ADDR")
+    if name and addr:
+        return name, addr
+    for provider in list_providers():
+        if provider.state == "PORT_ACTIVE" and provider.address:
+            return provider.name, provider.address
+    return None
+
+
+def run_on_loop(loop_name: str, factory: Callable[[], Awaitable[T]]) -> T:
+    """Run ``factory()`` to completion on a new ``asyncio`` or ``uvloop`` event loop, then close it."""
+    if loop_name == "uvloop":
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    elif loop_name == "asyncio":
+        loop = asyncio.new_event_loop()
+    else:
+        raise ValueError(f"loop must be one of {LOOPS}, not {loop_name!r}")
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(factory())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()

@@ -1,0 +1,125 @@
+"""perftest as the C peer of a benchmark: run one tool as server and client over rdma_cm (``-R``) and
+parse its result table."""
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+@dataclass
+class PerftestResult:
+    """One perftest run: the command lines, exit status, output and parsed result rows."""
+
+    tool: str
+    args: Tuple[str, ...]
+    returncode: Optional[int]
+    output: str
+    rows: List[Dict[str, float]] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when the client ran to the end and printed a result row."""
+        return not self.error and bool(self.rows)
+
+    def value(self, column: str) -> Optional[float]:
+        """The figure in ``column`` of the last result row (e.g. "t_typical[usec]"), or None."""
+        return self.rows[-1].get(column) if self.rows else None
+
+
+def parse_perftest(output: str) -> List[Dict[str, float]]:
+    """The result rows perftest printed: one dict per row, keyed by its header's column names.
+
+    Column names are perftest's, with ``99% percentile[usec]`` written
+    ``99%_percentile[usec]`` (e.g. ``t_typical[usec]``, ``BW average[MB/sec]``
+    becomes ``BW_average[MB/sec]``).
+    """
+    rows: List[Dict[str, float]] = []
+    header: Optional[List[str]] = None
+    for line in output.splitlines():
+        text = line.strip()
+        if text.startswith("#bytes"):
+            text = re.sub(r"(\S) (percentile|average|peak)\b", r"\1_\2", text)
+            text = re.sub(r"\bBW (peak|average)", r"BW_\1", text)
+            text = re.sub(r"\bMsgRate\[Mpps\]", "MsgRate[Mpps]", text)
+            header = text.split()
+            continue
+        if header is None:
+            continue
+        parts = text.split()
+        if not parts or not re.fullmatch(r"\d+", parts[0]):
+            if text.startswith("-"):
+                header = header  # a separator line: the table may go on
+            continue
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            continue
+        rows.append(dict(zip(header, values)))
+    return rows
+
+
+def _perftest_port() -> int:
+    return random.randint(20000, 29999)
+
+
+def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: str,
+                      timeout: float = 300.0, start_delay: float = 1.0) -> PerftestResult:
+    """Run perftest ``tool`` as a server and a client on ``address`` over rdma_cm (``-R``).
+
+    Both processes get ``-d device -R -F -p PORT`` plus ``args``; the client
+    connects to ``address`` and is retried while the server is not yet
+    listening.  Returns the client's parsed output (the server's when the
+    client printed no table).  Never raises for a failed tool: the result's
+    ``error`` says what went wrong (tool missing, timeout, exit status).
+    """
+    path = shutil.which(tool)
+    if path is None:
+        return PerftestResult(tool, tuple(args), None, "",
+                              error=f"{tool} not found (install the Debian package perftest)")
+    port = str(_perftest_port())
+    common = [path, "-d", device, "-R", "-F", "-p", port, *args]
+    deadline = time.monotonic() + timeout
+    server = subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, text=True)
+    client_out = ""
+    client_rc: Optional[int] = None
+    error = ""
+    try:
+        time.sleep(start_delay)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                error = f"{tool} did not finish within {timeout:g} s"
+                break
+            try:
+                client = subprocess.run([*common, address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, text=True, timeout=left)
+            except subprocess.TimeoutExpired as exc:
+                client_out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
+                    else (exc.stdout or "")
+                error = f"{tool} client did not finish within {timeout:g} s"
+                break
+            client_out, client_rc = client.stdout, client.returncode
+            if client_rc == 0 or server.poll() is not None:
+                break
+            time.sleep(start_delay)  # the server may not be listening yet
+    finally:
+        try:
+            server_out, _ = server.communicate(timeout=max(5.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server_out, _ = server.communicate()
+    output = client_out
+    rows = parse_perftest(client_out) or parse_perftest(server_out or "")
+    if not error and client_rc != 0:
+        error = f"{tool} client exited with status {client_rc}"
+        output = client_out + "\n--- server ---\n" + (server_out or "")
+    elif not error and not rows:
+        error = f"{tool} printed no result table"
+    return PerftestResult(tool, tuple(args), client_rc, output, rows, error)

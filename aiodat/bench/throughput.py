@@ -1,0 +1,281 @@
+"""``aiodat bench bandwidth``: streaming RDMA write, read or send with batched posts, beside
+``ib_write_bw`` / ``ib_read_bw`` / ``ib_send_bw -R``; also the engine of :mod:`aiodat.bench.msgrate`."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from .harness import device_and_address, run_on_loop
+from .peer import accept_one, finish_child, start_child
+from .perftest import PerftestResult, run_perftest_pair
+from . import stats
+
+#: perftest's tool for each operation
+BW_TOOLS = {"write": "ib_write_bw", "read": "ib_read_bw", "send": "ib_send_bw"}
+
+
+@dataclass
+class BandwidthSample:
+    """aiodat's streaming run: how many ``size``-byte operations, how long."""
+
+    op: str
+    size: int
+    iters: int
+    seconds: float
+
+    @property
+    def mib_per_s(self) -> float:
+        """Bandwidth in MiB/s (perftest's "MB/sec" are 2**20 bytes)."""
+        return self.size * self.iters / self.seconds / (1 << 20)
+
+    @property
+    def mpps(self) -> float:
+        """Operations per second, in millions (perftest's MsgRate[Mpps])."""
+        return self.iters / self.seconds / 1e6
+
+
+@dataclass
+class BandwidthReport:
+    """What :func:`bandwidth` and :func:`rate` measured: aiodat beside perftest's ``_bw`` tool."""
+
+    device: str
+    address: str
+    loop: str
+    op: str
+    size: int
+    depth: int
+    batch: int
+    aiodat: BandwidthSample
+    perftest: Optional[PerftestResult] = None
+    kind: str = "bandwidth"
+    processes: int = 1
+
+    def ratio(self) -> Optional[float]:
+        """aiodat / perftest: bandwidth (MB/sec average) or, for ``rate``, message rate (Mpps)."""
+        res = self.perftest
+        if res is None or not res.ok:
+            return None
+        if self.kind == "rate":
+            return stats.ratio(self.aiodat.mpps, res.value("MsgRate[Mpps]"))
+        return stats.ratio(self.aiodat.mib_per_s, res.value("BW_average[MB/sec]"))
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The figures as a JSON-serialisable dict (``--json``)."""
+        res = self.perftest
+        return {"kind": self.kind, "device": self.device, "address": self.address, "loop": self.loop,
+                "op": self.op, "size": self.size, "depth": self.depth, "batch": self.batch,
+                "iters": self.aiodat.iters, "processes": self.processes,
+                "aiodat": {"MB_per_s": self.aiodat.mib_per_s, "Mpps": self.aiodat.mpps,
+                           "seconds": self.aiodat.seconds},
+                "perftest": None if res is None else {
+                    "tool": res.tool, "args": list(res.args), "ok": res.ok, "error": res.error or None,
+                    "MB_per_s": res.value("BW_average[MB/sec]"), "Mpps": res.value("MsgRate[Mpps]")},
+                "ratio": self.ratio()}
+
+    def format(self) -> str:
+        """The human-readable report ``aiodat bench bandwidth`` / ``rate`` prints."""
+        tool = BW_TOOLS[self.op]
+        lines = [
+            f"aiodat bench {self.kind}: {self.device} ({self.address}), loop={self.loop}, op={self.op}, "
+            f"size={self.size} B, iters={self.aiodat.iters}, depth={self.depth}, batch={self.batch}, "
+            f"{self.processes} process(es)",
+            f"  {'what':<36}{'MB/s':>10}{'Mpps':>10}",
+            f"  {'aiodat (batched posts, evd.wait)':<36}{self.aiodat.mib_per_s:>10.2f}{self.aiodat.mpps:>10.4f}",
+        ]
+        res = self.perftest
+        if res is not None:
+            label = f"{tool} -R"
+            if res.ok:
+                lines.append(f"  {label:<36}{res.value('BW_average[MB/sec]') or 0:>10.2f}"
+                             f"{res.value('MsgRate[Mpps]') or 0:>10.4f}")
+            else:
+                lines.append(f"  {label:<36}  not measured: {res.error}")
+            ratio = self.ratio()
+            what = "message rate" if self.kind == "rate" else "bandwidth"
+            lines.append(f"ratio (aiodat / {tool} {what}): " + (f"{ratio:.2f}" if ratio is not None else "n/a"))
+        return "\n".join(lines)
+
+
+def check_args(op: str, size: int, depth: int, iters: int, batch: int) -> None:
+    """ValueError unless ``op`` is known, the counts are ints >= 1 and ``batch <= depth``."""
+    if op not in BW_TOOLS:
+        raise ValueError(f"op must be one of {sorted(BW_TOOLS)}, got {op!r}")
+    for name, value in (("size", size), ("depth", depth), ("iters", iters), ("batch", batch)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if batch > depth:
+        raise ValueError(f"batch ({batch}) cannot exceed depth ({depth})")
+
+
+def setup_side(ia: Any, op: str, size: int, depth: int, server: bool) -> Tuple[Any, Any, Any, Any]:
+    """One side of a bandwidth run: its EP (on one DTO EVD), the EVD, the buffer and a segment of it."""
+    from aiodat import EPAttr, EvdFlags, Privileges
+
+    pz = ia.create_pz()
+    dev = ia.query().ia_attr.transport_attr
+    reads = min(16, dev.max_qp_init_rd_atom, dev.max_qp_rd_atom)
+    recv_depth = 2 * depth if op == "send" else 1
+    # min_rnr_timer 1 (0.01 ms): a Python receiver reposts more slowly than rxe delivers, and
+    # perftest's own QPs are set up the same way (docs/performance.md, "The RNR timer")
+    attrs = EPAttr(max_request_dtos=depth, max_recv_dtos=recv_depth, max_rdma_read_in=reads,
+                   max_rdma_read_out=reads, min_rnr_timer=1)
+    evd = ia.create_evd((recv_depth if server else depth) + 8, EvdFlags.DTO)
+    ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd, attrs=attrs)
+    buf = bytearray(size)
+    if (op == "read") == server:  # the side whose bytes travel holds the pattern
+        buf[:] = bytes(i & 0xFF for i in range(size))
+    seg = pz.register(buf, Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_READ)[0:size]
+    if server and op == "send":
+        ep.post_recv_batch([(seg, None)] * recv_depth)
+    return ep, evd, buf, seg
+
+
+async def receive(ep: Any, evd: Any, seg: Any, total: int) -> float:
+    """Receive ``total`` messages, reposting each receive as it completes; the time of the last."""
+    got = 0
+    while got < total:
+        events = await evd.wait(1, timeout=120)
+        for ev in events:
+            if ev.status != "IBV_WC_SUCCESS":
+                raise RuntimeError(f"a receive failed: {ev.status}")
+        got += len(events)
+        ep.post_recv_batch([(seg, None)] * len(events))
+    return time.perf_counter()
+
+
+async def sink_process(device: str, op: str, size: int, depth: int, total: int) -> None:
+    """The child of a two-process bandwidth run: accept one connection (handing the client its
+    buffer in the accept private data), receive ``total`` messages if ``op`` is send, wait for the
+    disconnect and check the bytes that landed."""
+    from aiodat import EventType, open_ia
+
+    with open_ia(device) as ia:
+        server, evd, buf, seg = setup_side(ia, op, size, depth, server=True)
+        await accept_one(ia, server, seg.remote().to_bytes())
+        if op == "send":
+            await receive(server, evd, seg, total)
+        while (await server.connect_evd.wait_one(timeout=600)).type is not EventType.CONNECTION_EVENT_DISCONNECTED:
+            pass
+        if op != "read" and bytes(buf) != bytes(i & 0xFF for i in range(size)):
+            raise AssertionError(f"the {op} bandwidth run moved other bytes than it should have")
+
+
+async def bandwidth_stream(device: str, address: str, op: str = "write", size: int = 65536, depth: int = 64,
+                           iters: int = 1000, batch: int = 16, warmup: Optional[int] = None,
+                           processes: int = 1, loop_name: str = "asyncio") -> BandwidthSample:
+    """Stream ``iters`` ``size``-byte operations from a client EP to a server EP of one IA.
+
+    Up to ``depth`` requests are in flight.  They are posted ``batch`` at a
+    time in one crossing into C (``post_rdma_write_batch`` / ``_read_batch`` /
+    ``post_send_batch``), all but the last of each batch with
+    ``CompletionFlags.SUPPRESS``, so each batch costs one completion and one
+    wake-up.  For ``send`` the server keeps ``2 * depth`` receives posted and
+    reposts them in batches (``post_recv_batch``) as they complete.  The data
+    is checked at the end.
+
+    ``processes=1``: both EPs in this process, on one loop; for ``send`` the
+    time runs until the server has received the last message.
+    ``processes=2``: the server is a child process (``python -m aiodat.bench
+    sink``, same loop kind), as perftest runs its two sides, so receiving and
+    sending each have a CPU; the time runs until the last request completes
+    (for a send, the peer has acknowledged it: it is in its receive queue).
+    """
+    from aiodat import CompletionFlags, RemoteRegion, open_ia
+    from aiodat.cm import connect_pair
+
+    check_args(op, size, depth, iters, batch)
+    if processes not in (1, 2):
+        raise ValueError(f"processes must be 1 or 2, got {processes!r}")
+    warmup = min(depth * 2, iters) if warmup is None else warmup
+    with open_ia(device) as ia:
+        client, c_evd, c_buf, c_seg = setup_side(ia, op, size, depth, server=False)
+        child = None
+        if processes == 1:
+            server, s_evd, s_buf, s_seg = setup_side(ia, op, size, depth, server=True)
+            await connect_pair(client, server)  # cm.py shortens the RNR timer of every new connection
+            remote = s_seg.remote()
+        else:
+            child, port = await start_child(["sink", device, op, str(size), str(depth), str(warmup + iters)],
+                                             loop_name)
+            try:
+                remote = RemoteRegion.from_bytes(await client.connect(address, port, timeout=30))
+            except BaseException:
+                child.kill()
+                await finish_child(child)
+                raise
+
+        # n requests in one call, only the last signalled: its cookie says how many it completes
+        suppress, signal = CompletionFlags.SUPPRESS, CompletionFlags.DEFAULT
+        if op == "write":
+            def post(n: int) -> int:
+                return client.post_rdma_write_batch([(c_seg, remote, None)] * (n - 1) + [(c_seg, remote, n)],
+                                                    suppress, signal)
+        elif op == "read":
+            def post(n: int) -> int:
+                return client.post_rdma_read_batch([(c_seg, remote, None)] * (n - 1) + [(c_seg, remote, n)],
+                                                   suppress, signal)
+        else:
+            def post(n: int) -> int:
+                return client.post_send_batch([(c_seg, None)] * (n - 1) + [(c_seg, n)], suppress, signal)
+
+        async def stream(total: int) -> Tuple[float, float]:
+            recv_task = None
+            if op == "send" and child is None:
+                recv_task = asyncio.ensure_future(receive(server, s_evd, s_seg, total))
+            start = time.perf_counter()
+            posted = completed = 0
+            while completed < total:
+                while posted < total and posted - completed < depth:
+                    n = min(batch, total - posted, depth - (posted - completed))
+                    post(n)
+                    posted += n
+                for ev in await c_evd.wait(1, timeout=120):
+                    if not ev.ok:
+                        raise RuntimeError(f"{op} failed: {ev.status}")
+                    completed += ev.cookie
+            end = time.perf_counter()
+            if recv_task is not None:
+                end = await recv_task
+            return start, end
+
+        try:
+            if warmup:
+                await stream(warmup)
+            start, end = await stream(iters)
+            expected = bytes(i & 0xFF for i in range(size))
+            if (op == "read" or child is None) and bytes(c_buf if op == "read" else s_buf) != expected:
+                raise AssertionError(f"the {op} bandwidth run moved other bytes than it should have")
+            await client.disconnect()
+        finally:
+            if child is not None:
+                await finish_child(child)
+        if child is not None and child.returncode != 0:
+            raise RuntimeError(f"the receiving process failed (exit status {child.returncode})")
+    return BandwidthSample(op, size, iters, end - start)
+
+
+def run_bw_perftest(op: str, size: int, depth: int, iters: int, device: str, address: str,
+                 timeout: float) -> PerftestResult:
+    """perftest's ``_bw`` tool for ``op`` with the same size, iterations and depth as aiodat's run."""
+    return run_perftest_pair(BW_TOOLS[op], ["-s", str(size), "-n", str(iters), "-t", str(depth)],
+                             device=device, address=address, timeout=timeout)
+
+
+def bandwidth(op: str = "write", size: int = 65536, depth: int = 64, iters: int = 1000, loop: str = "asyncio",
+              *, batch: int = 16, perftest: bool = True, device: Optional[str] = None,
+              address: Optional[str] = None, timeout: float = 300.0, processes: int = 2) -> BandwidthReport:
+    """``aiodat bench bandwidth``: aiodat's streaming ``op`` (write, read, send), then ``ib_<op>_bw -R``.
+
+    Same device, size, depth and iteration count, one after the other.  The
+    report's ``ratio()`` is aiodat's MB/s over perftest's average MB/s.
+    """
+    check_args(op, size, depth, iters, batch)
+    device, address = device_and_address(device, address)
+    sample = run_on_loop(loop, lambda: bandwidth_stream(device, address, op, size, depth, iters, batch,
+                                                        processes=processes, loop_name=loop))
+    report = BandwidthReport(device, address, loop, op, size, depth, batch, sample, processes=processes)
+    if perftest:
+        report.perftest = run_bw_perftest(op, size, depth, iters, device, address, timeout)
+    return report
