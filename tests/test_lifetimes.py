@@ -5,12 +5,17 @@ import asyncio
 import gc
 import multiprocessing
 import os
+import re
+import subprocess
+import sys
 import threading
-from typing import Any, List, Optional
+import warnings
+from typing import Any, Dict, List, Optional
 
 import pytest
 
 import aiodat
+from aiodat._fdwatch import SWEEP_SECONDS
 from aiodat.testing.plugin import make_ep_pair
 
 pytestmark = pytest.mark.rxe
@@ -150,3 +155,100 @@ async def test_a_second_loop_in_another_thread_is_refused(ia: Any, loop_errors: 
     pair = await make_ep_pair(ia)
     await exchange(pair, b"still mine")
     pair.close()
+
+
+# -- objects dropped without close ---------------------------------------------------------------
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def kernel_counts(device: str) -> Dict[str, int]:
+    """The device's pd/cq/qp/cm_id/mr/srq counts as the kernel keeps them (`rdma resource show`)."""
+    out = subprocess.run(["rdma", "resource", "show", device], stdout=subprocess.PIPE, text=True,
+                         check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(pd|cq|qp|cm_id|mr|srq)\s+(\d+)", out)}
+
+
+async def settle() -> None:
+    """Collect garbage, and give the loop one sweep to let go of fds whose object was dropped."""
+    gc.collect()
+    await asyncio.sleep(SWEEP_SECONDS * 2 + 0.1)
+    gc.collect()
+
+
+def unclosed_kinds(caught: List[warnings.WarningMessage]) -> List[str]:
+    kinds = []
+    for w in caught:
+        if issubclass(w.category, ResourceWarning):
+            m = re.match(r"unclosed (\w+)", str(w.message))
+            if m:
+                kinds.append(m.group(1))
+    return sorted(kinds)
+
+
+async def test_dropped_objects_are_released_and_warn(ia: Any, rdma_device: Any, loop_errors: List[dict]) -> None:
+    """An EP, LMR, EVD and PZ dropped without close: freed in order, fds closed, one
+    ResourceWarning each; the IA can then be closed cleanly (nothing of theirs is left)."""
+    await settle()
+    fds, counts = open_fds(), kernel_counts(rdma_device.name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pz = ia.create_pz()
+        evd = ia.create_evd(8, aiodat.EvdFlags.DTO)
+        with pytest.raises(aiodat.TimeoutExpired):
+            await evd.wait(timeout=0.01)  # the loop watches its channel now
+        ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
+        lmr = pz.register(bytearray(4096))
+        ep.post_recv(lmr[0:64])  # the EP holds the LMR while a receive is posted
+        assert kernel_counts(rdma_device.name)["qp"] == counts["qp"] + 1
+        del pz, evd, ep, lmr
+        await settle()
+    assert kernel_counts(rdma_device.name) == counts
+    assert open_fds() == fds
+    assert unclosed_kinds(caught) == ["ep", "evd", "lmr", "pz"]
+    assert not ia._children  # the parent held them weakly
+
+
+async def test_a_dropped_connected_pair_is_released(ia: Any, rdma_device: Any, loop_errors: List[dict]) -> None:
+    await settle()
+    fds, counts = open_fds(), kernel_counts(rdma_device.name)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        pair = await make_ep_pair(ia)
+        await exchange(pair, b"alive")  # its EVDs are watched by the loop now
+        del pair
+        await settle()
+    assert kernel_counts(rdma_device.name) == counts
+    assert open_fds() == fds
+
+
+def test_development_mode_names_where_a_leaked_object_was_made(rdma_device: Any, tmp_path: Any) -> None:
+    script = tmp_path / "leak.py"
+    script.write_text(
+        "import gc, aiodat\n"
+        f"ia = aiodat.open_ia({rdma_device.name!r})\n"
+        "pz = ia.create_pz()\n"
+        "lmr = pz.register(bytearray(4096))  # the line the warning must name\n"
+        "del lmr\n"
+        "gc.collect()\n"
+        "pz.close()\n"
+        "ia.close()\n")
+    proc = subprocess.run([sys.executable, "-X", "dev", str(script)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=T)
+    assert proc.returncode == 0, proc.stdout
+    assert "ResourceWarning: unclosed lmr" in proc.stdout, proc.stdout
+    assert f'File "{script}", line 4' in proc.stdout, proc.stdout
+
+
+def test_a_raw_object_whose_destruction_fails_keeps_what_it_depends_on() -> None:
+    """(Pure.) An LMR whose deregistration fails keeps its buffer export: the device may still
+    use the memory.  Raw strands the object with its dependencies for the life of the process."""
+    from aiodat import _handle
+
+    buffer = bytearray(b"still in use by the device")
+    raw = _handle.Raw(_handle.ffi.cast("void *", 1), lambda ptr: 16, "MR", buffer)  # EBUSY
+    assert raw.release() == 16
+    assert any(entry[2] == (buffer,) for entry in _handle._stranded)
+    _handle._stranded[:] = [e for e in _handle._stranded if e[2] != (buffer,)]
