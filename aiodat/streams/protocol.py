@@ -362,6 +362,11 @@ class StreamCore:
         """False while paused: received messages are held."""
         return self._reading
 
+    @property
+    def held(self) -> Tuple[Message, ...]:
+        """Received messages held while reading is paused (each keeps its receive slot)."""
+        return tuple(self._held)
+
     def is_flushed(self) -> bool:
         """Everything written, and the EOF, is sent and every send has completed."""
         return not self._buf and self.eof_sent and not self._posted
