@@ -21,7 +21,7 @@ open, so the shared IA is opened and closed with every connection, the
 pattern of a one-shot client) and ``warm`` (one idle stream stays open, so
 the IA is shared and each connection only pays for its own resources).
 ``resources`` is the part of an aiodat connection that is not the rdma_cm
-handshake: its PZ, two registrations (1.4 MiB with the defaults), its EVD,
+handshake: its PZ, two registrations (1.1 MiB with the defaults), its EVD,
 the EP and the posted receives, made and freed ``--conns`` times.
 """
 from __future__ import annotations

@@ -308,7 +308,7 @@ def test_window_message_into_no_window_is_refused() -> None:
 
 
 def test_send_completions_free_every_earlier_slot_and_signal_sparingly() -> None:
-    a, b = pair(recv_depth=16, window_size=0, buffer_size=64)  # 26 slots, signal every 6
+    a, b = pair(recv_depth=16, window_size=0, buffer_size=64)  # 20 slots, one send in 5 signalled
     a.core.write(bytes(56 * 16))
     assert transmit(a, b) == 16
     signalled = [s for _, s in a.send_queue]
