@@ -446,6 +446,91 @@ async def test_limit_overrun_and_both_closing(rdma_host: str) -> None:
     await server.wait_closed()
 
 
+# -- loops in threads (issue 13 item 5) -----------------------------------------------------------------
+
+
+def _thread_loop(config: pytest.Config) -> Any:
+    """A new loop of the kind --aiodat-loop chose, for a thread of its own."""
+    if (config.getoption("--aiodat-loop") or os.environ.get("AIODAT_LOOP")) == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+@pytest.mark.rxe
+def test_two_loops_in_two_threads(rdma_host: str, request: pytest.FixtureRequest) -> None:
+    """Two threads, each with its own loop, stream to a server (a third loop) at the same time.
+
+    An aiodat object belongs to the loop it first waited on, so each loop must get its own
+    shared IA: the three IAs are distinct, both transfers arrive intact, and once the loops are
+    closed no shared IA stays open.
+    """
+    import threading
+
+    payload = {i: random.Random(i).randbytes(300_000 + i * 12_345) for i in (1, 2)}
+    ready = threading.Event()
+    stop = threading.Event()
+    start = threading.Barrier(2, timeout=300)
+    server_info: dict = {}
+    results: dict = {}
+
+    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = await reader.read()  # everything up to the client's EOF
+        writer.write(hashlib.sha256(data).hexdigest().encode())
+        await writer.drain()
+        writer.close()
+
+    async def serve() -> None:
+        server = await aiodat.start_server(sink, rdma_host, 0)
+        server_info["port"] = server.sockets[0].getsockname()[1]
+        server_info["ia"] = server._iaref.ia
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        server.close()
+        await server.wait_closed()
+
+    async def client(i: int) -> None:
+        start.wait()  # both threads connect at the same moment
+        reader, writer = await aiodat.open_connection(rdma_host, server_info["port"])
+        results[i, "ia"] = writer.get_extra_info("aiodat_ia")
+        writer.write(payload[i])
+        writer.write_eof()
+        results[i, "digest"] = (await reader.read()).decode()
+        writer.close()
+        await writer.wait_closed()
+
+    def run(coro_fn: Any, *args: Any) -> None:
+        loop = _thread_loop(request.config)
+        try:
+            loop.run_until_complete(asyncio.wait_for(coro_fn(*args), 300))
+        except BaseException as exc:
+            results[args or "server", "error"] = exc
+            ready.set()
+        finally:
+            loop.close()
+
+    server_thread = threading.Thread(target=run, args=(serve,), daemon=True)
+    server_thread.start()
+    assert ready.wait(300)
+    clients = [threading.Thread(target=run, args=(client, i), daemon=True) for i in (1, 2)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(360)
+    stop.set()
+    server_thread.join(60)
+    errors = {k: v for k, v in results.items() if k[-1] == "error"}
+    assert not errors, errors
+    for i in (1, 2):
+        assert results[i, "digest"] == hashlib.sha256(payload[i]).hexdigest()
+    ias = [results[1, "ia"], results[2, "ia"], server_info["ia"]]
+    assert len({id(ia) for ia in ias}) == 3, "each loop must have its own shared IA"
+    assert all(ia.closed for ia in ias)
+    assert aiodat_streams.shared_ia_count() == 0
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,194 @@
+"""The IAs aiodat streams share: one per (event loop, device, address), and which device serves a host.
+
+An aiodat object belongs to the event loop it first waited on, so a stream on
+one loop must never use an IA another loop is watching: the pool's key is
+``(loop, device, address)``.  Two loops in two threads each get their own IA;
+the entries of a loop that has been closed are dropped (their IA closed) the
+next time the pool is used.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from aiodat.errors import InvalidAddress, InvalidHandle, InvalidParameter, ProviderNotFound
+from aiodat.netdev import same_address
+
+__all__ = ["IAPool", "pool_key", "shared_ia_count", "device_for", "IARef", "PROVIDER_CACHE_SECONDS"]
+
+PoolKey = Tuple[Any, str, Optional[str]]
+
+
+def pool_key(loop: Any, name: str, address: Optional[str] = None) -> PoolKey:
+    """The pool's key: the loop object itself (identity), the device name, the address (None: the first)."""
+    return (loop, name, address)
+
+
+def _open_ia(name: str, address: Optional[str]) -> Any:
+    from aiodat.ia import open_ia  # the core's public opener (aiodat.open_ia)
+
+    return open_ia(name, address=address)
+
+
+class IAPool:
+    """Shared IAs, reference-counted by the streams and servers using them, closed with the last of them.
+
+    ``opener(name, address)`` opens an IA (aiodat.open_ia; tests pass a fake).
+    """
+
+    def __init__(self, opener: Callable[[str, Optional[str]], Any] = _open_ia) -> None:
+        self._opener = opener
+        self._entries: Dict[PoolKey, List[Any]] = {}  # key -> [ia, refcount]
+        self._lock = threading.Lock()  # loops in several threads share the pool
+
+    def acquire(self, loop: Any, name: str, address: Optional[str] = None) -> Any:
+        """The IA of ``(loop, name, address)``, opened on first use; one more reference to it."""
+        with self._lock:
+            self._drop_closed_loops()
+            key = pool_key(loop, name, address)
+            entry = self._entries.get(key)
+            if entry is None or entry[0].closed:
+                entry = self._entries[key] = [self._opener(name, address), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def addref(self, ia: Any) -> None:
+        """One more reference to a pooled IA (a connection a server accepted)."""
+        with self._lock:
+            for entry in self._entries.values():
+                if entry[0] is ia:
+                    entry[1] += 1
+
+    def release(self, ia: Any) -> None:
+        """Drop a reference; the last one closes the IA."""
+        with self._lock:
+            for key, entry in list(self._entries.items()):
+                if entry[0] is ia:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del self._entries[key]
+                        ia.close()
+                    return
+
+    def open_count(self) -> int:
+        """How many shared IAs are open (0 once every stream and server is closed)."""
+        with self._lock:
+            self._drop_closed_loops()
+            return sum(1 for entry in self._entries.values() if not entry[0].closed)
+
+    def keys(self) -> List[PoolKey]:
+        """The keys of the open entries (for tests and debugging)."""
+        with self._lock:
+            return [key for key, entry in self._entries.items() if not entry[0].closed]
+
+    def _drop_closed_loops(self) -> None:
+        # a closed loop can never run its streams again: free their IA instead of keeping it forever
+        for key in [k for k in self._entries if _loop_closed(k[0])]:
+            ia = self._entries.pop(key)[0]
+            try:
+                ia.close()
+            except Exception:  # closing after the loop is gone must not break the living loops
+                pass
+
+
+def _loop_closed(loop: Any) -> bool:
+    is_closed = getattr(loop, "is_closed", None)
+    return bool(is_closed()) if is_closed is not None else False
+
+
+_POOL = IAPool()
+
+
+def shared_ia_count() -> int:
+    """How many per-device IAs the streams of this process hold open now (for leak checks)."""
+    return _POOL.open_count()
+
+
+#: how long the device and address list is reused before it is read again (a host that no
+#: device has also reads it again at once)
+PROVIDER_CACHE_SECONDS = 5.0
+_providers_cache: Tuple[float, List[Any]] = (-PROVIDER_CACHE_SECONDS, [])
+
+
+def _active_providers(refresh: bool = False) -> List[Any]:
+    """The active device ports with addresses, cached: reading them opens every device."""
+    global _providers_cache
+    from aiodat.ia import list_providers  # aiodat.list_providers
+
+    now = time.monotonic()
+    if refresh or now - _providers_cache[0] > PROVIDER_CACHE_SECONDS:
+        _providers_cache = (now, [p for p in list_providers() if p.state == "PORT_ACTIVE" and p.addresses])
+    return list(_providers_cache[1])
+
+
+def device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optional[str]]:
+    """(device, address) for ``host``: the device that has that address, else one with an address of
+    the same family ($AIODAT_RXE_DEVICE first).  A server (``listening``) must name a device's own address."""
+    candidates = _active_providers()
+    if host and not any(same_address(a, host) for p in candidates for a in p.addresses):
+        candidates = _active_providers(refresh=True)  # an address may have been added since
+    for p in candidates:
+        for addr in p.addresses:
+            if host and same_address(addr, host):
+                return p.name, addr
+    if listening and host:
+        known = ", ".join(a for p in candidates for a in p.addresses) or "none"
+        raise InvalidAddress(f"cannot listen on {host}: no RDMA device has that address (an aiodat server "
+                             f"listens on a device's address; the devices have: {known})")
+    family6 = bool(host) and ":" in str(host)
+    env = os.environ.get("AIODAT_RXE_DEVICE")
+    candidates.sort(key=lambda p: p.name != env)
+    for p in candidates:
+        for addr in p.addresses:
+            if (":" in addr) == family6:
+                return p.name, (None if addr == p.addresses[0] else addr)
+    if env:
+        return env, None
+    raise ProviderNotFound("no active RDMA device with an IP address%s; aiodat streams need one "
+                           "(run under `aiodat rxe run -- ...` for Soft-RoCE)" % (" of that family" if candidates else ""))
+
+
+class IARef:
+    """The IA a connection or server uses: pooled (for the running loop) or the caller's own IA object."""
+
+    def __init__(self, ia: Any, host: Optional[str], listening: bool = False) -> None:
+        from aiodat.ia import IA  # aiodat.IA
+
+        if isinstance(ia, IA):
+            if ia.closed:
+                raise InvalidHandle("the IA given to an aiodat stream is closed", subtype="DAT_INVALID_HANDLE_IA")
+            self.ia, self._pooled = ia, False
+        else:
+            if ia is not None and not isinstance(ia, str):
+                raise InvalidParameter(f"ia must be None, a device name or an aiodat.IA, not {type(ia).__name__}")
+            loop = asyncio.get_running_loop()
+            if ia is None:
+                self.ia = _POOL.acquire(loop, *device_for(host, listening))
+            else:
+                self.ia = _POOL.acquire(loop, ia, host if listening else None)
+            self._pooled = True
+        self._released = False
+
+    def share(self) -> "IARef":
+        """Another reference to the same IA (pooled IAs count it)."""
+        ref = IARef.__new__(IARef)
+        ref.ia, ref._pooled, ref._released = self.ia, self._pooled, False
+        if self._pooled:
+            _POOL.addref(self.ia)
+        return ref
+
+    def release(self) -> None:
+        """Drop this reference (idempotent); the pool closes the IA with the last one."""
+        if not self._released:
+            self._released = True
+            if self._pooled:
+                _POOL.release(self.ia)
+
+
+# the names streams.py had, for code that imported them from there
+_IAPool = IAPool
+_IARef = IARef
+_device_for = device_for

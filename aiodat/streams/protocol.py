@@ -1,0 +1,551 @@
+"""The aiodat stream wire protocol as a sans-IO state machine (no asyncio, no device objects, no I/O).
+
+:class:`StreamCore` holds one side of one connection: the send credits the
+peer granted, the send slots, the peer's receive window, the bytes waiting to
+be sent, the credits owed to the peer and the received messages held while
+reading is paused.  The transport (:mod:`aiodat.streams.transport`) feeds it
+what happened and asks it what to post next:
+
+* ``core.write(data)`` / ``core.write_eof()`` buffer outgoing bytes and the EOF;
+* ``core.next_send()`` says what to post now (a :class:`Send`: which slot, the
+  8-byte header, how many pending bytes go with it, whether they go by RDMA
+  write into the peer's window, whether the send is signalled), or None when
+  credits, slots or the window forbid it; ``core.copy_pending(dest, n)`` copies
+  the bytes into registered memory and ``core.sent(send)`` commits the send
+  once it was posted;
+* ``core.on_send_complete(cookie)`` frees the slots a send completion covers;
+* ``core.on_received(slot, header, length)`` decodes a received message,
+  takes the credits it returns and says whether to hand it over now (a
+  :class:`Message`) or hold it (reading paused); ``core.next_held()`` gives held
+  messages back; ``core.consumed(message)`` records that the slot is re-posted
+  and one credit is owed to the peer.
+
+Wire format and the reasoning behind the numbers: docs/streams.md.  The
+connection parameters of the connect/accept private data are built and
+parsed by :func:`encode_params` / :func:`parse_params`.
+"""
+from __future__ import annotations
+
+import collections
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from aiodat.errors import ConnectionBroken, InvalidParameter, ModelNotSupported
+
+__all__ = [
+    "HEADER", "PARAMS", "WINDOW_DESC", "MAGIC", "VERSION", "PARAM_WINDOW", "MSG_DATA", "MSG_WINDOW", "MSG_CREDIT",
+    "MSG_EOF", "FLAG_RELEASE", "DEFAULT_LIMIT", "StreamConfig", "PeerParams", "WindowDesc", "StreamProtocolError",
+    "Header", "Send", "Message", "StreamCore", "encode_params", "parse_params", "encode_header", "decode_header",
+    "split_kwds",
+]
+
+#: asyncio's default StreamReader limit
+DEFAULT_LIMIT = 2 ** 16
+
+#: message header, network order: type (B), flags (B), credits returned (H), payload length (I)
+HEADER = struct.Struct("!BBHI")
+#: connection parameters in the connect/accept private data: magic, version, flags, recv credits,
+#: slot size; followed by the window descriptor (:data:`WINDOW_DESC`) when flags has PARAM_WINDOW
+PARAMS = struct.Struct("!2sBBHI")
+#: the receive window: address (Q), length (Q), rkey (I) -- the layout of aiodat.RemoteRegion.to_bytes()
+WINDOW_DESC = struct.Struct("!QQI")
+MAGIC = b"AS"
+VERSION = 1
+PARAM_WINDOW = 0x01
+
+MSG_DATA = 1  #: payload follows the header in the same send
+MSG_WINDOW = 2  #: ``length`` bytes were RDMA-written at the start of the receiver's window
+MSG_CREDIT = 3  #: credits (and/or the RELEASE flag) only; consumes no credit
+MSG_EOF = 4  #: the sender will send no more data (write_eof / close)
+FLAG_RELEASE = 0x01  #: the sender has consumed the receiver's last WINDOW write: the window is free again
+_MSG_NAMES = {MSG_DATA: "DATA", MSG_WINDOW: "WINDOW", MSG_CREDIT: "CREDIT", MSG_EOF: "EOF"}
+_KNOWN_FLAGS = FLAG_RELEASE
+
+#: send-queue cookies: a send slot is ("s", slot); the RDMA write into the peer's window is WRITE_COOKIE
+WRITE_COOKIE = ("w", 0)
+
+
+class StreamProtocolError(ConnectionBroken):
+    """The peer broke the stream protocol (bad header, credits it never had...): the connection is unusable.
+
+    A :class:`aiodat.ConnectionBroken`, hence a ConnectionResetError, as the stream's reader sees it.
+    """
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Per-connection buffer sizes of an aiodat stream (keyword arguments of open_connection/start_server).
+
+    ``buffer_size``: bytes per send/receive slot (header included), so the
+    largest DATA message; ``recv_depth``: receive slots posted for data, i.e.
+    the credits granted to the peer; ``window_size``: the registered receive
+    window for RDMA writes (0 disables the large-message path);
+    ``rdma_threshold``: pending bytes from which the writer uses the window
+    instead of sends.
+    """
+
+    buffer_size: int = 16384
+    recv_depth: int = 16
+    window_size: int = 262144
+    rdma_threshold: int = 65536
+
+    def validate(self) -> "StreamConfig":
+        """Return self, or raise InvalidParameter naming the bad value."""
+        checks = (("buffer_size", 64, 1 << 20), ("recv_depth", 4, 4096), ("rdma_threshold", 1, 1 << 40))
+        for name, low, high in checks:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise InvalidParameter(f"{name} must be an int between {low} and {high}, got {value!r}")
+        w = self.window_size
+        if not isinstance(w, int) or isinstance(w, bool) or not (w == 0 or 4096 <= w <= 1 << 30):
+            raise InvalidParameter(f"window_size must be 0 or an int between 4096 and 2**30, got {w!r}")
+        return self
+
+    @property
+    def credit_threshold(self) -> int:
+        """Owed credits that trigger a CREDIT message when there is no data to carry them."""
+        return max(2, self.recv_depth // 2)
+
+    @property
+    def extra_slots(self) -> int:
+        """Receive slots beyond the credits, for CREDIT messages (which need no credit)."""
+        return self.recv_depth // self.credit_threshold + 2
+
+    @property
+    def slots(self) -> int:
+        """Receive slots (and as many send slots) per connection: ``recv_depth + extra_slots``."""
+        return self.recv_depth + self.extra_slots
+
+
+_CONFIG_KEYS = ("buffer_size", "recv_depth", "window_size", "rdma_threshold")
+# keyword arguments of loop.create_connection / create_server that have no meaning here: accepted when
+# left at their "off" value, refused otherwise
+_IGNORABLE = {"ssl": (None, False), "sock": (None,), "local_addr": (None,), "server_hostname": (None,),
+              "ssl_handshake_timeout": (None,), "ssl_shutdown_timeout": (None,), "happy_eyeballs_delay": (None,),
+              "interleave": (None,), "family": (0, socket.AF_INET, socket.AF_INET6, socket.AF_UNSPEC), "proto": (0,),
+              "flags": (0, socket.AI_PASSIVE), "reuse_address": (None, True, False), "reuse_port": (None, False),
+              "all_errors": (False,)}
+
+
+def split_kwds(kwds: Dict[str, Any]) -> Tuple[StreamConfig, Dict[str, Any]]:
+    """Take the StreamConfig fields and asyncio's meaningless-here keywords out of ``kwds``.
+
+    Returns the validated config and what is left (unknown keywords, for the caller's TypeError).
+    """
+    kwds = dict(kwds)
+    cfg = {k: kwds.pop(k) for k in _CONFIG_KEYS if k in kwds}
+    for name, value in list(kwds.items()):
+        if name in _IGNORABLE:
+            if value not in _IGNORABLE[name]:
+                raise ModelNotSupported(f"aiodat streams do not support {name}={value!r} "
+                                        f"(RDMA connections have no sockets, TLS or address families)")
+            del kwds[name]
+    return StreamConfig(**cfg).validate(), kwds
+
+
+# -- connection parameters (private data) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WindowDesc:
+    """A receive window the peer may RDMA-write into (the fields of an aiodat.RemoteRegion)."""
+
+    address: int
+    length: int
+    rkey: int
+
+
+@dataclass(frozen=True)
+class PeerParams:
+    """What the other side announced in its private data."""
+
+    credits: int  #: its recv_depth: the credits we start with
+    buffer_size: int  #: its slot size: the largest message it can receive
+    window: Optional[WindowDesc] = None  #: its receive window, None when it has none
+
+
+def encode_params(cfg: StreamConfig, window: Optional[WindowDesc] = None) -> bytes:
+    """The private data announcing ``cfg`` (and our receive window) to the peer: 10 or 30 bytes."""
+    flags = PARAM_WINDOW if window is not None else 0
+    out = PARAMS.pack(MAGIC, VERSION, flags, cfg.recv_depth, cfg.buffer_size)
+    if window is not None:
+        out += WINDOW_DESC.pack(window.address, window.length, window.rkey)
+    return out
+
+
+def parse_params(data: bytes) -> PeerParams:
+    """Parse the peer's private data (zero padding after the fields is ignored); InvalidParameter if it is not ours."""
+    data = bytes(data)
+    if len(data) < PARAMS.size:
+        raise InvalidParameter(f"the peer's stream parameters are {len(data)} bytes, expected {PARAMS.size}+ "
+                               f"(is the peer an aiodat stream?)")
+    magic, version, flags, credits, bufsize = PARAMS.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
+        raise InvalidParameter(f"the peer is not an aiodat stream of protocol version {VERSION} "
+                               f"(magic {magic!r}, version {version})")
+    if credits < 1 or bufsize <= HEADER.size:
+        raise InvalidParameter(f"the peer's stream parameters are invalid (credits {credits}, slot {bufsize})")
+    window = None
+    if flags & PARAM_WINDOW:
+        if len(data) < PARAMS.size + WINDOW_DESC.size:
+            raise InvalidParameter(f"the peer's stream parameters announce a window but are only {len(data)} bytes "
+                                   f"(expected {PARAMS.size + WINDOW_DESC.size})")
+        window = WindowDesc(*WINDOW_DESC.unpack_from(data, PARAMS.size))
+    return PeerParams(credits, bufsize, window)
+
+
+# -- message headers -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Header:
+    """A decoded message header."""
+
+    type: int
+    flags: int
+    credits: int  #: credits returned to the receiver of the message
+    length: int  #: payload bytes (DATA: in the send; WINDOW: in the receiver's window)
+
+
+def encode_header(mtype: int, flags: int, credits: int, length: int) -> bytes:
+    """The 8 header bytes."""
+    return HEADER.pack(mtype, flags, credits, length)
+
+
+def decode_header(data: Any, received: Optional[int] = None) -> Header:
+    """Decode and check a header; ``received`` is the byte count of the receive it came in (DATA's bound).
+
+    Raises :class:`StreamProtocolError` for a short receive, an unknown type or
+    flag, or a payload longer than what arrived.
+    """
+    size = len(data) if received is None else received
+    if size < HEADER.size or len(data) < HEADER.size:
+        raise StreamProtocolError(f"stream protocol error: a {size}-byte message is shorter than the "
+                                  f"{HEADER.size}-byte header")
+    mtype, flags, credits, length = HEADER.unpack_from(data)
+    if mtype not in _MSG_NAMES:
+        raise StreamProtocolError(f"stream protocol error: unknown message type {mtype} (protocol version "
+                                  f"{VERSION} knows {', '.join(f'{k} {v}' for k, v in _MSG_NAMES.items())})")
+    if flags & ~_KNOWN_FLAGS:
+        raise StreamProtocolError(f"stream protocol error: unknown flags {flags:#04x} on a "
+                                  f"{_MSG_NAMES[mtype]} message")
+    if mtype == MSG_DATA and length > size - HEADER.size:
+        raise StreamProtocolError(f"stream protocol error: DATA says {length} payload bytes but the "
+                                  f"message is {size} bytes")
+    if mtype in (MSG_CREDIT, MSG_EOF) and length:
+        raise StreamProtocolError(f"stream protocol error: {_MSG_NAMES[mtype]} with a payload length of {length}")
+    return Header(mtype, flags, credits, length)
+
+
+# -- the state machine ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """One send to post now (from :meth:`StreamCore.next_send`).
+
+    Fill send slot ``slot`` with ``header`` and, for DATA, the first ``length``
+    pending bytes (:meth:`StreamCore.copy_pending`); for WINDOW, first RDMA-write
+    the first ``length`` pending bytes to the start of the peer's window
+    (cookie :data:`WRITE_COOKIE`).  Post ``wire_length`` bytes of the slot with
+    ``cookie``, signalled or not, then call :meth:`StreamCore.sent`.
+    """
+
+    type: int
+    slot: int
+    header: bytes
+    length: int
+    credits: int  #: credits returned to the peer in this header
+    release: bool  #: carries RELEASE
+    signalled: bool
+    takes_credit: bool
+
+    @property
+    def cookie(self) -> Tuple[str, int]:
+        """The send's cookie (comes back in its completion)."""
+        return ("s", self.slot)
+
+    @property
+    def window_write(self) -> bool:
+        """True when the payload goes by RDMA write into the peer's window."""
+        return self.type == MSG_WINDOW
+
+    @property
+    def wire_length(self) -> int:
+        """Bytes of the slot to send: the header, plus the payload for DATA."""
+        return HEADER.size + (self.length if self.type == MSG_DATA else 0)
+
+
+@dataclass(frozen=True)
+class Message:
+    """A received message (from :meth:`StreamCore.on_received` / :meth:`StreamCore.next_held`).
+
+    DATA: the payload is the ``length`` bytes after the header in receive slot
+    ``slot``; WINDOW: the first ``length`` bytes of our window; EOF: the end of
+    the peer's data; CREDIT: nothing to hand over.  In every case the slot is
+    re-posted afterwards and :meth:`StreamCore.consumed` called.
+    """
+
+    type: int
+    slot: int
+    length: int
+
+
+class StreamCore:
+    """One side of an aiodat stream connection, sans IO: every decision of the protocol, none of the posting.
+
+    ``cfg`` is our own configuration, ``peer`` what the peer announced.
+    Receive slots ``0 .. cfg.slots-1`` are assumed posted when the core is
+    created (the transport posts them before connecting).
+    """
+
+    def __init__(self, cfg: StreamConfig, peer: PeerParams) -> None:
+        self.cfg = cfg
+        self.peer = peer
+        self.nslots = cfg.slots
+        self._payload_max = min(cfg.buffer_size, peer.buffer_size) - HEADER.size
+        self._credits = peer.credits
+        self._threshold = cfg.credit_threshold
+        # the staging buffer is our own window_size: we write at most that much at once
+        self.window_length = min(peer.window.length, cfg.window_size) if peer.window is not None else 0
+        self._window_free = True  # may we RDMA-write into the peer's window?
+        self._staging_busy = False
+        self._owed = 0  # credits to return to the peer
+        self._release_pending = False  # tell the peer its window write has been consumed
+        self._free_slots: List[int] = list(range(self.nslots - 1, -1, -1))
+        # requests on the send queue in posting order; most sends are unsignalled, and one
+        # completion frees everything posted before it (the send queue completes in order)
+        self._posted: Deque[Tuple[str, int]] = collections.deque()
+        self._signal_every = max(1, self.nslots // 4)
+        self._unsignalled = 0
+        self._buf = bytearray()
+        self.eof_requested = False  #: write_eof() or close(): send EOF once the buffer is empty
+        self.eof_sent = False
+        self.eof_received = False
+        self._reading = True
+        self._held: Deque[Message] = collections.deque()
+        self._recv_posted = [True] * self.nslots
+        #: messages and bytes moved (the transport's ``stats``): sends, window writes, credit messages
+        self.stats: Dict[str, int] = {"data_msgs": 0, "window_writes": 0, "credit_msgs": 0, "bytes_sent": 0,
+                                      "bytes_received": 0}
+
+    # -- introspection -----------------------------------------------------------------------
+    @property
+    def credits(self) -> int:
+        """Send credits held: DATA, WINDOW or EOF messages we may send before the peer returns some."""
+        return self._credits
+
+    @property
+    def owed(self) -> int:
+        """Credits we owe the peer (returned in the next header, or a CREDIT message past the threshold)."""
+        return self._owed
+
+    @property
+    def buffered(self) -> int:
+        """Bytes written but not yet handed to a send or RDMA write."""
+        return len(self._buf)
+
+    @property
+    def free_send_slots(self) -> int:
+        """Send slots not in use by a posted send."""
+        return len(self._free_slots)
+
+    @property
+    def window_free(self) -> bool:
+        """Whether the peer's window may be written (no WINDOW message of ours is unreleased)."""
+        return self._window_free
+
+    @property
+    def reading(self) -> bool:
+        """False while paused: received messages are held."""
+        return self._reading
+
+    @property
+    def held(self) -> Tuple[Message, ...]:
+        """Received messages held while reading is paused (each keeps its receive slot)."""
+        return tuple(self._held)
+
+    def is_flushed(self) -> bool:
+        """Everything written, and the EOF, is sent and every send has completed."""
+        return not self._buf and self.eof_sent and not self._posted
+
+    # -- the writer's side -------------------------------------------------------------------
+    def write(self, data: Any) -> None:
+        """Buffer bytes to send; RuntimeError after :meth:`write_eof`."""
+        if self.eof_requested:
+            raise RuntimeError("Cannot write after write_eof()")
+        self._buf += data
+
+    def write_eof(self) -> None:
+        """Send EOF after the buffered bytes (idempotent)."""
+        self.eof_requested = True
+
+    def discard(self) -> None:
+        """Drop the bytes not yet sent (abort)."""
+        self._buf.clear()
+
+    def next_send(self) -> Optional[Send]:
+        """What to post now, or None.  Nothing changes until :meth:`sent` commits it.
+
+        Order of preference: pending bytes (needs a credit; by window write
+        when at least ``rdma_threshold`` bytes are pending and the window and
+        staging buffer are free, else by DATA), then EOF once the buffer is
+        empty (needs a credit), then a CREDIT message when a RELEASE is due or
+        ``credit_threshold`` credits are owed (needs no credit).
+        """
+        if not self._free_slots:
+            return None
+        pending = len(self._buf)
+        if pending and self._credits > 0:
+            if (self.window_length and pending >= self.cfg.rdma_threshold and self._window_free
+                    and not self._staging_busy):
+                return self._plan(MSG_WINDOW, min(pending, self.window_length), True)
+            return self._plan(MSG_DATA, min(pending, self._payload_max), True)
+        if not pending and self.eof_requested and not self.eof_sent and self._credits > 0:
+            return self._plan(MSG_EOF, 0, True)
+        if self._release_pending or self._owed >= self._threshold:
+            return self._plan(MSG_CREDIT, 0, False)
+        return None
+
+    def _plan(self, mtype: int, length: int, takes_credit: bool) -> Send:
+        slot = self._free_slots[-1]
+        credits = min(self._owed, 0xFFFF)
+        release = self._release_pending
+        # signal one send in every few, whenever slots run short, and everything from EOF on (so the
+        # last sends before a close complete)
+        signalled = (self._unsignalled >= self._signal_every or len(self._free_slots) - 1 < self._signal_every
+                     or mtype == MSG_EOF or self.eof_sent)
+        header = HEADER.pack(mtype, FLAG_RELEASE if release else 0, credits, length)
+        return Send(mtype, slot, header, length, credits, release, signalled, takes_credit)
+
+    def copy_pending(self, dest: memoryview, length: int) -> None:
+        """Copy the first ``length`` pending bytes into ``dest`` (registered memory)."""
+        with memoryview(self._buf) as mv:
+            dest[:length] = mv[:length]
+
+    def sent(self, send: Send) -> None:
+        """Commit ``send`` (from :meth:`next_send`): it, and its window write, were posted."""
+        slot = self._free_slots.pop()
+        if slot != send.slot:  # a Send is valid only until the next commit
+            self._free_slots.append(slot)
+            raise RuntimeError(f"stale Send for slot {send.slot} (slot {slot} is next)")
+        if send.type == MSG_WINDOW:
+            self._posted.append(WRITE_COOKIE)
+            self._staging_busy = True
+            self._window_free = False
+            self.stats["window_writes"] += 1
+        elif send.type == MSG_DATA:
+            self.stats["data_msgs"] += 1
+        elif send.type == MSG_CREDIT:
+            self.stats["credit_msgs"] += 1
+        elif send.type == MSG_EOF:
+            self.eof_sent = True
+        self._posted.append(send.cookie)
+        self._unsignalled = 0 if send.signalled else self._unsignalled + 1
+        self._owed -= send.credits
+        if send.release:
+            self._release_pending = False
+        if send.takes_credit:
+            self._credits -= 1
+        if send.type in (MSG_DATA, MSG_WINDOW):
+            del self._buf[:send.length]
+            self.stats["bytes_sent"] += send.length
+
+    def on_send_complete(self, cookie: Tuple[str, int]) -> None:
+        """A send or window write completed: it and everything posted before it are done."""
+        posted = self._posted
+        if cookie not in posted:
+            return  # an unsignalled request's completion never comes; a stray one changes nothing
+        while posted:
+            done = posted.popleft()
+            if done == WRITE_COOKIE:
+                self._staging_busy = False
+            else:
+                self._free_slots.append(done[1])
+            if done == cookie:
+                break
+
+    # -- the reader's side ---------------------------------------------------------------------
+    def on_received(self, slot: int, header: Any, length: int) -> Optional[Message]:
+        """A receive completed in ``slot`` with ``length`` bytes; ``header`` holds (at least) its first 8 bytes.
+
+        Takes the credits and RELEASE it carries.  Returns the message to hand
+        over now (CREDIT messages too: their slot is re-posted at once), or None
+        when it is held because reading is paused (or earlier ones are held).
+        Raises :class:`StreamProtocolError` when the peer broke the protocol.
+        """
+        if not 0 <= slot < self.nslots or not self._recv_posted[slot]:
+            raise StreamProtocolError(f"stream protocol error: a message arrived in receive slot {slot}, "
+                                      f"which is not posted")
+        hdr = decode_header(header, length)
+        if self._credits + hdr.credits > self.peer.credits:
+            raise StreamProtocolError(f"stream protocol error: the peer returned {hdr.credits} credits while we "
+                                      f"hold {self._credits} of the {self.peer.credits} it granted")
+        if hdr.type == MSG_WINDOW and (self.cfg.window_size == 0 or hdr.length > self.cfg.window_size):
+            raise StreamProtocolError(f"stream protocol error: WINDOW of {hdr.length} bytes into a window of "
+                                      f"{self.cfg.window_size}")
+        if self.eof_received and hdr.type != MSG_CREDIT:
+            raise StreamProtocolError(f"stream protocol error: {_MSG_NAMES[hdr.type]} after EOF")
+        self._recv_posted[slot] = False
+        self._credits += hdr.credits
+        if hdr.flags & FLAG_RELEASE:
+            self._window_free = True
+        message = Message(hdr.type, slot, hdr.length)
+        if hdr.type == MSG_EOF:
+            self.eof_received = True  # even when held: nothing may follow it on the wire
+        if hdr.type == MSG_CREDIT:
+            return message
+        if self._held or not self._reading:
+            self._held.append(message)
+            return None
+        return message
+
+    def consumed(self, message: Message) -> int:
+        """``message`` was handed over and its slot is being re-posted: owe the peer its credit.
+
+        Returns the slot to re-post.  For a WINDOW message the window is
+        released to the peer with the next message.
+        """
+        if self._recv_posted[message.slot]:
+            raise RuntimeError(f"receive slot {message.slot} consumed twice")
+        self._recv_posted[message.slot] = True
+        if message.type != MSG_CREDIT:
+            self._owed += 1
+        if message.type == MSG_WINDOW:
+            self._release_pending = True
+        if message.type in (MSG_DATA, MSG_WINDOW):
+            self.stats["bytes_received"] += message.length
+        return message.slot
+
+    def pause_reading(self) -> None:
+        """Hold received messages (their slots stay used, so their credits are not returned)."""
+        self._reading = False
+
+    def resume_reading(self) -> None:
+        """Hand over messages again; :meth:`next_held` gives the held ones in order."""
+        self._reading = True
+
+    def next_held(self, force: bool = False) -> Optional[Message]:
+        """The oldest held message if reading (or ``force``: the connection is ending), else None."""
+        if self._held and (self._reading or force):
+            return self._held.popleft()
+        return None
+
+    def drop_held(self) -> None:
+        """Forget held messages (the connection is gone)."""
+        self._held.clear()
+
+    def disconnect_error(self, broken: bool, closing: bool) -> Optional[str]:
+        """The peer disconnected: None if that is a clean end (its EOF came first, or we were closing and it
+        answered), else why the reader sees a reset."""
+        if not broken and (self.eof_received or closing):
+            return None
+        reason = "broke" if broken else "was closed by the peer without EOF"
+        return f"Connection reset by peer (the RDMA connection {reason})"
+
+    def __repr__(self) -> str:
+        return (f"<StreamCore credits={self._credits} owed={self._owed} buffered={len(self._buf)} "
+                f"free_slots={len(self._free_slots)} window_free={self._window_free}>")
+

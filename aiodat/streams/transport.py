@@ -1,0 +1,526 @@
+"""The asyncio side of one aiodat stream connection: :class:`RdmaTransport`, ``create_connection``, ``open_connection``.
+
+The transport owns the RDMA resources of the connection and does the posting
+and the waiting; every protocol decision (what to send, which slot, whether a
+credit allows it, what a received header means) is the
+:class:`~aiodat.streams.protocol.StreamCore`'s.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
+
+from aiodat.cm import resolve_host
+from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
+from aiodat.streams.pool import IARef
+from aiodat.streams.protocol import (
+    DEFAULT_LIMIT,
+    HEADER,
+    MSG_DATA,
+    MSG_EOF,
+    MSG_WINDOW,
+    WRITE_COOKIE,
+    Message,
+    PeerParams,
+    StreamConfig,
+    StreamCore,
+    StreamProtocolError,
+    WindowDesc,
+    encode_params,
+    parse_params,
+    split_kwds,
+)
+
+__all__ = ["RdmaTransport", "create_connection", "open_connection"]
+
+
+class Resources:
+    """PZ, registered buffers, one EVD (DTO + connection events) and the EP of one stream."""
+
+    def __init__(self, ia: Any, cfg: StreamConfig) -> None:
+        from aiodat.ep import EPAttr
+        from aiodat.evd import EvdFlags
+        from aiodat.memory import Privileges, Segment
+
+        self.cfg = cfg
+        self.nrecv = self.nsend = cfg.slots
+        size = cfg.buffer_size
+        self.pz = ia.create_pz()
+        self.evd = None
+        try:
+            # one arena: receive slots, then send slots, then the staging buffer for RDMA writes
+            self.arena = bytearray(size * (self.nrecv + self.nsend) + cfg.window_size)
+            self.lmr = self.pz.register(self.arena, Privileges.LOCAL_READ | Privileges.LOCAL_WRITE)
+            self.view = self.lmr.memoryview()
+            self.send_base = size * self.nrecv
+            self.staging_base = size * (self.nrecv + self.nsend)
+            self.window_lmr = None
+            if cfg.window_size:
+                self.window = bytearray(cfg.window_size)
+                self.window_lmr = self.pz.register(
+                    self.window, Privileges.LOCAL_READ | Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE)
+                self.window_view = self.window_lmr.memoryview()
+            self.evd = ia.create_evd(self.nrecv + self.nsend + 16, EvdFlags.DTO | EvdFlags.CONNECTION)
+            attrs = EPAttr(max_recv_dtos=self.nrecv, max_request_dtos=self.nsend + 2)
+            self.ep = ia.create_ep(self.pz, recv_evd=self.evd, request_evd=self.evd, connect_evd=self.evd,
+                                   attrs=attrs)
+            self.recv_segs = [Segment(self.lmr, i * size, size) for i in range(self.nrecv)]
+            for i in range(self.nrecv):
+                self.post_recv(i)
+        except BaseException:
+            self.close()
+            raise
+
+    def post_recv(self, i: int) -> None:
+        self.ep.post_recv(self.recv_segs[i], ("r", i))
+
+    def params(self) -> bytes:
+        """Our private data: the config and the window's descriptor."""
+        window = None
+        if self.window_lmr is not None:
+            r = self.window_lmr.remote()
+            window = WindowDesc(r.address, r.length, r.rmr_context)
+        return encode_params(self.cfg, window)
+
+    def close(self) -> None:
+        for handle in (self.pz, self.evd):
+            if handle is not None:
+                try:
+                    handle.close()
+                except DATError:
+                    pass
+
+
+class RdmaTransport(asyncio.Transport):
+    """An :class:`asyncio.Transport` over one RDMA RC connection (docs/streams.md has the protocol).
+
+    ``get_extra_info`` knows ``peername``, ``sockname``, ``socket`` (None),
+    ``aiodat_ep`` (the :class:`aiodat.EP`), ``aiodat_ia`` and
+    ``aiodat_config`` (the :class:`StreamConfig`).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, res: Resources, iaref: IARef, peer: PeerParams,
+                 protocol: asyncio.BaseProtocol,
+                 on_lost: Optional[Callable[["RdmaTransport"], None]] = None) -> None:
+        from aiodat.ep import CompletionFlags
+        from aiodat.memory import RemoteRegion, Segment
+
+        ep = res.ep
+        param = ep.query()
+        super().__init__({
+            "peername": param.remote_address, "sockname": param.local_address, "socket": None,
+            "aiodat_ep": ep, "aiodat_ia": iaref.ia, "aiodat_config": res.cfg,
+        })
+        self._loop = loop
+        self._res = res
+        self._iaref = iaref
+        self._protocol = protocol
+        self._on_lost = on_lost
+        self._core = StreamCore(res.cfg, peer)
+        self._size = res.cfg.buffer_size
+        self._peer_window = None
+        if self._core.window_length and peer.window is not None:
+            self._peer_window = RemoteRegion(peer.window.address, self._core.window_length, peer.window.rkey)
+        self._Segment = Segment
+        self._SIGNALLED, self._SUPPRESS = CompletionFlags.DEFAULT, CompletionFlags.SUPPRESS
+        self._eof_delivered = False
+        self._closing = False
+        self._lost = False
+        self._conn_lost_writes = 0
+        self._protocol_paused = False
+        self._high_water = 64 * 1024
+        self._low_water = 16 * 1024
+        self._idle: Optional[asyncio.Future[None]] = None
+        self._close_task: Optional[asyncio.Task[None]] = None
+        self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
+        self._pump_task: Optional[asyncio.Task[None]] = None
+        #: messages and bytes moved, for tests and benchmarks: sends, window writes, credit messages
+        self.stats = self._core.stats
+
+    def _start(self) -> None:
+        self._protocol.connection_made(self)
+        if not self._lost:
+            self._pump_task = self._loop.create_task(self._pump())
+
+    # -- asyncio.BaseTransport -------------------------------------------------------------
+    def is_closing(self) -> bool:
+        """True once close() or abort() was called or the connection was lost."""
+        return self._closing
+
+    def close(self) -> None:
+        """Send what is buffered, then EOF, then disconnect; ``connection_lost(None)`` follows."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._lost:
+            return
+        self._core.write_eof()
+        self._flush()
+        self._close_task = self._loop.create_task(self._close_when_flushed())
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        """Hand the connection to another protocol."""
+        self._protocol = protocol
+        self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        """The protocol the transport delivers to."""
+        return self._protocol
+
+    # -- asyncio.ReadTransport ---------------------------------------------------------------
+    def is_reading(self) -> bool:
+        """False while paused by pause_reading()."""
+        return self._core.reading and not self._closing
+
+    def pause_reading(self) -> None:
+        """Stop delivering data; received messages are held and their credits not returned."""
+        self._core.pause_reading()
+
+    def resume_reading(self) -> None:
+        """Deliver what was held (on the next loop iteration) and return its credits."""
+        if not self._core.reading:
+            self._core.resume_reading()
+            self._loop.call_soon(self._resume)
+
+    def _resume(self) -> None:
+        if self._lost:
+            return
+        self._deliver_held()
+        self._flush()
+
+    # -- asyncio.WriteTransport --------------------------------------------------------------
+    def set_write_buffer_limits(self, high: Optional[int] = None, low: Optional[int] = None) -> None:
+        """Set the high- and low-water marks of the write buffer (asyncio's defaults: 64 KiB / 16 KiB)."""
+        if high is None:
+            high = 64 * 1024 if low is None else 4 * low
+        if low is None:
+            low = high // 4
+        if not high >= low >= 0:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        self._high_water, self._low_water = high, low
+        self._maybe_pause_protocol()
+
+    def get_write_buffer_limits(self) -> Tuple[int, int]:
+        """(low, high) water marks."""
+        return self._low_water, self._high_water
+
+    def get_write_buffer_size(self) -> int:
+        """Bytes written but not yet handed to the RDMA device."""
+        return self._core.buffered
+
+    def write(self, data: Union[bytes, bytearray, memoryview]) -> None:
+        """Buffer ``data`` and send as much as the peer's credits allow; never blocks."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data argument must be a bytes-like object, not {type(data).__name__!r}")
+        if self._core.eof_requested and not self._closing:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        if not data:
+            return
+        if self._lost or self._closing:
+            self._conn_lost_writes += 1
+            return
+        self._core.write(data)
+        self._flush()
+        self._maybe_pause_protocol()
+
+    def writelines(self, list_of_data: Iterable[Union[bytes, bytearray, memoryview]]) -> None:
+        """Write each buffer in turn."""
+        self.write(b"".join(list_of_data))
+
+    def write_eof(self) -> None:
+        """Close the write side after the buffered data: the peer's reader sees EOF; we can still read."""
+        if self._closing or self._core.eof_requested:
+            return
+        self._core.write_eof()
+        self._flush()
+
+    def can_write_eof(self) -> bool:
+        """True: aiodat streams support half-close."""
+        return True
+
+    def abort(self) -> None:
+        """Drop the connection at once, without EOF: the peer sees ConnectionResetError."""
+        if self._lost:
+            return
+        self._closing = True
+        self._core.discard()
+        self._finish(None)
+
+    # -- flow control towards the protocol ------------------------------------------------------
+    def _maybe_pause_protocol(self) -> None:
+        if not self._protocol_paused and self._core.buffered > self._high_water:
+            self._protocol_paused = True
+            try:
+                self._protocol.pause_writing()  # type: ignore[union-attr]
+            except Exception as exc:  # as asyncio does: report, do not raise into write()
+                self._loop.call_exception_handler({"message": "protocol.pause_writing() failed",
+                                                   "exception": exc, "transport": self, "protocol": self._protocol})
+
+    def _maybe_resume_protocol(self) -> None:
+        if self._protocol_paused and self._core.buffered <= self._low_water:
+            self._protocol_paused = False
+            try:
+                self._protocol.resume_writing()  # type: ignore[union-attr]
+            except Exception as exc:
+                self._loop.call_exception_handler({"message": "protocol.resume_writing() failed",
+                                                   "exception": exc, "transport": self, "protocol": self._protocol})
+
+    # -- sending: post what the core says ----------------------------------------------------------
+    def _flush(self) -> None:
+        """Post every send the core allows now (data, window writes, EOF, CREDIT)."""
+        if self._lost:
+            return
+        res, core = self._res, self._core
+        try:
+            while True:
+                send = core.next_send()
+                if send is None:
+                    break
+                n = send.length
+                if send.window_write:
+                    staging = res.staging_base
+                    core.copy_pending(res.view[staging:staging + n], n)
+                    res.ep.post_rdma_write(res.lmr[staging:staging + n], self._peer_window[0:n], WRITE_COOKIE)
+                base = res.send_base + send.slot * self._size
+                res.view[base:base + HEADER.size] = send.header
+                if send.type == MSG_DATA:
+                    core.copy_pending(res.view[base + HEADER.size:base + HEADER.size + n], n)
+                res.ep.post_send(self._Segment(res.lmr, base, send.wire_length), send.cookie,
+                                 self._SIGNALLED if send.signalled else self._SUPPRESS)
+                core.sent(send)
+        except DATError as exc:
+            # the EP left CONNECTED under us (the peer went away): the connection event will follow
+            from aiodat.ep import EPState
+
+            if res.ep.closed or res.ep.state is not EPState.CONNECTED:
+                return
+            self._finish(ConnectionBroken(f"sending on the RDMA stream failed: {exc}"))
+            return
+        self._maybe_resume_protocol()
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        idle = self._idle
+        if idle is not None and not idle.done() and self._core.is_flushed():
+            idle.set_result(None)
+
+    async def _close_when_flushed(self) -> None:
+        try:
+            if not self._core.is_flushed() and not self._lost:
+                self._idle = self._loop.create_future()
+                await self._idle
+            if self._lost:
+                return
+            try:
+                await self._res.ep.disconnect(graceful=True, timeout=10.0)
+            except DATError:
+                pass
+            self._finish(None)
+        except asyncio.CancelledError:
+            self._finish(None)
+            raise
+
+    # -- receiving: wait, then let the core decide ---------------------------------------------------
+    async def _pump(self) -> None:
+        evd = self._res.evd
+        try:
+            while not self._lost:
+                events = await evd.wait(1)
+                self._handle(events)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a failed wait: the connection is unusable
+            if not self._lost:
+                self._finish(ConnectionBroken(f"the RDMA stream failed: {exc!r}"))
+
+    def _handle(self, events: Sequence[Any]) -> None:
+        from aiodat.evd import ConnectionEvent, EventType
+
+        lost_event = None
+        for event in events:
+            if isinstance(event, ConnectionEvent):
+                if event.type in (EventType.CONNECTION_EVENT_DISCONNECTED, EventType.CONNECTION_EVENT_BROKEN):
+                    lost_event = event
+                continue
+            self._completion(event)
+            if self._lost:
+                return
+        if lost_event is not None:
+            # take every completion still in the CQ first: data the peer sent before leaving
+            while True:
+                more = self._res.evd.dequeue()
+                if more is None:
+                    break
+                if not isinstance(more, ConnectionEvent):
+                    self._completion(more)
+                    if self._lost:
+                        return
+            self._peer_lost(lost_event.type is EventType.CONNECTION_EVENT_BROKEN)
+            return
+        self._flush()
+
+    def _completion(self, event: Any) -> None:
+        kind, slot = event.cookie if isinstance(event.cookie, tuple) else (None, None)
+        if not event.ok:
+            if event.flushed or self._closing:
+                return  # the QP left CONNECTED: the connection event tells the rest
+            self._finish(ConnectionBroken(f"RDMA {event.operation.value if event.operation else 'op'} "
+                                          f"failed: {event.status}"))
+            return
+        if kind in ("s", "w"):
+            self._core.on_send_complete((kind, slot))
+            self._check_idle()
+        elif kind == "r":
+            base = slot * self._size
+            try:
+                message = self._core.on_received(slot, self._res.view[base:base + HEADER.size],
+                                                 event.transferred_length)
+            except StreamProtocolError as exc:
+                self._finish(exc)
+                return
+            if message is not None:
+                self._deliver(message)
+
+    def _deliver_held(self, force: bool = False) -> None:
+        while not self._res.ep.closed:
+            message = self._core.next_held(force)
+            if message is None:
+                return
+            self._deliver(message)
+
+    def _deliver(self, message: Message) -> None:
+        res = self._res
+        if message.type == MSG_DATA:
+            base = message.slot * self._size + HEADER.size
+            self._data(res.view[base:base + message.length])
+        elif message.type == MSG_WINDOW:
+            self._data(res.window_view[0:message.length])
+        elif message.type == MSG_EOF:
+            self._eof()
+        if self._lost or res.ep.closed:
+            return
+        try:
+            res.post_recv(message.slot)
+        except DATError:
+            return  # disconnected: nothing more will arrive
+        self._core.consumed(message)
+
+    def _data(self, view: memoryview) -> None:
+        if self._closing and not self._lost:
+            return  # as asyncio: no data_received after close()
+        try:
+            self._protocol.data_received(view if self._stream_protocol else bytes(view))  # type: ignore
+        except Exception as exc:
+            self._loop.call_exception_handler({"message": "protocol.data_received() failed",
+                                               "exception": exc, "transport": self, "protocol": self._protocol})
+            self.abort()
+
+    def _eof(self) -> None:
+        if self._eof_delivered:
+            return
+        self._eof_delivered = True
+        if self._closing:
+            return
+        keep_open = False
+        try:
+            keep_open = bool(self._protocol.eof_received())  # type: ignore[union-attr]
+        except Exception as exc:
+            self._loop.call_exception_handler({"message": "protocol.eof_received() failed",
+                                               "exception": exc, "transport": self, "protocol": self._protocol})
+        if not keep_open:
+            self.close()
+
+    # -- the end -------------------------------------------------------------------------------
+    def _peer_lost(self, broken: bool) -> None:
+        """The peer disconnected (or the connection broke): EOF if it said EOF first, else reset."""
+        self._deliver_held(force=True)
+        reason = self._core.disconnect_error(broken, self._closing)
+        self._finish(None if reason is None else ConnectionBroken(reason))
+
+    def _finish(self, exc: Optional[BaseException]) -> None:
+        """Tear down: cancel the tasks, free EP/PZ/LMRs/EVD, release the IA, tell the protocol."""
+        if self._lost:
+            return
+        self._lost = True
+        self._closing = True
+        current = asyncio.current_task(self._loop) if self._loop.is_running() else None
+        for task in (self._pump_task, self._close_task):
+            if task is not None and task is not current and not task.done():
+                task.cancel()
+        idle = self._idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)
+        self._core.drop_held()
+        self._res.close()
+        self._iaref.release()
+        if self._protocol_paused:
+            self._protocol_paused = False
+        self._loop.call_soon(self._call_connection_lost, exc)
+
+    def _call_connection_lost(self, exc: Optional[BaseException]) -> None:
+        try:
+            self._protocol.connection_lost(exc)
+        finally:
+            on_lost, self._on_lost = self._on_lost, None
+            if on_lost is not None:
+                on_lost(self)
+
+    def __repr__(self) -> str:
+        state = "lost" if self._lost else "closing" if self._closing else "open"
+        return f"<aiodat.RdmaTransport {state} peer={self._extra.get('peername')}>"
+
+
+async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol], host: Optional[str] = None,
+                            port: Optional[int] = None, *, ia: Any = None, connect_timeout: float = 30.0,
+                            **kwds: Any) -> Tuple[RdmaTransport, asyncio.BaseProtocol]:
+    """``loop.create_connection`` over RDMA: connect to an aiodat stream server at ``host:port``.
+
+    ``ia`` is a device name, an open :class:`aiodat.IA` or None (the device
+    whose address is ``host``, else ``$AIODAT_RXE_DEVICE``, else the first
+    active one; IAs opened here are shared per event loop, see
+    :mod:`aiodat.streams.pool`).  ``buffer_size``, ``recv_depth``,
+    ``window_size`` and ``rdma_threshold`` set the :class:`StreamConfig`.
+    Raises ConnectionRefusedError (:class:`aiodat.ConnectionRejected`) when
+    nothing listens there, TimeoutError after ``connect_timeout`` seconds.
+    """
+    cfg, rest = split_kwds(kwds)
+    if rest:
+        raise TypeError(f"create_connection() got unexpected keyword argument(s): {', '.join(sorted(rest))}")
+    if host is None or port is None:
+        raise InvalidAddress("aiodat streams need both host and port (there is no sock= form)")
+    loop = asyncio.get_running_loop()
+    host = await resolve_host(host)
+    iaref = IARef(ia, host)
+    res = None
+    try:
+        res = Resources(iaref.ia, cfg)
+        reply = await res.ep.connect(host, int(port), res.params(), timeout=connect_timeout)
+        peer = parse_params(reply)
+    except BaseException:
+        if res is not None:
+            res.close()
+        iaref.release()
+        raise
+    protocol = protocol_factory()
+    transport = RdmaTransport(loop, res, iaref, peer, protocol)
+    transport._start()
+    return transport, protocol
+
+
+async def open_connection(host: Optional[str] = None, port: Optional[int] = None, *, limit: int = DEFAULT_LIMIT,
+                          **kwds: Any) -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to an aiodat stream server: the RDMA twin of :func:`asyncio.open_connection`.
+
+    Returns asyncio's own ``(StreamReader, StreamWriter)``.  Keyword arguments
+    as :func:`create_connection` (``ia``, ``connect_timeout``, the
+    :class:`StreamConfig` fields).
+    """
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=limit, loop=loop)
+    protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+    transport, _ = await create_connection(lambda: protocol, host, port, **kwds)
+    writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+    return reader, writer
+
+
+_Resources = Resources  # the name streams.py had

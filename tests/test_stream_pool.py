@@ -1,0 +1,129 @@
+"""Issue 13 item 5: the IAs aiodat streams share are keyed by (event loop, device, address), without a device.
+
+An aiodat object belongs to the loop it first waited on, so two loops must
+never share a pooled IA; a closed loop's IAs are closed and forgotten.  A fake
+opener stands in for aiodat.open_ia.  (tests/test_streams.py has the device
+test: two threads, two loops, streaming at the same time.)
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, List, Optional
+
+import pytest
+
+from aiodat.streams import pool as pool_mod
+from aiodat.streams.pool import IAPool, IARef, pool_key
+
+
+class FakeIA:
+    def __init__(self, name: str, address: Optional[str]) -> None:
+        self.name, self.address, self.closed = name, address, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make_pool() -> "tuple[IAPool, List[FakeIA]]":
+    opened: List[FakeIA] = []
+
+    def opener(name: str, address: Optional[str]) -> FakeIA:
+        ia = FakeIA(name, address)
+        opened.append(ia)
+        return ia
+
+    return IAPool(opener), opened
+
+
+def test_key_is_loop_device_address() -> None:
+    loop1, loop2 = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        assert pool_key(loop1, "rxe0", None) == pool_key(loop1, "rxe0", None)
+        assert pool_key(loop1, "rxe0", None) != pool_key(loop2, "rxe0", None)
+        assert pool_key(loop1, "rxe0", None) != pool_key(loop1, "rxe0", "10.0.0.1")
+        assert pool_key(loop1, "rxe0", None) != pool_key(loop1, "rxe1", None)
+    finally:
+        loop1.close(), loop2.close()
+
+
+def test_same_loop_shares_other_loop_does_not() -> None:
+    pool, opened = make_pool()
+    loop1, loop2 = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        a = pool.acquire(loop1, "rxe0")
+        b = pool.acquire(loop1, "rxe0")
+        c = pool.acquire(loop2, "rxe0")
+        d = pool.acquire(loop1, "rxe0", "fd00::1")
+        assert a is b and a is not c and d is not a
+        assert len(opened) == 3 and pool.open_count() == 3
+        pool.release(a)
+        assert not a.closed  # b still holds it
+        pool.release(b)
+        assert a.closed and not c.closed
+        pool.addref(c)
+        pool.release(c)
+        assert not c.closed
+        pool.release(c)
+        assert c.closed
+        pool.release(d)
+        assert pool.open_count() == 0
+    finally:
+        loop1.close(), loop2.close()
+
+
+def test_a_closed_loops_entries_are_dropped() -> None:
+    pool, opened = make_pool()
+    old, new = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        stale = pool.acquire(old, "rxe0")
+        old.close()  # its streams were never closed: the IA would leak
+        fresh = pool.acquire(new, "rxe0")
+        assert stale.closed and not fresh.closed
+        assert pool.keys() == [pool_key(new, "rxe0", None)]
+        assert pool.open_count() == 1
+        pool.release(stale)  # a late release of the dropped entry changes nothing
+        assert pool.open_count() == 1 and not fresh.closed
+    finally:
+        new.close()
+    assert pool.open_count() == 0 and fresh.closed
+
+
+def test_iaref_takes_the_running_loops_ia_in_each_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """IARef (what open_connection/start_server use) picks the IA of the loop running in its thread."""
+    pool, opened = make_pool()
+    monkeypatch.setattr(pool_mod, "_POOL", pool)
+    got: dict = {}
+    barrier = threading.Barrier(2, timeout=30)
+
+    async def use(i: int) -> None:
+        first = IARef("rxe0", None)
+        second = IARef("rxe0", None)
+        barrier.wait()  # both loops hold their references at the same time
+        got[i] = (first.ia, second.ia)
+        barrier.wait()
+        first.release()
+        second.release()
+
+    threads = [threading.Thread(target=asyncio.run, args=(use(i),)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got[1][0] is got[1][1] and got[2][0] is got[2][1]  # one IA per loop...
+    assert got[1][0] is not got[2][0]  # ...and never one across loops
+    assert len(opened) == 2 and all(ia.closed for ia in opened)
+    assert pool.open_count() == 0
+
+
+def test_iaref_needs_a_running_loop_for_a_pooled_ia() -> None:
+    with pytest.raises(RuntimeError, match="no running event loop"):
+        IARef("rxe0", None)
+
+
+def test_iaref_refuses_other_types() -> None:
+    async def bad() -> Any:
+        return IARef(42, None)
+
+    with pytest.raises(ValueError, match="ia must be None, a device name or an aiodat.IA"):
+        asyncio.run(bad())

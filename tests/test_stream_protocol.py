@@ -1,0 +1,472 @@
+"""Issue 14 item 3: the aiodat stream protocol core (aiodat.streams.protocol), without a device.
+
+StreamCore is sans-IO: these tests drive two cores against each other through
+a simulated wire (receive slots that must be posted before a send lands, an
+RDMA-writable window, in-order send completions) and check what the protocol
+promises: the sender never exceeds the receiver's posted slots, credits come
+back, the window is used and released, bytes arrive whole and in order, EOF
+comes last, and malformed input is refused with a clear error.
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Deque, List, Tuple
+
+import pytest
+
+from aiodat.errors import ConnectionBroken, InvalidParameter, ModelNotSupported
+from aiodat.streams.protocol import (
+    FLAG_RELEASE,
+    HEADER,
+    MSG_CREDIT,
+    MSG_DATA,
+    MSG_EOF,
+    MSG_WINDOW,
+    PARAMS,
+    Header,
+    Message,
+    PeerParams,
+    StreamConfig,
+    StreamCore,
+    StreamProtocolError,
+    WindowDesc,
+    decode_header,
+    encode_header,
+    encode_params,
+    parse_params,
+    split_kwds,
+)
+
+# -- a simulated wire ----------------------------------------------------------------------------------
+
+
+class RNR(AssertionError):
+    """A send arrived where the receiver had no posted receive slot (receiver-not-ready)."""
+
+
+class Side:
+    """One end: a StreamCore, its receive slots and window, and what its application got."""
+
+    def __init__(self, cfg: StreamConfig, peer_cfg: StreamConfig) -> None:
+        window = WindowDesc(0x10000, peer_cfg.window_size, 0x77) if peer_cfg.window_size else None
+        self.cfg = cfg
+        self.core = StreamCore(cfg, PeerParams(peer_cfg.recv_depth, peer_cfg.buffer_size, window))
+        self.slots = [bytearray(cfg.buffer_size) for _ in range(cfg.slots)]
+        self.posted: Deque[int] = deque(range(cfg.slots))  # receives are consumed in posting order
+        self.window = bytearray(cfg.window_size)
+        self.arrived: Deque[Tuple[int, int]] = deque()  # receive completions not yet processed
+        self.send_queue: List[Tuple[Tuple[str, int], bool]] = []  # (cookie, signalled) in posting order
+        self.got = bytearray()
+        self.eof = False
+        self.types_sent: List[int] = []
+
+
+def transmit(a: Side, b: Side, limit: int = 10 ** 9) -> int:
+    """Post everything a's core allows; each send lands in one of b's posted slots at once."""
+    n = 0
+    while n < limit:
+        send = a.core.next_send()
+        if send is None:
+            break
+        if send.window_write:
+            a.core.copy_pending(memoryview(b.window), send.length)  # the RDMA write
+            a.send_queue.append((("w", 0), False))
+        wire = bytearray(send.wire_length)
+        wire[:HEADER.size] = send.header
+        if send.type == MSG_DATA:
+            a.core.copy_pending(memoryview(wire)[HEADER.size:], send.length)
+        if not b.posted:
+            raise RNR(f"a {send.type} message found no posted receive slot")
+        slot = b.posted.popleft()
+        b.slots[slot][:len(wire)] = wire
+        b.arrived.append((slot, len(wire)))
+        a.send_queue.append((send.cookie, send.signalled))
+        a.types_sent.append(send.type)
+        a.core.sent(send)
+        n += 1
+    return n
+
+
+def complete_sends(a: Side) -> None:
+    """The device completes a's sends in order; only signalled ones produce a completion."""
+    for cookie, signalled in a.send_queue:
+        if signalled:
+            a.core.on_send_complete(cookie)
+    # everything posted before the last signalled send is done; keep the tail
+    last = max((i for i, (_, s) in enumerate(a.send_queue) if s), default=-1)
+    del a.send_queue[:last + 1]
+
+
+def deliver(b: Side, message: Message) -> None:
+    if message.type == MSG_DATA:
+        b.got += b.slots[message.slot][HEADER.size:HEADER.size + message.length]
+    elif message.type == MSG_WINDOW:
+        b.got += b.window[:message.length]
+    elif message.type == MSG_EOF:
+        assert not b.eof, "EOF delivered twice"
+        b.eof = True
+    if message.type != MSG_CREDIT:
+        assert not b.eof or message.type == MSG_EOF, "data after EOF"
+    b.posted.append(b.core.consumed(message))
+
+
+def process(b: Side, limit: int = 10 ** 9) -> None:
+    """b's transport handles its receive completions."""
+    while b.arrived and limit:
+        slot, length = b.arrived.popleft()
+        message = b.core.on_received(slot, b.slots[slot][:HEADER.size], length)
+        if message is not None:
+            deliver(b, message)
+        limit -= 1
+    while True:
+        held = b.core.next_held()
+        if held is None:
+            break
+        deliver(b, held)
+
+
+def pair(**kw: int) -> Tuple[Side, Side]:
+    cfg = StreamConfig(**kw).validate()
+    return Side(cfg, cfg), Side(cfg, cfg)
+
+
+# -- headers ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mtype,flags,credits,length", [
+    (MSG_DATA, 0, 0, 5), (MSG_DATA, FLAG_RELEASE, 65535, 0), (MSG_WINDOW, 0, 3, 262144),
+    (MSG_CREDIT, FLAG_RELEASE, 8, 0), (MSG_EOF, 0, 1, 0),
+])
+def test_header_round_trip(mtype: int, flags: int, credits: int, length: int) -> None:
+    raw = encode_header(mtype, flags, credits, length)
+    assert len(raw) == HEADER.size == 8
+    assert raw[0] == mtype and raw[1] == flags  # network order, type first
+    assert decode_header(raw + bytes(length), HEADER.size + length) == Header(mtype, flags, credits, length)
+
+
+@pytest.mark.parametrize("raw,received,match", [
+    (encode_header(MSG_DATA, 0, 0, 0)[:7], 7, "7-byte message is shorter than the 8-byte header"),
+    (b"", 0, "0-byte message"),
+    (encode_header(9, 0, 0, 0), 8, "unknown message type 9"),
+    (encode_header(0, 0, 0, 0), 8, "unknown message type 0"),
+    (encode_header(MSG_DATA, 0x80, 0, 0), 8, "unknown flags 0x80"),
+    (encode_header(MSG_DATA, 0, 0, 100) + bytes(50), 58, "DATA says 100 payload bytes but the message is 58"),
+    (encode_header(MSG_CREDIT, 0, 1, 4), 8, "CREDIT with a payload length of 4"),
+    (encode_header(MSG_EOF, 0, 0, 1), 8, "EOF with a payload length of 1"),
+])
+def test_malformed_headers_are_refused(raw: bytes, received: int, match: str) -> None:
+    with pytest.raises(StreamProtocolError, match=match) as info:
+        decode_header(raw, received)
+    assert isinstance(info.value, ConnectionBroken) and isinstance(info.value, ConnectionResetError)
+
+
+def test_header_with_unknown_type_breaks_the_connection_in_the_core() -> None:
+    a, b = pair()
+    slot = b.posted.popleft()
+    b.slots[slot][:8] = encode_header(7, 0, 0, 0)
+    with pytest.raises(StreamProtocolError, match="unknown message type 7"):
+        b.core.on_received(slot, b.slots[slot][:8], 8)
+
+
+# -- connection parameters -------------------------------------------------------------------------------
+
+
+def test_params_round_trip_with_and_without_window() -> None:
+    cfg = StreamConfig(buffer_size=4096, recv_depth=8, window_size=65536)
+    win = WindowDesc(0x7F00_1234_5000, 65536, 0xABCD)
+    data = encode_params(cfg, win)
+    assert len(data) == PARAMS.size + 20 == 30
+    assert data[:2] == b"AS" and data[2] == 1
+    assert parse_params(data) == PeerParams(8, 4096, win)
+    # the CM pads private data with zeros: ignored
+    assert parse_params(data + bytes(26)) == PeerParams(8, 4096, win)
+    bare = encode_params(StreamConfig(window_size=0))
+    assert len(bare) == PARAMS.size == 10
+    assert parse_params(bare + bytes(46)) == PeerParams(16, 16384, None)
+
+
+@pytest.mark.parametrize("data,match", [
+    (b"AS\x01", "3 bytes, expected 10"),
+    (PARAMS.pack(b"XX", 1, 0, 16, 16384), "magic b'XX'"),
+    (PARAMS.pack(b"AS", 2, 0, 16, 16384), "protocol version 1 .*version 2"),
+    (PARAMS.pack(b"AS", 1, 0, 0, 16384), "credits 0"),
+    (PARAMS.pack(b"AS", 1, 0, 16, 8), "slot 8"),
+    (PARAMS.pack(b"AS", 1, 1, 16, 16384) + bytes(5), "announce a window but are only 15 bytes"),
+])
+def test_bad_params_are_refused(data: bytes, match: str) -> None:
+    with pytest.raises(InvalidParameter, match=match):
+        parse_params(data)
+
+
+def test_split_kwds() -> None:
+    cfg, rest = split_kwds({"buffer_size": 4096, "ssl": None, "family": 0, "whatever": 1})
+    assert cfg == StreamConfig(buffer_size=4096) and rest == {"whatever": 1}
+    with pytest.raises(ModelNotSupported, match="ssl=True"):
+        split_kwds({"ssl": True})
+    with pytest.raises(InvalidParameter, match="recv_depth"):
+        split_kwds({"recv_depth": 1})
+
+
+# -- credits and the send window -------------------------------------------------------------------------
+
+
+def test_sender_stops_at_the_peers_credits_and_resumes_when_they_return() -> None:
+    a, b = pair(recv_depth=4, window_size=0, buffer_size=64)
+    a.core.write(bytes(range(256)) * 10)  # 2560 bytes, 56 per DATA message
+    assert transmit(a, b) == 4  # one message per credit, no more
+    assert a.core.credits == 0 and a.core.next_send() is None
+    assert a.core.buffered == 2560 - 4 * 56
+    process(b)  # b consumes the four: owes 4, threshold is 2 -> a CREDIT message
+    assert b.core.owed == 4
+    credit = b.core.next_send()
+    assert credit is not None and credit.type == MSG_CREDIT and credit.credits == 4 and not credit.takes_credit
+    assert transmit(b, a) == 1 and b.core.owed == 0
+    process(a)
+    assert a.core.credits == 4
+    assert transmit(a, b) == 4
+
+
+def test_credits_below_the_threshold_wait_for_a_message_to_ride_on() -> None:
+    a, b = pair(recv_depth=8, window_size=0)  # threshold 4
+    a.core.write(b"x" * 10)
+    transmit(a, b)
+    process(b)
+    assert b.core.owed == 1 and b.core.next_send() is None  # 1 < 4: no CREDIT message
+    b.core.write(b"reply")
+    send = b.core.next_send()
+    assert send is not None and send.type == MSG_DATA and send.credits == 1  # piggybacked
+    transmit(b, a)
+    process(a)
+    assert a.core.credits == 8 and a.got == b"reply" and b.got == b"x" * 10
+
+
+def test_returning_credits_never_granted_is_a_protocol_error() -> None:
+    a, b = pair(recv_depth=4)
+    slot = a.posted.popleft()
+    a.slots[slot][:8] = encode_header(MSG_CREDIT, 0, 1, 0)  # a holds all 4 already
+    with pytest.raises(StreamProtocolError, match="returned 1 credits while we hold 4 of the 4"):
+        a.core.on_received(slot, a.slots[slot][:8], 8)
+
+
+def test_a_message_into_a_slot_that_is_not_posted_is_refused() -> None:
+    a, b = pair()
+    a.core.write(b"hi")
+    transmit(a, b)
+    slot, length = b.arrived[0]
+    b.core.pause_reading()
+    assert b.core.on_received(slot, b.slots[slot][:8], length) is None  # held, slot in use
+    with pytest.raises(StreamProtocolError, match=f"receive slot {slot}, which is not posted"):
+        b.core.on_received(slot, b.slots[slot][:8], length)
+    with pytest.raises(StreamProtocolError, match="not posted"):
+        b.core.on_received(b.cfg.slots, b.slots[0][:8], 8)
+
+
+def test_large_writes_use_the_window_once_until_released() -> None:
+    a, b = pair(buffer_size=4096, recv_depth=8, window_size=65536, rdma_threshold=16384)
+    data = random.Random(1).randbytes(200_000)
+    a.core.write(data)
+    first = a.core.next_send()
+    assert first is not None and first.type == MSG_WINDOW and first.window_write and first.length == 65536
+    assert first.wire_length == HEADER.size  # the payload goes by RDMA write, not in the send
+    transmit(a, b, limit=1)
+    assert not a.core.window_free
+    second = a.core.next_send()
+    assert second is not None and second.type == MSG_DATA  # window busy: DATA meanwhile, ordered after it
+    transmit(a, b)
+    assert a.types_sent.count(MSG_WINDOW) == 1
+    process(b)  # consumes the WINDOW: the window is released with b's next message
+    send = b.core.next_send()
+    assert send is not None and send.release and send.header[1] & FLAG_RELEASE
+    transmit(b, a)
+    process(a)
+    assert a.core.window_free
+    complete_sends(a)  # the staging buffer is free once the write completed
+    for _ in range(200):
+        transmit(a, b), process(b), transmit(b, a), process(a), complete_sends(a), complete_sends(b)
+    assert bytes(b.got) == data and a.core.buffered == 0
+    assert a.types_sent.count(MSG_WINDOW) >= 2
+    assert a.core.stats["window_writes"] == a.types_sent.count(MSG_WINDOW)
+    assert a.core.stats["bytes_sent"] == b.core.stats["bytes_received"] == len(data)
+
+
+def test_window_length_is_the_smaller_of_the_two_and_zero_disables_it() -> None:
+    big, small = StreamConfig(window_size=1 << 20), StreamConfig(window_size=65536)
+    assert StreamCore(small, PeerParams(16, 16384, WindowDesc(0, 1 << 20, 1))).window_length == 65536
+    assert StreamCore(big, PeerParams(16, 16384, WindowDesc(0, 65536, 1))).window_length == 65536
+    off = StreamCore(StreamConfig(window_size=0), PeerParams(16, 16384, WindowDesc(0, 65536, 1)))
+    off.write(bytes(1 << 20))
+    send = off.next_send()
+    assert off.window_length == 0 and send is not None and send.type == MSG_DATA
+
+
+def test_window_message_into_no_window_is_refused() -> None:
+    cfg = StreamConfig(window_size=0)
+    core = StreamCore(cfg, PeerParams(16, 16384, None))
+    with pytest.raises(StreamProtocolError, match="WINDOW of 100 bytes into a window of 0"):
+        core.on_received(0, encode_header(MSG_WINDOW, 0, 0, 100), 8)
+
+
+def test_send_completions_free_every_earlier_slot_and_signal_sparingly() -> None:
+    a, b = pair(recv_depth=16, window_size=0, buffer_size=64)  # 20 slots, one send in 5 signalled
+    a.core.write(bytes(56 * 16))
+    assert transmit(a, b) == 16
+    signalled = [s for _, s in a.send_queue]
+    assert 0 < sum(signalled) < len(signalled)  # most sends are unsignalled
+    assert a.core.free_send_slots == a.cfg.slots - 16
+    complete_sends(a)
+    freed = a.cfg.slots - 16 + (max(i for i, s in enumerate(signalled) if s) + 1)
+    assert a.core.free_send_slots == freed
+    a.core.on_send_complete(("s", 999))  # a stray completion changes nothing
+    assert a.core.free_send_slots == freed
+
+
+# -- flow control under a slow reader ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_flow_control_never_overruns_posted_slots(seed: int) -> None:
+    """Random writes both ways, a reader that pauses and lags: no send ever meets an empty receive
+    queue, credit-taking messages never occupy more than recv_depth slots, and every byte arrives in order."""
+    rng = random.Random(seed)
+    kw = rng.choice([dict(recv_depth=4, buffer_size=64, window_size=4096, rdma_threshold=200),
+                     dict(recv_depth=16, buffer_size=1024, window_size=8192, rdma_threshold=3000),
+                     dict(recv_depth=5, buffer_size=128, window_size=0)])
+    a, b = pair(**kw)
+    out = {id(a): bytearray(), id(b): bytearray()}
+    for step in range(600):
+        for side, peer in ((a, b), (b, a)):
+            if rng.random() < 0.3 and not side.core.eof_requested:
+                chunk = rng.randbytes(rng.randint(1, 5000))
+                side.core.write(chunk)
+                out[id(side)] += chunk
+            transmit(side, peer)
+            # the receiver's slots: credit-taking messages never exceed what it granted
+            in_slots = [peer.slots[s][0] for s, _ in peer.arrived] + [m.type for m in peer.core.held]
+            assert sum(t != MSG_CREDIT for t in in_slots) <= peer.cfg.recv_depth
+            assert sum(t == MSG_CREDIT for t in in_slots) <= peer.cfg.extra_slots
+            assert side.core.credits >= 0
+        for side in (a, b):
+            if rng.random() < 0.2:
+                side.core.pause_reading()
+            elif rng.random() < 0.5:
+                side.core.resume_reading()
+            if rng.random() < 0.6:
+                process(side, limit=rng.randint(1, 6))
+            if rng.random() < 0.7:
+                complete_sends(side)
+    for side in (a, b):
+        side.core.write_eof()
+    for _ in range(2000):
+        for side, peer in ((a, b), (b, a)):
+            side.core.resume_reading()
+            transmit(side, peer)
+            process(peer)
+            complete_sends(side)
+        if a.eof and b.eof and a.core.is_flushed() and b.core.is_flushed():
+            break
+    assert bytes(b.got) == bytes(out[id(a)]) and bytes(a.got) == bytes(out[id(b)])
+    assert a.eof and b.eof and a.core.is_flushed() and b.core.is_flushed()
+
+
+def test_paused_reader_holds_messages_and_their_credits() -> None:
+    a, b = pair(recv_depth=4, window_size=0, buffer_size=64)
+    b.core.pause_reading()
+    a.core.write(b"0123456789" * 30)
+    transmit(a, b)
+    process(b)
+    assert b.got == b"" and b.core.owed == 0  # held: no credits go back
+    assert transmit(a, b) == 0  # and a cannot send more
+    b.core.resume_reading()
+    process(b)
+    assert b.got == (b"0123456789" * 30)[:4 * 56] and b.core.owed == 4
+
+
+def test_credit_messages_are_taken_even_while_paused() -> None:
+    a, b = pair(recv_depth=4, window_size=0, buffer_size=64)
+    a.core.write(bytes(56 * 4))
+    transmit(a, b)
+    process(b)
+    transmit(b, a)  # a CREDIT message
+    a.core.pause_reading()
+    slot, length = a.arrived.popleft()
+    message = a.core.on_received(slot, a.slots[slot][:8], length)
+    assert message is not None and message.type == MSG_CREDIT and a.core.credits == 4
+
+
+# -- EOF and the end of a connection -----------------------------------------------------------------------
+
+
+def test_eof_follows_the_data_and_needs_a_credit() -> None:
+    a, b = pair(recv_depth=4, window_size=0, buffer_size=64)
+    a.core.write(bytes(56 * 4 + 10))
+    a.core.write_eof()
+    with pytest.raises(RuntimeError, match="write_eof"):
+        a.core.write(b"late")
+    transmit(a, b)
+    assert MSG_EOF not in a.types_sent and a.core.credits == 0  # data first, and EOF waits for a credit
+    for _ in range(5):
+        process(b), transmit(b, a), process(a), transmit(a, b), complete_sends(a)
+    assert a.types_sent[-1] == MSG_EOF and a.types_sent.count(MSG_EOF) == 1
+    assert b.eof and len(b.got) == 56 * 4 + 10
+    assert a.core.is_flushed()
+
+
+def test_not_flushed_until_the_eof_send_completed() -> None:
+    a, b = pair()
+    a.core.write(b"data")
+    a.core.write_eof()
+    transmit(a, b)
+    assert a.core.eof_sent and not a.core.is_flushed()
+    assert a.send_queue[-1][1]  # the EOF send is signalled
+    complete_sends(a)
+    assert a.core.is_flushed()
+
+
+def test_data_after_eof_is_a_protocol_error() -> None:
+    a, b = pair()
+    a.core.write_eof()
+    transmit(a, b)
+    process(b)
+    assert b.eof and b.core.eof_received
+    slot = b.posted.popleft()
+    with pytest.raises(StreamProtocolError, match="DATA after EOF"):
+        b.core.on_received(slot, encode_header(MSG_DATA, 0, 0, 0), 8)
+    # credits may still come after EOF
+    assert b.core.on_received(slot, encode_header(MSG_CREDIT, 0, 0, 0), 8) is not None
+
+
+def test_held_eof_still_counts_when_the_peer_disconnects() -> None:
+    a, b = pair()
+    b.core.pause_reading()
+    a.core.write(b"last words")
+    a.core.write_eof()
+    transmit(a, b)
+    process(b)
+    assert b.got == b"" and not b.eof
+    # the peer disconnects: the transport forces out the held messages, in order, EOF last
+    forced = []
+    while (m := b.core.next_held(force=True)) is not None:
+        forced.append(m.type)
+    assert forced == [MSG_DATA, MSG_EOF]
+    assert b.core.disconnect_error(broken=False, closing=False) is None
+
+
+def test_disconnect_outcome() -> None:
+    core = StreamCore(StreamConfig(), PeerParams(16, 16384, None))
+    assert "closed by the peer without EOF" in core.disconnect_error(broken=False, closing=False)
+    assert core.disconnect_error(broken=False, closing=True) is None  # our DREQ crossed the peer's
+    assert "broke" in core.disconnect_error(broken=True, closing=True)
+    core.on_received(0, encode_header(MSG_EOF, 0, 0, 0), 8)
+    assert core.disconnect_error(broken=False, closing=False) is None
+    assert "broke" in core.disconnect_error(broken=True, closing=False)
+
+
+def test_a_stale_send_cannot_be_committed() -> None:
+    core = StreamCore(StreamConfig(), PeerParams(16, 16384, None))
+    core.write(b"abc")
+    send = core.next_send()
+    assert send is not None
+    core.sent(send)
+    with pytest.raises(RuntimeError, match="stale Send"):
+        core.sent(send)
