@@ -26,7 +26,7 @@ from aiodat.cqsize import fit_cqs
 from aiodat.epattr import EPAttr, EPParam, EPRecvInfo, EPState, ServiceType
 from aiodat.errors import InvalidParameter, InvalidState, ModelNotSupported, error_from_errno
 from aiodat.evd import EVD, EvdFlags
-from aiodat.memory import LMR, PZ, Segment, Segments, as_segments
+from aiodat.memory import PZ, Segments, as_segments  # noqa: F401  (as_segments: re-exported)
 from aiodat.post import (  # noqa: F401  (re-exported: other modules and users import them from here)
     DEFAULT_INLINE_DATA,
     SEND_FENCE,

@@ -12,7 +12,6 @@ rdma_cm event channel (see cm.py).  Everything else is created from the IA.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
