@@ -119,8 +119,9 @@ class EP(Posting, Handle):
         self._init_posting()
         self._rc = attrs.service_type is ServiceType.RC  # the post fast paths are for RC only
         self._ud = attrs.service_type is ServiceType.UD
-        try:  # EVDs passed in are shared: grow their CQs so what feeds them fits (docs/events.md)
-            fit_cqs(ia, self._cq_shares())
+        try:  # EVDs passed in may be shared: grow their CQs so what feeds them fits (docs/events.md)
+            own = self._own_evds  # fed by this EP alone: checked without looking at the IA's other EPs
+            fit_cqs(ia, [share for share in self._cq_shares() if share[0] not in own or share[2] > share[0].qlen])
         except BaseException:
             self._destroy_own_evds()
             self._closed = True

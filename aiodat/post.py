@@ -245,10 +245,14 @@ class Posting(WorkRequests):
                   flags: CompletionFlags, *, imm_data: Optional[int] = None,
                   remote: Optional["RemoteRegion"] = None, compare_add: int = 0, swap: int = 0,
                   target: Any = None, ah: Any = None, remote_qpn: int = 0, remote_qkey: int = 0,
-                  bind: Optional[Tuple[Any, int, Any, int, int, int]] = None) -> None:
-        """Fill the EP's single request and post it; remember it for its completion."""
+                  bind: Optional[Tuple[Any, int, Any, int, int, int]] = None, internal: bool = False) -> None:
+        """Fill the EP's single request and post it; remember it for its completion.
+
+        ``internal``: aiodat's own request (the drain marker of a graceful disconnect, which
+        may be retried once the EP is DISCONNECT_PENDING): no state check."""
         send_flags, quiet = _flag_bits("flags", flags)
-        if self._conn.state is not EPState.CONNECTED and self.attrs.service_type is ServiceType.RC and opcode != WR_BIND_MW:
+        if (self._conn.state is not EPState.CONNECTED and self.attrs.service_type is ServiceType.RC
+                and opcode != WR_BIND_MW and not internal):
             raise InvalidState(f"cannot post {op.value} on an EP in state {self._conn.state.value} (connect it first)")
         wr = self._wr
         wr_id = next(self._ids) * 2
@@ -560,5 +564,6 @@ class Posting(WorkRequests):
         address for it (IBA C9-88), so the peer sees nothing.  Raises QueueFull when the
         send queue has no room for it."""
         marker = DrainMarker(callback)
-        self._post_one(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, (), None, CompletionFlags.DEFAULT, target=marker)
+        self._post_one(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, (), None, CompletionFlags.DEFAULT, target=marker,
+                       internal=True)
         return marker
