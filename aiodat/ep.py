@@ -22,7 +22,7 @@ from aiodat import cm
 from aiodat._handle import Handle
 from aiodat._lib import ffi, lib
 from aiodat.cm import Connection
-from aiodat.cqsize import fit_cqs
+from aiodat.cqsize import cq_entries, fit_cqs
 from aiodat.epattr import EPAttr, EPParam, EPRecvInfo, EPState, ServiceType
 from aiodat.errors import InvalidParameter, InvalidState, ModelNotSupported, error_from_errno
 from aiodat.evd import EVD, EvdFlags
@@ -121,7 +121,7 @@ class EP(Posting, Handle):
         self._ud = attrs.service_type is ServiceType.UD
         try:  # EVDs passed in may be shared: grow their CQs so what feeds them fits (docs/events.md)
             own = self._own_evds  # fed by this EP alone: checked without looking at the IA's other EPs
-            fit_cqs(ia, [share for share in self._cq_shares() if share[0] not in own or share[2] > share[0].qlen])
+            fit_cqs(ia, [share for share in self._cq_shares() if share[0] not in own or share[2] > cq_entries(share[0])])
         except BaseException:
             self._destroy_own_evds()
             self._closed = True
