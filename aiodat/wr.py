@@ -71,6 +71,7 @@ class WorkRequests:
     _rc: bool
     _ud: bool
     recv_evd: "EVD"
+    _on_async_error: Callable[[str], None]  # the EP's: a failed completion breaks the connection
 
     def _init_tracking(self) -> None:
         self._ids = itertools.count(1)
@@ -79,9 +80,6 @@ class WorkRequests:
         #: posted receives in order: (wr_id, cookie, segments)
         self._recv_q: Deque[Tuple[int, Any, Tuple[Segment, ...]]] = deque()
         self._quiet: set = set()  # wr_ids posted UNSIGNALLED: their events do not notify
-
-    def _on_async_error(self, reason: str) -> None:  # pragma: no cover - the EP defines it
-        raise NotImplementedError
 
     def _track(self, segs: Tuple[Segment, ...], delta: int) -> None:
         for seg in segs:
