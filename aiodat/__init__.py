@@ -8,7 +8,7 @@ Receive Queues.  Every DAT wait is an awaitable on the running event loop.
 from aiodat.errors import *  # noqa: F401,F403  (every DAT return code, as exception classes)
 from aiodat.errors import DATError  # noqa: F401
 
-__version__ = "0.1.0"
+from aiodat._version import __version__  # noqa: E402,F401
 
 from aiodat.attrs import IAAttr, IAQuery, ProviderAttr, TransportAttr  # noqa: E402
 from aiodat.cm import CR, PSP  # noqa: E402

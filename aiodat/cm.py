@@ -44,16 +44,19 @@ from aiodat.errors import (
     NonPeerRejected,
     ConnQualInUse,
     InvalidAddress,
+    InvalidHandle,
     InvalidParameter,
     InvalidState,
+    QueueFull,
     Unreachable,
     error_from_errno,
 )
-from aiodat.evd import ConnectionEvent, ConnectionRequestEvent, EvdFlags, EventType, AsyncEvent
+from aiodat.epattr import EPState, ServiceType
+from aiodat.evd import EVD, AsyncEvent, ConnectionEvent, ConnectionRequestEvent, EvdFlags, EventType
+from aiodat.evd import report_internal_error  # noqa: F401  (it lived here; loop callbacks of cm.py use it)
 
 if TYPE_CHECKING:
     from aiodat.ep import EP
-    from aiodat.evd import EVD
     from aiodat.ia import IA
 
 #: private data limits through rdma_cm on InfiniBand/RoCE: the IB CM's REQ, REP and REJ
@@ -237,13 +240,14 @@ class CMChannel:
         if kind == DEVICE_REMOVAL or kind == ADDR_CHANGE:
             etype = EventType.ASYNC_DEVICE_REMOVAL if kind == DEVICE_REMOVAL else EventType.ASYNC_ADDRESS_CHANGE
             evd = self._ia.async_evd
-            evd._push(AsyncEvent(etype, evd, obj=self.owners.get(_key(ev.id)), reason=_event_name(kind)))
+            obj = self.owners.get(_key(ev.id))
+            if isinstance(obj, Connection):
+                obj = obj.ep
+            evd._push(AsyncEvent(etype, evd, obj=obj, reason=_event_name(kind)))
             return
         owner = self.owners.get(_key(ev.id))
-        from aiodat.ep import EP
-
-        if isinstance(owner, EP):
-            _ep_event(owner, kind, ev.status, pdata)
+        if isinstance(owner, Connection):
+            _ep_event(owner.ep, kind, ev.status, pdata)
         elif hasattr(owner, "_on_cm_event"):  # UD resolution or multicast join (datagram.py)
             owner._on_cm_event(ev, pdata)
         elif ev.ah != ffi.NULL:  # an address handle nobody is left to take
@@ -253,6 +257,8 @@ class CMChannel:
         """Stop watching and destroy the channel (every id is gone by now)."""
         self.watch.detach()
         for owner in list(self.owners.values()):
+            if isinstance(owner, Connection):
+                owner = owner.ep
             if isinstance(owner, Handle):
                 owner.close()
         if self.channel != ffi.NULL:
@@ -264,39 +270,71 @@ def _event_name(kind: int) -> str:
     return ffi.string(lib.rdma_event_str(kind)).decode()
 
 
-def report_internal_error(ia: "IA", exc: BaseException, what: str) -> None:
-    """An exception inside a loop callback: an ASYNC_ERROR_PROVIDER_INTERNAL_ERROR event on the async EVD.
+# -- the connection state of an EP ---------------------------------------------------
 
-    Loop callbacks (the rdma_cm channel, the device async fd) must never let an
-    exception escape into the event loop; the failure is reported where DAT
-    reports provider trouble instead, with the exception as ``event.obj``.
+
+class Connection:
+    """The connection state an EP owns (``ep._conn``): its DAT state, rdma_cm id, the waiting
+    connect/accept/disconnect future and the timers.  Only this module changes it.
+
+    It is also the owner of the EP's cm_id in the channel's routing table, so events
+    reach the EP without this module importing ep.py.
     """
-    evd = getattr(ia, "async_evd", None)
-    if evd is None or evd.closed:
-        return
-    evd._push(AsyncEvent(EventType.ASYNC_ERROR_PROVIDER_INTERNAL_ERROR, evd, obj=exc,
-                         reason=f"{what}: {type(exc).__name__}: {exc}"))
+
+    __slots__ = ("ep", "state", "cm_id", "waiter", "timer", "pending_private", "drain", "drain_timer")
+
+    def __init__(self, ep: "EP") -> None:
+        self.ep = ep
+        self.state = EPState.UNCONNECTED
+        self.cm_id: Any = ffi.NULL
+        #: the future of an awaited connect/accept/disconnect; None: outcomes go to the connect EVD
+        self.waiter: Optional["asyncio.Future[ConnectionEvent]"] = None
+        self.timer: Optional[asyncio.TimerHandle] = None
+        self.pending_private = b""  # the connect private data, sent once the route is resolved
+        self.drain: Optional[object] = None  # the graceful disconnect under way, if any
+        self.drain_timer: Optional[asyncio.TimerHandle] = None
+
+    def __repr__(self) -> str:
+        return f"<aiodat.cm.Connection {self.state.value}>"
+
+
+def broken(ep: "EP", reason: str) -> None:
+    """The device reported the EP's QP broken: the EP is in error; tell the connect EVD."""
+    conn = ep._conn
+    if conn.state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING):
+        conn.state = EPState.ERROR
+        ep.connect_evd._push(ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, ep.connect_evd, ep, reason=reason))
+
+
+def reset(ep: "EP") -> None:
+    """EP.reset: the QP was recreated; the EP may connect again."""
+    _cancel_timer(ep)
+    ep._conn.state = EPState.UNCONNECTED
+
+
+def freed(ep: "EP") -> None:
+    """EP.free/close: a task waiting on the connection learns the EP is gone."""
+    conn = ep._conn
+    waiter, conn.waiter = conn.waiter, None
+    if waiter is not None and not waiter.done():
+        waiter.set_exception(InvalidHandle("the EP was freed while a connection call waited on it"))
 
 
 # -- the active side and the events of an EP ---------------------------------------
 
 
 def _check_can_connect(ep: "EP") -> None:
-    from aiodat.ep import EPState, ServiceType
-
     ep._check()
     if ep.attrs.service_type is not ServiceType.RC:
         raise InvalidParameter("only RC endpoints connect; UD endpoints use resolve_datagram")
-    if ep._state is not EPState.UNCONNECTED:
-        hint = " (call ep.reset() first)" if ep._state in (EPState.DISCONNECTED, EPState.ERROR) else ""
-        raise InvalidState(f"cannot connect an EP in state {ep._state.value}{hint}")
+    if ep._conn.state is not EPState.UNCONNECTED:
+        hint = " (call ep.reset() first)" if ep._conn.state in (EPState.DISCONNECTED, EPState.ERROR) else ""
+        raise InvalidState(f"cannot connect an EP in state {ep._conn.state.value}{hint}")
 
 
 def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: Optional[float],
                   waiter: Optional["asyncio.Future[ConnectionEvent]"]) -> None:
     """Resolve, route and connect; the outcome goes to ``waiter`` or the connect EVD."""
-    from aiodat.ep import EPState
-
     _check_can_connect(ep)
     _check_family(ep._ia, host)
     pdata = _private(private_data, CONNECT_PRIVATE_DATA_MAX, "connect")
@@ -305,7 +343,7 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     dst = _sockaddr(host, port)
     ia = ep._ia
     cm = ia._cm
-    cm_id = cm.create_id(ep, lib.RDMA_PS_TCP)
+    cm_id = cm.create_id(ep._conn, lib.RDMA_PS_TCP)
     src = _sockaddr(ia.address, 0) if ia.address else ffi.NULL
     resolve_ms = int(min(timeout, _RESOLVE_MS / 1000) * 1000) if timeout else _RESOLVE_MS
     if lib.rdma_resolve_addr(cm_id, ffi.cast("struct sockaddr *", src), ffi.cast("struct sockaddr *", dst),
@@ -313,10 +351,10 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
         err = ffi.errno
         cm.destroy_id(cm_id)
         raise error_from_errno(err, f"resolving {host}:{port}")
-    ep._cm_id = cm_id
-    ep._pending_private = pdata
-    ep._connect_waiter = waiter
-    ep._state = EPState.ACTIVE_CONNECTION_PENDING
+    ep._conn.cm_id = cm_id
+    ep._conn.pending_private = pdata
+    ep._conn.waiter = waiter
+    ep._conn.state = EPState.ACTIVE_CONNECTION_PENDING
     ia._attach_loop()
     _start_timer(ep, timeout, EventType.CONNECTION_EVENT_TIMED_OUT, f"connect to {host}:{port}")
 
@@ -327,28 +365,31 @@ def _start_timer(ep: "EP", timeout: Optional[float], etype: EventType, what: str
     except RuntimeError:
         return  # no loop: rdma_cm's own retries bound the wait
     if timeout is not None:
-        ep._cm_timer = loop.call_later(timeout, _timed_out, ep, ep._cm_id, etype, f"{what} timed out after {timeout}s")
+        ep._conn.timer = loop.call_later(timeout, _timed_out, ep, ep._conn.cm_id, etype,
+                                         f"{what} timed out after {timeout}s")
 
 
 def _cancel_timer(ep: "EP") -> None:
-    timer = getattr(ep, "_cm_timer", None)
-    if timer is not None:
-        timer.cancel()
-        ep._cm_timer = None
+    conn = ep._conn
+    if conn.timer is not None:
+        conn.timer.cancel()
+        conn.timer = None
+    if conn.drain_timer is not None:
+        conn.drain_timer.cancel()
+        conn.drain_timer = None
+    conn.drain = None
 
 
 def _timed_out(ep: "EP", cm_id: Any, etype: EventType, reason: str) -> None:
-    from aiodat.ep import EPState
-
-    if ep.closed or ep._cm_id != cm_id:
+    if ep.closed or ep._conn.cm_id != cm_id:
         return
-    if etype is EventType.CONNECTION_EVENT_TIMED_OUT and ep._state is EPState.CONNECTED:
+    if etype is EventType.CONNECTION_EVENT_TIMED_OUT and ep._conn.state is EPState.CONNECTED:
         return
-    if etype is EventType.CONNECTION_EVENT_DISCONNECTED and ep._state is EPState.DISCONNECTED:
+    if etype is EventType.CONNECTION_EVENT_DISCONNECTED and ep._conn.state is EPState.DISCONNECTED:
         return
     # Give up on the peer: drop the id (the QP goes to ERR, flushing its requests).
     _drop_connection(ep)
-    ep._state = EPState.DISCONNECTED
+    ep._conn.state = EPState.DISCONNECTED
     _deliver(ep, ConnectionEvent(etype, ep.connect_evd, ep, reason=reason))
 
 
@@ -363,7 +404,7 @@ def _conn_param(ep: "EP", pdata: bytes, responder: int, initiator: int) -> Tuple
     param.retry_count = ep.attrs.retry_count
     param.rnr_retry_count = ep.attrs.rnr_retry
     param.qp_num = ep.qp_num
-    param.srq = 1 if ep._srq is not None else 0
+    param.srq = 1 if ep.srq is not None else 0
     return param, keep
 
 
@@ -377,15 +418,13 @@ def _ready_qp(ep: "EP", cm_id: Any, responder: int = -1, initiator: int = -1) ->
 
 def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
     """What an event on an EP's cm_id does."""
-    from aiodat.ep import EPState
-
-    cm_id = ep._cm_id
+    cm_id = ep._conn.cm_id
     if kind == ADDR_RESOLVED:
         if lib.rdma_resolve_route(cm_id, _RESOLVE_MS):
             _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_resolve_route: errno {ffi.errno}")
         return
     if kind == ROUTE_RESOLVED:
-        param, _keep = _conn_param(ep, ep._pending_private, ep.attrs.max_rdma_read_in, ep.attrs.max_rdma_read_out)
+        param, _keep = _conn_param(ep, ep._conn.pending_private, ep.attrs.max_rdma_read_in, ep.attrs.max_rdma_read_out)
         if lib.rdma_connect(cm_id, param):
             _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_connect: errno {ffi.errno}")
         return
@@ -405,7 +444,7 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
     if kind in (ADDR_ERROR, ROUTE_ERROR, UNREACHABLE, CONNECT_ERROR):
         etype = (EventType.CONNECTION_EVENT_TIMED_OUT if status == -_ETIMEDOUT
                  else EventType.CONNECTION_EVENT_UNREACHABLE)
-        if ep._state is EPState.PASSIVE_CONNECTION_PENDING:
+        if ep._conn.state is EPState.PASSIVE_CONNECTION_PENDING:
             etype = EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR
         _fail_connect(ep, etype, f"{_event_name(kind)} (status {status})")
         return
@@ -418,41 +457,38 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
         _established(ep, pdata)
         return
     if kind == DISCONNECTED:
+        draining = ep._conn.drain is not None  # our DREQ had not gone yet: this is the peer's
         _cancel_timer(ep)
-        if ep._state is EPState.CONNECTED:
+        if ep._conn.state is EPState.CONNECTED or draining:
             _disconnect(ep)  # the peer's DREQ: our QP to ERR, flushing what is posted, and the DREP
-        ep._state = EPState.DISCONNECTED
+        ep._conn.state = EPState.DISCONNECTED
         _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep, pdata))
         return
     # TIMEWAIT_EXIT, multicast: nothing to do here
 
 
 def _established(ep: "EP", pdata: bytes) -> None:
-    from aiodat.ep import EPState
-
     _cancel_timer(ep)
-    ep._state = EPState.CONNECTED
+    ep._conn.state = EPState.CONNECTED
     _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_ESTABLISHED, ep.connect_evd, ep, pdata))
 
 
 def _disconnect(ep: "EP") -> int:
     """What librdmacm's rdma_disconnect does for a QP of its own: QP to ERR, then DREQ (or DREP). 0 or errno."""
     ep._to_error(check=False)
-    return ffi.errno if lib.rdma_disconnect(ep._cm_id) else 0
+    return ffi.errno if lib.rdma_disconnect(ep._conn.cm_id) else 0
 
 
 def _fail_connect(ep: "EP", etype: EventType, reason: str, pdata: bytes = b"") -> None:
-    from aiodat.ep import EPState
-
     _cancel_timer(ep)
-    ep._state = EPState.DISCONNECTED
+    ep._conn.state = EPState.DISCONNECTED
     _deliver(ep, ConnectionEvent(etype, ep.connect_evd, ep, pdata, reason))
 
 
 def _deliver(ep: "EP", event: ConnectionEvent) -> None:
-    waiter = ep._connect_waiter
+    waiter = ep._conn.waiter
     if waiter is not None and not waiter.done():
-        ep._connect_waiter = None
+        ep._conn.waiter = None
         waiter.set_result(event)
     else:
         ep.connect_evd._push(event)
@@ -485,8 +521,8 @@ async def _await_outcome(ep: "EP", fut: "asyncio.Future[ConnectionEvent]") -> Co
             ep.connect_evd._push(fut.result())
         raise
     finally:
-        if ep._connect_waiter is fut:
-            ep._connect_waiter = None
+        if ep._conn.waiter is fut:
+            ep._conn.waiter = None
 
 
 async def connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: Optional[float]) -> bytes:
@@ -506,66 +542,129 @@ async def connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
 
 def _abandon(ep: "EP") -> None:
     """A cancelled connect/accept: drop the half-made connection so the EP is not left pending."""
-    from aiodat.ep import EPState
-
-    if not ep.closed and ep._state in (EPState.ACTIVE_CONNECTION_PENDING, EPState.PASSIVE_CONNECTION_PENDING):
+    if not ep.closed and ep._conn.state in (EPState.ACTIVE_CONNECTION_PENDING, EPState.PASSIVE_CONNECTION_PENDING):
         _cancel_timer(ep)
         _drop_connection(ep)
-        ep._state = EPState.DISCONNECTED
+        ep._conn.state = EPState.DISCONNECTED
 
 
 # -- disconnect ----------------------------------------------------------------
 
+#: how long ``disconnect_nowait(graceful=True)`` lets posted requests complete before the DREQ
+GRACEFUL_DRAIN_TIMEOUT = 10.0
+_DRAIN_RETRY = 0.001  # the send queue was full: try the drain marker again this much later
+
 
 def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[ConnectionEvent]"],
                      timeout: Optional[float] = None) -> None:
-    """Send DREQ (after moving the QP to ERR if abrupt); DISCONNECTED follows on the DREP."""
-    from aiodat.ep import EPState
+    """Tear the connection down; DISCONNECTED follows on the DREP (to ``waiter`` or the connect EVD).
 
+    Abrupt: QP to ERR at once (posted requests flush), then the DREQ.  Graceful:
+    the EP stops taking posts (DISCONNECT_PENDING), and once every request
+    already on the send queue has completed (bounded by ``timeout``, or
+    GRACEFUL_DRAIN_TIMEOUT without one) the QP goes to ERR and the DREQ goes,
+    as rsockets' shutdown does: the peer has every byte before the DREQ.
+    """
     ep._check()
-    if ep._state in (EPState.ACTIVE_CONNECTION_PENDING, EPState.PASSIVE_CONNECTION_PENDING):
+    conn = ep._conn
+    if conn.state in (EPState.ACTIVE_CONNECTION_PENDING, EPState.PASSIVE_CONNECTION_PENDING):
         _abandon(ep)
         _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep,
                                      reason="disconnected before the connection was established"))
         return
-    if ep._state is not EPState.CONNECTED:
-        raise InvalidState(f"cannot disconnect an EP in state {ep._state.value}")
+    if conn.state is not EPState.CONNECTED:
+        raise InvalidState(f"cannot disconnect an EP in state {conn.state.value}")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise InvalidParameter(f"timeout must be None or > 0 seconds, got {timeout!r}")
     if not graceful:
         ep._to_error()
-    ep._connect_waiter = waiter
-    ep._state = EPState.DISCONNECT_PENDING
+    try:
+        loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None  # nothing would drain the CQ: the DREQ goes at once
+    if graceful and ep._send_q and loop is not None:
+        _start_drain(ep, loop, timeout or GRACEFUL_DRAIN_TIMEOUT, timeout, waiter)
+        return
+    conn.waiter = waiter
+    conn.state = EPState.DISCONNECT_PENDING
     err = _disconnect(ep)
     if err:
-        ep._state = EPState.DISCONNECTED
+        conn.state = EPState.DISCONNECTED
         raise error_from_errno(err, "rdma_disconnect")
     ep._ia._attach_loop()
     _start_timer(ep, timeout, EventType.CONNECTION_EVENT_DISCONNECTED, "waiting for the DREP")
 
 
+def _start_drain(ep: "EP", loop: asyncio.AbstractEventLoop, drain_timeout: float, timeout: Optional[float],
+                 waiter: Optional["asyncio.Future[ConnectionEvent]"]) -> None:
+    """Graceful disconnect, first half: a signalled zero-length RDMA write goes behind every posted
+    request (wr.py's DrainMarker); its completion, or ``drain_timeout``, sends the DREQ."""
+    conn = ep._conn
+    token = object()  # this drain; a later reset/free/DREQ from the peer forgets it
+
+    def finish(_status: Optional[str] = None) -> None:
+        if conn.drain is not token:
+            return
+        conn.drain = None
+        if conn.drain_timer is not None:
+            conn.drain_timer.cancel()
+            conn.drain_timer = None
+        if not ep.closed and conn.state in (EPState.DISCONNECT_PENDING, EPState.ERROR):
+            _send_dreq(ep, timeout)
+
+    def post_marker() -> None:
+        if conn.drain is not token or ep.closed:
+            return
+        try:
+            ep._post_drain_marker(lambda status: loop.call_soon(finish, status))
+        except QueueFull:  # no room behind the posted requests yet: a completion will make some
+            loop.call_later(_DRAIN_RETRY, post_marker)
+        except Exception:  # the QP cannot take it (it broke): nothing more will complete
+            loop.call_soon(finish)
+
+    conn.drain = token
+    post_marker()  # still CONNECTED here: the post is accepted
+    conn.waiter = waiter
+    conn.state = EPState.DISCONNECT_PENDING  # no new posts from here on
+    conn.drain_timer = loop.call_later(drain_timeout, finish)
+    ep.request_evd._attach(loop)  # the loop must drain the CQ for the marker's completion to be seen
+    ep._ia._attach_loop()
+
+
+def _send_dreq(ep: "EP", timeout: Optional[float]) -> None:
+    """Graceful disconnect, second half: QP to ERR, DREQ, and the wait for the DREP."""
+    conn = ep._conn
+    conn.state = EPState.DISCONNECT_PENDING
+    err = _disconnect(ep)
+    if err:
+        _cancel_timer(ep)
+        conn.state = EPState.DISCONNECTED
+        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep,
+                                     reason=f"rdma_disconnect failed: {os.strerror(err)}"))
+        return
+    _start_timer(ep, timeout, EventType.CONNECTION_EVENT_DISCONNECTED, "waiting for the DREP")
+
+
 async def disconnect(ep: "EP", graceful: bool, timeout: Optional[float]) -> None:
     """``await ep.disconnect()``: see :meth:`aiodat.EP.disconnect`."""
-    from aiodat.ep import EPState
-
-    if ep._state in (EPState.DISCONNECTED, EPState.UNCONNECTED) and not ep.closed:
+    if ep._conn.state in (EPState.DISCONNECTED, EPState.UNCONNECTED) and not ep.closed:
         return  # already down (the peer may have disconnected first)
     fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
     start_disconnect(ep, graceful, fut, timeout)
-    if fut.done() or ep._connect_waiter is not fut:
+    if fut.done() or ep._conn.waiter is not fut:
         return
     await _await_outcome(ep, fut)
 
 
 def _drop_connection(ep: "EP") -> None:
     """Disconnect if needed and destroy the EP's cm_id, leaving the QP (in ERR if it was connected) to the EP."""
-    from aiodat.ep import EPState
-
-    cm_id = ep._cm_id
+    cm_id = ep._conn.cm_id
     if cm_id == ffi.NULL:
         return
-    if ep._state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING, EPState.PASSIVE_CONNECTION_PENDING,
+    if ep._conn.state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING, EPState.PASSIVE_CONNECTION_PENDING,
                      EPState.ACTIVE_CONNECTION_PENDING):
         _disconnect(ep)
-    ep._cm_id = ffi.NULL
+    ep._conn.cm_id = ffi.NULL
     ep._ia._cm.destroy_id(cm_id)
 
 
@@ -651,8 +750,6 @@ class PSP(Listener):
     _kind = "psp"
 
     def __init__(self, ia: "IA", port: int, cr_evd: "EVD", backlog: int) -> None:
-        from aiodat.evd import EVD
-
         ia._check()
         if not isinstance(cr_evd, EVD):
             raise InvalidParameter(f"cr_evd must be an EVD, not {type(cr_evd).__name__}")
@@ -720,10 +817,9 @@ class CR(Handle):
         _outcome(ep, event, "accept")
 
     def _accept(self, ep: "EP", private_data: bytes, waiter: Any, timeout: Optional[float] = None) -> None:
-        from aiodat.ep import EP, EPState
 
         self._check()
-        if not isinstance(ep, EP):
+        if not isinstance(getattr(ep, "_conn", None), Connection):  # an EP (ep.py is above this module)
             raise InvalidParameter(f"accept needs an EP, not {type(ep).__name__}")
         _check_can_connect(ep)
         if ep._ia is not self._ia:
@@ -740,13 +836,13 @@ class CR(Handle):
             param, _keep = _conn_param(ep, pdata, responder, initiator)
             err = ffi.errno if lib.rdma_accept(self._cm_id, param) else 0
         if err:
-            ep._state = EPState.DISCONNECTED
+            ep._conn.state = EPState.DISCONNECTED
             raise error_from_errno(err, "accepting the connection (rdma_accept)")
         # The request's cm_id now belongs to the EP.
-        ep._cm_id, self._cm_id = self._cm_id, ffi.NULL
-        self._ia._cm.owners[_key(ep._cm_id)] = ep
-        ep._connect_waiter = waiter
-        ep._state = EPState.PASSIVE_CONNECTION_PENDING
+        ep._conn.cm_id, self._cm_id = self._cm_id, ffi.NULL
+        self._ia._cm.owners[_key(ep._conn.cm_id)] = ep._conn
+        ep._conn.waiter = waiter
+        ep._conn.state = EPState.PASSIVE_CONNECTION_PENDING
         self.close()
         _start_timer(ep, timeout, EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR, "accept")
 

@@ -3,7 +3,8 @@
 The Access Layer's datagram service (ib_init_dgrm_svc, SIDR) and multicast
 (ib_join_mcast, ib_leave_mcast) on rdma_cm:
 
-* A UD endpoint is ``ia.create_ep(pz, attrs=EPAttr(service_type=ServiceType.UD))``.
+* A UD endpoint is ``ia.create_ep(pz, attrs=EPAttr(service_type=ServiceType.UD))``,
+  a :class:`DatagramEP` (an :class:`aiodat.EP` with the datagram calls below).
   Its QP is taken to RTS at once with rdma_cm's UDP Q_Key (RDMA_UDP_QKEY), so
   it needs no connection.
 * The passive side, :class:`DatagramPSP` (``ep.serve_datagram(port)``),
@@ -36,11 +37,24 @@ A datagram is at most one path MTU (``max_message_size`` below).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from aiodat._handle import Handle
-from aiodat.cm import Listener
 from aiodat._lib import ffi, lib
+from aiodat.cm import (
+    Listener,
+    _check_family,
+    _conn_param,
+    _family,
+    _private,
+    _sockaddr,
+    cm_addresses,
+    listen_address,
+    resolve_host,
+)
+from aiodat.ep import EP, CompletionFlags, Segments
+from aiodat.epattr import ServiceType
 from aiodat.errors import (
     InvalidParameter,
     TimeoutExpired,
@@ -48,10 +62,12 @@ from aiodat.errors import (
     ConnectionRejected,
     error_from_errno,
 )
+from aiodat.evd import DTOOp
+from aiodat.memory import Privileges, as_segments
+from aiodat.post import WR_SEND, WR_SEND_WITH_IMM
 
 if TYPE_CHECKING:
-    from aiodat.ep import EP
-    from aiodat.ia import PZ
+    from aiodat.memory import PZ
 
 #: bytes of Global Route Header at the start of every UD receive
 GRH_SIZE = 40
@@ -71,8 +87,6 @@ _RESOLVE_MS = 2000
 
 
 def _check_ud(ep: Any, what: str) -> None:
-    from aiodat.ep import EP, ServiceType
-
     if not isinstance(ep, EP):
         raise InvalidParameter(f"{what} needs an EP, not {type(ep).__name__}")
     ep._check()
@@ -144,8 +158,6 @@ class _Resolution:
 
 class _Resolver(_Resolution):
     def _on_cm_event(self, ev: Any, pdata: bytes) -> None:
-        from aiodat.cm import _conn_param
-
         if self.fut.done():  # cancelled or timed out: drop what arrived
             self.destroy()
             return
@@ -203,8 +215,6 @@ async def _await(res: _Resolution, timeout: Optional[float]) -> Any:
 async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes = b"",
                            timeout: Optional[float] = 10.0) -> AddressHandle:
     """``await ep.resolve_datagram(host, port)``: see :meth:`aiodat.EP.resolve_datagram`."""
-    from aiodat.cm import _check_family, _family, _private, _sockaddr, resolve_host
-
     _check_ud(ep, "resolve_datagram")
     pdata = _private(private_data, RESOLVE_PRIVATE_DATA_MAX, "resolve_datagram")
     host = await resolve_host(host, _family(ep._ia.address or ""))
@@ -236,8 +246,6 @@ class DatagramPSP(Listener):
     _kind = "datagram psp"
 
     def __init__(self, ep: "EP", port: int, private_data: bytes = b"") -> None:
-        from aiodat.cm import _private, listen_address
-
         _check_ud(ep, "serve_datagram")
         ia = ep._ia
         self._pdata = _private(private_data, SERVE_PRIVATE_DATA_MAX, "serve_datagram")
@@ -250,8 +258,6 @@ class DatagramPSP(Listener):
 
     def _on_cm_request(self, ev: Any, pdata: bytes) -> None:
         """A SIDR REQ: accept it with the EP's QP number, then drop the request's id."""
-        from aiodat.cm import _conn_param, cm_addresses
-
         cm_id = ev.id
         if self.ep.closed:
             lib.rdma_reject(cm_id, ffi.NULL, 0)
@@ -305,8 +311,6 @@ class MulticastGroup(Handle):
     _close_rank = 0
 
     def __init__(self, ep: "EP", group: str) -> None:
-        from aiodat.cm import _sockaddr
-
         super().__init__(ep)
         self.ep = ep
         #: the group's IP address
@@ -347,10 +351,6 @@ class MulticastGroup(Handle):
 
 async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) -> MulticastGroup:
     """``await ep.join_multicast(group)``: see :meth:`aiodat.EP.join_multicast`."""
-    import ipaddress
-
-    from aiodat.cm import _sockaddr
-
     _check_ud(ep, "join_multicast")
     try:
         is_multicast = ipaddress.ip_address(group).is_multicast
@@ -380,9 +380,6 @@ async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) 
 
 def post_send_to(ep: "EP", segments: Any, dest: Any, cookie: Any, flags: Any, imm_data: Optional[int]) -> None:
     """``ep.post_send_to``: see :meth:`aiodat.EP.post_send_to`."""
-    from aiodat.ep import WR_SEND, WR_SEND_WITH_IMM, as_segments
-    from aiodat.evd import DTOOp
-
     _check_ud(ep, "post_send_to")
     ah = dest.address_handle if isinstance(dest, MulticastGroup) else dest
     if not isinstance(ah, AddressHandle):
@@ -402,21 +399,77 @@ def post_send_to(ep: "EP", segments: Any, dest: Any, cookie: Any, flags: Any, im
 
 def post_recv_datagram(ep: "EP", segments: Any, cookie: Any, flags: Any) -> None:
     """``ep.post_recv_datagram``: see :meth:`aiodat.EP.post_recv_datagram`."""
-    from aiodat.ep import as_segments
-    from aiodat.memory import Privileges
-
     _check_ud(ep, "post_recv_datagram")
     segs = as_segments(segments)
     if 1 + len(segs) > ep.attrs.max_recv_iov:
         raise InvalidParameter(
             f"post_recv_datagram puts the GRH in a segment of its own: it needs EPAttr.max_recv_iov >= "
             f"{1 + len(segs)} for {len(segs)} segment(s), this EP has {ep.attrs.max_recv_iov}")
-    if ep._grh_lmr is None or ep._grh_lmr.closed:
-        ep._grh_lmr = ep._pz.register(bytearray(GRH_SIZE), Privileges.LOCAL_WRITE)
-    ep.post_recv([ep._grh_lmr.segment(), *segs], cookie, flags)
+    grh = getattr(ep, "_grh_lmr", None)  # the EP's scratch for GRHs, made on first use
+    if grh is None or grh.closed:
+        grh = ep._grh_lmr = ep._pz.register(bytearray(GRH_SIZE), Privileges.LOCAL_WRITE)
+    ep.post_recv([grh.segment(), *segs], cookie, flags)
 
 
 def max_message_size(ep: "EP") -> int:
     """The largest datagram the EP's port carries: its active MTU in bytes."""
     pattr = ep._ia._port_attr()
     return 128 << pattr.active_mtu  # IBV_MTU_256 == 1 ... IBV_MTU_4096 == 5
+
+
+class DatagramEP(EP):
+    """A UD endpoint: an :class:`aiodat.EP` whose QP is unreliable datagram (``ia.create_ep`` makes
+    one for ``EPAttr(service_type=ServiceType.UD)``), with the datagram and multicast calls."""
+
+    async def resolve_datagram(self, host: str, port: int, private_data: bytes = b"",
+                               timeout: Optional[float] = 10.0) -> AddressHandle:
+        """Resolve the UD service at ``host:port`` (a peer's :meth:`serve_datagram`) to an AddressHandle.
+
+        rdma_cm resolves the address and route and asks the peer for its QP
+        number and Q_Key (SIDR); the answer becomes an :class:`AddressHandle`
+        to pass to :meth:`post_send_to`.  Raises Unreachable,
+        ConnectionRejected (nothing serves that port) or TimeoutExpired.
+        ``private_data`` (at most 180 bytes) is sent as given; the handle's
+        ``private_data`` is the CM's raw SIDR REP block (136 bytes on IB/RoCE,
+        zero-filled).
+        """
+        return await resolve_datagram(self, host, port, private_data, timeout)
+
+    def serve_datagram(self, port: int = 0, private_data: bytes = b"") -> DatagramPSP:
+        """Answer datagram resolutions on UDP-port-space ``port`` with this EP's QP (a DatagramPSP).
+
+        ``private_data`` (at most 136 bytes) goes raw into every answer.
+        """
+        return DatagramPSP(self, port, private_data)
+
+    def post_send_to(self, segments: Segments, dest: Any, cookie: Any = None,
+                     flags: CompletionFlags = CompletionFlags.DEFAULT, *, imm_data: Optional[int] = None) -> None:
+        """Send one datagram to ``dest`` (an AddressHandle or a joined MulticastGroup).
+
+        The message must fit one path MTU (:func:`max_message_size`).
+        """
+        post_send_to(self, segments, dest, cookie, flags, imm_data)
+
+    def post_recv_datagram(self, segments: Segments, cookie: Any = None,
+                           flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
+        """Post a UD receive whose 40-byte GRH goes to a scratch buffer, so ``segments`` get the payload alone.
+
+        Needs ``EPAttr.max_recv_iov`` >= 1 + the number of segments.  The
+        completion's ``transferred_length`` still counts the GRH (payload =
+        transferred_length - GRH_SIZE); ``src_qp`` names the sender.
+        """
+        post_recv_datagram(self, segments, cookie, flags)
+
+    async def join_multicast(self, group: str, timeout: Optional[float] = 10.0) -> MulticastGroup:
+        """Join the multicast ``group`` (an IP address); returns a MulticastGroup (ib_join_mcast).
+
+        The QP is attached to the group, so datagrams sent to it arrive in
+        this EP's receives; send to it with ``post_send_to(segs, group)``.
+        """
+        return await join_multicast(self, group, timeout)
+
+    async def leave_multicast(self, group: Any) -> None:
+        """Leave a group joined with :meth:`join_multicast` (ib_leave_mcast)."""
+        if not isinstance(group, MulticastGroup) or group.ep is not self:
+            raise InvalidParameter("leave_multicast takes a MulticastGroup this EP joined")
+        await group.leave()

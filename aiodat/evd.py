@@ -27,7 +27,7 @@ import enum
 import struct
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Deque, List, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Deque, List, Optional, Tuple
 
 from aiodat._fdwatch import FdWatch
 from aiodat._handle import Handle, Raw
@@ -641,6 +641,10 @@ class EVD(Handle):
         self._queue.append(SoftwareEvent(EventType.SOFTWARE_EVENT, self, payload))
         self._wake()
 
+    def _queued(self) -> Tuple[Event, ...]:
+        """The events queued now, oldest first, left in place (package-level: srq.py counts its completions)."""
+        return tuple(self._queue)
+
     def query(self) -> "EVDParam":
         """Return the EVD's parameters (dat_evd_query)."""
         self._check()
@@ -661,11 +665,10 @@ class EVD(Handle):
     def free(self) -> None:
         """Free the EVD (dat_evd_free); refused while an EP or PSP still uses it."""
         self._check()
-        from aiodat.cm import PSP
-
         users = [ep for ep in self._ia._qpn_owner.values() if self in ep._evds()]
         self._refuse_close_while(bool(users), f"{len(users)} endpoint(s) still use it")
-        psps = [c for c in self._ia._children if isinstance(c, PSP) and c.cr_evd is self and not c.closed]
+        # PSPs are the IA's children with a cr_evd (duck-typed: cm.py is above this module)
+        psps = [c for c in self._ia._children if getattr(c, "cr_evd", None) is self and not c.closed]
         self._refuse_close_while(bool(psps), f"{len(psps)} PSP(s) still deliver connection requests to it")
         self.close()
 
@@ -808,10 +811,23 @@ class AsyncSource:
             try:
                 self.drain()
             except Exception as exc:  # a loop callback: never let it escape into the loop
-                from aiodat.cm import report_internal_error
-
                 report_internal_error(self._ia, exc, "reading the device's async events")
 
     def destroy(self) -> None:
         """Stop watching the async fd (the IA closes the device itself)."""
         self.watch.detach()
+
+
+def report_internal_error(ia: "IA", exc: BaseException, what: str) -> None:
+    """An exception inside a loop callback: an ASYNC_ERROR_PROVIDER_INTERNAL_ERROR event on the async EVD.
+
+    Loop callbacks (the rdma_cm channel, the device async fd) must never let an
+    exception escape into the event loop; the failure is reported where DAT
+    reports provider trouble instead, with the exception as ``event.obj``.
+    (It lived in cm.py, which re-exports it; it is here because both use it.)
+    """
+    evd = getattr(ia, "async_evd", None)
+    if evd is None or evd.closed:
+        return
+    evd._push(AsyncEvent(EventType.ASYNC_ERROR_PROVIDER_INTERNAL_ERROR, evd, obj=exc,
+                         reason=f"{what}: {type(exc).__name__}: {exc}"))

@@ -1,4 +1,9 @@
-"""The registry, the Interface Adapter (dat_ia_open/close/query) and Protection Zones.
+"""The registry, the Interface Adapter (dat_ia_open/close/query) and the factory of everything in it.
+
+The IA is the top of the core layers (docs/architecture.md): ``ia.create_pz``,
+``create_evd``, ``create_ep`` (a :class:`aiodat.datagram.DatagramEP` for UD),
+``create_psp`` and ``create_srq`` make the objects of the lower modules.
+``PZ`` lives in memory.py now and is re-exported here.
 
 ``list_providers()`` plays ``dat_registry_list_providers``: one entry per RDMA
 device port.  ``open_ia(name)`` plays ``dat_ia_open``: it opens the verbs
@@ -7,28 +12,32 @@ rdma_cm event channel (see cm.py).  Everything else is created from the IA.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-from aiodat._handle import Handle, RootHandle
+from aiodat._handle import RootHandle
 from aiodat._lib import ffi, lib
+from aiodat._version import __version__
+from aiodat.attrs import build_ia_query, default_provider_consts
+from aiodat.cm import PSP, CMChannel
+from aiodat.datagram import DatagramEP
+from aiodat.ep import EP
+from aiodat.epattr import EPAttr, ServiceType
+from aiodat.evd import EVD, AsyncSource, EvdFlags
+from aiodat.memory import PZ
 from aiodat.netdev import port_addresses, same_address
 from aiodat.errors import (
-    InsufficientResources,
     InvalidHandle,
     InvalidParameter,
     ProviderNotFound,
     error_from_errno,
 )
+from aiodat.srq import SRQ
 
 if TYPE_CHECKING:
     from aiodat.attrs import IAQuery
-    from aiodat.cm import PSP
-    from aiodat.ep import EP, EPAttr
-    from aiodat.evd import EVD, EvdFlags
-    from aiodat.memory import LMR, RMR, Privileges
-    from aiodat.srq import SRQ
+
+__all__ = ["IA", "PZ", "Provider", "list_providers", "open_ia", "port_state_name", "RO_AWARE_PREFIX"]
 
 #: the prefix an application puts before an IA name to say it copes with relaxed ordering
 RO_AWARE_PREFIX = "RO_AWARE_"
@@ -188,9 +197,6 @@ class IA(RootHandle):
 
     def __init__(self, name: str, async_evd_qlen: int = 8, async_evd: Optional["EVD"] = None,
                  address: Optional[str] = None) -> None:
-        from aiodat.cm import CMChannel
-        from aiodat.evd import EVD, AsyncSource
-
         device, port, ro_aware = _parse_name(name)
         if not isinstance(async_evd_qlen, int) or async_evd_qlen < 1:
             raise InvalidParameter(f"async_evd_qlen must be an int >= 1, got {async_evd_qlen!r}")
@@ -288,9 +294,6 @@ class IA(RootHandle):
         ``provider_attr_mask`` arguments are unnecessary.  Values the device
         cannot tell are None (DAT_VALUE_UNKNOWN).
         """
-        from aiodat import __version__
-        from aiodat.attrs import build_ia_query
-
         self._check()
         pattr = self._port_attr()
         return build_ia_query(
@@ -318,8 +321,6 @@ class IA(RootHandle):
         ``comp_vector`` picks the completion vector (interrupt) of its CQ; by
         default EVDs are spread over the device's vectors in turn.
         """
-        from aiodat.evd import EVD
-
         self._check()
         return EVD(self, qlen, streams, comp_vector=comp_vector)
 
@@ -341,23 +342,22 @@ class IA(RootHandle):
         """Create an Endpoint (a queue pair) in ``pz`` (dat_ep_create).
 
         An EVD left out is created for the EP (sized from ``attrs``) and freed with it.
+        An EVD passed in that is shared with other EPs is grown if the queues of
+        everything feeding it would not fit (docs/events.md).  With
+        ``EPAttr(service_type=ServiceType.UD)`` the EP is a
+        :class:`aiodat.datagram.DatagramEP`.
         """
-        from aiodat.ep import EP
-
         self._check()
-        return EP(self, pz, recv_evd, request_evd, connect_evd, srq, attrs)
+        cls = DatagramEP if isinstance(attrs, EPAttr) and attrs.service_type is ServiceType.UD else EP
+        return cls(self, pz, recv_evd, request_evd, connect_evd, srq, attrs)
 
     def create_psp(self, port: int, cr_evd: "EVD", backlog: int = 128) -> "PSP":
         """Listen for connection requests on ``port`` (dat_psp_create); they arrive on ``cr_evd``."""
-        from aiodat.cm import PSP
-
         self._check()
         return PSP(self, port, cr_evd, backlog)
 
     def create_psp_any(self, cr_evd: "EVD", backlog: int = 128) -> "PSP":
         """Listen on a port the provider picks (dat_psp_create_any); see ``psp.port``."""
-        from aiodat.cm import PSP
-
         self._check()
         return PSP(self, 0, cr_evd, backlog)
 
@@ -366,8 +366,6 @@ class IA(RootHandle):
     ) -> "SRQ":
         """Create a Shared Receive Queue (dat_srq_create)."""
         self._check()
-        from aiodat.srq import SRQ
-
         return SRQ(self, pz, max_recv_dtos, max_recv_iov, low_watermark)
 
     def __repr__(self) -> str:
@@ -376,8 +374,6 @@ class IA(RootHandle):
 
 
 def _provider_consts(version: str) -> Dict[str, Any]:
-    from aiodat.attrs import default_provider_consts
-
     return default_provider_consts(version)
 
 
@@ -401,50 +397,3 @@ def open_ia(name: str, async_evd_qlen: int = 8, async_evd: Optional["EVD"] = Non
     LookupError) listing the names that exist when ``name`` is unknown.
     """
     return IA(name, async_evd_qlen, async_evd, address)
-
-
-class PZ(Handle):
-    """A Protection Zone (an ibv protection domain): LMRs, RMRs, EPs and SRQs live in one."""
-
-    _kind = "pz"
-    _close_rank = 10  # after PSPs; before EVDs (EPs inside must go before their CQs)
-
-    def __init__(self, ia: IA) -> None:
-        super().__init__(ia)
-        self._ia = ia
-        self._pd = lib.ibv_alloc_pd(ia._context)
-        if self._pd == ffi.NULL:
-            self._closed = True
-            ia._children.pop(self, None)
-            raise InsufficientResources(f"ibv_alloc_pd failed: {os.strerror(ffi.errno)}")
-
-    @property
-    def ia(self) -> IA:
-        """The IA this PZ belongs to."""
-        return self._ia
-
-    def register(self, buffer: Any, privileges: Optional["Privileges"] = None) -> "LMR":
-        """Register a writable buffer as a Local Memory Region (dat_lmr_create)."""
-        from aiodat.memory import LMR
-
-        return LMR(self, buffer, privileges)
-
-    def create_rmr(self) -> "RMR":
-        """Create a Remote Memory Region: a memory window to bind to an LMR range (dat_rmr_create)."""
-        from aiodat.memory import RMR
-
-        return RMR(self)
-
-    def free(self) -> None:
-        """Free the PZ (dat_pz_free); refused while LMRs, RMRs, EPs or SRQs use it."""
-        self._check()
-        self._refuse_close_while(bool(self._children), f"{len(self._children)} object(s) still use it")
-        self.close()
-
-    def _release(self) -> None:
-        if self._pd != ffi.NULL:
-            lib.ibv_dealloc_pd(self._pd)
-            self._pd = ffi.NULL
-
-    def __repr__(self) -> str:
-        return f"<aiodat.PZ of {self._ia.name}{' closed' if self._closed else ''}>"

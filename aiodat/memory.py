@@ -1,4 +1,4 @@
-"""Memory: LMRs (registered Python buffers), their segments, and remote region descriptors.
+"""Memory: Protection Zones, LMRs (registered Python buffers), their segments, RMRs and remote region descriptors.
 
 ``pz.register(buffer, privileges)`` is dat_lmr_create over any buffer-protocol
 object (bytearray, memoryview, mmap, array.array, numpy array).  The LMR holds
@@ -13,14 +13,17 @@ import enum
 import struct
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Deque, Optional, Tuple
+import os
+from typing import TYPE_CHECKING, Any, Deque, Optional, Sequence, Tuple, Union
 
 from aiodat._handle import Handle
 from aiodat._lib import ffi, lib
-from aiodat.errors import InvalidParameter, InvalidState, LengthError, error_from_errno
+from aiodat.epattr import EPState
+from aiodat.errors import InsufficientResources, InvalidParameter, InvalidState, LengthError, error_from_errno
+from aiodat.evd import DTOOp, EventType, RMRBindEvent
 
 if TYPE_CHECKING:
-    from aiodat.ia import PZ
+    from aiodat.ia import IA
 
 
 class Privileges(enum.IntFlag):
@@ -348,33 +351,28 @@ class RMR(Handle):
 
     def _post(self, op: Any, ep: Any, segment: Optional[Segment], privileges: Privileges, cookie: Any,
               waiter: Any) -> int:
-        from aiodat.ep import EP, EPState, WR_BIND_MW, WR_LOCAL_INV, CompletionFlags
-        from aiodat.evd import DTOOp
-
         self._check()
-        if not isinstance(ep, EP):
+        # Duck-typed: memory.py sits below ep.py in the layers; an EP offers _bind_window.
+        if not callable(getattr(ep, "_bind_window", None)):
             raise InvalidParameter(f"an RMR is bound through a connected EP, not {type(ep).__name__}")
         ep._check()
-        if ep._pz is not self._pz:
+        if ep.pz is not self._pz:
             raise InvalidParameter("the EP belongs to another PZ than the RMR")
-        if ep._state is not EPState.CONNECTED:
-            raise InvalidState(f"binding a type-2 window needs a connected EP; this one is {ep._state.value}")
+        if ep.state is not EPState.CONNECTED:
+            raise InvalidState(f"binding a type-2 window needs a connected EP; this one is {ep.state.value}")
         if op is DTOOp.BIND:
             if self._bound is not None or any(p[1] is DTOOp.BIND for p in self._pending):
                 raise InvalidState("the window is bound (or a bind is pending): unbind it first "
                                    "(type-2 windows cannot be rebound in place)")
             new_rkey = int(lib.ibv_inc_rkey(self._rkey))
             access = ibv_access(privileges) & ~lib.IBV_ACCESS_LOCAL_WRITE & ~lib.IBV_ACCESS_MW_BIND
-            bind = (self._mw, new_rkey, segment.lmr._mr, segment.address, segment.length, access)
-            ep._post_one(DTOOp.BIND, WR_BIND_MW, (), cookie, CompletionFlags.DEFAULT, target=self, bind=bind)
+            ep._bind_window(self, op, (self._mw, new_rkey, segment.lmr._mr, segment.address, segment.length,
+                                       access), cookie)
             segment.lmr._inflight += 1  # the LMR cannot be freed while the window points into it
         else:
             new_rkey = self._rkey
-            ep._post_one(DTOOp.UNBIND, WR_LOCAL_INV, (), cookie, CompletionFlags.DEFAULT, target=self,
-                         bind=(self._mw, self._rkey, ffi.NULL, 0, 0, 0))
+            ep._bind_window(self, op, (self._mw, self._rkey, ffi.NULL, 0, 0, 0), cookie)
         self._pending.append((waiter, op, new_rkey, segment, privileges))
-        windows = ep.__dict__.setdefault("_windows", set())
-        windows.add(self)
         self._ep = ep
         if waiter is not None:
             ep.request_evd._attach(waiter.get_loop())  # the completion must be drained by the loop
@@ -410,8 +408,6 @@ class RMR(Handle):
         The RMR_BIND_COMPLETION event arrives on ``ep.request_evd``; the
         window is usable by the peer only once it completed successfully.
         """
-        from aiodat.evd import DTOOp
-
         segment, privileges = self._check_bind(segment, privileges)
         return self._post(DTOOp.BIND, ep, segment, privileges, cookie, None)
 
@@ -423,8 +419,6 @@ class RMR(Handle):
         """
         import asyncio
 
-        from aiodat.evd import DTOOp
-
         segment, privileges = self._check_bind(segment, privileges)
         fut = asyncio.get_running_loop().create_future()
         self._post(DTOOp.BIND, ep, segment, privileges, cookie, fut)
@@ -434,16 +428,12 @@ class RMR(Handle):
 
     def unbind_nowait(self, ep: Any, cookie: Any = None) -> None:
         """Post the invalidation of the window (dat_rmr_bind with a zero length); the event goes to the EVD."""
-        from aiodat.evd import DTOOp
-
         self._check_unbind()
         self._post(DTOOp.UNBIND, ep, None, Privileges.NONE, cookie, None)
 
     async def unbind(self, ep: Any, cookie: Any = None) -> None:
         """Invalidate the window through ``ep``; the old rmr_context stops working for the peer."""
         import asyncio
-
-        from aiodat.evd import DTOOp
 
         self._check_unbind()
         fut = asyncio.get_running_loop().create_future()
@@ -452,8 +442,6 @@ class RMR(Handle):
         self._raise_for(event, "unbind")
 
     def _check_unbind(self) -> None:
-        from aiodat.evd import DTOOp
-
         self._check()
         if self._bound is None and not any(p[1] is DTOOp.BIND for p in self._pending):
             raise InvalidState("the window is not bound")
@@ -468,8 +456,6 @@ class RMR(Handle):
 
     def _bind_completed(self, evd: Any, cookie: Any, status: str, op: Any) -> Any:
         """Called by the EP when a bind/unbind of this window completes: returns the event, or None if awaited."""
-        from aiodat.evd import DTOOp, EventType, RMRBindEvent
-
         if not self._pending:
             return None
         waiter, pop_op, new_rkey, segment, privileges = self._pending.popleft()
@@ -507,7 +493,7 @@ class RMR(Handle):
             self._bound = None
         ep, self._ep = getattr(self, "_ep", None), None
         if ep is not None:
-            ep.__dict__.get("_windows", set()).discard(self)
+            ep._forget_window(self)
 
     def _qp_gone(self, ep: Any) -> None:
         """The EP the window was bound through is destroying its QP: start over with a fresh window."""
@@ -555,3 +541,73 @@ class RMR(Handle):
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("bound" if self._bound else "unbound")
         return f"<aiodat.RMR rkey={self._rkey:#x} {state}>"
+
+
+Segments = Union[Segment, LMR, Sequence[Segment], None]
+
+
+def as_segments(segments: Segments, what: str = "segments") -> Tuple[Segment, ...]:
+    """Normalise what a post accepts (a Segment, a whole LMR, a list of them, or None) to a tuple."""
+    if segments is None:
+        return ()
+    if isinstance(segments, Segment):
+        return (segments,)
+    if isinstance(segments, LMR):
+        return (segments.segment(),)
+    try:
+        items = tuple(segments)
+    except TypeError:
+        raise InvalidParameter(
+            f"{what} must be a Segment (lmr[a:b]), an LMR or a list of them, not {type(segments).__name__}"
+        ) from None
+    out = []
+    for item in items:
+        if isinstance(item, LMR):
+            item = item.segment()
+        if not isinstance(item, Segment):
+            raise InvalidParameter(f"{what} must hold Segments (lmr[a:b]), found {type(item).__name__}")
+        out.append(item)
+    return tuple(out)
+
+
+class PZ(Handle):
+    """A Protection Zone (an ibv protection domain): LMRs, RMRs, EPs and SRQs live in one."""
+
+    _kind = "pz"
+    _close_rank = 10  # after PSPs; before EVDs (EPs inside must go before their CQs)
+
+    def __init__(self, ia: "IA") -> None:
+        super().__init__(ia)
+        self._ia = ia
+        self._pd = lib.ibv_alloc_pd(ia._context)
+        if self._pd == ffi.NULL:
+            self._closed = True
+            ia._children.pop(self, None)
+            raise InsufficientResources(f"ibv_alloc_pd failed: {os.strerror(ffi.errno)}")
+
+    @property
+    def ia(self) -> "IA":
+        """The IA this PZ belongs to."""
+        return self._ia
+
+    def register(self, buffer: Any, privileges: Optional[Privileges] = None) -> LMR:
+        """Register a writable buffer as a Local Memory Region (dat_lmr_create)."""
+        return LMR(self, buffer, privileges)
+
+    def create_rmr(self) -> RMR:
+        """Create a Remote Memory Region: a memory window to bind to an LMR range (dat_rmr_create)."""
+        return RMR(self)
+
+    def free(self) -> None:
+        """Free the PZ (dat_pz_free); refused while LMRs, RMRs, EPs or SRQs use it."""
+        self._check()
+        self._refuse_close_while(bool(self._children), f"{len(self._children)} object(s) still use it")
+        self.close()
+
+    def _release(self) -> None:
+        if self._pd != ffi.NULL:
+            lib.ibv_dealloc_pd(self._pd)
+            self._pd = ffi.NULL
+
+    def __repr__(self) -> str:
+        return f"<aiodat.PZ of {self._ia.name}{' closed' if self._closed else ''}>"

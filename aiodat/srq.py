@@ -46,12 +46,15 @@ from aiodat.errors import (
     TimeoutExpired,
     error_from_errno,
 )
-from aiodat.memory import Segment
+from aiodat.cqsize import fit_cqs
+from aiodat.epattr import EPState
+from aiodat.evd import DTOCompletionEvent, DTOOp
+from aiodat.memory import PZ, Segment, Segments, as_segments
 
 if TYPE_CHECKING:
-    from aiodat.ep import EP, Segments
+    from aiodat.ep import EP
     from aiodat.evd import EVD
-    from aiodat.ia import IA, PZ
+    from aiodat.ia import IA
 
 #: the iov limit of one posted receive in the C shim (struct aiodat_sge batches)
 _SHIM_MAX_IOV = 32
@@ -96,8 +99,6 @@ class SRQ(Handle):
         self, ia: "IA", pz: "PZ", max_recv_dtos: int, max_recv_iov: int = 1,
         low_watermark: Optional[int] = None,
     ) -> None:
-        from aiodat.ia import PZ
-
         ia._check()
         if not isinstance(pz, PZ):
             raise InvalidParameter(f"pz must be a PZ, not {type(pz).__name__}")
@@ -120,7 +121,7 @@ class SRQ(Handle):
         self._srq: Any = ffi.NULL
         super().__init__(pz)
         self._ia, self._pz = ia, pz
-        #: the EPs receiving from this SRQ (an insertion-ordered set; ep.py adds and removes itself)
+        #: the EPs receiving from this SRQ (an insertion-ordered set; ep.py calls _attach and _detach)
         self._eps: Dict["EP", None] = {}
         self._evds: Dict["EVD", None] = {}  # recv EVDs of EPs that were ever attached
         self._eps_seen = 0
@@ -154,6 +155,14 @@ class SRQ(Handle):
                 raise
 
     # -- internals ---------------------------------------------------------
+    def _attach(self, ep: "EP") -> None:
+        """ep.py: ``ep`` now receives from this SRQ."""
+        self._eps[ep] = None
+
+    def _detach(self, ep: "EP") -> None:
+        """ep.py: ``ep`` is gone."""
+        self._eps.pop(ep, None)
+
     def _refresh_sizes(self) -> None:
         if lib.ibv_query_srq(self._srq, self._attr):
             raise error_from_errno(ffi.errno, "querying the SRQ (ibv_query_srq)")
@@ -199,25 +208,21 @@ class SRQ(Handle):
 
     def _queued_completions(self) -> int:
         """SRQ receive completions sitting in recv EVDs, not yet dequeued by the consumer."""
-        from aiodat.evd import DTOCompletionEvent, DTOOp
-
         self._note_evds()
         count = 0
         for evd in list(self._evds):
             if evd.closed:
                 del self._evds[evd]
                 continue
-            for event in evd._queue:
-                if (isinstance(event, DTOCompletionEvent) and event.ep is not None and event.ep._srq is self
+            for event in evd._queued():
+                if (isinstance(event, DTOCompletionEvent) and event.ep is not None and event.ep.srq is self
                         and event.operation in (DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM)):
                     count += 1
         return count
 
     def _receiving(self) -> bool:
         """True if an attached EP may hold SRQ buffers the device has not completed yet."""
-        from aiodat.ep import EPState
-
-        return any(ep._state is not EPState.UNCONNECTED for ep in self._eps)
+        return any(ep.state is not EPState.UNCONNECTED for ep in self._eps)
 
     def _check_usable(self, what: str) -> None:
         self._check()
@@ -263,8 +268,6 @@ class SRQ(Handle):
         Returns how many were posted; if the SRQ fills part way, the ones
         posted stay posted and :class:`aiodat.QueueFull` says how many.
         """
-        from aiodat.ep import as_segments
-
         self._check_usable("post_recv")
         batch = [(as_segments(segs), cookie) for segs, cookie in items]
         total = 0
@@ -352,6 +355,9 @@ class SRQ(Handle):
             if max_recv_dtos <= self._max_wr:
                 return  # DAT does not require shrinking
             raise ModelNotSupported(f"{self._ia.device_name} cannot resize SRQs (no SRQ_RESIZE capability)")
+        if max_recv_dtos > self._max_wr:  # the recv EVDs of its EPs must hold the larger SRQ (cqsize.py)
+            fit_cqs(self._ia, override={("srq", self): max_recv_dtos}, evds=[ep.recv_evd for ep in self._eps],
+                    what=f"the SRQ resized to {max_recv_dtos}")
         attr = ffi.new("struct ibv_srq_attr *")
         attr.max_wr = max_recv_dtos
         err = lib.ibv_modify_srq(self._srq, attr, lib.IBV_SRQ_MAX_WR)

@@ -92,10 +92,11 @@ async def connected_pair() -> AsyncIterator[Tuple[Tuple[Any, ...], Tuple[Any, ..
 
 
 async def pingpong(iters: int) -> float:
-    import aiodat.ep
     import aiodat.evd
+    import aiodat.post
 
-    aiodat.ep.lib = TimedLib(aiodat.ep.lib, ["aiodat_post_send1", "aiodat_post_recv1"])  # type: ignore
+    # posting lives in post.py (ep.py was split, issue 14)
+    aiodat.post.lib = TimedLib(aiodat.post.lib, ["aiodat_post_send1", "aiodat_post_recv1"])  # type: ignore
     aiodat.evd.lib = TimedLib(aiodat.evd.lib, ["aiodat_cq_drain"])  # type: ignore
     EVD._on_readable = timed("EVD._on_readable (reader callback)", EVD._on_readable)  # type: ignore
     EVD._drain_cq = timed("EVD._drain_cq", EVD._drain_cq)  # type: ignore

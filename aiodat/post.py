@@ -1,0 +1,569 @@
+"""Posting work requests (dat_ep_post_*): the DAT completion flags, the verbs opcode and flag tables.
+
+Every post goes through the C shim, one crossing per call (or per batch with
+``post_*_batch``); the request is then remembered by the tracking of wr.py.
+The hot paths (one segment, default flags) check the same things as the
+general paths in fewer steps and hand scalars to C.
+
+:class:`Posting` is a mixin of :class:`aiodat.EP`: it owns the scratch request
+and scatter/gather arrays set by :meth:`Posting._init_posting` and reads the
+EP's ``_qp``, ``_pz``, ``_ia``, ``_srq``, ``attrs``, ``max_inline`` and its
+connection's state (``_conn.state``, written only by cm.py).
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from itertools import repeat
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
+
+from aiodat._lib import ffi, lib
+from aiodat.epattr import EPAttr, EPState, ServiceType
+from aiodat.errors import (
+    InvalidParameter,
+    InvalidState,
+    LengthError,
+    NotImplementedByProvider,
+    ProtectionViolation,
+    QueueFull,
+    error_from_errno,
+)
+from aiodat.evd import DTOOp
+from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments
+from aiodat.wr import DrainMarker, WorkRequests
+
+if TYPE_CHECKING:
+    from aiodat.ia import IA
+    from aiodat.memory import PZ
+
+
+class CompletionFlags(enum.IntFlag):
+    """DAT completion flags of a posted request (DAT_COMPLETION_*_FLAG); see docs/datapath.md."""
+
+    DEFAULT = 0x00
+    #: no completion event if the request succeeds; a failure still completes with
+    #: an event (verbs: the request is posted unsignalled).  Requests only.
+    SUPPRESS = 0x01
+    #: the message is sent with the solicited-event bit: the peer's receive
+    #: completion ends a ``wait(..., solicited_only=True)`` on its recv EVD
+    SOLICITED_WAIT = 0x02
+    #: DAT's "completion with unsignalled notification": the event is produced and
+    #: queued, but does not wake a waiting task by itself; it is returned by
+    #: ``dequeue()`` or together with the next event that does (failures always notify)
+    UNSIGNALLED = 0x04
+    #: do not start until every earlier RDMA read and atomic of this EP has
+    #: completed (IBV_SEND_FENCE), e.g. to send data an RDMA read just fetched
+    BARRIER_FENCE = 0x08
+
+
+
+# ibv_wr_opcode values (enum ibv_wr_opcode, stable ABI)
+WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, WR_SEND, WR_SEND_WITH_IMM = 0, 1, 2, 3
+WR_RDMA_READ, WR_ATOMIC_CMP_AND_SWP, WR_ATOMIC_FETCH_AND_ADD = 4, 5, 6
+WR_LOCAL_INV, WR_BIND_MW = 7, 8
+# ibv_send_flags
+SEND_FENCE, SEND_SIGNALED, SEND_SOLICITED, SEND_INLINE = 1, 2, 4, 8
+_INLINE_OPCODES = (WR_SEND, WR_SEND_WITH_IMM, WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM)
+
+#: the inline data an EP asks for when EPAttr.max_inline_data is None
+DEFAULT_INLINE_DATA = 64
+
+
+def _send_flags(flags: int) -> int:
+    """The ibv_send_flags of a CompletionFlags value."""
+    send_flags = 0
+    if not flags & CompletionFlags.SUPPRESS:
+        send_flags |= SEND_SIGNALED
+    if flags & CompletionFlags.SOLICITED_WAIT:
+        send_flags |= SEND_SOLICITED
+    if flags & CompletionFlags.BARRIER_FENCE:
+        send_flags |= SEND_FENCE
+    return send_flags
+
+
+#: CompletionFlags value (0-15) -> (ibv_send_flags, posted UNSIGNALLED): the enum arithmetic done once
+_SEND_BITS = [(_send_flags(f), bool(f & CompletionFlags.UNSIGNALLED and not f & CompletionFlags.SUPPRESS))
+              for f in range(16)]
+
+
+def _flag_bits(name: str, value: Any) -> Tuple[int, bool]:
+    """(ibv_send_flags, posted UNSIGNALLED) of a request's CompletionFlags, checked."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 16:
+        raise InvalidParameter(f"{name} must be CompletionFlags, got {value!r}")
+    return _SEND_BITS[value]
+
+
+# the hot paths compare by identity with these
+_NO_FLAGS = CompletionFlags.DEFAULT
+_CONNECTED, _DISCONNECTED, _ERROR = EPState.CONNECTED, EPState.DISCONNECTED, EPState.ERROR
+_SEND = DTOOp.SEND
+
+
+
+
+class Posting(WorkRequests):
+    """Mixin of the EP: every dat_ep_post_* call, and the posts of memory-window binds."""
+
+    _qp: Any
+    _pz: "PZ"
+    _ia: "IA"
+    _conn: Any
+    attrs: EPAttr
+    max_inline: int
+
+    def _init_posting(self) -> None:
+        self._wr = ffi.new("struct aiodat_send_wr *")
+        self._sges = ffi.new("struct aiodat_sge[]", 32)
+        self._posted = ffi.new("int *")
+        self._recv_wr = (ffi.new("uint64_t[1]"), ffi.new("int[1]"), ffi.new("int[1]"))
+        self._windows: set = set()  # RMRs bound through this QP (memory.py registers them here)
+
+    def _check_post(self, segs: Tuple[Segment, ...], limit: int, what: str) -> None:
+        self._check()
+        if len(segs) > limit:
+            raise InvalidParameter(f"{what} takes at most {limit} segment(s) on this EP "
+                                   f"(EPAttr max iov), got {len(segs)}")
+        for seg in segs:
+            seg.lmr._check()
+            if seg.lmr._pz is not self._pz:
+                raise ProtectionViolation(f"{what}: an LMR of another PZ cannot be used on this EP")
+
+    def _fill_sges(self, sges: Any, start: int, segs: Tuple[Segment, ...]) -> None:
+        for i, seg in enumerate(segs):
+            sge = sges[start + i]
+            sge.addr = seg.lmr.address + seg.offset
+            sge.length = seg.length
+            sge.lkey = seg.lmr.lmr_context
+
+    def post_recv(self, segments: Segments, cookie: Any = None,
+                  flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
+        """Post a receive into ``segments`` (dat_ep_post_recv); it completes on ``recv_evd``."""
+        if type(segments) is Segment and flags is _NO_FLAGS and self._srq is None and not self._closed:
+            # The hot path (one segment, default flags): the same checks as below, in fewer
+            # steps, and scalars into C instead of filling arrays field by field.
+            lmr, state = segments.lmr, self._conn.state
+            if lmr._pz is self._pz and not lmr._closed and state is not _DISCONNECTED and state is not _ERROR:
+                wr_id = next(self._ids) * 2 + 1
+                err = lib.aiodat_post_recv1(self._qp, wr_id, lmr.address + segments.offset, segments.length,
+                                            lmr.lmr_context)
+                if err:
+                    raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
+                self._recv_q.append((wr_id, cookie, (segments,)))
+                lmr._inflight += 1
+                return
+        if not isinstance(flags, int):
+            raise InvalidParameter(f"flags must be CompletionFlags, not {type(flags).__name__}")
+        segs = as_segments(segments)
+        self._check_post(segs, self.attrs.max_recv_iov, "post_recv")
+        if self._srq is not None:
+            raise InvalidState("this EP receives from an SRQ: post to srq.post_recv")
+        if self._conn.state in (EPState.DISCONNECTED, EPState.ERROR):
+            raise InvalidState(f"cannot post a receive on an EP in state {self._conn.state.value}")
+        wr_id = next(self._ids) * 2 + 1
+        self._fill_sges(self._sges, 0, segs)
+        ids, starts, counts = self._recv_wr  # made once per EP: no allocation per post
+        ids[0], counts[0] = wr_id, len(segs)
+        err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, 1, self._sges, self._posted)
+        if err:
+            raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
+        self._recv_q.append((wr_id, cookie, segs))
+        self._track(segs, 1)
+        if flags & CompletionFlags.UNSIGNALLED:
+            self._quiet.add(wr_id)
+
+    def post_recv_batch(self, items: Iterable[Tuple[Segments, Any]]) -> int:
+        """Post many receives in one crossing into C; ``items`` are (segments, cookie) pairs.
+
+        Every item is checked first; returns how many were posted (QueueFull
+        says how many went if the receive queue fills part way).
+        """
+        self._check()
+        if self._srq is not None:
+            raise InvalidState("this EP receives from an SRQ: post to srq.post_recv_batch")
+        if self._conn.state in (EPState.DISCONNECTED, EPState.ERROR):
+            raise InvalidState(f"cannot post a receive on an EP in state {self._conn.state.value}")
+        batch = []
+        last_in: Any = batch  # a sentinel no item is
+        checked: Tuple[Segment, ...] = ()
+        for segs, cookie in items:
+            if segs is not last_in:  # the same segments again: checked already
+                checked = as_segments(segs)
+                self._check_post(checked, self.attrs.max_recv_iov, "post_recv_batch")
+                last_in = segs
+            batch.append((checked, cookie))
+        n = len(batch)
+        if n == 0:
+            return 0
+        first = batch[0][0]
+        if all(segs is first for segs, _ in batch):  # one scatter list shared by every receive
+            sges = ffi.new("struct aiodat_sge[]", max(1, len(first)))
+            self._fill_sges(sges, 0, first)
+            first_id = self._take_ids(n) * 2 + 1
+            err = lib.aiodat_post_recv_same(self._qp, ffi.NULL, first_id, 2, n, sges, len(first), self._posted)
+            posted = self._posted[0]
+            self._recv_q.extend(zip(range(first_id, first_id + 2 * posted, 2), [c for _, c in batch], repeat(first)))
+            for seg in first:
+                seg.lmr._inflight += posted
+            if err:
+                raise self._post_error(err, f"post_recv_batch (posted {posted} of {n})", len(self._recv_q),
+                                       self.attrs.max_recv_dtos)
+            return posted
+        id_gen = self._ids
+        wr_ids = [next(id_gen) * 2 + 1 for _ in range(n)]
+        sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
+        start_list, start = [], 0
+        for segs, _ in batch:
+            self._fill_sges(sges, start, segs)
+            start_list.append(start)
+            start += len(segs)
+        starts = ffi.new("int[]", start_list)
+        counts = ffi.new("int[]", [len(segs) for segs, _ in batch])
+        ids = ffi.new("uint64_t[]", wr_ids)
+        err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, n, sges, self._posted)
+        posted = self._posted[0]
+        self._recv_q.extend([(wr_ids[i], batch[i][1], batch[i][0]) for i in range(posted)])
+        for segs, _ in batch[:posted]:
+            for seg in segs:
+                seg.lmr._inflight += 1
+        if err:
+            raise self._post_error(err, f"post_recv_batch (posted {posted} of {n})", len(self._recv_q),
+                                   self.attrs.max_recv_dtos)
+        return posted
+
+    def _inline_bit(self, opcode: int, segs: Tuple[Segment, ...]) -> int:
+        """IBV_SEND_INLINE for a send or RDMA write small enough to go inline, else 0."""
+        if opcode in _INLINE_OPCODES and sum(seg.length for seg in segs) <= self.max_inline:
+            return SEND_INLINE
+        return 0
+
+    def _post_error(self, err: int, what: str, outstanding: int, limit: int) -> Exception:
+        if err == 12:  # ENOMEM from a full work queue
+            return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding)")
+        return error_from_errno(err, what)
+
+    def _post_one(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookie: Any,
+                  flags: CompletionFlags, *, imm_data: Optional[int] = None,
+                  remote: Optional["RemoteRegion"] = None, compare_add: int = 0, swap: int = 0,
+                  target: Any = None, ah: Any = None, remote_qpn: int = 0, remote_qkey: int = 0,
+                  bind: Optional[Tuple[Any, int, Any, int, int, int]] = None, internal: bool = False) -> None:
+        """Fill the EP's single request and post it; remember it for its completion.
+
+        ``internal``: aiodat's own request (the drain marker of a graceful disconnect, which
+        may be retried once the EP is DISCONNECT_PENDING): no state check."""
+        send_flags, quiet = _flag_bits("flags", flags)
+        if (self._conn.state is not EPState.CONNECTED and self.attrs.service_type is ServiceType.RC
+                and opcode != WR_BIND_MW and not internal):
+            raise InvalidState(f"cannot post {op.value} on an EP in state {self._conn.state.value} (connect it first)")
+        wr = self._wr
+        wr_id = next(self._ids) * 2
+        wr.wr_id = wr_id
+        wr.opcode = opcode
+        wr.send_flags = send_flags | self._inline_bit(opcode, segs)
+        wr.imm_data = imm_data or 0
+        wr.sge_start, wr.num_sge = 0, len(segs)
+        wr.remote_addr = remote.address if remote is not None else 0
+        wr.rkey = remote.rmr_context if remote is not None else 0
+        wr.compare_add, wr.swap = compare_add, swap
+        wr.ah = ah if ah is not None else ffi.NULL
+        wr.remote_qpn, wr.remote_qkey = remote_qpn, remote_qkey
+        if bind is not None:
+            wr.mw, wr.mw_rkey, wr.bind_mr, wr.bind_addr, wr.bind_length, wr.bind_access = bind
+        else:
+            wr.mw, wr.mw_rkey, wr.bind_mr = ffi.NULL, 0, ffi.NULL
+        self._fill_sges(self._sges, 0, segs)
+        err = lib.aiodat_post_send(self._qp, wr, 1, self._sges, self._posted)
+        if err:
+            raise self._post_error(err, f"post {op.value}", len(self._send_q), self.attrs.max_request_dtos)
+        self._send_q.append((wr_id, cookie, op, segs, target))
+        self._track(segs, 1)
+        if quiet:
+            self._quiet.add(wr_id)
+
+    def post_send(self, segments: Segments, cookie: Any = None,
+                  flags: CompletionFlags = CompletionFlags.DEFAULT, *, imm_data: Optional[int] = None) -> None:
+        """Send the bytes of ``segments`` to the peer (dat_ep_post_send); with ``imm_data``, a send with immediate."""
+        if (type(segments) is Segment and imm_data is None and type(flags) is CompletionFlags and 0 <= flags < 16
+                and self._conn.state is _CONNECTED and self._rc and not self._closed):
+            lmr = segments.lmr
+            if lmr._pz is self._pz and not lmr._closed:  # the hot path, as in post_recv
+                send_flags, quiet = _SEND_BITS[flags]
+                if segments.length <= self.max_inline:
+                    send_flags |= SEND_INLINE
+                wr_id = next(self._ids) * 2
+                err = lib.aiodat_post_send1(self._qp, wr_id, WR_SEND, send_flags, 0, lmr.address + segments.offset,
+                                            segments.length, lmr.lmr_context, 0, 0)
+                if err:
+                    raise self._post_error(err, "post send", len(self._send_q), self.attrs.max_request_dtos)
+                self._send_q.append((wr_id, cookie, _SEND, (segments,), None))
+                lmr._inflight += 1
+                if quiet:
+                    self._quiet.add(wr_id)
+                return
+        segs = as_segments(segments)
+        self._check_post(segs, self.attrs.max_request_iov, "post_send")
+        if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
+            raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {imm_data!r}")
+        opcode = WR_SEND if imm_data is None else WR_SEND_WITH_IMM
+        self._post_one(DTOOp.SEND, opcode, segs, cookie, flags, imm_data=imm_data)
+
+    def post_send_batch(self, items: Iterable[Tuple[Segments, Any]],
+                        flags: CompletionFlags = CompletionFlags.DEFAULT,
+                        last_flags: Optional[CompletionFlags] = None) -> int:
+        """Post many sends in one crossing into C; ``items`` are (segments, cookie) pairs. Returns how many were posted.
+
+        ``last_flags`` (default: ``flags``) are the last request's: ``flags=SUPPRESS,
+        last_flags=DEFAULT`` asks for one completion per batch, which also retires the others.
+        """
+        batch = []
+        last_in: Any = batch  # a sentinel no item is
+        checked: Tuple[Segment, ...] = ()
+        for segs, cookie in items:
+            if segs is not last_in:  # the same segments again (a stream of one buffer): checked already
+                checked = as_segments(segs)
+                self._check_post(checked, self.attrs.max_request_iov, "post_send_batch")
+                last_in = segs
+            batch.append((checked, cookie))
+        return self._post_many(DTOOp.SEND, WR_SEND, batch, flags, last_flags)
+
+    # -- RDMA and atomics ---------------------------------------------------------
+    def _check_remote(self, remote: Any, segs: Tuple[Segment, ...], what: str) -> None:
+        if not isinstance(remote, RemoteRegion):
+            raise InvalidParameter(f"{what}: remote must be an aiodat.RemoteRegion (lmr.remote(), rmr.remote() "
+                                   f"or RemoteRegion.from_bytes), not {type(remote).__name__}")
+        total = sum(seg.length for seg in segs)
+        if total > remote.length:
+            raise LengthError(f"{what}: the local segments hold {total} bytes but the remote region "
+                              f"is only {remote.length} bytes long")
+
+    def _read_iov_limit(self) -> int:
+        return min(self.attrs.max_request_iov, self._ia._device_attr.max_sge_rd)
+
+    def post_rdma_write(self, local_segments: Segments, remote: "RemoteRegion", cookie: Any = None,
+                        flags: CompletionFlags = CompletionFlags.DEFAULT, *,
+                        imm_data: Optional[int] = None) -> None:
+        """Write the bytes of ``local_segments`` (gathered in order) to ``remote`` (dat_ep_post_rdma_write).
+
+        With ``imm_data`` (a 32-bit unsigned int) it is an RDMA write with
+        immediate: the peer must have a receive posted, which completes with
+        ``operation`` DTOOp.RECV_RDMA_WRITE_IMM, ``imm_data`` and the written
+        length (the receive's own buffer is not touched).  Raises LengthError
+        when the local bytes exceed ``remote.length``, InvalidParameter beyond
+        ``max_request_iov`` segments.  A wrong rkey or an address outside the
+        peer's region fails the completion with IBV_WC_REM_ACCESS_ERR.
+        """
+        segs = as_segments(local_segments, "local_segments")
+        self._check_post(segs, self.attrs.max_request_iov, "post_rdma_write")
+        self._check_remote(remote, segs, "post_rdma_write")
+        if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
+            raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {imm_data!r}")
+        opcode = WR_RDMA_WRITE if imm_data is None else WR_RDMA_WRITE_WITH_IMM
+        self._post_one(DTOOp.RDMA_WRITE, opcode, segs, cookie, flags, imm_data=imm_data, remote=remote)
+
+    def post_rdma_read(self, local_segments: Segments, remote: "RemoteRegion", cookie: Any = None,
+                       flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
+        """Read ``remote`` into ``local_segments`` (scattered in order) (dat_ep_post_rdma_read).
+
+        The segment limit is ``min(max_request_iov, device max_sge_rd)``; the
+        local LMR needs LOCAL_WRITE.  The completion's ``transferred_length``
+        is the number of bytes read.
+        """
+        segs = as_segments(local_segments, "local_segments")
+        self._check_post(segs, self._read_iov_limit(), "post_rdma_read")
+        self._check_remote(remote, segs, "post_rdma_read")
+        if self.attrs.max_rdma_read_out == 0:
+            raise InvalidParameter("post_rdma_read: this EP was created with EPAttr.max_rdma_read_out=0")
+        self._post_one(DTOOp.RDMA_READ, WR_RDMA_READ, segs, cookie, flags, remote=remote)
+
+    def _check_atomic(self, local_segment: Any, remote: Any, what: str) -> Tuple[Segment, ...]:
+        segs = as_segments(local_segment, "local_segment")
+        if len(segs) != 1 or segs[0].length != 8:
+            raise InvalidParameter(f"{what}: the local segment must be exactly one 8-byte Segment "
+                                   f"(lmr[i:i+8]), got {[s.length for s in segs]}")
+        self._check_post(segs, 1, what)
+        if not isinstance(remote, RemoteRegion):
+            raise InvalidParameter(f"{what}: remote must be an aiodat.RemoteRegion, not {type(remote).__name__}")
+        if remote.address % 8:
+            raise InvalidParameter(f"{what}: the remote address {remote.address:#x} is not 8-byte aligned")
+        if remote.length < 8:
+            raise LengthError(f"{what}: the remote region is {remote.length} bytes; an atomic needs 8")
+        if not self._ia._device_attr.atomic_cap:
+            raise NotImplementedByProvider(f"{what}: {self._ia.device_name} does not support atomics (atomic_cap 0)")
+        if self.attrs.max_rdma_read_out == 0:
+            raise InvalidParameter(f"{what}: this EP was created with EPAttr.max_rdma_read_out=0")
+        return segs
+
+    @staticmethod
+    def _u64(value: Any, name: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or not -2**63 <= value < 2**64:
+            raise InvalidParameter(f"{name} must be an int in [-2**63, 2**64), got {value!r}")
+        return value & 0xFFFFFFFFFFFFFFFF
+
+    def post_fetch_add(self, local_segment: Segments, remote: "RemoteRegion", add: int, cookie: Any = None,
+                       flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
+        """Atomically add ``add`` (mod 2**64; negative subtracts) to the 8-byte word at ``remote``.
+
+        The word's value before the add lands in ``local_segment`` (8 bytes,
+        the initiator's byte order: read it with ``int.from_bytes(seg.memoryview(),
+        sys.byteorder)``, see docs/datapath.md).  The remote address must be
+        8-byte aligned (InvalidParameter otherwise, before posting) and the
+        remote LMR or RMR must grant REMOTE_ATOMIC.
+        """
+        segs = self._check_atomic(local_segment, remote, "post_fetch_add")
+        self._post_one(DTOOp.FETCH_ADD, WR_ATOMIC_FETCH_AND_ADD, segs, cookie, flags, remote=remote,
+                       compare_add=self._u64(add, "add"))
+
+    def post_compare_swap(self, local_segment: Segments, remote: "RemoteRegion", compare: int, swap: int,
+                          cookie: Any = None, flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
+        """Atomically replace the 8-byte word at ``remote`` with ``swap`` if it equals ``compare``.
+
+        The word's original value lands in ``local_segment`` (compare it with
+        ``compare`` to know whether the swap happened).  Same rules as
+        :meth:`post_fetch_add`.
+        """
+        segs = self._check_atomic(local_segment, remote, "post_compare_swap")
+        self._post_one(DTOOp.COMPARE_SWAP, WR_ATOMIC_CMP_AND_SWP, segs, cookie, flags, remote=remote,
+                       compare_add=self._u64(compare, "compare"), swap=self._u64(swap, "swap"))
+
+    def post_rdma_write_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]],
+                              flags: CompletionFlags = CompletionFlags.DEFAULT,
+                              last_flags: Optional[CompletionFlags] = None) -> int:
+        """Post many RDMA writes in one crossing into C; ``items`` are (local_segments, remote, cookie).
+
+        Every item is checked as :meth:`post_rdma_write` checks it before any
+        is posted.  Returns how many were posted (all of them, or QueueFull is
+        raised saying how many went).  ``last_flags`` as in :meth:`post_send_batch`.
+        """
+        batch, remotes = self._remote_batch(items, self.attrs.max_request_iov, "post_rdma_write_batch")
+        return self._post_many(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, batch, flags, last_flags, remotes)
+
+    def post_rdma_read_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]],
+                             flags: CompletionFlags = CompletionFlags.DEFAULT,
+                             last_flags: Optional[CompletionFlags] = None) -> int:
+        """Post many RDMA reads in one crossing into C; ``items`` are (local_segments, remote, cookie).
+
+        ``last_flags`` as in :meth:`post_send_batch`."""
+        if self.attrs.max_rdma_read_out == 0:
+            raise InvalidParameter("post_rdma_read_batch: this EP was created with EPAttr.max_rdma_read_out=0")
+        batch, remotes = self._remote_batch(items, self._read_iov_limit(), "post_rdma_read_batch")
+        return self._post_many(DTOOp.RDMA_READ, WR_RDMA_READ, batch, flags, last_flags, remotes)
+
+    def _remote_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]], limit: int,
+                      what: str) -> Tuple[List[Tuple[Tuple[Segment, ...], Any]], List["RemoteRegion"]]:
+        batch: List[Tuple[Tuple[Segment, ...], Any]] = []
+        remotes: List["RemoteRegion"] = []
+        last_local: Any = batch  # sentinels no item is
+        last_remote: Any = batch
+        segs: Tuple[Segment, ...] = ()
+        for item in items:
+            try:
+                local, remote, cookie = item
+            except (TypeError, ValueError):
+                raise InvalidParameter(f"{what}: items must be (local_segments, remote, cookie) triples") from None
+            if local is not last_local or remote is not last_remote:  # else: checked already
+                segs = as_segments(local, "local_segments")
+                self._check_post(segs, limit, what)
+                self._check_remote(remote, segs, what)
+                last_local, last_remote = local, remote
+            batch.append((segs, cookie))
+            remotes.append(remote)
+        return batch, remotes
+
+    def _post_many(self, op: DTOOp, opcode: int, batch: List[Tuple[Tuple[Segment, ...], Any]],
+                   flags: CompletionFlags, last_flags: Optional[CompletionFlags] = None,
+                   remotes: Optional[Sequence["RemoteRegion"]] = None) -> int:
+        bits = (_flag_bits("flags", flags), _flag_bits("last_flags", flags if last_flags is None else last_flags))
+        if self._conn.state is not EPState.CONNECTED:
+            raise InvalidState(f"cannot post on an EP in state {self._conn.state.value} (connect it first)")
+        n = len(batch)
+        if n == 0:
+            return 0
+        first = batch[0][0]
+        if n > 1 and all(segs is first for segs, _ in batch) and (
+                remotes is None or all(r is remotes[0] for r in remotes)):
+            return self._post_same(op, opcode, first, [cookie for _, cookie in batch], bits,
+                                   remotes[0] if remotes is not None else None)
+        wrs = ffi.new("struct aiodat_send_wr[]", n)
+        sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
+        (send_flags, quiet), (last_send_flags, last_quiet) = bits
+        entries = []
+        start = 0
+        for i, (segs, cookie) in enumerate(batch):
+            wr = wrs[i]
+            wr_id = next(self._ids) * 2
+            wr.wr_id, wr.opcode = wr_id, opcode
+            wr.send_flags = (send_flags if i + 1 < n else last_send_flags) | self._inline_bit(opcode, segs)
+            wr.sge_start, wr.num_sge = start, len(segs)
+            if remotes is not None:
+                wr.remote_addr, wr.rkey = remotes[i].address, remotes[i].rmr_context
+            self._fill_sges(sges, start, segs)
+            start += len(segs)
+            entries.append((wr_id, cookie, op, segs, None))
+        err = lib.aiodat_post_send(self._qp, wrs, n, sges, self._posted)
+        posted = self._posted[0]
+        for i, entry in enumerate(entries[:posted]):
+            self._send_q.append(entry)
+            self._track(entry[3], 1)
+            if quiet if i + 1 < n else last_quiet:
+                self._quiet.add(entry[0])
+        if err:
+            raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
+                                   len(self._send_q), self.attrs.max_request_dtos)
+        return posted
+
+    def _post_same(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookies: List[Any],
+                   bits: Tuple[Tuple[int, bool], Tuple[int, bool]], remote: Optional["RemoteRegion"]) -> int:
+        """The batch fast path: n requests on the same segments (and remote): one scatter/gather
+        list, the request written once and copied n times in C, only the wr_ids set one by one."""
+        n = len(cookies)
+        sges = ffi.new("struct aiodat_sge[]", max(1, len(segs)))
+        self._fill_sges(sges, 0, segs)
+        (send_flags, quiet), (last_send_flags, last_quiet) = bits
+        inline = self._inline_bit(opcode, segs)
+        send_flags, last_send_flags = send_flags | inline, last_send_flags | inline
+        wr = ffi.new("struct aiodat_send_wr *")
+        wr.opcode, wr.send_flags = opcode, send_flags
+        wr.sge_start, wr.num_sge = 0, len(segs)
+        if remote is not None:
+            wr.remote_addr, wr.rkey = remote.address, remote.rmr_context
+        first = self._take_ids(n) * 2
+        err = lib.aiodat_post_send_same(self._qp, wr, last_send_flags, sges, first, 2, n, self._posted)
+        posted = self._posted[0]
+        wr_ids = range(first, first + 2 * posted, 2)
+        self._send_q.extend(zip(wr_ids, cookies, repeat(op), repeat(segs), repeat(None)))
+        for seg in segs:
+            seg.lmr._inflight += posted
+        if quiet:
+            self._quiet.update(wr_ids[:n - 1])
+        if last_quiet and posted == n:
+            self._quiet.add(wr_ids[-1])
+        if err:
+            raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
+                                   len(self._send_q), self.attrs.max_request_dtos)
+        return posted
+
+    # -- memory windows (called by memory.py) --------------------------------------
+    def _bind_window(self, rmr: Any, op: DTOOp, bind: Tuple[Any, int, Any, int, int, int], cookie: Any) -> None:
+        """Post the bind (DTOOp.BIND) or invalidation (DTOOp.UNBIND) of ``rmr``'s window and remember the window.
+
+        ``bind`` is (mw, rkey, mr, address, length, access) as struct aiodat_send_wr takes it.
+        """
+        opcode = WR_BIND_MW if op is DTOOp.BIND else WR_LOCAL_INV
+        self._post_one(op, opcode, (), cookie, CompletionFlags.DEFAULT, target=rmr, bind=bind)
+        self._windows.add(rmr)
+
+    def _forget_window(self, rmr: Any) -> None:
+        """memory.py: ``rmr`` is no longer bound through this QP."""
+        self._windows.discard(rmr)
+
+    # -- the drain of a graceful disconnect (called by cm.py) ------------------------
+    def _post_drain_marker(self, callback: Callable[[str], None]) -> DrainMarker:
+        """Post a signalled zero-length RDMA write behind everything posted; ``callback(status)``
+        runs when it completes, i.e. once every earlier request of the send queue has.
+
+        A zero-length RDMA write carries no data, and the responder checks no R_Key or
+        address for it (IBA C9-88), so the peer sees nothing.  Raises QueueFull when the
+        send queue has no room for it."""
+        marker = DrainMarker(callback)
+        self._post_one(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, (), None, CompletionFlags.DEFAULT, target=marker,
+                       internal=True)
+        return marker

@@ -1,0 +1,191 @@
+"""Work-request tracking of an endpoint: the wr_id table, the segments in flight, completion -> event.
+
+Each posted request is remembered with its cookie and the LMR segments it uses
+(``_send_q`` and ``_recv_q``, in posting order; send wr_ids are even, receive
+wr_ids odd, so one completion queue can carry both); the completion that comes
+back through the EVD (evd.py calls :meth:`WorkRequests._completion_event`)
+finds it again, so the event carries the cookie, and the LMRs cannot be freed
+while the hardware may still touch them (``lmr._inflight``).  Requests posted
+without a completion of their own (suppressed) are retired when a later
+request of the same send queue completes, as the send queue is ordered.
+
+:class:`WorkRequests` is a mixin of :class:`aiodat.EP`; it owns the attributes
+set by :meth:`WorkRequests._init_tracking` and reads the EP's ``_srq``, ``_rc``,
+``_ud`` and ``recv_evd`` (duck-typed: this module sits below ep.py).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Deque, Optional, Tuple
+
+from aiodat.epattr import EPRecvInfo
+from aiodat.evd import DTOCompletionEvent, DTOOp
+from aiodat.memory import Segment
+
+if TYPE_CHECKING:
+    from aiodat.evd import EVD
+
+WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
+_WC_WR_FLUSH_ERR = 5
+_RECV = DTOOp.RECV
+
+
+class DrainMarker:
+    """The ``target`` of the internal zero-length RDMA write a graceful disconnect posts (cm.py):
+    its completion means every earlier request of the send queue has completed; it makes no event."""
+
+    __slots__ = ("callback", "status")
+
+    def __init__(self, callback: Callable[[str], None]) -> None:
+        self.callback = callback
+        self.status: Optional[str] = None
+
+    def completed(self, status: str) -> None:
+        if self.status is None:
+            self.status = status
+            self.callback(status)
+
+
+def wc_status_name(status: int) -> str:
+    return _WC_STATUS[status] if status < len(_WC_STATUS) else f"IBV_WC_STATUS_{status}"
+
+
+_WC_STATUS = [
+    "IBV_WC_SUCCESS", "IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR", "IBV_WC_LOC_EEC_OP_ERR",
+    "IBV_WC_LOC_PROT_ERR", "IBV_WC_WR_FLUSH_ERR", "IBV_WC_MW_BIND_ERR", "IBV_WC_BAD_RESP_ERR",
+    "IBV_WC_LOC_ACCESS_ERR", "IBV_WC_REM_INV_REQ_ERR", "IBV_WC_REM_ACCESS_ERR", "IBV_WC_REM_OP_ERR",
+    "IBV_WC_RETRY_EXC_ERR", "IBV_WC_RNR_RETRY_EXC_ERR", "IBV_WC_LOC_RDD_VIOL_ERR",
+    "IBV_WC_REM_INV_RD_REQ_ERR", "IBV_WC_REM_ABORT_ERR", "IBV_WC_INV_EECN_ERR",
+    "IBV_WC_INV_EEC_STATE_ERR", "IBV_WC_FATAL_ERR", "IBV_WC_RESP_TIMEOUT_ERR", "IBV_WC_GENERAL_ERR",
+    "IBV_WC_TM_ERR", "IBV_WC_TM_RNDV_INCOMPLETE",
+]
+
+
+
+
+class WorkRequests:
+    """Mixin of the EP: the table of posted requests and the turning of completions into events."""
+
+    _srq: Any
+    _rc: bool
+    _ud: bool
+    recv_evd: "EVD"
+    _on_async_error: Callable[[str], None]  # the EP's: a failed completion breaks the connection
+
+    def _init_tracking(self) -> None:
+        self._ids = itertools.count(1)
+        #: posted sends in order: (wr_id, cookie, DTOOp, segments, target)
+        self._send_q: Deque[Tuple[int, Any, Any, Tuple[Segment, ...], Any]] = deque()
+        #: posted receives in order: (wr_id, cookie, segments)
+        self._recv_q: Deque[Tuple[int, Any, Tuple[Segment, ...]]] = deque()
+        self._quiet: set = set()  # wr_ids posted UNSIGNALLED: their events do not notify
+
+    def _track(self, segs: Tuple[Segment, ...], delta: int) -> None:
+        for seg in segs:
+            seg.lmr._inflight += delta
+
+    def _take_ids(self, n: int) -> int:
+        """Reserve ``n`` consecutive request numbers (a batch's wr_ids); returns the first."""
+        first = next(self._ids)
+        self._ids = itertools.count(first + n)
+        return first
+
+    # -- completions (called by evd.py) ---------------------------------------
+    def _completion_event(self, wc: Tuple[int, ...], evd: "EVD") -> Any:
+        """The event of one completion; ``wc`` is a struct aiodat_wc as a tuple (evd._WC)."""
+        wr_id, code, opcode, vendor_err, byte_len, imm_data, _qpn, src_qp, wc_flags = wc[:9]
+        status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
+        if wr_id & 1:
+            if self._srq is not None:
+                cookie, segs = self._srq._complete(wr_id)
+            else:
+                cookie, segs = self._pop_recv(wr_id)
+            self._track(segs, -1)
+            notify = True
+            if self._quiet and wr_id in self._quiet:
+                self._quiet.discard(wr_id)
+                notify = bool(code)
+            op = DTOOp.RECV_RDMA_WRITE_IMM if opcode == WC_RECV_RDMA_WITH_IMM else _RECV
+            imm = imm_data if wc_flags & 2 else None  # IBV_WC_WITH_IMM
+            return DTOCompletionEvent._completed(evd, self, cookie, status, byte_len, op,
+                                                 imm, vendor_err, src_qp if self._ud else None, notify)
+        entry = self._pop_send(wr_id)
+        if entry is None:
+            return None
+        _, cookie, op, segs, target = entry
+        self._track(segs, -1)
+        if target is not None and type(target) is DrainMarker:
+            self._quiet.discard(wr_id)
+            if code and code != _WC_WR_FLUSH_ERR and self._rc:
+                self._on_async_error(f"the drain before a graceful disconnect completed with {status}")
+            target.completed(status)
+            return None
+        if op is DTOOp.BIND or op is DTOOp.UNBIND:
+            return target._bind_completed(evd, cookie, status, op)
+        if op is DTOOp.RDMA_READ:
+            length = byte_len
+        elif op is DTOOp.COMPARE_SWAP or op is DTOOp.FETCH_ADD:
+            length = 8 if not code else byte_len  # verbs leaves byte_len undefined; 8 bytes landed locally
+        else:
+            length = sum(s.length for s in segs)
+        notify = True
+        if self._quiet and wr_id in self._quiet:
+            self._quiet.discard(wr_id)
+            notify = bool(code)
+        if code and code != _WC_WR_FLUSH_ERR and self._rc:
+            # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
+            # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
+            self._on_async_error(f"{op.value} with cookie {cookie!r} completed with {status}")
+        return DTOCompletionEvent._completed(evd, self, cookie, status, length, op,
+                                             None, vendor_err, None, notify)
+
+    def _pop_send(self, wr_id: int) -> Any:
+        # Earlier entries without a completion of their own finished before this one.
+        q, quiet = self._send_q, self._quiet
+        while q:
+            entry = q.popleft()
+            if entry[0] == wr_id:
+                return entry
+            self._track(entry[3], -1)
+            if quiet:
+                quiet.discard(entry[0])
+        return None
+
+    def _pop_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
+        q = self._recv_q
+        while q:
+            entry = q.popleft()
+            if entry[0] == wr_id:
+                return entry[1], entry[2]
+            self._track(entry[2], -1)
+        return None, ()
+
+    def recv_query(self) -> "EPRecvInfo":
+        """Receive buffers held by the EP (dat_ep_recv_query): ``(nbufs_allocated, bufs_alloc_span)``.
+
+        ``nbufs_allocated`` counts the buffers allocated to the EP whose
+        completion has not been generated yet: for an EP with its own receive
+        queue, the receives posted and not yet completed (exact); for an EP on
+        an SRQ, the buffers it has taken from the SRQ, which the device does
+        not report, so ``None`` (DAT_VALUE_UNKNOWN).  ``bufs_alloc_span`` is
+        always ``None``: verbs devices do not expose message sequence numbers.
+        """
+        self._check()
+        if self._srq is not None:
+            return EPRecvInfo(None, None)
+        self.recv_evd._drain_cq()  # completions the device already wrote are not "allocated" any more
+        return EPRecvInfo(len(self._recv_q), None)
+
+    def _retire_all(self) -> None:
+        """Forget every posted request (the QP was reset or destroyed): release their LMRs."""
+        for entry in self._send_q:
+            self._track(entry[3], -1)
+            if type(entry[4]) is DrainMarker:
+                entry[4].completed("IBV_WC_WR_FLUSH_ERR")
+        for entry in self._recv_q:
+            self._track(entry[2], -1)
+        self._send_q.clear()
+        self._recv_q.clear()
+        self._quiet.clear()
+
