@@ -775,8 +775,6 @@ class AsyncSource:
                 try:
                     self._dispatch(self._buf[i])
                 except Exception as exc:  # one event's trouble must not lose the rest of the batch
-                    from aiodat.cm import report_internal_error
-
                     report_internal_error(ia, exc, "turning a device async event into an event")
             if got < 16:
                 return
