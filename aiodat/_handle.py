@@ -1,7 +1,8 @@
 """The lifetime rules every DAT object shares.
 
-Objects form a tree (IA > PZ > LMR/RMR/EP/SRQ, IA > EVD, IA > PSP).  Closing a
-parent closes its children first, lowest ``_close_rank`` first, so the verbs
+Objects form a tree (IA > PZ > LMR/RMR/EP/SRQ, IA > EVD, IA > PSP).  Children
+hold their parent; parents hold their children weakly.  Closing a parent
+closes its (live) children first, lowest ``_close_rank`` first, so the verbs
 see QPs destroyed before their CQs and MRs before their PD.  ``close()`` is
 idempotent; any other use after close raises :class:`aiodat.InvalidHandle`.
 
@@ -26,7 +27,7 @@ import sys
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
 from aiodat._lib import ffi, lib
 from aiodat.errors import InvalidHandle, InvalidState
@@ -82,6 +83,11 @@ class Raw:
         self._deps = deps
         self._generation = _generation
 
+    def need(self, dep: Any) -> None:
+        """Also keep ``dep`` alive until this object is destroyed (a window bound through a QP)."""
+        if self.ptr != ffi.NULL and not any(d is dep for d in self._deps):
+            self._deps += (dep,)
+
     def release(self) -> int:
         """Destroy the object (once); return the destroy call's result (0 or an errno).
 
@@ -113,10 +119,13 @@ class Handle:
     _closed = True  # until __init__ ran: a half-built object is never "unclosed"
     _forked = False
     _created_at: Optional[List[str]] = None
+    #: False for objects another one owns (an EP's own EVDs): that owner's warning covers them
+    _warn_if_dropped = True
 
     def __init__(self, parent: Optional["Handle"]) -> None:
         self._parent = parent
-        self._children: Dict["Handle", None] = {}  # insertion-ordered set
+        # weak, insertion-ordered: a child the program dropped goes (its Raws free it)
+        self._children: "weakref.WeakKeyDictionary[Handle, None]" = weakref.WeakKeyDictionary()
         if sys.flags.dev_mode:  # asyncpg's habit: say where a leaked object came from
             self._created_at = traceback.format_stack()[:-2]
         if parent is not None:
@@ -178,11 +187,12 @@ class Handle:
         where = "".join(self._created_at) if self._created_at else ""
         hint = (f"; it was created at:\n{where}" if where
                 else " (run Python with -X dev to see where it was created)")
-        warnings.warn(f"unclosed {self._kind} {self!r}{hint}", ResourceWarning, stacklevel=3, source=self)
+        # (no source=self: a recorded warning would keep the object alive)
+        warnings.warn(f"unclosed {self._kind} {self!r}{hint}", ResourceWarning, stacklevel=3)
 
     def __del__(self) -> None:
         # Only the warning: the Raw holders this object drops free its verbs objects, in order.
-        if not self._closed:
+        if not self._closed and self._warn_if_dropped:
             try:
                 self._warn_unclosed()
             except Exception:
@@ -204,12 +214,5 @@ class Handle:
 
 
 class RootHandle(Handle):
-    """A handle with no parent (the IA): closes its tree if garbage-collected unclosed."""
-
-    def __del__(self) -> None:
-        if not self._closed:
-            try:
-                self._warn_unclosed()
-                self.close()
-            except Exception:
-                pass
+    """A handle with no parent (the IA).  Dropped unclosed, it warns like any handle; its tree is
+    garbage with it (children hold their parent), and the Raw holders free it in order."""

@@ -32,10 +32,11 @@ import errno
 import ipaddress
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, MutableMapping, Optional, Tuple, Union
 
 from aiodat._fdwatch import FdWatch
-from aiodat._handle import Handle
+from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
 from aiodat.errors import (
     AcceptCompletionError,
@@ -190,23 +191,43 @@ class CMChannel:
         self.channel = lib.rdma_create_event_channel()
         if self.channel == ffi.NULL:
             raise error_from_errno(ffi.errno, "creating the rdma_cm event channel (is rdma_ucm loaded?)")
-        self.owners: Dict[int, Any] = {}  # cm_id -> EP, PSP or CR
+        self._raw = Raw(self.channel, lib.rdma_destroy_event_channel, "rdma_cm event channel")
+        #: cm_id -> its Connection, PSP, CR or datagram resolution; weak, so a dropped owner goes
+        self.owners: "MutableMapping[int, Any]" = weakref.WeakValueDictionary()
+        #: cm_id -> the finalizer that destroys it when its owner is dropped unclosed
+        self._ids: Dict[int, weakref.finalize] = {}
         self._buf = ffi.new("struct aiodat_cm_event *")
-        self.watch = FdWatch(self.channel.fd, self._on_readable, "rdma_cm event channel")
+        # the loop keeps the channel (its fd) while it watches it, even if the IA is dropped
+        self.watch = FdWatch(self.channel.fd, self._on_readable, "rdma_cm event channel", keep=self._raw)
 
     def create_id(self, owner: Any, port_space: int) -> Any:
         """A new cm_id on this channel, routed to ``owner``."""
         idp = ffi.new("struct rdma_cm_id **")
         if lib.rdma_create_id(self.channel, idp, ffi.NULL, port_space):
             raise error_from_errno(ffi.errno, "creating an rdma_cm id")
-        self.owners[_key(idp[0])] = owner
+        self.own_id(owner, idp[0])
         return idp[0]
+
+    def own_id(self, owner: Any, cm_id: Any) -> None:
+        """Route ``cm_id``'s events to ``owner`` (held weakly); if the owner is dropped unclosed,
+        its finalizer destroys the id.  Passing an id on (a CR's to its EP) moves the finalizer."""
+        key = _key(cm_id)
+        old = self._ids.pop(key, None)
+        detached = old.detach() if old is not None else None
+        raw = detached[2][0] if detached else Raw(cm_id, lib.rdma_destroy_id, "cm_id", self._raw)
+        self.owners[key] = owner
+        self._ids[key] = weakref.finalize(owner, _drop_id, raw, self._ids, key)
 
     def destroy_id(self, cm_id: Any) -> None:
         """Forget and destroy a cm_id (any QP must already be detached)."""
         if cm_id != ffi.NULL:
-            self.owners.pop(_key(cm_id), None)
-            lib.rdma_destroy_id(cm_id)
+            key = _key(cm_id)
+            self.owners.pop(key, None)
+            finalizer = self._ids.pop(key, None)
+            if finalizer is not None and finalizer.alive:
+                finalizer()
+            else:
+                lib.rdma_destroy_id(cm_id)
 
     def drain(self) -> None:
         """Dispatch every pending event, one at a time (an id may die while dispatching)."""
@@ -262,8 +283,14 @@ class CMChannel:
             if isinstance(owner, Handle):
                 owner.close()
         if self.channel != ffi.NULL:
-            lib.rdma_destroy_event_channel(self.channel)
+            self._raw.release()
             self.channel = ffi.NULL
+
+
+def _drop_id(raw: Raw, ids: Dict[int, Any], key: int) -> None:
+    """The finalizer of a cm_id whose owner was dropped (no loop, no channel object needed)."""
+    ids.pop(key, None)
+    raw.release()
 
 
 def _event_name(kind: int) -> str:
@@ -281,7 +308,8 @@ class Connection:
     reach the EP without this module importing ep.py.
     """
 
-    __slots__ = ("ep", "state", "cm_id", "waiter", "timer", "pending_private", "drain", "drain_timer")
+    __slots__ = ("ep", "state", "cm_id", "waiter", "timer", "pending_private", "drain", "drain_timer",
+                 "__weakref__")
 
     def __init__(self, ep: "EP") -> None:
         self.ep = ep
@@ -795,7 +823,7 @@ class CR(Handle):
         self.remote_address: Optional[Tuple[str, int]] = remote
         #: our (host, port) the request arrived on
         self.local_address: Optional[Tuple[str, int]] = local
-        self._ia._cm.owners[_key(cm_id)] = self
+        self._ia._cm.own_id(self, cm_id)
 
     def accept_nowait(self, ep: "EP", private_data: bytes = b"") -> None:
         """Accept on ``ep`` (dat_cr_accept); ESTABLISHED arrives on the EP's connect_evd."""
@@ -840,7 +868,7 @@ class CR(Handle):
             raise error_from_errno(err, "accepting the connection (rdma_accept)")
         # The request's cm_id now belongs to the EP.
         ep._conn.cm_id, self._cm_id = self._cm_id, ffi.NULL
-        self._ia._cm.owners[_key(ep._conn.cm_id)] = ep._conn
+        self._ia._cm.own_id(ep._conn, ep._conn.cm_id)
         ep._conn.waiter = waiter
         ep._conn.state = EPState.PASSIVE_CONNECTION_PENDING
         self.close()

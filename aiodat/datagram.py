@@ -40,7 +40,7 @@ import asyncio
 import ipaddress
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
-from aiodat._handle import Handle
+from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
 from aiodat.cm import (
     Listener,
@@ -108,6 +108,7 @@ class AddressHandle(Handle):
                  address: Optional[Tuple[str, int]], private_data: bytes = b"") -> None:
         super().__init__(pz)
         self._ah = ah
+        self._raw = Raw(ah, lib.ibv_destroy_ah, "AH", pz._raw)
         #: the peer's QP number (MULTICAST_QPN for a group)
         self.remote_qpn: int = remote_qpn
         #: the Q_Key sends carry
@@ -125,7 +126,7 @@ class AddressHandle(Handle):
 
     def _release(self) -> None:
         if self._ah != ffi.NULL:
-            lib.ibv_destroy_ah(self._ah)
+            self._raw.release()
             self._ah = ffi.NULL
 
     def __repr__(self) -> str:

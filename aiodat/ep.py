@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Hashable, List, Optional, Tuple
 
 from aiodat import cm
-from aiodat._handle import Handle
+from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
 from aiodat.cm import Connection
 from aiodat.cqsize import cq_entries, fit_cqs
@@ -139,6 +139,7 @@ class EP(Posting, Handle):
             raise InvalidParameter(f"the EP's own {what} would need {qlen} entries, more than max_evd_qlen "
                                    f"{limit}: lower the EPAttr queue depth or pass an EVD")
         evd = EVD(self._ia, max(qlen, 1), streams, comp_vector=self.attrs.comp_vector)
+        evd._warn_if_dropped = False  # part of the EP: dropped with it, the EP's warning says so
         self._own_evds.append(evd)
         return evd
 
@@ -201,6 +202,9 @@ class EP(Posting, Handle):
             self._pz._children.pop(self, None)
             raise error_from_errno(err, "moving the new queue pair to INIT" if a.service_type is ServiceType.RC
                                    else "moving the new UD queue pair to RTS")
+        # the QP goes before its CQs, SRQ and PD, also when all are dropped together
+        self._raw = Raw(qp, lib.ibv_destroy_qp, "QP", self._pz._raw, self.request_evd._raw_cq,
+                        self.recv_evd._raw_cq, *((self._srq._raw,) if self._srq is not None else ()))
         return qp
 
     # -- state -------------------------------------------------------------
@@ -373,7 +377,7 @@ class EP(Posting, Handle):
             raise error_from_errno(err, "resetting the queue pair")
         self._retire_all()
         self._drop_windows()
-        lib.ibv_destroy_qp(self._qp)
+        self._raw.release()
         self._ia._qpn_owner.pop(self.qp_num, None)
         self._qp = self._create_qp()
         self.qp_num = self._qp.qp_num
@@ -421,7 +425,7 @@ class EP(Posting, Handle):
         if self._qp != ffi.NULL:
             cm.detach_cm_id(self)  # QP before its cm_id, but librdmacm must forget the QP first
             self._drop_windows()
-            lib.ibv_destroy_qp(self._qp)
+            self._raw.release()
             self._qp = ffi.NULL
         self._retire_all()
         self._ia._qpn_owner.pop(self.qp_num, None)

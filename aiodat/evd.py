@@ -297,7 +297,7 @@ class EVD(Handle):
         self._channel = lib.ibv_create_comp_channel(ia._context)
         if self._channel == ffi.NULL:
             self._fail(error_from_errno(ffi.errno, "creating a completion channel"))
-        self._raw_channel = Raw(self._channel, lib.ibv_destroy_comp_channel, "completion channel")
+        self._raw_channel = Raw(self._channel, lib.ibv_destroy_comp_channel, "completion channel", ia._raw)
         self._cq = lib.ibv_create_cq(ia._context, self._qlen, ffi.NULL, self._channel, self.comp_vector)
         if self._cq == ffi.NULL:
             self._fail(InsufficientResources(f"ibv_create_cq({self._qlen}) failed (errno {ffi.errno})"))
@@ -762,7 +762,8 @@ class AsyncSource:
     def __init__(self, ia: "IA") -> None:
         self._ia = ia
         self._buf = ffi.new("struct aiodat_async_event[]", 16)
-        self.watch = FdWatch(ia._context.async_fd, self._on_readable, "device async")
+        # the loop keeps the device context (the async fd's owner) while it watches the fd
+        self.watch = FdWatch(ia._context.async_fd, self._on_readable, "device async", keep=ia._raw)
 
     def drain(self) -> None:
         """Turn every pending device event into an async EVD event."""

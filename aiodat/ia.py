@@ -12,10 +12,11 @@ rdma_cm event channel (see cm.py).  Everything else is created from the IA.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, MutableMapping, Optional, Sequence, Tuple
 
-from aiodat._handle import RootHandle
+from aiodat._handle import Raw, RootHandle
 from aiodat._lib import ffi, lib
 from aiodat._version import __version__
 from aiodat.attrs import build_ia_query, default_provider_consts
@@ -222,6 +223,8 @@ class IA(RootHandle):
         if self._context == ffi.NULL:
             self._closed = True
             raise error_from_errno(ffi.errno, f"opening RDMA device {device}")
+        #: every verbs object of this IA holds this (through its parents): the context goes last
+        self._raw = Raw(self._context, lib.ibv_close_device, "device context")
         try:
             self._device_attr = ffi.new("struct ibv_device_attr *")
             if lib.ibv_query_device(self._context, self._device_attr):
@@ -235,10 +238,11 @@ class IA(RootHandle):
             self.addresses: Tuple[str, ...] = tuple(port_addresses(device, port, gids))
             #: the IA's address: PSPs listen on it and connections leave from it
             self.address: Optional[str] = _choose_address(name, self.addresses, address)
-            self._qpn_owner: Dict[int, "EP"] = {}  # routes completions and QP events to EPs
+            # weak: an object the program dropped is routed nothing (and can be collected)
+            self._qpn_owner: "MutableMapping[int, EP]" = weakref.WeakValueDictionary()  # completions, QP events
             self._comp_vectors_used = -1  # EVDs take the device's completion vectors in turn
-            self._cq_owner: Dict[int, "EVD"] = {}  # CQ pointer -> EVD, for CQ async events
-            self._srq_owner: Dict[int, "SRQ"] = {}  # SRQ pointer -> SRQ, for SRQ async events
+            self._cq_owner: "MutableMapping[int, EVD]" = weakref.WeakValueDictionary()  # CQ async events
+            self._srq_owner: "MutableMapping[int, SRQ]" = weakref.WeakValueDictionary()  # SRQ async events
             self._async_source = AsyncSource(self)
             if async_evd is None:
                 self.async_evd: EVD = EVD._create_async(self, async_evd_qlen)
@@ -283,7 +287,7 @@ class IA(RootHandle):
         if getattr(self, "_async_source", None) is not None:
             self._async_source.destroy()
         if self._context != ffi.NULL:
-            lib.ibv_close_device(self._context)
+            self._raw.release()
             self._context = ffi.NULL
 
     # -- DAT calls ---------------------------------------------------------

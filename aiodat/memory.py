@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import os
 from typing import TYPE_CHECKING, Any, Deque, Optional, Sequence, Tuple, Union
 
-from aiodat._handle import Handle
+from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
 from aiodat.epattr import EPState
 from aiodat.errors import InsufficientResources, InvalidParameter, InvalidState, LengthError, error_from_errno
@@ -191,6 +191,8 @@ class LMR(Handle):
         self._view = view
         self._cdata = cdata  # holds the buffer export: the buffer cannot be resized or freed
         self._mr = mr
+        # the MR holds the export too: if deregistration fails the device may still use the memory
+        self._raw = Raw(mr, lib.ibv_dereg_mr, "MR", pz._raw, cdata)
         self._inflight = 0
         self.privileges = privileges
         #: the local key (lkey) and remote key (rkey) of the registration
@@ -258,10 +260,13 @@ class LMR(Handle):
         self.close()
 
     def _release(self) -> None:
+        failed = 0
         if self._mr != ffi.NULL:
-            lib.ibv_dereg_mr(self._mr)
+            failed = self._raw.release()
             self._mr = ffi.NULL
         cdata, self._cdata = self._cdata, None
+        if failed:  # the MR is still registered: keep the buffer exported (Raw keeps it alive)
+            raise error_from_errno(failed, f"deregistering {self.length} bytes (ibv_dereg_mr)")
         if cdata is not None:
             ffi.release(cdata)  # end the buffer export now, not at garbage collection
         self._view.release()
@@ -328,6 +333,7 @@ class RMR(Handle):
         super().__init__(pz)
         self._pz = pz
         self._mw = mw
+        self._raw = Raw(mw, lib.ibv_dealloc_mw, "MW", pz._raw)
         self._rkey: int = mw.rkey
         self._bound: Optional[Tuple[Segment, Privileges]] = None
         self._ep: Any = None  # the EP the window was last bound through
@@ -374,8 +380,12 @@ class RMR(Handle):
             ep._bind_window(self, op, (self._mw, self._rkey, ffi.NULL, 0, 0, 0), cookie)
         self._pending.append((waiter, op, new_rkey, segment, privileges))
         self._ep = ep
+        # a bound window holds a reference on the QP: if both are dropped, free the window first
+        self._raw.need(ep._raw)
         if waiter is not None:
-            ep.request_evd._attach(waiter.get_loop())  # the completion must be drained by the loop
+            evd = ep.request_evd
+            evd._attach(waiter.get_loop())  # the completion must be drained by the loop
+            evd._awaited += 1  # and polled even if the EVD is full (docs/events.md)
         return new_rkey
 
     def _check_bind(self, segment: Any, privileges: Any) -> Tuple[Segment, Privileges]:
@@ -459,6 +469,8 @@ class RMR(Handle):
         if not self._pending:
             return None
         waiter, pop_op, new_rkey, segment, privileges = self._pending.popleft()
+        if waiter is not None and evd._awaited > 0:
+            evd._awaited -= 1
         ok = status == "IBV_WC_SUCCESS"
         if pop_op is DTOOp.BIND:
             if segment is not None:
@@ -482,7 +494,11 @@ class RMR(Handle):
         """Drop every pending request and the binding (their LMR pins too); wake waiters with InvalidHandle."""
         from aiodat.errors import InvalidHandle
 
+        bound_through = getattr(self, "_ep", None)
+        evd = bound_through.request_evd if bound_through is not None else None
         for waiter, _op, _key, segment, _priv in self._pending:
+            if waiter is not None and evd is not None and evd._awaited > 0:
+                evd._awaited -= 1
             if waiter is not None and not waiter.done():
                 waiter.set_exception(InvalidHandle(why))
             if segment is not None:
@@ -499,12 +515,13 @@ class RMR(Handle):
         """The EP the window was bound through is destroying its QP: start over with a fresh window."""
         self._forget("the EP the window was bound through was freed")
         if self._mw != ffi.NULL:
-            lib.ibv_dealloc_mw(self._mw)
+            self._raw.release()
         self._mw = lib.ibv_alloc_mw(self._pz._pd, lib.IBV_MW_TYPE_2)
         if self._mw == ffi.NULL:
             self._closed = True  # no window to offer any more
             self._pz._children.pop(self, None)
             return
+        self._raw = Raw(self._mw, lib.ibv_dealloc_mw, "MW", self._pz._raw)
         self._rkey = self._mw.rkey
 
     def remote(self) -> RemoteRegion:
@@ -535,7 +552,7 @@ class RMR(Handle):
     def _release(self) -> None:
         self._forget("the RMR was freed while a bind waited on it")
         if self._mw != ffi.NULL:
-            lib.ibv_dealloc_mw(self._mw)
+            self._raw.release()
             self._mw = ffi.NULL
 
     def __repr__(self) -> str:
@@ -584,6 +601,7 @@ class PZ(Handle):
             self._closed = True
             ia._children.pop(self, None)
             raise InsufficientResources(f"ibv_alloc_pd failed: {os.strerror(ffi.errno)}")
+        self._raw = Raw(self._pd, lib.ibv_dealloc_pd, "PD", ia._raw)
 
     @property
     def ia(self) -> "IA":
@@ -606,7 +624,7 @@ class PZ(Handle):
 
     def _release(self) -> None:
         if self._pd != ffi.NULL:
-            lib.ibv_dealloc_pd(self._pd)
+            self._raw.release()
             self._pd = ffi.NULL
 
     def __repr__(self) -> str:

@@ -31,10 +31,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
-from aiodat._handle import Handle
+from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
 from aiodat.errors import (
     InvalidHandle,
@@ -122,7 +123,7 @@ class SRQ(Handle):
         super().__init__(pz)
         self._ia, self._pz = ia, pz
         #: the EPs receiving from this SRQ (an insertion-ordered set; ep.py calls _attach and _detach)
-        self._eps: Dict["EP", None] = {}
+        self._eps: "weakref.WeakKeyDictionary[EP, None]" = weakref.WeakKeyDictionary()  # the EPs it feeds
         self._evds: Dict["EVD", None] = {}  # recv EVDs of EPs that were ever attached
         self._eps_seen = 0
         self._posted: Dict[int, Tuple[Any, Tuple[Segment, ...]]] = {}  # wr_id -> (cookie, segments)
@@ -142,6 +143,7 @@ class SRQ(Handle):
             self._closed = True
             pz._children.pop(self, None)
             raise error_from_errno(err, f"creating an SRQ of {max_recv_dtos} x {max_recv_iov} (ibv_create_srq)")
+        self._raw = Raw(self._srq, lib.ibv_destroy_srq, "SRQ", pz._raw)
         ia._srq_owner[int(ffi.cast("uintptr_t", self._srq))] = self
         self._attr = ffi.new("struct ibv_srq_attr *")
         self._refresh_sizes()
@@ -413,19 +415,24 @@ class SRQ(Handle):
             raise InvalidState("the SRQ's low watermark is not armed: call srq.set_lw(n) first")
         fut: "asyncio.Future[None]" = loop.create_future()
         self._waiters.append(fut)
+        # the timeout is a timer on the future itself, not asyncio.wait_for, which may swallow a
+        # cancellation that arrives once the event is in (then this call returns it after all)
+        timer = None if timeout is None else loop.call_later(timeout, _expire, fut, timeout)
+        taken = False
         try:
-            if timeout is None:
-                await fut
-            else:
-                try:
-                    await asyncio.wait_for(asyncio.shield(fut), timeout)
-                except asyncio.TimeoutError:
-                    raise TimeoutExpired(f"no SRQ low-watermark event within {timeout}s") from None
+            await fut
+            taken = True
         finally:
+            if timer is not None:
+                timer.cancel()
             if fut in self._waiters:
                 self._waiters.remove(fut)
             if not fut.done():
                 fut.cancel()
+            elif not taken and not fut.cancelled() and fut.exception() is None:
+                # the event fired for this call, which was cancelled or timed out before it
+                # could return: keep it for the next call (cancelling loses nothing)
+                self._lw_fired = True
 
     def free(self) -> None:
         """Free the SRQ (dat_srq_free); refused with InvalidState while EPs use it."""
@@ -452,7 +459,7 @@ class SRQ(Handle):
         self._fail_waiters(InvalidHandle("the SRQ was freed while a task waited for its low watermark"))
         if self._srq != ffi.NULL:
             self._ia._srq_owner.pop(int(ffi.cast("uintptr_t", self._srq)), None)
-            err = lib.ibv_destroy_srq(self._srq)
+            err = self._raw.release()
             self._srq = ffi.NULL
             if err:
                 raise error_from_errno(err, "destroying the SRQ (ibv_destroy_srq)")
@@ -465,6 +472,11 @@ class SRQ(Handle):
         if self._closed:
             return "<aiodat.SRQ closed>"
         return f"<aiodat.SRQ max_recv_dtos={self._max_wr} posted={len(self._posted)} eps={len(self._eps)}>"
+
+
+def _expire(fut: "asyncio.Future[None]", timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutExpired(f"no SRQ low-watermark event within {timeout}s"))
 
 
 def _check_lw(low_watermark: Optional[int], max_recv_dtos: int) -> int:

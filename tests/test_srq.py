@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import struct
 from typing import Any, Dict, List, Tuple
 
@@ -245,6 +246,39 @@ async def test_low_watermark_once_per_arming_never_at_creation(ia: Any) -> None:
         await srq.low_watermark(timeout=0.2)
     srq.set_lw(None)
     assert srq.query().low_watermark is None
+
+
+async def test_low_watermark_that_fired_is_kept_when_its_wait_is_cancelled(ia: Any) -> None:
+    """Issue 13: the event fires for a waiting low_watermark() whose task is cancelled before it
+    runs again (or whose timeout expires at that moment): the next call gets it."""
+    pz = ia.create_pz()
+    srq = ia.create_srq(pz, 16)
+    pool = pz.register(bytearray(4 * 64))
+    srq.post_recv_batch((pool[i * 64:(i + 1) * 64], i) for i in range(4))
+    server = ia.create_ep(pz, srq=srq)
+    client = ia.create_ep(pz)
+    psp, cr_evd = listen(ia)
+    await connect(ia, psp, cr_evd, client, server)
+    send_lmr = pz.register(bytearray(64))
+    srq.set_lw(3)
+    waiter = asyncio.ensure_future(srq.low_watermark(timeout=T))
+    await asyncio.sleep(0)  # it waits now
+    for i in range(2):  # 4 -> 2 receives left: below 3, the device raises the event
+        client.post_send(send_lmr[0:8], cookie=i)
+    # Without yielding to the loop: see both sends complete, then let a dequeue read the device's
+    # async fd, which wakes the waiter's future; cancel the task before it can run again.
+    done, deadline = 0, asyncio.get_running_loop().time() + T
+    while done < 2 or srq.low_watermark_events < 1:
+        assert asyncio.get_running_loop().time() < deadline, (done, srq.low_watermark_events)
+        if client.request_evd.dequeue() is not None:
+            done += 1
+        else:
+            time.sleep(0.005)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.wait_for(srq.low_watermark(timeout=1), T)  # the event was kept for this call
+    assert srq.low_watermark_events == 1
 
 
 async def test_resize_up_and_refused_down(ia: Any) -> None:

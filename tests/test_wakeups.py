@@ -179,3 +179,27 @@ async def test_the_cq_is_rearmed_once_per_wakeup(ia: Any, loop_errors: List[dict
     events = await recv_evd.wait(n, timeout=T)
     assert [e.cookie for e in events] == list(range(n))
     pair.close()
+
+
+async def test_a_full_evd_does_not_strand_an_awaited_bind(ia: Any, loop_errors: List[dict]) -> None:
+    """The request EVD is full (its qlen of send completions queued, none taken): the
+    completion of an awaited rmr.bind() still gets through, because while one is awaited the
+    CQ is polled past the EVD's capacity (the extra events are queued and reported as overflow)."""
+    pair = await make_ep_pair(ia, attrs=EPAttr(max_request_dtos=4))
+    request_evd = pair.client.request_evd
+    assert request_evd.qlen == 4
+    await watch(request_evd)
+    for i in range(4):
+        pair.server.post_recv(pair.server_lmr[i * 8:(i + 1) * 8])
+        send(pair, b"fill", cookie=i)
+    deadline = time.monotonic() + T
+    while request_evd.query().queued < 4:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    rmr = pair.pz.create_rmr()
+    rkey = await asyncio.wait_for(rmr.bind(pair.client_lmr[0:64], aiodat.Privileges.REMOTE_READ, pair.client), T)
+    assert rkey == rmr.query().rmr_context and rmr.query().bound
+    events = await request_evd.wait(4, timeout=T)
+    assert [e.cookie for e in events] == [0, 1, 2, 3]  # nothing lost, in order
+    rmr.close()
+    pair.close()
