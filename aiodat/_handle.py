@@ -22,6 +22,7 @@ naming fork.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -36,9 +37,12 @@ from aiodat.errors import InvalidHandle, InvalidState
 _generation = 0
 #: every live root (IA): the child of a fork abandons their trees
 _roots: "weakref.WeakSet[Handle]" = weakref.WeakSet()
-#: raw objects whose destruction failed, with what they depend on (a buffer export, say): the
-#: device may still use them, so they stay alive for the life of the process
-_stranded: List[Tuple[str, Any, Tuple[Any, ...]]] = []
+#: raw objects whose destruction failed, kept with what they depend on (a buffer export, say):
+#: the device may still use them.  Each is tried again whenever another raw object is destroyed
+#: and after every garbage collection, so one that failed only because a child still existed
+#: (the order of finalizers within one collection is arbitrary) goes as soon as the child does.
+_deferred: List["Raw"] = []
+_retrying = False
 
 
 def _after_fork_in_child() -> None:
@@ -92,22 +96,50 @@ class Raw:
         """Destroy the object (once); return the destroy call's result (0 or an errno).
 
         If destruction fails, the object and everything it depends on are kept
-        alive for the rest of the process (the device may still use them).
+        alive (the device may still use them) and it is tried again later.
         """
-        ptr, self.ptr = self.ptr, ffi.NULL
-        deps, self._deps = self._deps, ()
-        if ptr == ffi.NULL or self._generation != _generation:
+        if self.ptr == ffi.NULL:
             return 0
-        err = self._destroy(ptr)
+        if self._generation != _generation:  # the parent's, in a forked child: never destroyed here
+            self.ptr, self._deps = ffi.NULL, ()
+            return 0
+        err = self._destroy(self.ptr)
         if err:
-            _stranded.append((self.what, ptr, deps))
-        return err
+            if not any(raw is self for raw in _deferred):
+                _deferred.append(self)
+            return err
+        self.ptr, self._deps = ffi.NULL, ()  # dropping the deps may release them in turn
+        if _deferred and not _retrying:
+            _retry_deferred()
+        return 0
 
     def __del__(self) -> None:
         try:
             self.release()
         except Exception:  # a finalizer: never raise
             pass
+
+
+def _retry_deferred(*_gc_info: Any) -> None:
+    """Destroy what can be destroyed now among the raw objects whose destruction failed."""
+    global _retrying
+    if _retrying or not _deferred:
+        return
+    _retrying = True
+    try:
+        progress = True
+        while progress:
+            progress = False
+            for raw in list(_deferred):
+                if raw._generation != _generation or not raw._destroy(raw.ptr):
+                    _deferred.remove(raw)
+                    raw.ptr, raw._deps = ffi.NULL, ()
+                    progress = True
+    finally:
+        _retrying = False
+
+
+gc.callbacks.append(lambda phase, info: _retry_deferred() if phase == "stop" and _deferred else None)
 
 
 class Handle:

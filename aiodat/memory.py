@@ -9,6 +9,8 @@ memory.  ``lmr[a:b]`` is a :class:`Segment` to post; ``lmr.remote()`` is a
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import enum
 import struct
 from collections import deque
@@ -160,7 +162,32 @@ class LMR(Handle):
     _kind = "lmr"
     _close_rank = 5  # after EPs and RMRs of the same PZ
 
-    def __init__(self, pz: "PZ", buffer: Any, privileges: Optional[Privileges] = None) -> None:
+    def __init__(self, pz: "PZ", buffer: Any, privileges: Optional[Privileges] = None, *,
+                 _pinned: Optional[Tuple[Any, Any, Any, Privileges]] = None) -> None:
+        view, cdata, mr, privileges = _pinned or LMR._pin(pz, buffer, privileges)
+        try:
+            super().__init__(pz)
+        except BaseException:  # the PZ was closed meanwhile (register_async): unpin
+            lib.ibv_dereg_mr(mr)
+            raise
+        self._pz = pz
+        self._view = view
+        self._cdata = cdata  # holds the buffer export: the buffer cannot be resized or freed
+        self._mr = mr
+        # the MR holds the export too: if deregistration fails the device may still use the memory
+        self._raw = Raw(mr, lib.ibv_dereg_mr, "MR", pz._raw, cdata)
+        self._inflight = 0
+        self.privileges = privileges
+        #: the local key (lkey) and remote key (rkey) of the registration
+        self.lmr_context: int = mr.lkey
+        self.rmr_context: int = mr.rkey
+        self.address: int = int(ffi.cast("uintptr_t", cdata))
+        self.length: int = view.nbytes
+
+    @staticmethod
+    def _pin(pz: "PZ", buffer: Any, privileges: Optional[Privileges]) -> Tuple[Any, Any, Any, Privileges]:
+        """Check the buffer and register it (ibv_reg_mr pins its pages: slow for large buffers,
+        so register_async runs this in an executor thread)."""
         pz._check()
         privileges = _privileges(privileges)
         try:
@@ -186,20 +213,7 @@ class LMR(Handle):
         mr = lib.ibv_reg_mr(pz._pd, cdata, length, ibv_access(privileges))
         if mr == ffi.NULL:
             raise error_from_errno(ffi.errno, f"registering {length} bytes (ibv_reg_mr)")
-        super().__init__(pz)
-        self._pz = pz
-        self._view = view
-        self._cdata = cdata  # holds the buffer export: the buffer cannot be resized or freed
-        self._mr = mr
-        # the MR holds the export too: if deregistration fails the device may still use the memory
-        self._raw = Raw(mr, lib.ibv_dereg_mr, "MR", pz._raw, cdata)
-        self._inflight = 0
-        self.privileges = privileges
-        #: the local key (lkey) and remote key (rkey) of the registration
-        self.lmr_context: int = mr.lkey
-        self.rmr_context: int = mr.rkey
-        self.address: int = int(ffi.cast("uintptr_t", cdata))
-        self.length: int = length
+        return view, cdata, mr, privileges
 
     @property
     def pz(self) -> "PZ":
@@ -587,6 +601,15 @@ def as_segments(segments: Segments, what: str = "segments") -> Tuple[Segment, ..
     return tuple(out)
 
 
+def _unpin_if_registered(pinning: "asyncio.Future[Tuple[Any, Any, Any, Privileges]]") -> None:
+    """register_async was cancelled while its registration ran: undo the registration."""
+    if not pinning.cancelled() and pinning.exception() is None:
+        view, cdata, mr, _ = pinning.result()
+        lib.ibv_dereg_mr(mr)
+        ffi.release(cdata)
+        view.release()
+
+
 class PZ(Handle):
     """A Protection Zone (an ibv protection domain): LMRs, RMRs, EPs and SRQs live in one."""
 
@@ -609,8 +632,31 @@ class PZ(Handle):
         return self._ia
 
     def register(self, buffer: Any, privileges: Optional[Privileges] = None) -> LMR:
-        """Register a writable buffer as a Local Memory Region (dat_lmr_create)."""
+        """Register a writable buffer as a Local Memory Region (dat_lmr_create).
+
+        Pinning takes time in proportion to the buffer's size (about a
+        millisecond per few MiB); for large buffers in async code use
+        :meth:`register_async`, which does not block the event loop.
+        """
         return LMR(self, buffer, privileges)
+
+    async def register_async(self, buffer: Any, privileges: Optional[Privileges] = None, *,
+                             executor: Optional[concurrent.futures.Executor] = None) -> LMR:
+        """Register like :meth:`register`, pinning the pages in ``executor`` (the loop's default)
+        so the event loop keeps running meanwhile.
+
+        Cancelling the await loses nothing: a registration that completes after
+        the cancellation is undone at once.
+        """
+        self._check()
+        loop = asyncio.get_running_loop()
+        pinning = loop.run_in_executor(executor, LMR._pin, self, buffer, privileges)
+        try:
+            pinned = await asyncio.shield(pinning)
+        except asyncio.CancelledError:
+            pinning.add_done_callback(_unpin_if_registered)
+            raise
+        return LMR(self, buffer, _pinned=pinned)
 
     def create_rmr(self) -> RMR:
         """Create a Remote Memory Region: a memory window to bind to an LMR range (dat_rmr_create)."""

@@ -242,13 +242,49 @@ def test_development_mode_names_where_a_leaked_object_was_made(rdma_device: Any,
     assert f'File "{script}", line 4' in proc.stdout, proc.stdout
 
 
-def test_a_raw_object_whose_destruction_fails_keeps_what_it_depends_on() -> None:
-    """(Pure.) An LMR whose deregistration fails keeps its buffer export: the device may still
-    use the memory.  Raw strands the object with its dependencies for the life of the process."""
-    from aiodat import _handle
+# -- nothing blocks the loop (item 6) ---------------------------------------------------------
 
-    buffer = bytearray(b"still in use by the device")
-    raw = _handle.Raw(_handle.ffi.cast("void *", 1), lambda ptr: 16, "MR", buffer)  # EBUSY
-    assert raw.release() == 16
-    assert any(entry[2] == (buffer,) for entry in _handle._stranded)
-    _handle._stranded[:] = [e for e in _handle._stranded if e[2] != (buffer,)]
+
+async def test_register_async_pins_in_an_executor_while_the_loop_runs(ia: Any, loop_errors: List[dict]) -> None:
+    pair = await make_ep_pair(ia)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    running = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    big = bytearray(64 << 20)
+    lmr = await pair.pz.register_async(big, aiodat.Privileges.ALL)
+    during = ticks - before
+    running.cancel()
+    assert during > 1, "the loop did not run while the pages were pinned"
+    assert lmr.length == len(big) and lmr.pz is pair.pz
+    # the registration is real: the peer RDMA-writes into the far end of it
+    pair.client_lmr.memoryview()[0:6] = b"pinned"
+    pair.client.post_rdma_write(pair.client_lmr[0:6], lmr.remote()[len(big) - 6:len(big)])
+    (done,) = await pair.client.request_evd.wait(timeout=T)
+    assert done.ok and bytes(big[-6:]) == b"pinned"
+    lmr.free()
+    pair.close()
+
+
+async def test_a_cancelled_register_async_leaves_no_registration(ia: Any, rdma_device: Any,
+                                                                 loop_errors: List[dict]) -> None:
+    pz = ia.create_pz()
+    mrs = kernel_counts(rdma_device.name)["mr"]
+    task = asyncio.ensure_future(pz.register_async(bytearray(64 << 20)))
+    await asyncio.sleep(0)  # the executor is pinning now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = asyncio.get_running_loop().time() + T
+    while kernel_counts(rdma_device.name)["mr"] != mrs:  # undone once the pinning ends
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+    assert not pz._children
+    pz.free()
