@@ -288,3 +288,35 @@ async def test_a_cancelled_register_async_leaves_no_registration(ia: Any, rdma_d
         await asyncio.sleep(0.05)
     assert not pz._children
     pz.free()
+
+
+async def test_a_dropped_stream_is_released(ia: Any, rdma_device: Any, loop_errors: List[dict]) -> None:
+    """A client drops its reader and writer without closing: its EP, EVD and registrations are
+    freed (the peer sees the disconnect and ends its side), with a ResourceWarning."""
+    await settle()
+    counts = kernel_counts(rdma_device.name)
+    ended = asyncio.get_running_loop().create_future()
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            line = await reader.readline()
+            if not line:
+                break
+            writer.write(line)
+        writer.close()
+        ended.set_result(True)
+
+    server = await aiodat.start_server(echo, rdma_device.address, 0)
+    port = server.sockets[0].getsockname()[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reader, writer = await aiodat.open_connection(rdma_device.address, port)
+        await _roundtrip(reader, writer, b"hello\n")
+        del reader, writer
+        await settle()
+        assert await asyncio.wait_for(ended, T)  # the server saw the connection go
+    assert any("unclosed RDMA stream transport" in str(w.message) for w in caught)
+    server.close()
+    await server.wait_closed()
+    await settle()
+    assert kernel_counts(rdma_device.name) == counts

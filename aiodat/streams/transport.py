@@ -8,6 +8,7 @@ credit allows it, what a received header means) is the
 from __future__ import annotations
 
 import asyncio
+import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
 
 from aiodat.cm import resolve_host
@@ -141,6 +142,16 @@ class RdmaTransport(asyncio.Transport):
         self._protocol.connection_made(self)
         if not self._lost:
             self._pump_task = self._loop.create_task(self._pump())
+            # A stream the program drops unclosed is collected together with its pump (the loop
+            # holds neither: see __del__); asyncio must not report that pump as a lost task.
+            self._pump_task._log_destroy_pending = False  # type: ignore[attr-defined]
+
+    def __del__(self) -> None:
+        # Only the warning: the EP, EVD, LMRs and PZ of the stream are freed by their Raw holders
+        # as they are collected (finalizers never call into the loop).  The shared IA stays in
+        # the loop's pool.
+        if not getattr(self, "_lost", True):
+            warnings.warn(f"unclosed RDMA stream transport {self!r}", ResourceWarning)
 
     # -- asyncio.BaseTransport -------------------------------------------------------------
     def is_closing(self) -> bool:
