@@ -63,22 +63,22 @@ def _child_main(objects: List[Any]) -> None:  # multiprocessing's target: exits 
         raise SystemExit(code)
 
 
+async def echo_lines(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A stream server's handler: echo each line until EOF, then close."""
+    while True:
+        line = await reader.readline()
+        if not line:
+            break
+        writer.write(line)
+        await writer.drain()
+    writer.close()
+
+
 async def _stream_pair(host: str) -> Any:
-    received: "asyncio.Queue[bytes]" = asyncio.Queue()
-
-    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            line = await reader.readline()
-            if not line:
-                break
-            writer.write(line)
-            await writer.drain()
-        writer.close()
-
-    server = await aiodat.start_server(echo, host, 0)
+    server = await aiodat.start_server(echo_lines, host, 0)
     port = server.sockets[0].getsockname()[1]
     reader, writer = await aiodat.open_connection(host, port)
-    return server, reader, writer, received
+    return server, reader, writer
 
 
 async def _roundtrip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, line: bytes) -> None:
@@ -95,7 +95,7 @@ async def test_a_forked_child_never_destroys_the_parents_objects(ia: Any, rdma_d
     pair = await make_ep_pair(ia)
     extra = pair.pz.register(bytearray(1 << 16))  # registered memory the child inherits
     await exchange(pair, b"before fork")
-    server, reader, writer, _ = await _stream_pair(rdma_device.address)
+    server, reader, writer = await _stream_pair(rdma_device.address)
     await _roundtrip(reader, writer, b"stream before fork\n")
 
     objects: List[Any] = [ia, pair, extra]
@@ -298,12 +298,7 @@ async def test_a_dropped_stream_is_released(ia: Any, rdma_device: Any, loop_erro
     ended = asyncio.get_running_loop().create_future()
 
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            line = await reader.readline()
-            if not line:
-                break
-            writer.write(line)
-        writer.close()
+        await echo_lines(reader, writer)
         ended.set_result(True)
 
     server = await aiodat.start_server(echo, rdma_device.address, 0)
