@@ -1,7 +1,8 @@
 """The lifetime rules every DAT object shares.
 
 Objects form a tree (IA > PZ > LMR/RMR/EP/SRQ, IA > EVD, IA > PSP).  Children
-hold their parent; parents hold their children weakly.  Closing a parent
+hold their parent; parents hold their children weakly, except those that serve
+until freed, as a listening socket does (PSPs: the IA holds them).  Closing a parent
 closes its (live) children first, lowest ``_close_rank`` first, so the verbs
 see QPs destroyed before their CQs and MRs before their PD.  ``close()`` is
 idempotent; any other use after close raises :class:`aiodat.InvalidHandle`.
@@ -28,7 +29,7 @@ import sys
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable, ClassVar, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, List, Optional, Set, Tuple
 
 from aiodat._lib import ffi, lib
 from aiodat.errors import InvalidHandle, InvalidState
@@ -153,6 +154,9 @@ class Handle:
     _created_at: Optional[List[str]] = None
     #: False for objects another one owns (an EP's own EVDs): that owner's warning covers them
     _warn_if_dropped = True
+    #: True for objects that serve until freed, like a listening socket (PSPs): the parent holds them
+    _parent_holds: ClassVar[bool] = False
+    _held: Optional[Set["Handle"]] = None  # the children this one holds strongly (see _parent_holds)
 
     def __init__(self, parent: Optional["Handle"]) -> None:
         self._parent = parent
@@ -163,6 +167,10 @@ class Handle:
         if parent is not None:
             parent._check()
             parent._children[self] = None
+            if self._parent_holds:
+                if parent._held is None:
+                    parent._held = set()
+                parent._held.add(self)
         else:
             _roots.add(self)
         self._closed = False
@@ -198,6 +206,8 @@ class Handle:
         finally:
             if self._parent is not None:
                 self._parent._children.pop(self, None)
+                if self._parent._held is not None:
+                    self._parent._held.discard(self)
         if first_error is not None:
             raise first_error
 

@@ -737,6 +737,7 @@ class Listener(Handle):
     """A listening rdma_cm id bound to the IA's address: what PSPs and datagram service points share."""
 
     _close_rank = 0  # before PZs and EVDs: stop new requests first
+    _parent_holds = True  # listens until freed, like a listening socket, even if the program drops it
 
     def _listen(self, ia: "IA", addr: Any, port: int, port_space: int, backlog: int, what: str) -> None:
         """Bind and listen on ``port`` (0: one the provider picks); sets ``port`` and ``address``."""
