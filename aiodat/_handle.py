@@ -110,8 +110,11 @@ class Raw:
                 _deferred.append(self)
             return err
         self.ptr, self._deps = ffi.NULL, ()  # dropping the deps may release them in turn
-        if _deferred and not _retrying:
-            _retry_deferred()
+        if _deferred:
+            if any(raw is self for raw in _deferred):  # it had failed before: no longer deferred
+                _deferred[:] = [raw for raw in _deferred if raw is not self]
+            if not _retrying:
+                _retry_deferred()
         return 0
 
     def __del__(self) -> None:
@@ -132,7 +135,7 @@ def _retry_deferred(*_gc_info: Any) -> None:
         while progress:
             progress = False
             for raw in list(_deferred):
-                if raw._generation != _generation or not raw._destroy(raw.ptr):
+                if raw.ptr == ffi.NULL or raw._generation != _generation or not raw._destroy(raw.ptr):
                     _deferred.remove(raw)
                     raw.ptr, raw._deps = ffi.NULL, ()
                     progress = True

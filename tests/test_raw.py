@@ -31,3 +31,21 @@ def test_a_raw_object_whose_destruction_fails_keeps_what_it_depends_on() -> None
     other = _handle.Raw(_handle.ffi.cast("void *", 2), lambda ptr: 0, "child")
     other.release()  # another destruction succeeds: the deferred one is tried again
     assert destroyed == ["mr"] and not any(r._deps == (buffer,) for r in _handle._deferred)
+
+
+def test_a_deferred_raw_released_again_by_hand_is_never_destroyed_twice() -> None:
+    from aiodat import _handle
+
+    calls: List[int] = []
+
+    def destroy(ptr: Any) -> int:
+        calls.append(1)
+        return 16 if len(calls) == 1 else 0
+
+    raw = _handle.Raw(_handle.ffi.cast("void *", 3), destroy, "SRQ")
+    assert raw.release() == 16 and raw in _handle._deferred
+    assert raw.release() == 0  # the caller tried again, and it went
+    assert raw not in _handle._deferred
+    other = _handle.Raw(_handle.ffi.cast("void *", 4), lambda ptr: 0, "other")
+    other.release()  # a later retry must not call destroy on it again
+    assert len(calls) == 2
