@@ -124,7 +124,7 @@ class Raw:
             pass
 
 
-def _retry_deferred(*_gc_info: Any) -> None:
+def _retry_deferred() -> None:
     """Destroy what can be destroyed now among the raw objects whose destruction failed."""
     global _retrying
     if _retrying or not _deferred:

@@ -441,8 +441,6 @@ class RMR(Handle):
         Raises :class:`aiodat.DTOError` naming the completion status if the
         bind fails.  Cancelling the await leaves the event on the request EVD.
         """
-        import asyncio
-
         segment, privileges = self._check_bind(segment, privileges)
         fut = asyncio.get_running_loop().create_future()
         self._post(DTOOp.BIND, ep, segment, privileges, cookie, fut)
@@ -457,8 +455,6 @@ class RMR(Handle):
 
     async def unbind(self, ep: Any, cookie: Any = None) -> None:
         """Invalidate the window through ``ep``; the old rmr_context stops working for the peer."""
-        import asyncio
-
         self._check_unbind()
         fut = asyncio.get_running_loop().create_future()
         self._post(DTOOp.UNBIND, ep, None, Privileges.NONE, cookie, fut)
