@@ -12,6 +12,8 @@ APT_PACKAGES=(
   qemu-system-x86 linux-image-amd64 busybox-static kmod iproute2
   # tools the tests and benchmarks compare against
   ibverbs-utils rdmacm-utils perftest
+  # rdma-core's own Python binding (for the system python3): the Python peer of aiodat bench
+  python3-pyverbs
 )
 
 missing=()
@@ -31,5 +33,5 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e '.[test,docs]'
+.venv/bin/python -m pip install -q -e '.[test,docs,integrations]'
 echo "bootstrap: ready (.venv, $(.venv/bin/python -c 'import aiodat; print("aiodat", aiodat.__version__)'))" >&2
