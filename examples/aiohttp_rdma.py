@@ -81,6 +81,7 @@ def connector(transport: str) -> aiohttp.BaseConnector:
 
 async def demo(host: str) -> int:
     """Server and client in one process over RDMA: a GET, a 1 MiB POST, a file and a WebSocket."""
+    checks: List[bool] = []
     with tempfile.TemporaryDirectory() as tmp:
         runner = await start("rdma", host, 0, Path(tmp))
         port = runner.addresses[0][1]
@@ -88,18 +89,27 @@ async def demo(host: str) -> int:
         try:
             async with aiohttp.ClientSession(connector=RdmaConnector()) as session:
                 async with session.get(f"{base}/hello") as resp:
-                    print(f"GET /hello -> {resp.status} {await resp.text()!r}")
+                    text = await resp.text()
+                    checks.append(text == "hello over rdma")
+                    print(f"GET /hello -> {resp.status} {text!r}")
                 body = os.urandom(1 << 20)
                 async with session.post(f"{base}/echo", data=body) as resp:
-                    print(f"POST /echo 1 MiB -> {resp.status}, echoed intact: {await resp.read() == body}")
+                    checks.append(await resp.read() == body)
+                    print(f"POST /echo 1 MiB -> {resp.status}, echoed intact: {checks[-1]}")
                 async with session.get(f"{base}/data") as resp:
-                    ok = await resp.read() == bytes(range(256)) * 1200
-                    print(f"GET /data (FileResponse) -> {resp.status}, {resp.content_length} bytes, intact: {ok}")
+                    checks.append(await resp.read() == bytes(range(256)) * 1200)
+                    print(f"GET /data (FileResponse) -> {resp.status}, {resp.content_length} bytes, "
+                          f"intact: {checks[-1]}")
                 async with session.ws_connect(f"{base}/ws") as sock:
                     await sock.send_str("stressed")
-                    print(f"WebSocket: sent 'stressed', got {await sock.receive_str()!r}")
+                    reply = await sock.receive_str()
+                    checks.append(reply == "desserts")
+                    print(f"WebSocket: sent 'stressed', got {reply!r}")
         finally:
             await runner.cleanup()
+    if not all(checks):
+        print("aiohttp over RDMA: FAILED")
+        return 1
     print("aiohttp over RDMA: ok")
     return 0
 
