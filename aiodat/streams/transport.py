@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import warnings
+import weakref
 from asyncio import constants as _asyncio_constants
 from asyncio import transports as _asyncio_transports
-from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 from aiodat.cm import resolve_host
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
@@ -144,17 +145,23 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._idle: Optional[asyncio.Future[None]] = None
         self._close_task: Optional[asyncio.Task[None]] = None
         self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
-        self._pump_task: Optional[asyncio.Task[None]] = None
         #: messages and bytes moved, for tests and benchmarks: sends, window writes, credit messages
         self.stats = self._core.stats
 
     def _start(self) -> None:
         self._protocol.connection_made(self)
         if not self._lost:
-            self._pump_task = self._loop.create_task(self._pump())
-            # A stream the program drops unclosed is collected together with its pump (the loop
-            # holds neither: see __del__); asyncio must not report that pump as a lost task.
-            self._pump_task._log_destroy_pending = False  # type: ignore[attr-defined]
+            # completions come to _on_events from inside the loop's reader callback, as a socket's
+            # bytes come to data_received: no task, no Future per wake-up.  Held weakly, so a stream
+            # the program drops unclosed is collected (see __del__), as it is with a socket.
+            ref = weakref.ref(self)
+
+            def on_events(events: List[Any]) -> None:
+                transport = ref()
+                if transport is not None:
+                    transport._on_events(events)
+
+            self._res.evd.set_callback(on_events)
 
     def __del__(self) -> None:
         # Only the warning: the EP, EVD, LMRs and PZ of the stream are freed by their Raw holders
@@ -335,16 +342,14 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             self._finish(None)
             raise
 
-    # -- receiving: wait, then let the core decide ---------------------------------------------------
-    async def _pump(self) -> None:
-        evd = self._res.evd
+    # -- receiving: the EVD's callback, then let the core decide -------------------------------------
+    def _on_events(self, events: List[Any]) -> None:
+        """The connection EVD's callback (evd.set_callback): one batch of completions and events."""
+        if self._lost:
+            return
         try:
-            while not self._lost:
-                events = await evd.wait(1)
-                self._handle(events)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a failed wait: the connection is unusable
+            self._handle(events)
+        except Exception as exc:  # the connection is unusable; the loop's handler is not the place
             if not self._lost:
                 self._finish(ConnectionBroken(f"the RDMA stream failed: {exc!r}"))
 
@@ -362,8 +367,10 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                 return
         if lost_event is not None:
             # take every completion still in the CQ first: data the peer sent before leaving
+            evd = self._res.evd
+            evd.set_callback(None)  # (dequeue refuses while a callback is set)
             while True:
-                more = self._res.evd.dequeue()
+                more = evd.dequeue()
                 if more is None:
                     break
                 if not isinstance(more, ConnectionEvent):
@@ -459,9 +466,11 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._lost = True
         self._closing = True
         current = asyncio.current_task(self._loop) if self._loop.is_running() else None
-        for task in (self._pump_task, self._close_task):
-            if task is not None and task is not current and not task.done():
-                task.cancel()
+        task = self._close_task
+        if task is not None and task is not current and not task.done():
+            task.cancel()
+        if not self._res.evd.closed:
+            self._res.evd.set_callback(None)
         idle = self._idle
         if idle is not None and not idle.done():
             idle.set_result(None)
