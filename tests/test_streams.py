@@ -531,6 +531,146 @@ def test_two_loops_in_two_threads(rdma_host: str, request: pytest.FixtureRequest
     assert aiodat_streams.shared_ia_count() == 0
 
 
+# -- asyncio's transport contract, the same test over TCP and over RDMA ---------------------------------
+
+
+async def _create_connection(streams: Any, factory: Any, host: str, port: int) -> Tuple[Any, Any]:
+    if streams is asyncio:
+        return await asyncio.get_running_loop().create_connection(factory, host, port)
+    return await aiodat_streams.create_connection(factory, host, port)
+
+
+async def test_loop_sendfile(transport: Tuple[Any, str], tmp_path: Path) -> None:
+    """loop.sendfile(transport, file, offset, count) as on asyncio's own transports (RDMA: the fallback
+    mode, reading paused meanwhile so bytes the peer sends during it are held, then delivered)."""
+    streams, host = transport
+    loop = asyncio.get_running_loop()
+    content = random.Random(7).randbytes(300_001)
+    path = tmp_path / "blob"
+    path.write_bytes(content)
+    outcome = loop.create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with open(path, "rb") as f:
+            try:
+                sent = await loop.sendfile(writer.transport, f, 1, 250_000)
+                outcome.set_result((sent, f.tell()))
+            except NotImplementedError:  # uvloop has no loop.sendfile, for any transport
+                outcome.set_result(None)
+        line = await reader.readline()  # the client wrote it while the file was going out
+        writer.write(b"after " + line)
+        await writer.drain()
+        writer.close()
+
+    server = await streams.start_server(handler, host, 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        reader, writer = await streams.open_connection(host, port)
+        writer.write(b"ping\n")
+        result = await asyncio.wait_for(outcome, 120)
+        if result is None:
+            assert not isinstance(loop, asyncio.BaseEventLoop), "asyncio's loop must implement sendfile"
+        else:
+            assert result == (250_000, 250_001)
+            assert await reader.readexactly(250_000) == content[1:250_001]
+        assert await reader.readline() == b"after ping\n"
+        assert await reader.read() == b""
+        writer.close()
+        await writer.wait_closed()
+
+
+class FlowRecorder(asyncio.Protocol):
+    """A raw protocol recording pause_writing/resume_writing with the write buffer size at each."""
+
+    def __init__(self) -> None:
+        self.events: List[Tuple[str, int]] = []
+        self.transport: Any = None
+        self.resumed = asyncio.Event()
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def pause_writing(self) -> None:
+        self.events.append(("pause", self.transport.get_write_buffer_size()))
+
+    def resume_writing(self) -> None:
+        self.events.append(("resume", self.transport.get_write_buffer_size()))
+        self.resumed.set()
+
+    def connection_lost(self, exc: Any) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+async def test_write_flow_control_contract(transport: Tuple[Any, str]) -> None:
+    """pause_writing above the high mark, resume_writing at the low mark, get_write_buffer_size,
+    writelines and write_eof: what asyncio's selector transports do, on a reader that starts late."""
+    streams, host = transport
+    gate = asyncio.Event()
+    received = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await gate.wait()
+        received.set_result(await reader.read())
+        writer.close()
+
+    server = await streams.start_server(handler, host, 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        tr, proto = await _create_connection(streams, FlowRecorder, host, port)
+        tr.set_write_buffer_limits(high=8192, low=2048)
+        assert tr.get_write_buffer_limits() == (2048, 8192)
+        with pytest.raises(ValueError):
+            tr.set_write_buffer_limits(high=1, low=2)
+        rng, chunks = random.Random(8), []
+        while not proto.events and len(chunks) < 512:  # TCP: until the kernel's socket buffers are full
+            chunks.append(rng.randbytes(256 * 1024))
+            tr.write(chunks[-1])
+        payload = b"".join(chunks)
+        # the peer reads nothing yet: more than the high mark stays buffered, and the protocol was told
+        assert proto.events and proto.events[0][0] == "pause" and proto.events[0][1] > 8192
+        assert tr.get_write_buffer_size() > 8192
+        gate.set()
+        await asyncio.wait_for(proto.resumed.wait(), 120)
+        assert proto.events[1][0] == "resume" and proto.events[1][1] <= 2048, proto.events
+        tr.writelines([b"one,", bytearray(b"two,"), memoryview(b"three")])
+        tr.write_eof()
+        assert tr.can_write_eof()
+        data = await asyncio.wait_for(received, 120)
+        assert data == payload + b"one,two,three"
+        await asyncio.wait_for(proto.lost, 60)
+
+
+@pytest.mark.rxe
+async def test_writes_of_one_iteration_are_one_message(rdma_host: str) -> None:
+    """Small writes made in one loop iteration leave as one DATA message (aiohttp writes headers,
+    chunk markers and bodies separately)."""
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(await reader.readexactly(220))
+        await writer.drain()
+        writer.close()
+
+    server = await aiodat.start_server(echo, rdma_host, 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        reader, writer = await aiodat.open_connection(rdma_host, port)
+        # completions reach the transport through its EVD's callback (no task waits on the EVD)
+        with pytest.raises(aiodat.InvalidState, match="callback"):
+            await writer.get_extra_info("aiodat_ep").recv_evd.wait(1, timeout=0)
+        before = writer.transport.stats["data_msgs"]
+        for i in range(50):
+            writer.write(b"%03d," % i)
+        writer.writelines([b"x" * 10, b"y" * 10])
+        assert writer.transport.get_write_buffer_size() == 220  # nothing posted before the iteration ends
+        await writer.drain()
+        expected = b"".join(b"%03d," % i for i in range(50)) + b"x" * 10 + b"y" * 10
+        assert await reader.readexactly(220) == expected
+        assert writer.transport.stats["data_msgs"] - before == 1
+        writer.close()
+        await writer.wait_closed()
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 
 

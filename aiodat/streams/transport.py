@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
+import weakref
+from asyncio import constants as _asyncio_constants
+from asyncio import transports as _asyncio_transports
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 from aiodat.cm import resolve_host
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
@@ -92,13 +95,24 @@ class Resources:
                     pass
 
 
-class RdmaTransport(asyncio.Transport):
+class RdmaTransport(_asyncio_transports._FlowControlMixin):
     """An :class:`asyncio.Transport` over one RDMA RC connection (docs/streams.md has the protocol).
+
+    It keeps asyncio's transport contract as the selector transports do:
+    asyncio's own write flow control (``pause_writing()`` above the high-water
+    mark, ``resume_writing()`` at the low one, ``get_write_buffer_size()``),
+    ``writelines``, ``write_eof``, and ``loop.sendfile(transport, file)`` in
+    asyncio's fallback mode (there is no socket for ``os.sendfile``: asyncio
+    reads the file and calls ``write``).  Writes made in one loop iteration go
+    out together, in as few sends as their size allows.
 
     ``get_extra_info`` knows ``peername``, ``sockname``, ``socket`` (None),
     ``aiodat_ep`` (the :class:`aiodat.EP`), ``aiodat_ia`` and
     ``aiodat_config`` (the :class:`StreamConfig`).
     """
+
+    # asyncio's loop.sendfile() reads this: no native sendfile, use the read-and-write() fallback
+    _sendfile_compatible = _asyncio_constants._SendfileMode.FALLBACK
 
     def __init__(self, loop: asyncio.AbstractEventLoop, res: Resources, iaref: IARef, peer: PeerParams,
                  protocol: asyncio.BaseProtocol,
@@ -111,8 +125,7 @@ class RdmaTransport(asyncio.Transport):
         super().__init__({
             "peername": param.remote_address, "sockname": param.local_address, "socket": None,
             "aiodat_ep": ep, "aiodat_ia": iaref.ia, "aiodat_config": res.cfg,
-        })
-        self._loop = loop
+        }, loop)
         self._res = res
         self._iaref = iaref
         self._protocol = protocol
@@ -128,23 +141,27 @@ class RdmaTransport(asyncio.Transport):
         self._closing = False
         self._lost = False
         self._conn_lost_writes = 0
-        self._protocol_paused = False
-        self._high_water = 64 * 1024
-        self._low_water = 16 * 1024
+        self._flush_scheduled = False
         self._idle: Optional[asyncio.Future[None]] = None
         self._close_task: Optional[asyncio.Task[None]] = None
         self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
-        self._pump_task: Optional[asyncio.Task[None]] = None
         #: messages and bytes moved, for tests and benchmarks: sends, window writes, credit messages
         self.stats = self._core.stats
 
     def _start(self) -> None:
         self._protocol.connection_made(self)
         if not self._lost:
-            self._pump_task = self._loop.create_task(self._pump())
-            # A stream the program drops unclosed is collected together with its pump (the loop
-            # holds neither: see __del__); asyncio must not report that pump as a lost task.
-            self._pump_task._log_destroy_pending = False  # type: ignore[attr-defined]
+            # completions come to _on_events from inside the loop's reader callback, as a socket's
+            # bytes come to data_received: no task, no Future per wake-up.  Held weakly, so a stream
+            # the program drops unclosed is collected (see __del__), as it is with a socket.
+            ref = weakref.ref(self)
+
+            def on_events(events: List[Any]) -> None:
+                transport = ref()
+                if transport is not None:
+                    transport._on_events(events)
+
+            self._res.evd.set_callback(on_events)
 
     def __del__(self) -> None:
         # Only the warning: the EP, EVD, LMRs and PZ of the stream are freed by their Raw holders
@@ -201,26 +218,25 @@ class RdmaTransport(asyncio.Transport):
 
     # -- asyncio.WriteTransport --------------------------------------------------------------
     def set_write_buffer_limits(self, high: Optional[int] = None, low: Optional[int] = None) -> None:
-        """Set the high- and low-water marks of the write buffer (asyncio's defaults: 64 KiB / 16 KiB)."""
-        if high is None:
-            high = 64 * 1024 if low is None else 4 * low
-        if low is None:
-            low = high // 4
-        if not high >= low >= 0:
-            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
-        self._high_water, self._low_water = high, low
-        self._maybe_pause_protocol()
+        """Set the high- and low-water marks of the write buffer (asyncio's defaults: 64 KiB / 16 KiB).
+
+        ``pause_writing()`` is called on the protocol when the buffer grows above ``high``,
+        ``resume_writing()`` when it falls to ``low``; ValueError unless ``high >= low >= 0``.
+        """
+        super().set_write_buffer_limits(high, low)
 
     def get_write_buffer_limits(self) -> Tuple[int, int]:
         """(low, high) water marks."""
         return self._low_water, self._high_water
 
     def get_write_buffer_size(self) -> int:
-        """Bytes written but not yet handed to the RDMA device."""
+        """Bytes written but not yet handed to the RDMA device (waiting for the end of the loop
+        iteration, for the peer's credits or for a free send slot)."""
         return self._core.buffered
 
     def write(self, data: Union[bytes, bytearray, memoryview]) -> None:
-        """Buffer ``data`` and send as much as the peer's credits allow; never blocks."""
+        """Buffer ``data``; it is sent, as far as the peer's credits allow, at the end of this loop
+        iteration, together with every other write of the iteration.  Never blocks."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data argument must be a bytes-like object, not {type(data).__name__!r}")
         if self._core.eof_requested and not self._closing:
@@ -231,19 +247,22 @@ class RdmaTransport(asyncio.Transport):
             self._conn_lost_writes += 1
             return
         self._core.write(data)
-        self._flush()
+        self._schedule_flush()
         self._maybe_pause_protocol()
 
     def writelines(self, list_of_data: Iterable[Union[bytes, bytearray, memoryview]]) -> None:
-        """Write each buffer in turn."""
-        self.write(b"".join(list_of_data))
+        """Write each buffer in turn (they go out together, as every write of one iteration)."""
+        if self._core.eof_requested and not self._closing:
+            raise RuntimeError("Cannot call writelines() after write_eof()")
+        for data in list_of_data:
+            self.write(data)
 
     def write_eof(self) -> None:
         """Close the write side after the buffered data: the peer's reader sees EOF; we can still read."""
         if self._closing or self._core.eof_requested:
             return
         self._core.write_eof()
-        self._flush()
+        self._schedule_flush()
 
     def can_write_eof(self) -> bool:
         """True: aiodat streams support half-close."""
@@ -257,26 +276,18 @@ class RdmaTransport(asyncio.Transport):
         self._core.discard()
         self._finish(None)
 
-    # -- flow control towards the protocol ------------------------------------------------------
-    def _maybe_pause_protocol(self) -> None:
-        if not self._protocol_paused and self._core.buffered > self._high_water:
-            self._protocol_paused = True
-            try:
-                self._protocol.pause_writing()  # type: ignore[union-attr]
-            except Exception as exc:  # as asyncio does: report, do not raise into write()
-                self._loop.call_exception_handler({"message": "protocol.pause_writing() failed",
-                                                   "exception": exc, "transport": self, "protocol": self._protocol})
-
-    def _maybe_resume_protocol(self) -> None:
-        if self._protocol_paused and self._core.buffered <= self._low_water:
-            self._protocol_paused = False
-            try:
-                self._protocol.resume_writing()  # type: ignore[union-attr]
-            except Exception as exc:
-                self._loop.call_exception_handler({"message": "protocol.resume_writing() failed",
-                                                   "exception": exc, "transport": self, "protocol": self._protocol})
-
     # -- sending: post what the core says ----------------------------------------------------------
+    def _schedule_flush(self) -> None:
+        # Writes of one loop iteration are gathered and posted once, when the iteration's other
+        # callbacks have run: several small writes become one DATA message, not one send each.
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._scheduled_flush)
+
+    def _scheduled_flush(self) -> None:
+        self._flush_scheduled = False
+        self._flush()
+
     def _flush(self) -> None:
         """Post every send the core allows now (data, window writes, EOF, CREDIT)."""
         if self._lost:
@@ -331,16 +342,14 @@ class RdmaTransport(asyncio.Transport):
             self._finish(None)
             raise
 
-    # -- receiving: wait, then let the core decide ---------------------------------------------------
-    async def _pump(self) -> None:
-        evd = self._res.evd
+    # -- receiving: the EVD's callback, then let the core decide -------------------------------------
+    def _on_events(self, events: List[Any]) -> None:
+        """The connection EVD's callback (evd.set_callback): one batch of completions and events."""
+        if self._lost:
+            return
         try:
-            while not self._lost:
-                events = await evd.wait(1)
-                self._handle(events)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a failed wait: the connection is unusable
+            self._handle(events)
+        except Exception as exc:  # the connection is unusable; the loop's handler is not the place
             if not self._lost:
                 self._finish(ConnectionBroken(f"the RDMA stream failed: {exc!r}"))
 
@@ -358,8 +367,10 @@ class RdmaTransport(asyncio.Transport):
                 return
         if lost_event is not None:
             # take every completion still in the CQ first: data the peer sent before leaving
+            evd = self._res.evd
+            evd.set_callback(None)  # (dequeue refuses while a callback is set)
             while True:
-                more = self._res.evd.dequeue()
+                more = evd.dequeue()
                 if more is None:
                     break
                 if not isinstance(more, ConnectionEvent):
@@ -455,9 +466,11 @@ class RdmaTransport(asyncio.Transport):
         self._lost = True
         self._closing = True
         current = asyncio.current_task(self._loop) if self._loop.is_running() else None
-        for task in (self._pump_task, self._close_task):
-            if task is not None and task is not current and not task.done():
-                task.cancel()
+        task = self._close_task
+        if task is not None and task is not current and not task.done():
+            task.cancel()
+        if not self._res.evd.closed:
+            self._res.evd.set_callback(None)
         idle = self._idle
         if idle is not None and not idle.done():
             idle.set_result(None)

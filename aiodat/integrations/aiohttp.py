@@ -1,0 +1,146 @@
+"""aiohttp over RDMA: :class:`RdmaSite` (server side) and :class:`RdmaConnector` (client side).
+
+An aiohttp application and a ``ClientSession`` speak HTTP/1.1 (and WebSockets)
+over aiodat streams with no other change.  The server side is a
+``web.BaseSite`` that listens with :func:`aiodat.streams.create_server`; the
+client side is an ``aiohttp.BaseConnector`` whose connections are
+:func:`aiodat.streams.create_connection`.  URLs stay ``http://host:port/``:
+the connector opens an RDMA stream to ``host:port``, where ``host`` is the
+address of the server's RDMA device.
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = RdmaSite(runner, "169.254.77.1", 8080)
+    await site.start()
+
+    async with aiohttp.ClientSession(connector=RdmaConnector()) as session:
+        async with session.get("http://169.254.77.1:8080/") as resp:
+            print(await resp.text())
+
+aiohttp is imported by this module only (``pip install aiodat[aiohttp]``);
+``import aiodat`` never needs it.  Keyword arguments the two classes do not
+take themselves are aiodat stream options (``ia``, ``buffer_size``,
+``recv_depth``, ``window_size``, ``rdma_threshold``, see docs/streams.md),
+checked when the site or connector is made.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Dict, List, Optional
+
+try:
+    from aiohttp import web
+    from aiohttp.client_exceptions import ClientConnectorError
+    from aiohttp.connector import BaseConnector
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError("aiodat.integrations.aiohttp needs aiohttp: pip install 'aiodat[aiohttp]'") from exc
+
+from aiodat.errors import DATError, InvalidParameter
+from aiodat.streams import create_connection, create_server
+from aiodat.streams.protocol import split_kwds
+
+__all__ = ["RdmaSite", "RdmaConnector"]
+
+# the stream options that are not StreamConfig fields but create_connection/create_server take
+_CONNECT_OPTIONS = ("ia", "connect_timeout")
+_SERVER_OPTIONS = ("ia", "accept_timeout")
+
+
+def _stream_options(options: Dict[str, Any], own: tuple, who: str) -> Dict[str, Any]:
+    """Check ``options`` now (bad sizes, unknown names) rather than at the first connection."""
+    rest = {k: v for k, v in options.items() if k not in own}
+    _, unknown = split_kwds(rest)
+    if unknown:
+        raise TypeError(f"{who} got unexpected keyword argument(s): {', '.join(sorted(unknown))} "
+                        f"(aiodat stream options are ia, buffer_size, recv_depth, window_size, rdma_threshold)")
+    return dict(options)
+
+
+class RdmaSite(web.BaseSite):
+    """A ``web.BaseSite`` serving an ``AppRunner``'s application over aiodat RDMA streams.
+
+    ``host`` is the address of an RDMA device (None: the default device);
+    ``port`` 0 asks for a free port (read it back from :attr:`port` or
+    ``runner.addresses`` after ``start()``).  ``**options`` are aiodat stream
+    options (``ia``, ``accept_timeout``, ``buffer_size``, ``recv_depth``,
+    ``window_size``, ``rdma_threshold``).
+    """
+
+    __slots__ = ("_host", "_port", "_bound_port", "_options")
+
+    def __init__(self, runner: "web.BaseRunner", host: Optional[str] = None, port: int = 8080, *,
+                 backlog: int = 128, **options: Any) -> None:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
+            raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
+        super().__init__(runner, backlog=backlog)
+        self._host = host
+        self._port = port
+        self._bound_port: Optional[int] = None
+        self._options = _stream_options(options, _SERVER_OPTIONS, "RdmaSite()")
+
+    @property
+    def port(self) -> int:
+        """The port listened on once started (the requested one before)."""
+        return self._bound_port if self._bound_port is not None else self._port
+
+    @property
+    def name(self) -> str:
+        """``http://host:port`` (the scheme aiohttp prints; the transport is RDMA)."""
+        host = self._host or (self._server.sockets[0].getsockname()[0] if self._server is not None else "0.0.0.0")
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Listen: the runner's server becomes the protocol factory of an aiodat stream server."""
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        self._server = await create_server(server, self._host, self._port, backlog=self._backlog,
+                                           **self._options)
+        self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
+class RdmaConnector(BaseConnector):
+    """An ``aiohttp.BaseConnector`` whose connections are aiodat RDMA streams to the URL's ``host:port``.
+
+    ``http://`` URLs only (there is no TLS over aiodat streams; ``https://``
+    raises ``ClientConnectorError``).  ``limit``, ``limit_per_host``,
+    ``keepalive_timeout`` and ``force_close`` are BaseConnector's; ``**options``
+    are aiodat stream options (``ia``, ``connect_timeout``, ``buffer_size``,
+    ``recv_depth``, ``window_size``, ``rdma_threshold``).  A connection that
+    cannot be made raises ``aiohttp.ClientConnectorError`` wrapping the aiodat
+    error (``ConnectionRefusedError`` when nothing listens), as TCP's does.
+    """
+
+    def __init__(self, *, limit: int = 100, limit_per_host: int = 0, keepalive_timeout: Any = None,
+                 force_close: bool = False, **options: Any) -> None:
+        kwargs: Dict[str, Any] = {"limit": limit, "limit_per_host": limit_per_host, "force_close": force_close}
+        if keepalive_timeout is not None:
+            kwargs["keepalive_timeout"] = keepalive_timeout
+        self._options = _stream_options(options, _CONNECT_OPTIONS, "RdmaConnector()")
+        super().__init__(**kwargs)
+
+    async def _create_connection(self, req: Any, traces: List[Any], timeout: Any) -> Any:
+        if req.is_ssl():
+            raise ClientConnectorError(req.connection_key, OSError(
+                "aiodat streams carry plain HTTP only: use an http:// URL with RdmaConnector"))
+        options = dict(self._options)
+        if timeout.sock_connect is not None and "connect_timeout" not in options:
+            options["connect_timeout"] = timeout.sock_connect
+        try:
+            _, proto = await create_connection(self._factory, req.host, req.port, **options)
+        except asyncio.TimeoutError:
+            raise  # the session turns it into ConnectionTimeoutError, as for TCP
+        except (OSError, DATError) as exc:
+            raise ClientConnectorError(req.connection_key, _as_os_error(exc)) from exc
+        return proto
+
+
+def _as_os_error(exc: BaseException) -> OSError:
+    """ClientConnectorError formats ``os_error.strerror``: give aiodat's errors one (a message, not None)."""
+    if not isinstance(exc, OSError):
+        wrapped = OSError(None, str(exc))
+        wrapped.__cause__ = exc
+        return wrapped
+    if exc.strerror is None:
+        exc.strerror = str(exc)
+    return exc

@@ -1,0 +1,1 @@
+"""Small applications the integration tests run over TCP and over RDMA."""

@@ -1,0 +1,152 @@
+"""Issue 16 item 2: one aiohttp application suite, the same test bodies over TCP and over RDMA.
+
+The ``web`` fixture serves tests/apps/aiohttp_app.py on a ``web.TCPSite`` with
+aiohttp's own ``TCPConnector`` (127.0.0.1), or on aiodat's ``RdmaSite`` with
+``RdmaConnector`` (the rxe device's address, ``rxe`` marker): nothing else
+differs.  Run on both loops (``--aiodat-loop asyncio`` / ``uvloop``).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from pathlib import Path
+from typing import Any, AsyncIterator, Tuple
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+
+from apps import aiohttp_app  # noqa: E402  (tests/ is on sys.path, as for every test module)
+
+import aiodat  # noqa: E402
+from aiodat import streams as aiodat_streams  # noqa: E402
+
+Web = Tuple[str, Any]
+
+
+@pytest.fixture(params=["tcp", pytest.param("rdma", marks=pytest.mark.rxe)])
+async def web(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Web]:
+    """(base URL, ClientSession) of the app served over TCP or over RDMA."""
+    if request.param == "tcp":
+        host = "127.0.0.1"
+    else:
+        host = request.getfixturevalue("rdma_device").address
+    async with aiohttp_app.serve(request.param, host, tmp_path) as pair:
+        yield pair
+    if request.param == "rdma":
+        assert aiodat_streams.shared_ia_count() == 0, "a connection or the site outlived the runner"
+
+
+async def test_get_text_and_json(web: Web) -> None:
+    base, session = web
+    async with session.get(f"{base}/hello") as resp:
+        assert resp.status == 200
+        assert await resp.text() == "hello"
+    async with session.get(f"{base}/json", params={"n": 12}) as resp:
+        assert await resp.json() == {"n": 12, "square": 144}
+    async with session.get(f"{base}/missing") as resp:
+        assert resp.status == 404
+
+
+async def test_post_echo_1mib(web: Web) -> None:
+    base, session = web
+    body = random.Random(16).randbytes(1024 * 1024)
+    async with session.post(f"{base}/echo", data=body) as resp:
+        assert resp.status == 200
+        assert await resp.read() == body
+
+
+async def test_file_response(web: Web) -> None:
+    """web.FileResponse: loop.sendfile's fallback on asyncio, aiohttp's own fallback on uvloop."""
+    base, session = web
+    async with session.get(f"{base}/file") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Length"] == str(aiohttp_app.FILE_SIZE)
+        assert await resp.read() == aiohttp_app.file_bytes()
+    # a range request (sendfile with an offset and a count), on the same keep-alive connection
+    async with session.get(f"{base}/file", headers={"Range": "bytes=1000-70999"}) as resp:
+        assert resp.status == 206
+        assert await resp.read() == aiohttp_app.file_bytes()[1000:71000]
+
+
+async def test_chunked_response_streamed(web: Web) -> None:
+    base, session = web
+    chunks, size = 40, 5000
+    expected = b"".join(aiohttp_app.stream_chunk(i, size) for i in range(chunks))
+    async with session.get(f"{base}/stream", params={"chunks": chunks, "size": size}) as resp:
+        assert resp.headers["Transfer-Encoding"] == "chunked"
+        got = bytearray()
+        async for piece in resp.content.iter_any():
+            got += piece
+    assert bytes(got) == expected
+
+
+async def test_chunked_request_streamed(web: Web) -> None:
+    """A request body from an async generator goes out chunked and is read as a stream."""
+    base, session = web
+    parts = [random.Random(i).randbytes(3000 + i * 977) for i in range(30)]
+
+    async def body() -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+            await asyncio.sleep(0)
+
+    async with session.post(f"{base}/digest", data=body()) as resp:
+        result = await resp.json()
+    joined = b"".join(parts)
+    assert result == {"sha256": hashlib.sha256(joined).hexdigest(), "size": len(joined), "chunked": True}
+
+
+async def test_keep_alive_many_sequential_requests(web: Web) -> None:
+    base, session = web
+    peers = set()
+    for n in range(60):
+        async with session.get(f"{base}/json", params={"n": n}) as resp:
+            assert (await resp.json())["square"] == n * n
+        async with session.get(f"{base}/peer") as resp:
+            peers.add(tuple((await resp.json()).values()))
+    assert len(peers) == 1, f"keep-alive should reuse one connection, the server saw {peers}"
+
+
+async def test_concurrent_requests(web: Web) -> None:
+    base, session = web
+
+    async def one(n: int) -> int:
+        async with session.get(f"{base}/json", params={"n": n}) as resp:
+            return (await resp.json())["square"]
+
+    async def echo(n: int) -> bool:
+        body = random.Random(n).randbytes(20_000 + n)
+        async with session.post(f"{base}/echo", data=body) as resp:
+            return await resp.read() == body
+
+    squares = await asyncio.gather(*(one(n) for n in range(24)))
+    assert squares == [n * n for n in range(24)]
+    assert all(await asyncio.gather(*(echo(n) for n in range(8))))
+
+
+async def test_websocket_echo(web: Web) -> None:
+    base, session = web
+    async with session.ws_connect(f"{base}/ws") as ws:
+        for i in range(20):
+            await ws.send_str(f"message {i}")
+            assert await ws.receive_str() == f"MESSAGE {i}"
+        big = random.Random(5).randbytes(200_000)
+        await ws.send_bytes(big)
+        assert await ws.receive_bytes() == big[::-1]
+        await ws.close()
+    assert ws.closed and ws.close_code == 1000
+
+
+async def test_connection_refused_is_client_connector_error(web: Web, tmp_path: Path) -> None:
+    """Nothing listening: ClientConnectorError around a ConnectionRefusedError, as over TCP."""
+    base, session = web
+    host = base.split("//")[1].rsplit(":", 1)[0]
+    (tmp_path / "other").mkdir()
+    async with aiohttp_app.serve("tcp" if host == "127.0.0.1" else "rdma", host, tmp_path / "other") as (other, _):
+        dead = other
+    with pytest.raises(aiohttp.ClientConnectorError) as info:
+        async with session.get(f"{dead}/hello"):
+            pass
+    assert isinstance(info.value.os_error, ConnectionRefusedError)
