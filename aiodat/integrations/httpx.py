@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import dataclasses
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Awaitable, Dict, Iterable, Optional, TypeVar
 
 import httpcore
 import httpx
@@ -36,8 +36,23 @@ from aiodat.streams import open_connection, split_kwds
 
 __all__ = ["RdmaNetworkBackend", "RdmaNetworkStream", "RdmaHTTPTransport"]
 
+T = TypeVar("T")
+
 #: how long aclose() waits for the graceful close (buffered bytes sent, disconnect) before aborting
 CLOSE_TIMEOUT = 5.0
+
+
+async def _within(awaitable: Awaitable[T], timeout: Optional[float]) -> T:
+    """``await awaitable``, raising TimeoutError after ``timeout`` s (None: no limit).
+
+    asyncio.timeout (3.11+) where there is one: wait_for would make a task for every read and write.
+    """
+    if timeout is None:
+        return await awaitable
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout)
 
 
 class RdmaNetworkStream(httpcore.AsyncNetworkStream):
@@ -58,7 +73,7 @@ class RdmaNetworkStream(httpcore.AsyncNetworkStream):
         if self._closed:
             raise httpcore.ReadError("read() on a closed RDMA stream")
         try:
-            return await asyncio.wait_for(self._reader.read(max_bytes), timeout)
+            return await _within(self._reader.read(max_bytes), timeout)
         except asyncio.TimeoutError as exc:
             raise httpcore.ReadTimeout(f"no data from the server within {timeout} s") from exc
         except (ConnectionError, OSError) as exc:
@@ -74,7 +89,7 @@ class RdmaNetworkStream(httpcore.AsyncNetworkStream):
             if self._writer.transport.is_closing():
                 raise ConnectionResetError("the connection is closed")
             self._writer.write(buffer)
-            await asyncio.wait_for(self._writer.drain(), timeout)
+            await _within(self._writer.drain(), timeout)
         except asyncio.TimeoutError as exc:
             raise httpcore.WriteTimeout(f"the server did not take the request within {timeout} s") from exc
         except (ConnectionError, OSError) as exc:
