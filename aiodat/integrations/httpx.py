@@ -228,9 +228,13 @@ class RdmaHTTPTransport(httpx.AsyncHTTPTransport):
         self._closed = True
         await self._pool.aclose()
 
+    async def __aexit__(self, exc_type: Any = None, exc_value: Any = None, traceback: Any = None) -> None:
+        """Leaving ``async with`` (the transport's or its AsyncClient's) closes it, as :meth:`aclose`."""
+        await self.aclose()
+
     @property
     def is_closed(self) -> bool:
-        """True once :meth:`aclose` was called."""
+        """True once :meth:`aclose` was called (directly, or by leaving ``async with``)."""
         return self._closed
 
     def __repr__(self) -> str:
