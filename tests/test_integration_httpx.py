@@ -206,13 +206,16 @@ async def test_network_backend_stream(rdma_url: str) -> None:
 
 @pytest.mark.rxe
 async def test_rdma_transport_errors(rdma_url: str, rdma_device: Any) -> None:
-    """https and a closed transport are refused clearly; nothing listening is httpx.ConnectError."""
+    """https and a closed transport are refused clearly; nothing listening is httpx.ConnectError,
+    no answer within the connect timeout httpx.ConnectTimeout."""
     transport = RdmaHTTPTransport()
     async with httpx.AsyncClient(transport=transport) as client:
         with pytest.raises(aiodat.ModelNotSupported, match="TLS"):
             await client.get(rdma_url.replace("http://", "https://") + "/hello")
         with pytest.raises(httpx.ConnectError):
             await client.get(f"http://{rdma_device.address}:1/hello")
+        with pytest.raises(httpx.ConnectTimeout):  # nobody has this address: no answer within 0.5 s
+            await client.get("http://169.254.77.99:8080/hello", timeout=httpx.Timeout(5.0, connect=0.5))
         assert (await client.get(rdma_url + "/hello")).status_code == 200
     assert transport.is_closed
     with pytest.raises(RuntimeError, match="RdmaHTTPTransport is closed"):
