@@ -140,7 +140,8 @@ async def test_idle_connection_closed_by_server(kind: str, host: str) -> None:
 
 async def test_timeouts_raise_httpx_timeouts(setup: Setup) -> None:
     """A slow handler past the read timeout raises httpx.ReadTimeout; a pool with no free connection
-    raises httpx.PoolTimeout; the client still works afterwards."""
+    raises httpx.PoolTimeout; an upload the server does not read raises httpx.WriteTimeout; the
+    client still works afterwards."""
     url, make, _ = setup
     async with make(limits=httpx.Limits(max_connections=1)) as client:
         with pytest.raises(httpx.ReadTimeout):
@@ -150,6 +151,10 @@ async def test_timeouts_raise_httpx_timeouts(setup: Setup) -> None:
         with pytest.raises(httpx.PoolTimeout):
             await client.get(url + "/hello", timeout=httpx.Timeout(5.0, pool=0.2))
         assert (await slow).text == "late"
+        # the server does not read the body: flow control stops the upload, the write times out
+        with pytest.raises(httpx.WriteTimeout):
+            await client.post(url + "/slow", params={"seconds": "1"}, content=bytes(32 * 1024 * 1024),
+                              timeout=httpx.Timeout(5.0, write=0.5))
         assert (await client.get(url + "/hello")).status_code == 200
 
 

@@ -96,10 +96,18 @@ class RdmaNetworkStream(httpcore.AsyncNetworkStream):
             raise httpcore.WriteError(f"RDMA stream lost: {exc}") from exc
 
     async def aclose(self) -> None:
-        """Close the connection (buffered bytes are sent first); a second call does nothing."""
+        """Close the connection; a second call does nothing.
+
+        Graceful (EOF, then disconnect) when everything written has been sent; when bytes are still
+        waiting for the peer (httpcore gave up on a request, e.g. after a write timeout), the
+        connection is aborted instead of waiting for a peer that is not reading.
+        """
         if self._closed:
             return
         self._closed = True
+        if self._writer.transport.get_write_buffer_size() > 0:
+            self._writer.transport.abort()
+            return
         self._writer.close()
         try:
             await asyncio.wait_for(self._writer.wait_closed(), CLOSE_TIMEOUT)

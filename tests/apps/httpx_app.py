@@ -20,7 +20,7 @@ PEERS = web.AppKey("peers", Set[Tuple[str, int]])
 
 
 def make_app() -> web.Application:
-    """Routes: /hello, /echo (POST), /stream, /slow, /close (Connection: close), /truncated, /peers."""
+    """Routes: /hello, /echo (POST), /stream, /slow (GET or POST: the body is not read), /close (Connection: close), /truncated, /peers."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     peers: Set[Tuple[str, int]] = set()
     app[PEERS] = peers
@@ -73,7 +73,7 @@ def make_app() -> web.Application:
         return web.Response(text=str(len(peers)))
 
     app.add_routes([web.get("/hello", hello), web.post("/echo", echo), web.get("/stream", stream),
-                    web.get("/slow", slow), web.get("/close", close), web.get("/truncated", truncated),
+                    web.get("/slow", slow), web.post("/slow", slow), web.get("/close", close), web.get("/truncated", truncated),
                     web.get("/peers", peer_count)])
     return app
 
