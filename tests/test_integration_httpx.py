@@ -1,0 +1,241 @@
+"""Issue 16 item 3: httpx over RDMA (aiodat.integrations.httpx), against a real aiohttp server.
+
+The client suite runs twice: over TCP (httpx's own transport, aiohttp on
+127.0.0.1) and over RDMA (``RdmaHTTPTransport``, the same aiohttp application
+served by ``aiodat.streams.create_server``).  The RDMA runs carry the rxe marker;
+run the file on both loops (``--aiodat-loop asyncio`` / ``uvloop``).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Tuple
+
+import httpcore
+import httpx
+import pytest
+
+import aiodat
+from apps.httpx_app import PEERS, make_app, serve
+from aiodat.integrations.httpx import RdmaHTTPTransport, RdmaNetworkBackend
+
+ROOT = Path(__file__).resolve().parents[1]
+
+Setup = Tuple[str, Callable[..., httpx.AsyncClient], Any]  # (base URL, client maker, aiohttp app)
+
+
+@pytest.fixture(params=["tcp", pytest.param("rdma", marks=pytest.mark.rxe)])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def host(kind: str, request: pytest.FixtureRequest) -> str:
+    if kind == "tcp":
+        return "127.0.0.1"
+    return request.getfixturevalue("rdma_device").address
+
+
+def client_maker(kind: str) -> Callable[..., httpx.AsyncClient]:
+    """httpx.AsyncClient over TCP, or over RDMA: the only difference is ``transport=``."""
+    def make(limits: httpx.Limits = httpx.Limits(), **kw: Any) -> httpx.AsyncClient:
+        if kind == "rdma":
+            return httpx.AsyncClient(transport=RdmaHTTPTransport(limits=limits), **kw)
+        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(limits=limits), **kw)
+    return make
+
+
+@pytest.fixture
+async def setup(kind: str, host: str) -> AsyncIterator[Setup]:
+    app = make_app()
+    async with serve(app, kind, host, keepalive_timeout=75.0) as url:
+        yield url, client_maker(kind), app
+
+
+# -- the same suite over TCP and RDMA -------------------------------------------------------------
+
+
+async def test_get_post_and_streamed_body(setup: Setup) -> None:
+    """GET; a 1 MiB POST echoed byte for byte; a streamed (chunked) response read chunk by chunk."""
+    url, make, _ = setup
+    payload = random.Random(16).randbytes(1024 * 1024)
+    async with make() as client:
+        response = await client.get(url + "/hello", params={"n": "7"})
+        assert response.status_code == 200 and response.text == "hello 7"
+        assert response.http_version == "HTTP/1.1"
+
+        response = await client.post(url + "/echo", content=payload)
+        assert response.status_code == 200
+        assert response.headers["X-Length"] == str(len(payload))
+        assert hashlib.sha256(response.content).digest() == hashlib.sha256(payload).digest()
+
+        digest = hashlib.sha256()
+        received = 0
+        async with client.stream("GET", url + "/stream", params={"chunks": 40, "size": 10_000}) as streamed:
+            assert streamed.headers.get("Transfer-Encoding") == "chunked"
+            async for chunk in streamed.aiter_bytes():
+                digest.update(chunk)
+                received += len(chunk)
+        expected = b"".join(bytes([i]) * 10_000 for i in range(40))
+        assert received == len(expected) and digest.digest() == hashlib.sha256(expected).digest()
+
+
+async def test_keepalive_reuses_one_connection(setup: Setup) -> None:
+    """20 sequential requests go over one kept-alive connection."""
+    url, make, app = setup
+    async with make() as client:
+        for i in range(20):
+            response = await client.get(url + "/hello", params={"n": str(i)})
+            assert response.text == f"hello {i}"
+        assert len(app[PEERS]) == 1, app[PEERS]
+        transport = client._transport
+        if isinstance(transport, RdmaHTTPTransport):
+            assert transport.network_backend.connections_opened == 1
+
+
+async def test_concurrent_requests(setup: Setup) -> None:
+    """12 requests at once over a pool of at most 4 connections: all answered, each correctly."""
+    url, make, app = setup
+    bodies = [random.Random(i).randbytes(1000 + 2000 * i) for i in range(12)]
+    async with make(limits=httpx.Limits(max_connections=4)) as client:
+        responses = await asyncio.gather(*(client.post(url + "/echo", content=b) for b in bodies))
+        assert [r.content for r in responses] == bodies
+    assert 1 <= len(app[PEERS]) <= 4
+
+
+async def test_server_closing_the_connection(setup: Setup) -> None:
+    """Connection: close and an idle connection the server dropped: the next request opens a new one;
+    a response cut short by the server raises httpx.RemoteProtocolError."""
+    url, make, app = setup
+    async with make() as client:
+        response = await client.get(url + "/close")
+        assert response.text == "bye" and response.headers["Connection"] == "close"
+        assert (await client.get(url + "/hello")).text == "hello "
+        assert len(app[PEERS]) == 2
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.get(url + "/truncated")
+        assert (await client.get(url + "/hello", params={"n": "after"})).text == "hello after"
+
+
+async def test_idle_connection_closed_by_server(kind: str, host: str) -> None:
+    """The server's keep-alive timeout closes the idle connection; the client sees it and reconnects."""
+    app = make_app()
+    async with serve(app, kind, host, keepalive_timeout=0.5) as url:
+        async with client_maker(kind)() as client:
+            assert (await client.get(url + "/hello")).status_code == 200
+            pool = client._transport._pool  # httpcore's AsyncConnectionPool, under both transports
+            assert len(pool.connections) == 1
+            for _ in range(150):  # the server drops the idle connection after 0.5 s; the client notices
+                await asyncio.sleep(0.1)
+                if pool.connections[0].has_expired():  # idle and "readable": closed by the server
+                    break
+            assert pool.connections[0].has_expired()
+            assert (await client.get(url + "/hello", params={"n": "again"})).text == "hello again"
+            assert len(app[PEERS]) == 2
+
+
+async def test_timeouts_raise_httpx_timeouts(setup: Setup) -> None:
+    """A slow handler past the read timeout raises httpx.ReadTimeout; a pool with no free connection
+    raises httpx.PoolTimeout; an upload the server does not read raises httpx.WriteTimeout; the
+    client still works afterwards."""
+    url, make, _ = setup
+    async with make(limits=httpx.Limits(max_connections=1)) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.get(url + "/slow", params={"seconds": "1"}, timeout=0.3)
+        slow = asyncio.ensure_future(client.get(url + "/slow", params={"seconds": "1"}))
+        await asyncio.sleep(0.3)
+        with pytest.raises(httpx.PoolTimeout):
+            await client.get(url + "/hello", timeout=httpx.Timeout(5.0, pool=0.2))
+        assert (await slow).text == "late"
+        # the server does not read the body: flow control stops the upload, the write times out
+        with pytest.raises(httpx.WriteTimeout):
+            await client.post(url + "/slow", params={"seconds": "1"}, content=bytes(32 * 1024 * 1024),
+                              timeout=httpx.Timeout(5.0, write=0.5))
+        assert (await client.get(url + "/hello")).status_code == 200
+
+
+async def test_use_after_close(setup: Setup) -> None:
+    """A closed client refuses new requests (httpx's RuntimeError)."""
+    url, make, _ = setup
+    client = make()
+    assert (await client.get(url + "/hello")).status_code == 200
+    await client.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await client.get(url + "/hello")
+
+
+# -- RDMA only ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def rdma_url(rdma_device: Any) -> AsyncIterator[str]:
+    async with serve(make_app(), "rdma", rdma_device.address) as url:
+        yield url
+
+
+@pytest.mark.rxe
+async def test_network_backend_stream(rdma_url: str) -> None:
+    """The httpcore backend on its own: a raw HTTP/1.1 exchange, extra info, no TLS, use after close."""
+    host, port = rdma_url[len("http://"):].split(":")
+    backend = RdmaNetworkBackend(buffer_size=8192)
+    stream = await backend.connect_tcp(host, int(port), timeout=30)
+    assert stream.get_extra_info("server_addr") == (host, int(port))
+    assert stream.get_extra_info("client_addr")[0] == host
+    assert stream.get_extra_info("ssl_object") is None and stream.get_extra_info("socket") is None
+    assert stream.get_extra_info("aiodat_config").buffer_size == 8192
+    assert stream.get_extra_info("is_readable") is False
+    await stream.write(b"GET /hello?n=raw HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", timeout=10)
+    data = b""
+    while not data.endswith(b"hello raw"):
+        chunk = await stream.read(65536, timeout=10)
+        assert chunk, data
+        data += chunk
+    assert data.startswith(b"HTTP/1.1 200 OK")
+    assert await stream.read(65536, timeout=10) == b""  # Connection: close -> EOF
+    assert stream.get_extra_info("is_readable") is True
+    with pytest.raises(aiodat.ModelNotSupported, match="TLS"):
+        await stream.start_tls(None)  # type: ignore[arg-type]
+    await stream.aclose()
+    await stream.aclose()  # a second close does nothing
+    with pytest.raises(httpcore.ReadError, match="closed"):
+        await stream.read(10)
+    with pytest.raises(httpcore.WriteError, match="closed"):
+        await stream.write(b"x")
+    with pytest.raises(aiodat.ModelNotSupported):
+        await backend.connect_unix_socket("/tmp/x")
+
+
+@pytest.mark.rxe
+async def test_rdma_transport_errors(rdma_url: str, rdma_device: Any) -> None:
+    """https and a closed transport are refused clearly; nothing listening is httpx.ConnectError,
+    no answer within the connect timeout httpx.ConnectTimeout."""
+    transport = RdmaHTTPTransport()
+    async with httpx.AsyncClient(transport=transport) as client:
+        with pytest.raises(aiodat.ModelNotSupported, match="TLS"):
+            await client.get(rdma_url.replace("http://", "https://") + "/hello")
+        with pytest.raises(httpx.ConnectError):
+            await client.get(f"http://{rdma_device.address}:1/hello")
+        with pytest.raises(httpx.ConnectTimeout):  # nobody has this address: no answer within 0.5 s
+            await client.get("http://169.254.77.99:8080/hello", timeout=httpx.Timeout(5.0, connect=0.5))
+        assert (await client.get(rdma_url + "/hello")).status_code == 200
+    assert transport.is_closed
+    with pytest.raises(RuntimeError, match="RdmaHTTPTransport is closed"):
+        await transport.handle_async_request(httpx.Request("GET", rdma_url + "/hello"))
+    with pytest.raises(aiodat.InvalidParameter, match="buffer_size"):
+        RdmaHTTPTransport(buffer_size=1)
+    with pytest.raises(TypeError, match="bogus"):
+        RdmaHTTPTransport(bogus=1)
+
+
+
+def test_importing_aiodat_does_not_import_the_frameworks() -> None:
+    """Lazy: httpx, httpcore and grpclib are imported by their integration modules only."""
+    code = ("import sys, aiodat, aiodat.streams, aiodat.integrations; "
+            "print(sorted(m for m in ('httpx', 'httpcore', 'grpclib', 'h2') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
