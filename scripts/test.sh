@@ -10,6 +10,11 @@ cd "$(dirname "$0")/.."
 echo "== host-only tests (and the test bed's own boot tests)"
 .venv/bin/python -m pytest -q -m "not rxe and not hosts2" "$@"
 
+if [ "${AIODAT_SKIP_WHEEL:-0}" != 1 ]; then
+  echo "== the wheel: contents, its extension's dynamic section, installed with no compiler (host + one guest)"
+  ./scripts/check_wheel.sh
+fi
+
 echo "== device tests on rxe: asyncio, then uvloop (one guest boot)"
 .venv/bin/aiodat rxe run --timeout "${AIODAT_TEST_TIMEOUT:-3600}" -- env AIODAT_REQUIRE_DEVICE=1 sh -c '
   .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider --aiodat-loop asyncio "$@" &&
