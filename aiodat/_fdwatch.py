@@ -48,7 +48,9 @@ class FdWatch:
         if err:
             raise error_from_errno(err, f"making the {what} fd non-blocking")
         self.fd = fd
-        self._callback = weakref.WeakMethod(callback)  # type: ignore[arg-type]
+        # the owner weakly and its function strongly: one C-level call per wake-up (WeakMethod's is Python)
+        self._owner_ref = weakref.ref(callback.__self__)  # type: ignore[attr-defined]
+        self._func = callback.__func__  # type: ignore[attr-defined]
         self._what = what
         self._keep = keep
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the loop watching now
@@ -96,14 +98,14 @@ class FdWatch:
     @property
     def orphaned(self) -> bool:
         """True once the object the callback belongs to was collected."""
-        return self._callback() is None
+        return self._owner_ref() is None
 
     def _ready(self) -> None:
-        callback = self._callback()
-        if callback is None:  # its object was dropped: stop watching, let the fd's owner go
+        owner = self._owner_ref()
+        if owner is None:  # its object was dropped: stop watching, let the fd's owner go
             self._retire()
         else:
-            callback()
+            self._func(owner)
 
     def _retire(self) -> None:
         self.detach()

@@ -268,6 +268,7 @@ class EVD(Handle):
         self._callback: Optional[Callable[[List[Event]], Any]] = None
         self._callback_loop: Optional[asyncio.AbstractEventLoop] = None
         self._delivery_scheduled = False
+        self._attached_loop: Optional[asyncio.AbstractEventLoop] = None  # see _attach
         self._streams = streams
         self._is_async = _is_async
         #: other IAs whose async events this (async) EVD receives: open_ia(..., async_evd=this)
@@ -375,7 +376,11 @@ class EVD(Handle):
             else:
                 got = lib.aiodat_cq_drain(channel, self._cq, arm, wcs, room, self._status)
             if arm >= 0:
-                self._note_arm(bool(arm), channel is not _NULL)
+                if self._status[1] or arm or self._armed_solicited:
+                    self._note_arm(bool(arm), channel is not _NULL)
+                else:  # the common case of _note_arm, inline: an arm for every completion worked
+                    self._rearms += 1
+                    self._unarmed = False
                 arm = -1
             elif channel is not _NULL and lazy:
                 self._unarmed = True  # the wake-up consumed the arm: whoever sleeps next arms first
@@ -390,6 +395,22 @@ class EVD(Handle):
                 if self._awaited and len(queue) > self._qlen:
                     self._report_overflow(queue[-1])
                 return notified
+
+    def _poll(self) -> None:
+        """A wait's first look: poll the CQ with no system call (the common case in a few steps)."""
+        if self._backlog or self._awaited or (self._unarmed and not self.busy_poll_us) or self._wcs is None:
+            self._drain_cq(rearm=False, arm_if_unarmed=not self.busy_poll_us)
+            return
+        room = self._qlen - len(self._queue)
+        if room <= 0:
+            return
+        got = lib.aiodat_cq_poll(self._cq, self._wcs, 64 if room > 64 else room)
+        if got:
+            if got < 0:
+                raise error_from_errno(-got, "polling the CQ")
+            self._queue_completions(_WC.iter_unpack(self._wc_bytes[0:got * _WC_SIZE]))
+            if got == 64:  # more may wait: the full drain takes them
+                self._drain_cq(rearm=False, arm_if_unarmed=not self.busy_poll_us)
 
     def _note_arm(self, solicited: bool, read_channel: bool) -> None:
         """After an arm: remember a failure (the next sleeper must arm again), and for
@@ -418,9 +439,10 @@ class EVD(Handle):
         """Turn polled completions (struct aiodat_wc tuples, see _WC) into events; True if one
         of them notifies.  If one raises, the ones after it are kept in ``_backlog``."""
         notified = False
-        queue, owner = self._queue, self._ia._qpn_owner
+        queue, refs = self._queue, self._ia._qpn_owner.data  # WeakValueDictionary's table of weak refs
         for wc in wcs:
-            ep = owner.get(wc[_WC_QP_NUM])
+            ref = refs.get(wc[_WC_QP_NUM])
+            ep = ref() if ref is not None else None
             if ep is None:
                 continue
             try:
@@ -579,9 +601,7 @@ class EVD(Handle):
         if self._pending_error is not None:
             self._raise_pending()
         loop = _get_running_loop()
-        watch, ia = self._watch, self._ia
-        if (watch is None or watch._loop is not loop or ia._cm.watch._loop is not loop
-                or ia._async_source.watch._loop is not loop or self._sharers):
+        if loop is not self._attached_loop or self._sharers:
             self._attach(loop)
         try:
             if solicited_only or self._armed_solicited:
@@ -594,7 +614,7 @@ class EVD(Handle):
                 # unread event, which the reader callback drains).  Connection and async events need
                 # no look here: the loop runs their fds' reader callbacks before anyone sleeps long.
                 # A busy-polling EVD arms only when it is about to sleep.
-                self._drain_cq(rearm=False, arm_if_unarmed=not self.busy_poll_us)
+                self._poll()
             if len(self._queue) >= threshold:
                 return self._take(max_events)
             fut: "asyncio.Future[None]" = loop.create_future()
@@ -677,6 +697,11 @@ class EVD(Handle):
             ia._attach_loop()
         if self._watch is not None:
             self._watch.attach()
+        watch, ia = self._watch, self._ia
+        # a wait skips _attach while all of these are watched by its loop
+        if ((watch is None or watch._loop is loop) and ia._cm.watch._loop is loop
+                and ia._async_source.watch._loop is loop):
+            self._attached_loop = loop
 
     # -- callback delivery ---------------------------------------------------
     def set_callback(self, fn: Optional[Callable[[List[Event]], Any]]) -> None:
@@ -872,6 +897,7 @@ class EVD(Handle):
             from aiodat.errors import InvalidHandle
 
             fut.set_exception(InvalidHandle("the EVD was freed while a task waited on it"))
+        self._attached_loop = None
         if self._watch is not None:
             self._watch.detach()
         if self._cq != ffi.NULL:
@@ -907,7 +933,7 @@ _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic
 _MAX_BUSY_POLL_US = 1_000_000
 #: longest stretch a busy poll spends in C before it yields to the loop (us)
-_SPIN_SLICE_US = 50
+_SPIN_SLICE_US = 20
 #: how many times a callback EVD's wake-up looks at the CQ again after delivering
 _CALLBACK_ROUNDS = 8
 

@@ -100,8 +100,17 @@ class WorkRequests:
             if self._srq is not None:
                 cookie, segs = self._srq._complete(wr_id)
             else:
-                cookie, segs = self._pop_recv(wr_id)
-            self._track(segs, -1)
+                q = self._recv_q
+                entry = q[0] if q else None
+                if entry is not None and entry[0] == wr_id:  # the usual case: completions come in order
+                    q.popleft()
+                    cookie, segs = entry[1], entry[2]
+                else:
+                    cookie, segs = self._pop_recv(wr_id)
+            if len(segs) == 1:
+                segs[0].lmr._inflight -= 1
+            else:
+                self._track(segs, -1)
             notify = True
             if self._quiet and wr_id in self._quiet:
                 self._quiet.discard(wr_id)
