@@ -26,9 +26,10 @@ import itertools
 import logging
 import struct
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import dask.config
+import dask.utils
 from distributed.comm.addressing import parse_host_port, unparse_host_port
 from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
@@ -168,6 +169,8 @@ class RDMAComm(Comm):
 
     #: frames and bytes this process sent by RDMA write and inline, over all comms (tests, benchmarks)
     totals: Dict[str, int] = {"rdma_frames": 0, "rdma_bytes": 0, "inline_frames": 0, "inline_bytes": 0}
+    #: frames larger than this are split by distributed's serialization (as on tcp://)
+    max_shard_size: ClassVar[int] = dask.utils.parse_bytes(dask.config.get("distributed.comm.shard"))
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, local_addr: str,
                  peer_addr: str, deserialize: bool = True) -> None:
