@@ -37,7 +37,8 @@ async def main(protocol: str, host: str, size: int) -> None:
                             asynchronous=True, dashboard_address=None) as cluster:
         async with Client(cluster, asynchronous=True) as client:
             print(f"scheduler at {cluster.scheduler_address}")
-            a, b = sorted(client.scheduler_info()["workers"])
+            await client.wait_for_workers(2)
+            a, b = sorted((await client.scheduler.identity(n_workers=-1))["workers"])
             print(f"workers: {a} and {b}")
             made = client.submit(make, size, 1, workers=[a], pure=False)
             await made

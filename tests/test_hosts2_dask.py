@@ -121,7 +121,7 @@ async def test_scheduler_and_workers_on_two_hosts_move_64_mib(aiodat_loop: str, 
             raise AssertionError(f"workers did not join: host A:\n{open(wlog).read()[-3000:]}\n"
                                  f"host B:\n{remote.stderr()[-3000:]}{remote.stdout()[-2000:]}") from None
         startup = time.monotonic() - t0
-        info = client.scheduler_info()["workers"]
+        info = (await client.scheduler.identity(n_workers=-1))["workers"]
         by_name = {w["name"]: addr for addr, w in info.items()}
         assert by_name["host-a"].startswith(f"rdma://{a}:"), by_name
         assert by_name["host-b"].startswith(f"rdma://{b}:"), by_name

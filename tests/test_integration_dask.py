@@ -184,7 +184,9 @@ async def test_local_cluster_moves_64_mib_between_workers(address: str) -> None:
         async with Client(cluster, asynchronous=True) as client:
             started = time.monotonic() - t0
             assert cluster.scheduler_address.startswith(f"rdma://{address}:")
-            workers = sorted(client.scheduler_info()["workers"])
+            await client.wait_for_workers(2)
+            # an asynchronous client's scheduler_info() is a cache: ask the scheduler
+            workers = sorted((await client.scheduler.identity(n_workers=-1))["workers"])
             assert len(workers) == 2 and all(w.startswith(f"rdma://{address}:") for w in workers)
             a, b = workers
             # 64 MiB made on worker A, consumed on worker B: the array must cross between them

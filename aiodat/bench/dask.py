@@ -93,7 +93,8 @@ async def transfer(protocol: str, address: str, size: int, repeat: int, processe
                             processes=processes, asynchronous=True, dashboard_address=None) as cluster:
         async with Client(cluster, asynchronous=True) as client:
             startup = time.monotonic() - t0
-            a, b = sorted(client.scheduler_info()["workers"])
+            await client.wait_for_workers(2)
+            a, b = sorted((await client.scheduler.identity(n_workers=-1))["workers"])
             seconds = []
             for i in range(repeat):
                 made = client.submit(_make, size, i, workers=[a], pure=False)
