@@ -1,0 +1,507 @@
+"""Dask distributed over RDMA: the ``rdma://`` comm backend (``pip install aiodat[dask]``).
+
+distributed finds :class:`RDMABackend` through the ``distributed.comm.backends`` entry point
+aiodat declares, so ``LocalCluster(protocol="rdma", host=ADDRESS)``, ``dask scheduler
+--protocol rdma --host ADDRESS`` and ``dask worker rdma://ADDRESS:PORT`` work with no import.
+
+How a comm moves a message (docs/integrations.md has the picture):
+
+* Control messages go over one aiodat stream (:mod:`aiodat.streams`, an RC connection with
+  credits, EOF and close semantics of TCP).  Frames smaller than :data:`ZERO_COPY_THRESHOLD`
+  travel inline in the message that announces the frames.
+* Larger frames move without a copy: the sender registers the frame's own buffer
+  (``PZ.register``/``register_async``, read-only buffers included); the receiver allocates the
+  destination (distributed's ``host_array``), registers it with remote-write access and grants
+  it (GRANT); the sender RDMA-writes the frame straight into it, on the stream's own queue pair,
+  and announces it with WRITTEN (the queue pair's ordering puts the bytes in place before that
+  message arrives); the receiver answers ACK, and both sides deregister.
+
+The RDMA writes are posted on the stream's EP (``transport.get_extra_info("aiodat_ep")``) with
+a cookie the stream ignores; one at a time per comm, so the stream's send-queue budget holds.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import struct
+import weakref
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
+
+import dask.config
+import dask.utils
+from distributed.comm.addressing import parse_host_port, unparse_host_port
+from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
+from distributed.comm.registry import Backend
+from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
+from distributed.protocol.utils import host_array
+from distributed.utils import ensure_ip, get_ip
+
+from aiodat.errors import DATError
+from aiodat.memory import Privileges, RemoteRegion
+from aiodat.streams import open_connection, start_server
+
+__all__ = ["RDMABackend", "RDMAComm", "RDMAConnector", "RDMAListener", "ZERO_COPY_THRESHOLD", "PREFIX"]
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "rdma://"
+#: Frames of at least this many bytes move by RDMA write from and into registered memory;
+#: smaller ones travel inline over the stream.  ``distributed.comm.rdma.zero-copy-threshold``
+#: in dask's config overrides it.  Below it, the three control messages and two registrations
+#: of the zero-copy path cost more than the stream's copies.
+ZERO_COPY_THRESHOLD = 256 * 1024
+#: Buffers at least this large are registered in an executor thread (pinning is slow).
+ASYNC_REGISTER_FROM = 4 << 20
+#: One RDMA write moves at most this many bytes (within every device's max_msg_sz of 2 GiB).
+MAX_WRITE = 1 << 30
+
+# control messages: type, message id, count
+_HEAD = struct.Struct("!BQI")
+_MSG, _GRANT, _WRITTEN, _ACK = 1, 2, 3, 4
+_NAMES = {_MSG: "MSG", _GRANT: "GRANT", _WRITTEN: "WRITTEN", _ACK: "ACK"}
+_REGION = 20  # RemoteRegion.to_bytes()
+_INLINE, _REMOTE = 0, 1
+#: the cookie of our RDMA writes: the stream's completion handler ignores kinds it does not own
+_WRITE_COOKIE = ("dask", 0)
+
+
+def zero_copy_threshold() -> int:
+    """The frame size from which frames move by RDMA write (dask config, else the default)."""
+    return int(dask.config.get("distributed.comm.rdma.zero-copy-threshold", ZERO_COPY_THRESHOLD))
+
+
+class _Closed:
+    """Queued into an inbox when the connection ends: getters raise CommClosedError."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class _Inbox:
+    """Reads the stream in a task of its own and sorts what arrives.
+
+    MSG (with its inline frames) go to ``messages`` for ``read()``; GRANT and ACK answer our own
+    write (``for_writer``); WRITTEN belongs to the message ``read()`` is receiving
+    (``for_reader``).  It holds no reference to the comm, so a comm the program drops can be
+    collected (its finalizer aborts the stream).
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, name: str) -> None:
+        self.reader = reader
+        self.name = name
+        self.messages: "asyncio.Queue[Any]" = asyncio.Queue()
+        self.for_writer: "asyncio.Queue[Any]" = asyncio.Queue()
+        self.for_reader: "asyncio.Queue[Any]" = asyncio.Queue()
+        self.closed: Optional[_Closed] = None
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        reader = self.reader
+        try:
+            while True:
+                try:
+                    head = await reader.readexactly(_HEAD.size)
+                except asyncio.IncompleteReadError as exc:
+                    if exc.partial:
+                        raise ConnectionError(f"the peer closed in the middle of a message header "
+                                              f"({len(exc.partial)} of {_HEAD.size} bytes)") from None
+                    self.end("the peer closed the connection")
+                    return
+                kind, ident, count = _HEAD.unpack(head)
+                if kind == _MSG:
+                    self.messages.put_nowait(await self._read_msg(ident, count))
+                elif kind == _GRANT:
+                    regions = await reader.readexactly(_REGION * count)
+                    self.for_writer.put_nowait((kind, ident, [RemoteRegion.from_bytes(regions[i:i + _REGION])
+                                                              for i in range(0, len(regions), _REGION)]))
+                elif kind == _ACK:
+                    self.for_writer.put_nowait((kind, ident, count))
+                elif kind == _WRITTEN:
+                    self.for_reader.put_nowait((kind, ident, count))
+                else:
+                    raise ConnectionError(f"unknown control message type {kind} from the peer")
+        except asyncio.CancelledError:
+            self.end("the comm was closed")
+            raise
+        except (ConnectionError, asyncio.IncompleteReadError, DATError) as exc:
+            self.end(f"the connection was lost: {exc}")
+        except Exception as exc:  # a protocol error: nothing more on this stream can be trusted
+            self.end(f"the control stream failed: {exc!r}")
+
+    async def _read_msg(self, ident: int, count: int) -> Tuple[int, List[int], bytes, bytearray]:
+        reader = self.reader
+        lengths = list(struct.unpack(f"!{count}Q", await reader.readexactly(8 * count))) if count else []
+        modes = await reader.readexactly(count)
+        inline = sum(n for n, m in zip(lengths, modes) if m == _INLINE)
+        # frames must be writable for distributed: one bytearray for the inline ones
+        data = bytearray(await reader.readexactly(inline)) if inline else bytearray()
+        return ident, lengths, modes, data
+
+    def end(self, reason: str) -> None:
+        """The connection is over: wake every waiter with CommClosedError."""
+        if self.closed is None:
+            self.closed = _Closed(reason)
+        for queue in (self.messages, self.for_writer, self.for_reader):
+            queue.put_nowait(self.closed)
+
+    async def get(self, queue: "asyncio.Queue[Any]") -> Any:
+        item = await queue.get()
+        if isinstance(item, _Closed):
+            queue.put_nowait(item)  # for the next getter too
+            raise CommClosedError(f"{self.name}: {item.reason}")
+        return item
+
+
+def _abort_transport(loop: asyncio.AbstractEventLoop, transport: asyncio.BaseTransport, inbox: _Inbox) -> None:
+    """Finalizer of a comm dropped unclosed: abort its stream on its own loop (any thread may collect it)."""
+    def abort() -> None:
+        inbox.task.cancel()
+        transport.abort()  # type: ignore[attr-defined]
+    try:
+        loop.call_soon_threadsafe(abort)
+    except RuntimeError:  # the loop is closed: the stream went with it
+        pass
+
+
+class RDMAComm(Comm):
+    """One distributed comm over one aiodat stream; large frames move by RDMA write (module docstring)."""
+
+    #: frames and bytes this process sent by RDMA write and inline, over all comms (tests, benchmarks)
+    totals: Dict[str, int] = {"rdma_frames": 0, "rdma_bytes": 0, "inline_frames": 0, "inline_bytes": 0}
+    #: frames larger than this are split by distributed's serialization (as on tcp://)
+    max_shard_size: ClassVar[int] = dask.utils.parse_bytes(dask.config.get("distributed.comm.shard"))
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, local_addr: str,
+                 peer_addr: str, deserialize: bool = True) -> None:
+        super().__init__(deserialize=deserialize)
+        self._writer = writer
+        self._transport = writer.transport
+        self._ep = self._transport.get_extra_info("aiodat_ep")
+        self._local_addr = local_addr
+        self._peer_addr = peer_addr
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._write_lock = asyncio.Lock()
+        self._inbox = _Inbox(reader, f"{PREFIX} comm {local_addr} -> {peer_addr}")
+        self._finalizer = weakref.finalize(self, _abort_transport, asyncio.get_running_loop(), self._transport,
+                                           self._inbox)
+        self._finalizer.atexit = False
+        self._extra = {"aiodat_ep": self._ep}
+
+    # -- addresses and state --------------------------------------------------------------
+    @property
+    def local_address(self) -> str:
+        """``rdma://ip:port`` of our end."""
+        return self._local_addr
+
+    @property
+    def peer_address(self) -> str:
+        """``rdma://ip:port`` of the peer's end."""
+        return self._peer_addr
+
+    @property
+    def extra_info(self) -> Dict[str, Any]:
+        """``aiodat_ep``: the connected :class:`aiodat.EP` under the comm."""
+        return self._extra
+
+    def closed(self) -> bool:
+        """True once closed, aborted, or the connection was lost."""
+        if not self._closed and self._inbox.closed is not None and self._inbox.messages.empty():
+            return True
+        return self._closed
+
+    # -- reading --------------------------------------------------------------------------
+    async def read(self, deserializers: Any = None) -> Any:
+        """The next message; a cancelled or failed read aborts the comm (the stream's state is unknown)."""
+        if self._closed:
+            raise CommClosedError(f"{self!r}: read on a closed comm")
+        try:
+            ident, lengths, modes, data = await self._inbox.get(self._inbox.messages)
+            frames = await self._receive_frames(ident, lengths, modes, data)
+        except CommClosedError:
+            self._closed = True
+            self._teardown()
+            raise
+        except BaseException:
+            # CancelledError included: part of a message may have been consumed, so the only safe
+            # thing is to abort, as distributed's tcp comm does.
+            self.abort()
+            raise
+        try:
+            return await from_frames(frames, deserialize=self.deserialize, deserializers=deserializers,
+                                     allow_offload=self.allow_offload)
+        except EOFError:
+            self.abort()
+            raise CommClosedError(f"{self!r}: aborted on truncated data")
+
+    async def _receive_frames(self, ident: int, lengths: Sequence[int], modes: bytes,
+                              data: bytearray) -> List[Union[memoryview, bytearray]]:
+        inline = memoryview(data)
+        frames: List[Any] = []
+        remote: List[memoryview] = []
+        pos = 0
+        for n, mode in zip(lengths, modes):
+            if mode == _INLINE:
+                frames.append(inline[pos:pos + n])
+                pos += n
+            else:
+                buf = host_array(n)
+                frames.append(buf)
+                remote.append(buf)
+        if not remote:
+            return frames
+        pz = self._ep.pz
+        lmrs = []
+        try:
+            for buf in remote:
+                lmrs.append(await _register(pz, buf, Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE))
+            self._send(_GRANT, ident, len(lmrs), b"".join(lmr.remote().to_bytes() for lmr in lmrs))
+            # the sender writes, then says WRITTEN; we answer each one (one write in flight at a time)
+            while True:
+                kind, got, last = await self._inbox.get(self._inbox.for_reader)
+                if got != ident:
+                    raise CommClosedError(f"{self!r}: protocol error: WRITTEN for message {got} "
+                                          f"while receiving message {ident}")
+                self._send(_ACK, ident, 0)
+                if last:
+                    break
+        finally:
+            for lmr in lmrs:
+                _close_quietly(lmr)
+        return frames
+
+    # -- writing --------------------------------------------------------------------------
+    async def write(self, msg: Any, serializers: Any = None, on_error: str = "message") -> int:
+        """Send one message; returns the bytes of its frames.  A failed write aborts the comm."""
+        if self._closed:
+            raise CommClosedError(f"{self!r}: write on a closed comm")
+        frames = await to_frames(
+            msg, allow_offload=self.allow_offload, serializers=serializers, on_error=on_error,
+            context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
+            frame_split_size=self.max_shard_size)
+        views = [_byte_view(f) for f in frames]
+        threshold = max(1, zero_copy_threshold())
+        modes = bytes(_REMOTE if v.nbytes >= threshold and v.c_contiguous else _INLINE for v in views)
+        totals = RDMAComm.totals
+        for v, m in zip(views, modes):
+            kind = "rdma" if m == _REMOTE else "inline"
+            totals[kind + "_frames"] += 1
+            totals[kind + "_bytes"] += v.nbytes
+        try:
+            async with self._write_lock:
+                if self._closed or self._inbox.closed is not None:
+                    raise CommClosedError(f"{self!r}: {self._inbox.closed.reason if self._inbox.closed else 'closed'}")
+                await self._send_frames(next(self._ids), views, modes)
+        except CommClosedError:
+            self._closed = True
+            self._teardown()
+            raise
+        except BaseException:
+            self.abort()
+            raise
+        return sum(v.nbytes for v in views)
+
+    async def _send_frames(self, ident: int, views: List[memoryview], modes: bytes) -> None:
+        remote = [v for v, m in zip(views, modes) if m == _REMOTE]
+        pz = self._ep.pz
+        # pin our frames while the announcement makes its round trip
+        pinning = [asyncio.ensure_future(_register(pz, v, Privileges.LOCAL_READ)) for v in remote]
+        lmrs = []
+        try:
+            header = struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views)) + modes
+            self._send(_MSG, ident, len(views), header, *(v for v, m in zip(views, modes) if m == _INLINE))
+            await self._writer.drain()
+            if not remote:
+                return
+            for task in pinning:
+                lmrs.append(await task)
+            kind, got, regions = await self._inbox.get(self._inbox.for_writer)
+            if kind != _GRANT or got != ident or len(regions) != len(lmrs):
+                raise CommClosedError(f"{self!r}: protocol error: expected GRANT of {len(lmrs)} regions for "
+                                      f"message {ident}, got {_NAMES.get(kind, kind)} for {got}")
+            pieces = [(lmr, region, off, min(MAX_WRITE, lmr.length - off))
+                      for lmr, region in zip(lmrs, regions) for off in range(0, lmr.length, MAX_WRITE)]
+            for i, (lmr, region, off, n) in enumerate(pieces):
+                if region.length != lmr.length:
+                    raise CommClosedError(f"{self!r}: protocol error: granted {region.length} bytes "
+                                          f"for a frame of {lmr.length}")
+                self._ep.post_rdma_write(lmr[off:off + n], region[off:off + n], _WRITE_COOKIE)
+                self._send(_WRITTEN, ident, int(i == len(pieces) - 1))
+                kind, got, _ = await self._inbox.get(self._inbox.for_writer)
+                if kind != _ACK or got != ident:
+                    raise CommClosedError(f"{self!r}: protocol error: expected ACK for message {ident}, "
+                                          f"got {_NAMES.get(kind, kind)} for {got}")
+        except DATError as exc:
+            raise CommClosedError(f"{self!r}: RDMA write failed: {exc}") from exc
+        finally:
+            for task in pinning:
+                if not task.done():
+                    task.cancel()
+            if self._inbox.closed is None:
+                for lmr in lmrs:
+                    _close_quietly(lmr)
+            # else: the stream's teardown closes its PZ, EP first, then these LMRs: never
+            # deregister memory a queue pair might still read
+
+    def _send(self, kind: int, ident: int, count: int, *payload: Any) -> None:
+        if self._transport.is_closing():
+            raise CommClosedError(f"{self!r}: the connection is closing")
+        self._writer.writelines([_HEAD.pack(kind, ident, count), *payload])
+
+    # -- the end --------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Close gracefully: what was written is delivered, then the peer sees the comm closed."""
+        if self._closed:
+            self._teardown()
+            return
+        self._closed = True
+        self._finalizer.detach()
+        writer = self._writer
+        try:
+            writer.close()
+            await asyncio.wait_for(writer.wait_closed(), 10.0)
+        except (ConnectionError, DATError, asyncio.TimeoutError, OSError):
+            self._transport.abort()
+        finally:
+            self._inbox.task.cancel()
+
+    def abort(self) -> None:
+        """Close at once, without flushing: the peer sees the connection reset."""
+        self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self._finalizer.detach()
+        self._inbox.task.cancel()
+        self._inbox.end("the comm was aborted")
+        self._transport.abort()
+
+
+def _byte_view(frame: Any) -> memoryview:
+    view = frame if isinstance(frame, memoryview) else memoryview(frame)
+    if view.c_contiguous and (view.format != "B" or view.ndim != 1):
+        view = view.cast("B")
+    return view
+
+
+async def _register(pz: Any, buffer: Any, privileges: Privileges) -> Any:
+    if memoryview(buffer).nbytes >= ASYNC_REGISTER_FROM:
+        return await pz.register_async(buffer, privileges)
+    return pz.register(buffer, privileges)
+
+
+def _close_quietly(lmr: Any) -> None:
+    try:
+        lmr.close()
+    except DATError as exc:  # the device still holds it: its Raw holder frees it later
+        logger.debug("deregistering %r failed: %s", lmr, exc)
+
+
+def _address(host_port: Tuple[Any, ...]) -> str:
+    return PREFIX + unparse_host_port(host_port[0], host_port[1])
+
+
+class RDMAConnector(Connector):
+    """Opens ``rdma://host:port`` comms (an aiodat stream to the listener there)."""
+
+    async def connect(self, address: str, deserialize: bool = True, **connection_args: Any) -> RDMAComm:
+        """Connect; failures raise CommClosedError naming the address (distributed retries those)."""
+        host, port = parse_host_port(address)
+        try:
+            reader, writer = await open_connection(host, port)
+        except (DATError, OSError) as exc:
+            raise CommClosedError(f"cannot connect to {PREFIX}{address}: {exc}") from exc
+        transport = writer.transport
+        return RDMAComm(reader, writer, _address(transport.get_extra_info("sockname")), PREFIX + address,
+                        deserialize)
+
+
+class RDMAListener(BaseListener):
+    """Listens on ``rdma://host:port`` (host: an RDMA device's address; empty: the default device)."""
+
+    prefix = PREFIX
+
+    def __init__(self, address: str, comm_handler: Any, deserialize: bool = True, allow_offload: bool = True,
+                 default_host: Optional[str] = None, default_port: int = 0, **connection_args: Any) -> None:
+        super().__init__()
+        self.ip, self.port = parse_host_port(address, default_port)
+        self.default_host = default_host
+        self.comm_handler = comm_handler
+        self.deserialize = deserialize
+        self.allow_offload = allow_offload
+        self._server: Any = None
+
+    async def start(self) -> None:
+        """Start listening (raises aiodat's InvalidAddress when no RDMA device has the host's address)."""
+        self._server = await start_server(self._on_stream, self.ip or None, self.port)
+
+    def stop(self) -> None:
+        """Stop listening; comms already accepted stay open."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        self.abort_handshaking_comms()
+
+    def get_host_port(self) -> Tuple[str, int]:
+        """The (address, port) the listener is bound to."""
+        if self._server is None or not self._server.sockets:
+            raise ValueError("invalid operation on a non-started RDMAListener")
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return host, port
+
+    @property
+    def listen_address(self) -> str:
+        """``rdma://address:port`` of the listening point."""
+        return _address(self.get_host_port())
+
+    @property
+    def contact_address(self) -> str:
+        """The address peers connect to (the device's concrete address)."""
+        host, port = self.get_host_port()
+        return PREFIX + unparse_host_port(ensure_concrete_host(host, default_host=self.default_host), port)
+
+    async def _on_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        transport = writer.transport
+        if self._server is None:
+            transport.abort()
+            return
+        comm = RDMAComm(reader, writer, _address(transport.get_extra_info("sockname")),
+                        _address(transport.get_extra_info("peername")), self.deserialize)
+        comm.allow_offload = self.allow_offload
+        try:
+            await self.on_connection(comm)
+        except CommClosedError:
+            logger.info("Connection from %s closed before the handshake completed", comm.peer_address)
+            return
+        await self.comm_handler(comm)
+
+
+class RDMABackend(Backend):
+    """distributed's backend for the ``rdma`` scheme (found through the entry point)."""
+
+    def get_connector(self) -> RDMAConnector:
+        """A connector for ``rdma://`` addresses."""
+        return RDMAConnector()
+
+    def get_listener(self, loc: str, handle_comm: Any, deserialize: bool, **connection_args: Any) -> RDMAListener:
+        """A listener on the scheme-less ``loc`` (``host:port``)."""
+        return RDMAListener(loc, handle_comm, deserialize, **connection_args)
+
+    def get_address_host(self, loc: str) -> str:
+        """The host part of ``host:port``."""
+        return parse_host_port(loc)[0]
+
+    def get_address_host_port(self, loc: str) -> Tuple[str, int]:
+        """(host, port) of ``host:port``."""
+        return parse_host_port(loc)
+
+    def resolve_address(self, loc: str) -> str:
+        """``host:port`` with the host resolved to an IP address."""
+        host, port = parse_host_port(loc)
+        return unparse_host_port(ensure_ip(host), port)
+
+    def get_local_address_for(self, loc: str) -> str:
+        """The local address (no port) from which ``loc`` is reached."""
+        host = ensure_ip(parse_host_port(loc)[0])
+        return unparse_host_port(get_ip(host), None)
