@@ -18,6 +18,7 @@ EXAMPLE_DIR = os.path.join(ROOT, "examples")
 # file -> (arguments, lines the output must contain)
 EXAMPLES: Dict[str, Tuple[List[str], List[str]]] = {
     "aiohttp_rdma.py": (["demo"], ["echoed intact: True", "got 'desserts'", "aiohttp over RDMA: ok"]),
+    "dask_rdma.py": (["--size-mib", "16"], ["checksum matches: True", "dask over rdma:// ok"]),
     "grpc_rdma.py": (["--calls", "10"], ["1 MiB message verified", "over RDMA"]),
     "httpx_rdma.py": (["--requests", "10"], ["1 MiB echo verified", "over RDMA"]),
     "demo.py": (["--count", "3", "--size", "32"], ["3 echoes verified", "demo: ok"]),
