@@ -12,6 +12,10 @@ An EVD is a queue of immutable events fed by any DAT stream:
 ``await evd.wait(threshold)`` returns at least ``threshold`` events;
 ``evd.dequeue()`` never blocks; ``async for ev in evd`` streams them.  A waiter
 that is cancelled takes nothing: its events stay queued for the next wait.
+Instead of waits, ``evd.set_callback(fn)`` hands each batch of events to
+``fn(events)`` from inside the loop's reader callback (the Access Layer's
+completion callback).  ``busy_poll_us`` keeps polling the CQ for a while after
+the last completion before the CQ is armed and the EVD sleeps.
 
 Capacity (qlen): completions are polled from the CQ only while the EVD has
 room, so the rest wait in the CQ, losing nothing; a CQ that itself overruns
@@ -27,7 +31,8 @@ import enum
 import struct
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Deque, List, Optional, Tuple
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Deque, List, Optional, Tuple
 
 from aiodat._fdwatch import FdWatch
 from aiodat._handle import Handle, Raw
@@ -236,7 +241,7 @@ class EVD(Handle):
     _close_rank = 20  # after PZs (and the EPs inside them), so QPs go before their CQs
 
     def __init__(self, ia: "IA", qlen: int, streams: Optional[EvdFlags] = None, *, _is_async: bool = False,
-                 comp_vector: Optional[int] = None) -> None:
+                 comp_vector: Optional[int] = None, busy_poll_us: int = 0) -> None:
         if not isinstance(qlen, int) or qlen < 1:
             raise InvalidParameter(f"qlen must be an int >= 1, got {qlen!r}")
         max_qlen = ia._device_attr.max_cqe
@@ -250,9 +255,19 @@ class EVD(Handle):
                                         or not 0 <= comp_vector < max(vectors, 1)):
             raise InvalidParameter(f"comp_vector must be None or between 0 and {max(vectors, 1) - 1} "
                                    f"(the device has {vectors} completion vectors), got {comp_vector!r}")
+        if type(busy_poll_us) is not int or not 0 <= busy_poll_us <= _MAX_BUSY_POLL_US:
+            raise InvalidParameter(f"busy_poll_us must be an int between 0 and {_MAX_BUSY_POLL_US} "
+                                   f"microseconds, got {busy_poll_us!r}")
         super().__init__(ia)
         self._ia = ia
         self._qlen = qlen
+        #: how long (us) the EVD polls its CQ after the last completion before it arms and sleeps
+        self.busy_poll_us = busy_poll_us if streams & (EvdFlags.DTO | EvdFlags.RMR_BIND) else 0
+        self._spinning = False  # a busy poll is in progress (a channel event then needs no arm)
+        #: set_callback's function and the loop it runs in; None: events wait for wait()/dequeue()
+        self._callback: Optional[Callable[[List[Event]], Any]] = None
+        self._callback_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._delivery_scheduled = False
         self._streams = streams
         self._is_async = _is_async
         #: other IAs whose async events this (async) EVD receives: open_ia(..., async_evd=this)
@@ -279,8 +294,6 @@ class EVD(Handle):
         self._rearms = 0  # how many times a drain re-armed the CQ (once per wake-up)
         #: awaited requests (rmr.bind) whose completion comes through this EVD's CQ: polled even when full
         self._awaited = 0
-        # a wait pumps the IA's fds first only if they feed this EVD
-        self._pump_on_wait = bool(int(streams) & _FED_BY_IA)
         if streams & (EvdFlags.DTO | EvdFlags.RMR_BIND):
             #: the completion vector (interrupt) of the EVD's CQ; by default EVDs take the device's in turn
             self.comp_vector: Optional[int] = ia._next_comp_vector() if comp_vector is None else comp_vector
@@ -316,13 +329,17 @@ class EVD(Handle):
         raise exc
 
     # -- feeding the queue -------------------------------------------------
-    def _drain_cq(self, rearm: bool = True) -> bool:
+    def _drain_cq(self, rearm: bool = True, spin_us: int = 0, arm_if_unarmed: bool = True) -> bool:
         """Move completions from the CQ into the queue while there is room (one C call per 64).
 
         With ``rearm`` (the reader callback's drain) the channel's event is read
         and acked and the CQ re-armed, in the first call only: once per
-        wake-up, however many chunks follow.  A CQ whose last arm failed is
-        armed again by any drain.  Completions polled but not yet turned into
+        wake-up, however many chunks follow.  A busy-polling EVD arms lazily
+        instead: the wake-up leaves the CQ unarmed, and only a wait (or the
+        callback poller) about to sleep arms it, so a busy consumer takes no
+        interrupts.  A CQ whose last arm failed (or was left unarmed) is armed
+        again by any drain that is not a spin (or told not to: ``arm_if_unarmed``).
+        ``spin_us``: poll for up to that long in C when the CQ is empty (busy polling).  Completions polled but not yet turned into
         events when something raised stay in ``_backlog`` and come first next
         time.  While an awaited request (``rmr.bind``) is outstanding the CQ is
         polled even when the EVD is full, so its completion cannot be stranded
@@ -338,7 +355,11 @@ class EVD(Handle):
             notified = self._queue_completions(iter(backlog))
         queue = self._queue
         channel = self._channel if rearm else _NULL
-        arm = (1 if self._solicited else 0) if rearm or self._unarmed else -1
+        lazy = self.busy_poll_us and not self._solicited
+        if rearm:
+            arm = -1 if lazy else (1 if self._solicited else 0)
+        else:
+            arm = (1 if self._solicited else 0) if self._unarmed and arm_if_unarmed and not spin_us else -1
         while True:
             if self._awaited:
                 room = 64
@@ -348,10 +369,18 @@ class EVD(Handle):
                     room = 64
                 elif room < 0:
                     room = 0
-            got = lib.aiodat_cq_drain(channel, self._cq, arm, wcs, room, self._status)
+            if spin_us and room:
+                got = lib.aiodat_cq_spin(self._cq, wcs, room, spin_us)
+                spin_us = 0
+            else:
+                got = lib.aiodat_cq_drain(channel, self._cq, arm, wcs, room, self._status)
             if arm >= 0:
                 self._note_arm(bool(arm), channel is not _NULL)
-                channel, arm = _NULL, -1
+                arm = -1
+            elif channel is not _NULL and lazy:
+                self._unarmed = True  # the wake-up consumed the arm: whoever sleeps next arms first
+                self._arm_error = None
+            channel = _NULL
             if got:
                 if got < 0:
                     raise error_from_errno(-got, "polling the CQ")
@@ -415,11 +444,14 @@ class EVD(Handle):
         a failure goes to the waiting task, or to the next wait or dequeue if none waits."""
         if self._closed:
             return
+        if self._callback is not None:
+            self._callback_wakeup()
+            return
         try:
             if self._drain_cq():
                 self._wake()
             waiter = self._waiter
-            if self._unarmed and waiter is not None and not waiter.done():
+            if self._unarmed and not self._spinning and waiter is not None and not waiter.done():
                 # a task still sleeps on this CQ, so it must be armed: try once more, else tell it
                 if self._drain_cq(rearm=False):
                     self._wake()
@@ -435,7 +467,10 @@ class EVD(Handle):
         if len(self._queue) >= self._qlen:
             self._report_overflow(event)
         self._queue.append(event)
-        self._wake()
+        if self._callback is not None:
+            self._schedule_delivery()
+        else:
+            self._wake()
 
     def _report_overflow(self, event: Event) -> None:
         """An event is queued beyond qlen: count it, and tell the async EVD once per overflow."""
@@ -495,6 +530,7 @@ class EVD(Handle):
         here (or by the next wait), once; the events stay queued.
         """
         self._check()
+        self._refuse_if_callback("dequeue")
         self._raise_pending()
         if not self._queue:
             self._pump()
@@ -530,6 +566,8 @@ class EVD(Handle):
         """
         if self._closed:
             self._check()
+        if self._callback is not None:
+            self._refuse_if_callback("wait")
         if type(threshold) is not int or not 1 <= threshold <= self._qlen:
             raise InvalidParameter(f"threshold must be between 1 and qlen ({self._qlen}), got {threshold!r}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
@@ -546,29 +584,34 @@ class EVD(Handle):
                 or ia._async_source.watch._loop is not loop or self._sharers):
             self._attach(loop)
         try:
-            if solicited_only or self._pump_on_wait or self._armed_solicited:
+            if solicited_only or self._armed_solicited:
                 # (self._solicited is False here: only a wait sets it, and every way out clears it)
                 self._solicited = bool(solicited_only) and self._wcs is not None
                 self._solicited_hit = False
-                self._pump()
+                self._drain_cq()  # re-arm the CQ for the kind of completion this wait wants
             else:
-                # Hot path of a DTO-only EVD: poll the CQ, no system call.  The CQ stays armed (or
-                # its channel holds an unread event, which the reader callback drains and re-arms).
-                self._drain_cq(rearm=False)
+                # Hot path: poll the CQ, no system call.  The CQ stays armed (or its channel holds an
+                # unread event, which the reader callback drains).  Connection and async events need
+                # no look here: the loop runs their fds' reader callbacks before anyone sleeps long.
+                # A busy-polling EVD arms only when it is about to sleep.
+                self._drain_cq(rearm=False, arm_if_unarmed=not self.busy_poll_us)
             if len(self._queue) >= threshold:
                 return self._take(max_events)
-            if self._unarmed:  # the last arm failed: arm again now, or fail instead of sleeping forever
-                self._drain_cq(rearm=False)
-                if len(self._queue) >= threshold:
-                    return self._take(max_events)
-                if self._unarmed:
-                    raise self._arm_error or InvalidState("the CQ could not be armed")
             fut: "asyncio.Future[None]" = loop.create_future()
             self._waiter, self._threshold = fut, threshold
             timer = None
             if timeout is not None:
                 timer = loop.call_later(timeout, self._expire, fut, timeout)
             try:
+                if self.busy_poll_us and not self._solicited:
+                    await self._busy_poll(fut)
+                if self._unarmed and not fut.done():
+                    # about to sleep on an unarmed CQ (a lazy wake-up, or the last arm failed):
+                    # arm it, then look once more, or fail instead of sleeping forever
+                    if self._drain_cq(rearm=False):
+                        self._wake()
+                    if self._unarmed and not fut.done():
+                        raise self._arm_error or InvalidState("the CQ could not be armed")
                 await fut
             finally:
                 if self._waiter is fut:  # else a new wait has taken the EVD since this one was cancelled
@@ -579,6 +622,29 @@ class EVD(Handle):
         finally:
             if self._waiter is None:  # the solicited flag is the current wait's, if another has begun
                 self._solicited = False  # also after returning at once or failing before sleeping
+
+    async def _busy_poll(self, fut: "asyncio.Future[None]") -> None:
+        """Poll the CQ until ``fut`` is done or ``busy_poll_us`` pass with no completion, in slices
+        of at most _SPIN_SLICE_US spent in C, yielding to the loop between them (other tasks, and
+        a peer in the same loop, keep running)."""
+        budget = self.busy_poll_us * 1e-6
+        deadline = _monotonic() + budget
+        self._spinning = True
+        try:
+            while not fut.done():
+                left = deadline - _monotonic()
+                if left <= 0:
+                    return
+                if self._drain_cq(rearm=False, spin_us=min(int(left * 1e6) + 1, _SPIN_SLICE_US)):
+                    self._wake()
+                    deadline = _monotonic() + budget  # polling goes on for busy_poll_us after the last one
+                if fut.done():
+                    return
+                await _yield()
+                if self._closed:
+                    return
+        finally:
+            self._spinning = False
 
     def _expire(self, fut: "asyncio.Future[None]", timeout: float) -> None:
         """The wait's timer: a last look, then the timeout fires, even if the look raised."""
@@ -612,6 +678,131 @@ class EVD(Handle):
         if self._watch is not None:
             self._watch.attach()
 
+    # -- callback delivery ---------------------------------------------------
+    def set_callback(self, fn: Optional[Callable[[List[Event]], Any]]) -> None:
+        """Deliver events to ``fn(events)`` instead of waits; ``None`` goes back to waits.
+
+        The Access Layer's completion callback (``ib_create_cq`` with
+        ``pfn_comp_cb``): ``fn`` is called from inside the running loop's
+        reader callback with each batch of events, oldest first, with no
+        Future and no task switch; it may post new requests at once.  It must
+        not block: it runs inside the event loop.  Events already queued, and
+        connection or software events, are delivered by a ``call_soon``.  An
+        exception from ``fn`` (or a failure of the CQ) goes to the loop's
+        exception handler (``loop.call_exception_handler``), as a protocol's
+        ``data_received`` error does; the events after it stay queued for the
+        next delivery.  While a callback is set, ``wait()`` and ``dequeue()``
+        raise :class:`aiodat.InvalidState`.  Call it from the loop the EVD
+        belongs to (the callbacks run there).
+        """
+        self._check()
+        if fn is not None and not callable(fn):
+            raise InvalidParameter(f"set_callback takes a callable or None, not {type(fn).__name__}")
+        if self._waiter is not None and not self._waiter.done():
+            raise InvalidState("a task is waiting on this EVD: a callback cannot be set while it waits")
+        if fn is None:
+            self._callback = self._callback_loop = None
+            return
+        try:
+            loop = _get_running_loop()
+        except RuntimeError:
+            raise InvalidState("set_callback needs the running event loop the callbacks will run in: "
+                               "call it from a coroutine or callback of that loop") from None
+        self._attach(loop)
+        self._callback, self._callback_loop = fn, loop
+        if self._queue or self._backlog or self._pending_error is not None:
+            self._schedule_delivery()
+        if self._unarmed:  # a busy-polling EVD left its CQ unarmed: nobody else will arm it now
+            self._callback_arm()
+
+    def _refuse_if_callback(self, what: str) -> None:
+        if self._callback is not None:
+            raise InvalidState(f"{what}: this EVD delivers its events to a callback "
+                               f"({self._callback!r}); call set_callback(None) to wait on it")
+
+    def _schedule_delivery(self) -> None:
+        if not self._delivery_scheduled and self._callback_loop is not None:
+            self._delivery_scheduled = True
+            self._callback_loop.call_soon(self._scheduled_delivery)
+
+    def _scheduled_delivery(self) -> None:
+        self._delivery_scheduled = False
+        if self._callback is None or self._closed:
+            return
+        try:
+            self._raise_pending()
+            if self._backlog:
+                self._drain_cq(rearm=False)
+        except Exception as exc:
+            self._callback_failed(exc, "taking the EVD's queued completions")
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand every queued event to the callback, once (the queue is empty afterwards)."""
+        fn = self._callback
+        if fn is None or not self._queue:
+            return
+        events = list(self._queue)
+        self._queue.clear()
+        self._overflow_reported = False
+        try:
+            fn(events)
+        except Exception as exc:
+            self._callback_failed(exc, f"its callback {fn!r}")
+
+    def _callback_wakeup(self) -> None:
+        """The reader callback of an EVD with a callback: drain, deliver, and look again while the
+        callback's own posts keep completions coming (up to _CALLBACK_ROUNDS looks per wake-up)."""
+        try:
+            notified = self._drain_cq()
+            for _ in range(_CALLBACK_ROUNDS):
+                if not notified and not self._queue:
+                    break
+                self._deliver()
+                if self._callback is None or self._closed:
+                    return
+                notified = self._drain_cq(rearm=False)
+                if not notified:
+                    break
+            if self.busy_poll_us:
+                self._callback_spin(_monotonic() + self.busy_poll_us * 1e-6)
+        except Exception as exc:
+            self._callback_failed(exc, "draining the CQ")
+
+    def _callback_spin(self, deadline: float) -> None:
+        """Busy polling for a callback EVD: one slice now, the next one after the loop has run its
+        other ready callbacks; when busy_poll_us pass with no completion, arm and sleep."""
+        if self._callback is None or self._closed:
+            return
+        try:
+            left = deadline - _monotonic()
+            if left <= 0:
+                self._spinning = False
+                self._callback_arm()
+                return
+            self._spinning = True
+            if self._drain_cq(rearm=False, spin_us=min(int(left * 1e6) + 1, _SPIN_SLICE_US)):
+                self._deliver()
+                deadline = _monotonic() + self.busy_poll_us * 1e-6
+            self._callback_loop.call_soon(self._callback_spin, deadline)  # type: ignore[union-attr]
+        except Exception as exc:
+            self._spinning = False
+            self._callback_failed(exc, "busy polling the CQ")
+
+    def _callback_arm(self) -> None:
+        """Arm the CQ before a callback EVD sleeps, then look once more (what raced the arm)."""
+        if self._drain_cq(rearm=False):
+            self._deliver()
+        if self._unarmed:
+            self._callback_failed(self._arm_error or InvalidState("the CQ could not be armed"), "arming the CQ")
+
+    def _callback_failed(self, exc: BaseException, what: str) -> None:
+        loop = self._callback_loop
+        if loop is None:
+            self._pending_error = self._pending_error or exc
+            return
+        loop.call_exception_handler({"message": f"aiodat: {self!r}: {what} failed", "exception": exc, "evd": self})
+
     async def wait_one(self, timeout: Optional[float] = None) -> Event:
         """Wait for and return exactly one event."""
         events = await self.wait(1, timeout, max_events=1)
@@ -639,7 +830,10 @@ class EVD(Handle):
         if len(self._queue) >= self._qlen:
             raise QueueFull(f"EVD is full ({self._qlen} events queued)")
         self._queue.append(SoftwareEvent(EventType.SOFTWARE_EVENT, self, payload))
-        self._wake()
+        if self._callback is not None:
+            self._schedule_delivery()
+        else:
+            self._wake()
 
     def _queued(self) -> Tuple[Event, ...]:
         """The events queued now, oldest first, left in place (package-level: srq.py counts its completions)."""
@@ -707,11 +901,20 @@ class EVDParam:
     waiting: bool
 
 
-#: streams whose events the IA's fds (rdma_cm channel, device async fd) feed, not the EVD's own CQ
-_FED_BY_IA = int(EvdFlags.CR | EvdFlags.CONNECTION | EvdFlags.ASYNC)
 _DTO_COMPLETION = EventType.DTO_COMPLETION
 _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
+_monotonic = time.monotonic
+_MAX_BUSY_POLL_US = 1_000_000
+#: longest stretch a busy poll spends in C before it yields to the loop (us)
+_SPIN_SLICE_US = 50
+#: how many times a callback EVD's wake-up looks at the CQ again after delivering
+_CALLBACK_ROUNDS = 8
+
+
+async def _yield() -> None:
+    """One turn of the loop for everything else that is ready (a bare yield inside a coroutine)."""
+    await asyncio.sleep(0)
 
 #: struct aiodat_wc (shim.h) as Python's struct reads it, native alignment and padding
 _WC = struct.Struct("@QiiIIIIIIHB5x")

@@ -317,16 +317,20 @@ class IA(RootHandle):
         return PZ(self)
 
     def create_evd(self, qlen: int, streams: Optional["EvdFlags"] = None,
-                   comp_vector: Optional[int] = None) -> "EVD":
+                   comp_vector: Optional[int] = None, *, busy_poll_us: int = 0) -> "EVD":
         """Create an Event Dispatcher of at least ``qlen`` entries fed by ``streams`` (dat_evd_create).
 
         ``streams`` defaults to every stream (DTO, RMR bind, connection,
         connection request, software): aiodat merges any of them in one EVD.
         ``comp_vector`` picks the completion vector (interrupt) of its CQ; by
         default EVDs are spread over the device's vectors in turn.
+        ``busy_poll_us`` (like Linux's SO_BUSY_POLL): after its last
+        completion the EVD keeps polling its CQ for up to that many
+        microseconds before it arms the CQ and sleeps, in short slices that
+        yield to the loop (see docs/events.md, "Busy polling").
         """
         self._check()
-        return EVD(self, qlen, streams, comp_vector=comp_vector)
+        return EVD(self, qlen, streams, comp_vector=comp_vector, busy_poll_us=busy_poll_us)
 
     def _next_comp_vector(self) -> int:
         """The next completion vector in turn, so CQs spread over the device's interrupts."""

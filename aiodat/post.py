@@ -138,6 +138,8 @@ class Posting(WorkRequests):
     def post_recv(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
         """Post a receive into ``segments`` (dat_ep_post_recv); it completes on ``recv_evd``."""
+        if type(segments) is list and len(segments) == 1:
+            segments = segments[0]  # a list of one segment takes the bare segment's fast path
         if type(segments) is Segment and flags is _NO_FLAGS and self._srq is None and not self._closed:
             # The hot path (one segment, default flags): the same checks as below, in fewer
             # steps, and scalars into C instead of filling arrays field by field.
@@ -282,6 +284,8 @@ class Posting(WorkRequests):
     def post_send(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT, *, imm_data: Optional[int] = None) -> None:
         """Send the bytes of ``segments`` to the peer (dat_ep_post_send); with ``imm_data``, a send with immediate."""
+        if type(segments) is list and len(segments) == 1:
+            segments = segments[0]  # a list of one segment takes the bare segment's fast path
         if (type(segments) is Segment and imm_data is None and type(flags) is CompletionFlags and 0 <= flags < 16
                 and self._conn.state is _CONNECTED and self._rc and not self._closed):
             lmr = segments.lmr

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <time.h>
 #include "shim.h"
 
 #define AIODAT_CHUNK 64   /* requests chained per ibv_post_* call */
@@ -268,6 +269,25 @@ int aiodat_cq_poll(struct ibv_cq *cq, struct aiodat_wc *out, int max)
             break;
     }
     return total;
+}
+
+/* Busy polling (an EVD's busy_poll_us): poll the CQ without sleeping until a
+ * completion arrives or `usec` microseconds pass, whichever is first.  Python
+ * calls it in short slices and yields to its event loop in between; cffi
+ * releases the GIL around the call, so other threads run meanwhile. */
+int aiodat_cq_spin(struct ibv_cq *cq, struct aiodat_wc *out, int max, int usec)
+{
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        int got = aiodat_cq_poll(cq, out, max);
+        if (got != 0 || max == 0)
+            return got;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long elapsed = (now.tv_sec - start.tv_sec) * 1000000L + (now.tv_nsec - start.tv_nsec) / 1000;
+        if (elapsed >= usec)
+            return 0;
+    }
 }
 
 /* Fault injection for aiodat's own tests (tests/test_wakeups.py): the next `count`

@@ -1,0 +1,339 @@
+"""Issue 15, items 3 and 4: callback delivery (``evd.set_callback``) and busy polling
+(``ia.create_evd(..., busy_poll_us=N)``), on real rxe.
+
+Speed itself is measured by ``aiodat bench latency --mode callback|busypoll``
+(docs/performance.md); these tests prove what each mode promises.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, List, Optional, Tuple
+
+import pytest
+
+import aiodat
+from aiodat import EvdFlags
+from aiodat.cm import connect_pair
+from aiodat.testing.plugin import make_ep_pair
+
+pytestmark = pytest.mark.rxe
+
+T = 30.0  # bound for every wait: the QEMU guest runs under TCG
+
+
+class Pair:
+    """Two connected EPs whose DTO EVDs are made by the test (busy polling, or shared)."""
+
+    def __init__(self, ia: Any, busy_poll_us: int = 0, size: int = 4096) -> None:
+        self.ia = ia
+        self.pz = ia.create_pz()
+        self.evds: List[Any] = []
+        self.lmrs = [self.pz.register(bytearray(size)) for _ in range(2)]
+        self.eps: List[Any] = []
+        for _ in range(2):
+            recv = self._evd(busy_poll_us)
+            request = self._evd(busy_poll_us)
+            self.eps.append(ia.create_ep(self.pz, recv_evd=recv, request_evd=request))
+        self.psp: Any = None
+
+    def _evd(self, busy_poll_us: int) -> Any:
+        evd = self.ia.create_evd(64, EvdFlags.DTO, busy_poll_us=busy_poll_us)
+        self.evds.append(evd)
+        return evd
+
+    async def connect(self) -> "Pair":
+        self.psp = await connect_pair(self.eps[0], self.eps[1])
+        return self
+
+    def close(self) -> None:
+        for handle in [self.psp, *self.eps, self.pz, *self.evds]:
+            if handle is not None and not handle.closed:
+                handle.close()
+
+
+def put(lmr: Any, payload: bytes) -> Any:
+    lmr.memoryview()[0:len(payload)] = payload
+    return lmr[0:len(payload)]
+
+
+# -- callbacks ---------------------------------------------------------------------------------
+async def test_a_callback_ping_pong_runs_inside_the_reader_callback(ia: Any, loop_errors: List[dict]) -> None:
+    """Both sides answer from their callbacks: every message arrives, in order, and the callback
+    runs with no task (the loop's reader callback called it, no Future, no task switch)."""
+    pair = await make_ep_pair(ia)
+    try:
+        client, server = pair.client, pair.server
+        loop = asyncio.get_running_loop()
+        done: "asyncio.Future[None]" = loop.create_future()
+        rounds, seen, tasks = 50, [], []
+        client.post_recv(pair.client_lmr[2048:2056])
+        server.post_recv(pair.server_lmr[2048:2056])
+
+        def on_server(events: List[Any]) -> None:
+            tasks.append(asyncio.current_task())
+            for ev in events:
+                if ev.operation is aiodat.DTOOp.RECV:
+                    assert ev.ok, ev
+                    data = bytes(pair.server_lmr.memoryview()[2048:2048 + ev.transferred_length])
+                    server.post_recv(pair.server_lmr[2048:2056])
+                    server.post_send(put(pair.server_lmr, data.upper()))
+
+        def on_client(events: List[Any]) -> None:
+            tasks.append(asyncio.current_task())
+            for ev in events:
+                if ev.operation is aiodat.DTOOp.RECV:
+                    assert ev.ok, ev
+                    seen.append(bytes(pair.client_lmr.memoryview()[2048:2048 + ev.transferred_length]))
+                    if len(seen) == rounds:
+                        done.set_result(None)
+                    else:
+                        client.post_recv(pair.client_lmr[2048:2056])
+                        client.post_send(put(pair.client_lmr, b"m%04d" % len(seen)))
+
+        for evd, fn in ((server.recv_evd, on_server), (server.request_evd, on_server),
+                        (client.recv_evd, on_client), (client.request_evd, on_client)):
+            evd.set_callback(fn)
+        client.post_send(put(pair.client_lmr, b"m0000"))
+        await asyncio.wait_for(done, T)
+        assert seen == [b"M%04d" % i for i in range(rounds)]
+        assert tasks and all(task is None for task in tasks)
+    finally:
+        pair.close()
+
+
+async def test_wait_and_dequeue_refuse_an_evd_with_a_callback(ep_pair: Any) -> None:
+    evd = ep_pair.server.recv_evd
+    evd.set_callback(lambda events: None)
+    with pytest.raises(aiodat.InvalidState, match="callback"):
+        await evd.wait(timeout=1)
+    with pytest.raises(aiodat.InvalidState, match="callback"):
+        evd.dequeue()
+    evd.set_callback(None)  # back to waits
+    with pytest.raises(aiodat.TimeoutExpired):
+        await evd.wait(timeout=0.05)
+
+
+async def test_set_callback_rejects_what_it_cannot_use(ep_pair: Any) -> None:
+    evd = ep_pair.server.recv_evd
+    with pytest.raises(aiodat.InvalidParameter, match="callable"):
+        evd.set_callback(42)  # type: ignore[arg-type]
+    waiter = asyncio.ensure_future(evd.wait(timeout=T))
+    await asyncio.sleep(0.01)
+    with pytest.raises(aiodat.InvalidState, match="waiting"):
+        evd.set_callback(lambda events: None)
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    evd.set_callback(lambda events: None)  # free again once the wait is cancelled
+    evd.close()
+    with pytest.raises(aiodat.DATError):
+        evd.set_callback(None)
+
+
+def test_set_callback_outside_a_loop_names_what_it_needs(ia: Any) -> None:
+    evd = ia.create_evd(8)
+    try:
+        with pytest.raises(aiodat.InvalidState, match="running event loop"):
+            evd.set_callback(lambda events: None)
+    finally:
+        evd.close()
+
+
+async def test_queued_and_software_events_reach_the_callback(ia: Any) -> None:
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    try:
+        evd.post_se("before")
+        got: List[Any] = []
+        evd.set_callback(lambda events: got.extend(ev.payload for ev in events))
+        evd.post_se("after")
+        for _ in range(20):
+            if len(got) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert got == ["before", "after"]
+    finally:
+        evd.close()
+
+
+async def test_a_callback_that_raises_reaches_the_loop_handler_and_delivery_goes_on(ep_pair: Any) -> None:
+    loop = asyncio.get_running_loop()
+    errors: List[dict] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    try:
+        server = ep_pair.server
+        got: List[int] = []
+
+        def fn(events: List[Any]) -> None:
+            got.extend(ev.cookie for ev in events)
+            if len(got) == 1:
+                raise ValueError("the application's callback failed")
+
+        server.recv_evd.set_callback(fn)
+        for i in range(2):
+            server.post_recv(ep_pair.server_lmr[i * 8:(i + 1) * 8], cookie=i)
+        for i in range(2):
+            ep_pair.client.post_send(put(ep_pair.client_lmr, b"x"))
+            for _ in range(300):
+                if len(got) > i:
+                    break
+                await asyncio.sleep(0.01)
+        assert got == [0, 1]
+        assert len(errors) == 1 and isinstance(errors[0]["exception"], ValueError)
+        assert errors[0]["evd"] is server.recv_evd and "callback" in errors[0]["message"]
+    finally:
+        loop.set_exception_handler(old)
+
+
+async def test_connection_events_reach_a_callback(ia: Any) -> None:
+    """A connect EVD with a callback gets the peer's DISCONNECTED through it."""
+    pair = await make_ep_pair(ia)
+    try:
+        got: List[Any] = []
+        pair.server.connect_evd.set_callback(got.extend)
+        await pair.client.disconnect()
+        for _ in range(500):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert [ev.type for ev in got] == [aiodat.EventType.CONNECTION_EVENT_DISCONNECTED]
+    finally:
+        pair.close()
+
+
+# -- busy polling ------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [-1, True, 1.5, 10_000_000])
+def test_busy_poll_us_must_be_a_sane_int(ia: Any, value: Any) -> None:
+    with pytest.raises(aiodat.InvalidParameter, match="busy_poll_us"):
+        ia.create_evd(8, busy_poll_us=value)
+
+
+async def ping_pong(pair: Pair, rounds: int, tick: Optional[List[int]] = None) -> List[bytes]:
+    """Both sides as tasks of one loop, each awaiting its recv EVD."""
+    a, b = pair.eps
+    la, lb = pair.lmrs
+
+    async def echo() -> None:
+        for _ in range(rounds):
+            (ev,) = await b.recv_evd.wait(timeout=T)
+            assert ev.ok, ev
+            data = bytes(lb.memoryview()[2048:2048 + ev.transferred_length])
+            b.post_recv(lb[2048:2056])
+            b.post_send(put(lb, data.upper()))
+
+    got = []
+    b.post_recv(lb[2048:2056])
+    task = asyncio.ensure_future(echo())
+    for i in range(rounds):
+        a.post_recv(la[2048:2056])
+        a.post_send(put(la, b"p%04d" % i))
+        (ev,) = await a.recv_evd.wait(timeout=T)
+        assert ev.ok, ev
+        got.append(bytes(la.memoryview()[2048:2048 + ev.transferred_length]))
+    await asyncio.wait_for(task, T)
+    return got
+
+
+async def test_a_busy_polling_ping_pong_in_one_loop_takes_no_interrupts(ia: Any) -> None:
+    """Both sides busy-poll in one loop (each yields to the other between slices).  With a
+    budget far above a round trip the receive CQs are armed only the first time."""
+    pair = await Pair(ia, busy_poll_us=500_000).connect()
+    try:
+        recv_a, recv_b = pair.eps[0].recv_evd, pair.eps[1].recv_evd
+        got = await ping_pong(pair, 40)
+        assert got == [b"P%04d" % i for i in range(40)]
+        # the creation's arm, and at most one more each (a wait that slept before the peer ran)
+        assert recv_a._rearms <= 2 and recv_b._rearms <= 2, (recv_a._rearms, recv_b._rearms)
+    finally:
+        pair.close()
+
+
+async def test_other_tasks_run_while_a_wait_busy_polls(ia: Any) -> None:
+    pair = await Pair(ia, busy_poll_us=300_000).connect()
+    try:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(ticker())
+        evd = pair.eps[0].recv_evd
+        with pytest.raises(aiodat.TimeoutExpired):
+            await evd.wait(timeout=0.2)  # nothing comes: it spins, yielding, then times out
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert ticks > 10
+    finally:
+        pair.close()
+
+
+async def test_a_busy_poll_ends_armed_and_a_late_completion_wakes_the_wait(ia: Any) -> None:
+    """A short budget runs out, the wait arms the CQ (lazily) and sleeps; a completion much later
+    wakes it.  Twice, so the second wait also arms after the first wake-up left the CQ unarmed."""
+    pair = await Pair(ia, busy_poll_us=200).connect()
+    try:
+        a, b = pair.eps
+        for i in range(2):
+            b.post_recv(pair.lmrs[1][0:8], cookie=i)
+            waiter = asyncio.ensure_future(b.recv_evd.wait(timeout=T))
+            await asyncio.sleep(0.3)
+            assert not waiter.done()
+            a.post_send(put(pair.lmrs[0], b"late"))
+            (ev,) = await waiter
+            assert ev.ok and ev.cookie == i
+    finally:
+        pair.close()
+
+
+async def test_a_cancelled_busy_poll_frees_the_evd(ia: Any) -> None:
+    pair = await Pair(ia, busy_poll_us=1_000_000).connect()
+    try:
+        evd = pair.eps[1].recv_evd
+        waiter = asyncio.ensure_future(evd.wait(timeout=T))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        pair.eps[1].post_recv(pair.lmrs[1][0:8], cookie="after")
+        pair.eps[0].post_send(put(pair.lmrs[0], b"x"))
+        (ev,) = await evd.wait(timeout=T)
+        assert ev.cookie == "after"
+    finally:
+        pair.close()
+
+
+async def test_a_callback_evd_can_busy_poll(ia: Any) -> None:
+    pair = await Pair(ia, busy_poll_us=100_000).connect()
+    try:
+        a, b = pair.eps
+        got: List[Any] = []
+        b.recv_evd.set_callback(got.extend)
+        for i in range(5):
+            b.post_recv(pair.lmrs[1][i * 8:(i + 1) * 8], cookie=i)
+        for i in range(5):
+            a.post_send(put(pair.lmrs[0], b"x"))
+            await asyncio.sleep(0.02)
+        for _ in range(300):
+            if len(got) == 5:
+                break
+            await asyncio.sleep(0.01)
+        assert [ev.cookie for ev in got] == list(range(5))
+        b.recv_evd.set_callback(None)
+        await asyncio.sleep(0.2)  # the poller stops and leaves the CQ to the waits
+        b.post_recv(pair.lmrs[1][0:8], cookie="wait")
+        a.post_send(put(pair.lmrs[0], b"y"))
+        (ev,) = await b.recv_evd.wait(timeout=T)
+        assert ev.cookie == "wait"
+    finally:
+        pair.close()
+
+
+async def test_a_list_of_one_segment_posts_like_a_bare_one(ep_pair: Any) -> None:
+    ep_pair.server.post_recv([ep_pair.server_lmr[0:16]], cookie="r")
+    ep_pair.client.post_send([put(ep_pair.client_lmr, b"one segment")], cookie="s")
+    (ev,) = await ep_pair.server.recv_evd.wait(timeout=T)
+    assert ev.cookie == "r" and ev.transferred_length == len(b"one segment")
+    (sent,) = await ep_pair.client.request_evd.wait(timeout=T)
+    assert sent.cookie == "s" and sent.ok
