@@ -11,8 +11,21 @@ from aiodat import bench
 from aiodat.bench.connect import cmtime_connect_us, cmtime_cycle_us
 from aiodat.cli import main
 
-# the client's table of cmtime (rdmacm-utils 44) for -c 20 in the test bed
-CMTIME_OUT = """\tCreating IDs
+# the client's output of cmtime (rdmacm-utils 44, Debian 12) for -c 20 in the test bed
+CMTIME_44 = """creating id
+resolving address
+step              total ms     max ms     min us  us / conn
+create id    :        4.89       0.16      18.00     244.35
+resolve addr :       47.70      40.59   31301.00    2385.00
+resolve route:       13.10      11.13    5022.00     654.75
+create qp    :       31.83      15.63     373.00    1591.45
+connect      :      400.80     374.38  171183.00   20040.20
+disconnect   :      229.17     149.12   17121.00   11458.35
+destroy      :        1.69       0.56      28.00      84.35
+"""
+
+# the layout of newer cmtime (a "full connect" row, times in us)
+CMTIME_NEW = """\tCreating IDs
 \tResolving addresses
 step              us/conn    sum(us)    max(us)    min(us)  total(us)   avg/iter
 full connect :       9000     180000      12000       6000      40000       2000
@@ -25,8 +38,18 @@ destroy qp   :         40        800         60         20        800         40
 """
 
 
-def test_parse_cmtime() -> None:
-    steps = bench.parse_cmtime(CMTIME_OUT)
+def test_parse_cmtime_44() -> None:
+    steps = bench.parse_cmtime(CMTIME_44)
+    assert list(steps) == ["create id", "resolve addr", "resolve route", "create qp", "connect", "disconnect",
+                           "destroy"]
+    assert steps["resolve route"] == {"total(ms)": 13.10, "max(ms)": 11.13, "min(us)": 5022.0, "us/conn": 654.75}
+    connect = (4.89 + 47.70 + 13.10 + 31.83 + 400.80) * 1000 / 20
+    assert cmtime_connect_us(steps, 20) == pytest.approx(connect)
+    assert cmtime_cycle_us(steps, 20) == pytest.approx(connect + (229.17 + 1.69) * 1000 / 20)
+
+
+def test_parse_cmtime_newer() -> None:
+    steps = bench.parse_cmtime(CMTIME_NEW)
     assert steps["full connect"] == {"us/conn": 9000, "sum(us)": 180000, "max(us)": 12000, "min(us)": 6000,
                                      "total(us)": 40000, "avg/iter": 2000}
     assert set(steps) == {"full connect", "create id", "resolve addr", "cm connect", "disconnect", "destroy id",

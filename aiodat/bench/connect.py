@@ -2,11 +2,10 @@
 
 cmtime's client creates N rdma_cm ids, resolves all addresses, then all
 routes, makes all QPs and connects them all, each step for every connection
-before the next; the server accepts them on a thread and then disconnects
-them.  It prints one row per step with the wall time of the step over all
-connections (``total(us)``) and that divided by N (``avg/iter``); its
-"full connect" row is the wall time from the first id to the last connection
-established.
+before the next; the server accepts them and then disconnects them.  It
+prints one row per step with the wall time of the step over all connections
+(and, in newer versions, a "full connect" row: first id to last connection
+established); see :func:`parse_cmtime`.
 
 aiodat's side, in one process on one loop: a PSP accepts N connections (an EP
 each, one shared DTO EVD) while N client EPs connect concurrently
@@ -54,19 +53,29 @@ class CmtimeResult:
         return cmtime_cycle_us(self.steps, self.connections) if self.ok else None
 
 
-_ROW = re.compile(r"^\s*([a-z][a-z ]*?)\s*:\s+(-?\d+(?:\s+-?\d+)*)\s*$")
+_NUM = r"-?\d+(?:\.\d+)?"
+_ROW = re.compile(rf"^\s*([a-z][a-z ]*?)\s*:\s+({_NUM}(?:\s+{_NUM})*)\s*$")
+#: rdmacm-utils up to 44 prints "step  total ms  max ms  min us  us / conn"
+_OLD_HEADER = ["total(ms)", "max(ms)", "min(us)", "us/conn"]
 _TEARDOWN = ("disconnect", "destroy", "destroy id", "destroy qp")
 
 
 def parse_cmtime(output: str) -> Dict[str, Dict[str, float]]:
-    """cmtime's step table: ``{step: {column: value}}`` with the header's column names
-    (``us/conn``, ``sum(us)``, ``max(us)``, ``min(us)``, ``total(us)``, ``avg/iter``)."""
+    """cmtime's step table: ``{step: {column: value}}``.
+
+    Two layouts exist: rdmacm-utils 44 (Debian 12) prints ``step total ms max
+    ms min us us / conn`` (columns named ``total(ms)``, ``max(ms)``,
+    ``min(us)``, ``us/conn`` here) and steps from "create id" to "destroy";
+    newer ones print ``step us/conn sum(us) max(us) min(us) total(us)
+    avg/iter`` (names kept) and a "full connect" row.  ``total`` is the
+    step's wall time over all connections.
+    """
     header = None
     steps: Dict[str, Dict[str, float]] = {}
     for line in output.splitlines():
         parts = line.split()
         if parts and parts[0] == "step":
-            header = parts[1:]
+            header = _OLD_HEADER if "ms" in parts else parts[1:]
             continue
         m = _ROW.match(line)
         if header is None or not m:
@@ -78,7 +87,10 @@ def parse_cmtime(output: str) -> Dict[str, Dict[str, float]]:
 
 
 def _total(row: Dict[str, float]) -> float:
-    return row.get("total(us)", 0.0)
+    """A step's wall time over all connections, in us, in either layout."""
+    if "total(us)" in row:
+        return row["total(us)"]
+    return row.get("total(ms)", 0.0) * 1000.0
 
 
 def cmtime_connect_us(steps: Dict[str, Dict[str, float]], connections: int) -> Optional[float]:
