@@ -209,7 +209,7 @@ def connect(connections: int = 100, loop: str = "asyncio", *, repeat: int = 3, c
     a_conn = report.figure("aiodat_connect", "aiodat connect+accept", "us")
     a_cycle = report.figure("aiodat_cycle", "aiodat connect+disconnect+free", "us")
     if cmtime:
-        c_conn = report.figure("cmtime_connect", "cmtime full connect", "us")
+        c_conn = report.figure("cmtime_connect", "cmtime connect (set-up steps)", "us")
         c_cycle = report.figure("cmtime_cycle", "cmtime connect+disconnect+destroy", "us")
         report.compare("aiodat_connect", "cmtime_connect", "aiodat / cmtime connect")
         report.compare("aiodat_cycle", "cmtime_cycle", "aiodat / cmtime whole cycle")
