@@ -7,8 +7,10 @@ Subcommands::
     aiodat rxe status | run [...] -- CMD   the rxe test bed (aiodat.testbed)
     aiodat ping HOST PORT [--count N]   send/recv round trips to an echo server
     aiodat ping --server PORT           answer pings (an echo server)
-    aiodat bench latency [...]          aiodat's ping-pong beside ib_send_lat -R -e and ib_send_lat -R
-    aiodat bench streams [...]          aiodat streams vs asyncio TCP streams (throughput, round trips)
+    aiodat bench latency [...]          aiodat's ping-pong beside pyverbs and ib_send_lat -R (-e)
+    aiodat bench rate|bandwidth [...]   streaming sends / RDMA writes beside ib_send_bw / ib_write_bw -R
+    aiodat bench streams [...]          aiodat streams vs rstream and asyncio TCP (throughput, round trips)
+    aiodat bench connect [...]          connection set-up beside cmtime
 
 Exit status: 0 success, 1 failure (no device, a DAT error, ...), 2 usage
 error.  See docs/cli.md.
@@ -66,36 +68,43 @@ def _parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", metavar="BENCHMARK")
     bsub.required = True
     lat = bsub.add_parser(
-        "latency", help="send/recv ping-pong vs ib_send_lat -R -e and ib_send_lat -R",
-        description="aiodat's send/recv ping-pong awaiting evd.wait() on both sides, beside "
-                    "ib_send_lat -R -e (sleeps on CQ events) and ib_send_lat -R (busy polling), "
-                    "same size and iterations, in the same run.  Figures are half round trips (us).")
-    lat.add_argument("--size", "-s", type=int, default=2, help="message size in bytes (default 2)")
+        "latency", help="send/recv ping-pong vs pyverbs and ib_send_lat -R (-e)",
+        description="aiodat's send/recv ping-pong in one process (await, callback and busypoll modes) beside "
+                    "the same ping-pong written with pyverbs (event and poll mode) and ib_send_lat -R -e / "
+                    "ib_send_lat -R, same size and iterations, in the same run.  Figures are round-trip "
+                    "medians (us; perftest's half round trips doubled); ratios are aiodat / peer within a "
+                    "round, and the median of the rounds.")
+    lat.add_argument("--size", "-s", type=int, default=64, help="message size in bytes (default 64)")
     lat.add_argument("--iters", "-n", type=int, default=1000, help="measured iterations (default 1000)")
-    lat.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)")
+    lat.add_argument("--mode", action="append", choices=("await", "callback", "busypoll"), default=None,
+                     help="aiodat's way to wait: await (evd.wait), callback (evd.set_callback), busypoll "
+                          "(create_evd(busy_poll_us=N)); repeat the flag for several (default: all three)")
+    lat.add_argument("--busy-poll-us", type=int, default=50, help="busy_poll_us of --mode busypoll (default 50)")
     lat.add_argument("--processes", type=int, choices=(1, 2), default=1,
-                     help="1: client and server tasks in one process (default); 2: server in a child process")
-    lat.add_argument("--no-perftest", action="store_true", help="measure aiodat only")
-    lat.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
-    lat.add_argument("--json", action="store_true", help="print the figures as JSON")
+                     help="1: client and server in one process (default); 2: aiodat's server in a child process")
+    lat.add_argument("--no-perftest", action="store_true", help="skip ib_send_lat")
+    lat.add_argument("--no-pyverbs", action="store_true", help="skip the pyverbs ping-pong")
+    _common_bench_args(lat)
     st = bsub.add_parser(
-        "streams", help="aiodat streams vs asyncio TCP streams (throughput, 64-byte round trips)",
-        description="The same asyncio-streams code over aiodat (RDMA, the device's address) and over "
-                    "asyncio (TCP, 127.0.0.1) on one loop: throughput of WRITE_SIZE writes + drain(), "
-                    "and round trips of SIZE-byte requests/responses (median, p99, microseconds).")
+        "streams", help="aiodat streams vs rstream (rsockets) and asyncio TCP (throughput, round trips)",
+        description="The same asyncio-streams code over aiodat (RDMA) and over asyncio (TCP), beside librdmacm's "
+                    "rstream, in one guest: throughput of WRITE_SIZE writes + drain() and the median round "
+                    "trip of SIZE-byte requests/responses; ratios aiodat / peer per round and their median.  "
+                    "--two-hosts (inside `aiodat rxe run --hosts 2`): the servers run on host B, aiodat and "
+                    "asyncio TCP over the same virtio link.")
     st.add_argument("--write-size", type=int, default=65536, help="bytes per write (default 65536)")
     st.add_argument("--total", type=int, default=8 << 20, help="bytes to send for throughput (default 8 MiB)")
     st.add_argument("--size", "-s", type=int, default=64, help="request/response size (default 64)")
     st.add_argument("--iters", "-n", type=int, default=1000, help="measured round trips (default 1000)")
-    st.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)")
-    st.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
-    st.add_argument("--no-perftest", action="store_true", help="skip the perftest ceiling figures")
-    st.add_argument("--json", action="store_true", help="print the figures as JSON")
+    st.add_argument("--no-rstream", action="store_true", help="skip rstream")
+    st.add_argument("--two-hosts", action="store_true",
+                    help="servers on host B of `aiodat rxe run --hosts 2`, client here (aiodat vs asyncio TCP)")
+    _common_bench_args(st)
     bw = bsub.add_parser(
         "bandwidth", help="RDMA write/read or send bandwidth vs ib_write_bw/ib_read_bw/ib_send_bw -R",
         description="aiodat streams SIZE-byte operations with up to DEPTH in flight, posted in batches "
                     "(one crossing into C per batch, one completion per batch), then runs the perftest "
-                    "tool with the same size, depth and iterations; prints both and the ratio.")
+                    "tool with the same size, depth and iterations; per round, and the median ratio.")
     bw.add_argument("--op", choices=("write", "read", "send"), default="write", help="operation (default write)")
     bw.add_argument("--size", "-s", type=int, default=65536, help="bytes per operation (default 65536)")
     bw.add_argument("--depth", "-t", type=int, default=64, help="requests in flight (default 64)")
@@ -104,19 +113,27 @@ def _parser() -> argparse.ArgumentParser:
     rt = bsub.add_parser(
         "rate", help="small-message send rate vs ib_send_bw -R",
         description="aiodat's send message rate (SIZE-byte sends, DEPTH in flight, batched posts) beside "
-                    "ib_send_bw -R with the same size, depth and iterations; prints Mpps and the ratio.")
+                    "ib_send_bw -R with the same size, depth and iterations; Mpps per round, median ratio.")
     rt.add_argument("--size", "-s", type=int, default=64, help="bytes per message (default 64)")
     rt.add_argument("--depth", "-t", type=int, default=128, help="sends in flight (default 128)")
     rt.add_argument("--iters", "-n", type=int, default=20000, help="messages (default 20000)")
     rt.add_argument("--batch", type=int, default=32, help="sends per batch post (default 32)")
     for sp in (bw, rt):
-        sp.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)")
+        sp.add_argument("--mode", action="append", choices=("await", "callback", "busypoll"), default=None,
+                        help="how the sender learns of completions (default: all three)")
+        sp.add_argument("--busy-poll-us", type=int, default=50, help="busy_poll_us of --mode busypoll (default 50)")
         sp.add_argument("--no-perftest", action="store_true", help="measure aiodat only")
         sp.add_argument("--processes", type=int, choices=(1, 2), default=2,
                         help="2 (default): the receiving side is a child process, as perftest runs its two "
                              "sides; 1: both sides on one loop")
-        sp.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
-        sp.add_argument("--json", action="store_true", help="print the figures as JSON")
+        _common_bench_args(sp)
+    cn = bsub.add_parser(
+        "connect", help="connection set-up rate vs cmtime",
+        description="aiodat connects N EP pairs at once (connect + accept), then disconnects and frees them; "
+                    "beside cmtime -c N in the same run.  Per-connection times (us) and ratios.")
+    cn.add_argument("--connections", "-c", type=int, default=100, help="connections (default 100, as cmtime)")
+    cn.add_argument("--no-cmtime", action="store_true", help="measure aiodat only")
+    _common_bench_args(cn)
     so = bsub.add_parser(
         "soak", help="many connections doing mixed operations for a while; checks nothing grows",
         description="CONNECTIONS connections on one device doing send/recv ping-pong, RDMA write + "
@@ -160,6 +177,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_bench_dask(args)
         if args.command == "bench" and args.bench == "soak":
             return cmd_bench_soak(args)
+        if args.command == "bench" and args.bench == "connect":
+            return cmd_bench_connect(args)
         if args.command == "bench":
             return cmd_bench_latency(args)
     except ImportError as exc:
@@ -418,16 +437,36 @@ def _run_bench(name: str, args: argparse.Namespace, run: Callable[[], Any],
     return 0 if getattr(report, "ok", True) else 1
 
 
+def _common_bench_args(sp: argparse.ArgumentParser) -> None:
+    """--loop, --repeat, --device and --json, shared by the comparisons."""
+    sp.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)")
+    sp.add_argument("--repeat", type=int, default=3,
+                    help="rounds: every figure is taken N times and each ratio is the median of the rounds' "
+                         "ratios (default 3)")
+    sp.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
+    sp.add_argument("--json", action="store_true", help="print the figures as JSON")
+    sp.add_argument("--progress", action="store_true", help="say on stderr what runs, as it starts")
+
+
+def _progress(args: argparse.Namespace) -> Optional[Callable[[str], None]]:
+    """Progress lines on stderr (``--progress``), else None."""
+    if not getattr(args, "progress", False):
+        return None
+    return lambda what: print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     """``aiodat bench latency``: see :func:`aiodat.bench.bench_latency`."""
     from aiodat import bench
 
-    if args.size < 1 or args.iters < 1:
-        _err("aiodat bench latency: error: --size and --iters must be >= 1")
+    if args.size < 1 or args.iters < 1 or args.repeat < 1 or args.busy_poll_us < 0:
+        _err("aiodat bench latency: error: --size and --iters must be >= 1, --repeat >= 1, --busy-poll-us >= 0")
         return 2
+    modes = tuple(dict.fromkeys(args.mode)) if args.mode else bench.MODES
     return _run_bench("aiodat bench latency", args, lambda: bench.bench_latency(
-        args.size, args.iters, args.loop, perftest=not args.no_perftest, processes=args.processes,
-        device=args.device))
+        args.size, args.iters, args.loop, repeat=args.repeat, modes=modes, busy_poll_us=args.busy_poll_us,
+        perftest=not args.no_perftest, pyverbs=not args.no_pyverbs, processes=args.processes,
+        device=args.device, progress=_progress(args)), (RuntimeError, AssertionError))
 
 
 def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
@@ -435,17 +474,21 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     from aiodat import bench
 
     name = f"aiodat bench {args.bench}"
-    if min(args.size, args.depth, args.iters, args.batch) < 1 or args.batch > args.depth:
-        _err(f"{name}: error: --size, --depth, --iters and --batch must be >= 1, and --batch <= --depth")
+    if min(args.size, args.depth, args.iters, args.batch, args.repeat) < 1 or args.batch > args.depth \
+            or args.busy_poll_us < 0:
+        _err(f"{name}: error: --size, --depth, --iters, --batch and --repeat must be >= 1, --batch <= --depth, "
+             f"--busy-poll-us >= 0")
         return 2
+    modes = tuple(dict.fromkeys(args.mode)) if args.mode else bench.MODES
+    common = dict(batch=args.batch, repeat=args.repeat, modes=modes, busy_poll_us=args.busy_poll_us,
+                  perftest=not args.no_perftest, device=args.device, processes=args.processes,
+                  progress=_progress(args))
     if args.bench == "rate":
         def run() -> Any:
-            return bench.rate(args.size, args.depth, args.iters, args.loop, batch=args.batch,
-                              perftest=not args.no_perftest, device=args.device, processes=args.processes)
+            return bench.rate(args.size, args.depth, args.iters, args.loop, **common)
     else:
         def run() -> Any:
-            return bench.bandwidth(args.op, args.size, args.depth, args.iters, args.loop, batch=args.batch,
-                                   perftest=not args.no_perftest, device=args.device, processes=args.processes)
+            return bench.bandwidth(args.op, args.size, args.depth, args.iters, args.loop, **common)
     return _run_bench(name, args, run, (RuntimeError, AssertionError))
 
 
@@ -453,12 +496,33 @@ def cmd_bench_streams(args: argparse.Namespace) -> int:
     """``aiodat bench streams``: see :func:`aiodat.bench.streams`."""
     from aiodat import bench
 
-    if args.write_size < 1 or args.total < args.write_size or args.size < 1 or args.iters < 1:
-        _err("aiodat bench streams: error: --write-size, --size and --iters must be >= 1, --total >= --write-size")
+    if args.write_size < 1 or args.total < args.write_size or args.size < 1 or args.iters < 1 or args.repeat < 1:
+        _err("aiodat bench streams: error: --write-size, --size, --iters and --repeat must be >= 1, "
+             "--total >= --write-size")
         return 2
+    if args.two_hosts:
+        from aiodat.testbed import hosts
+
+        if not hosts.available():
+            _err("aiodat bench streams: --two-hosts runs inside `aiodat rxe run --hosts 2 -- aiodat bench "
+                 "streams --two-hosts`")
+            return 1
     return _run_bench("aiodat bench streams", args, lambda: bench.streams(
-        args.write_size, args.total, args.size, args.iters, args.loop, device=args.device,
-        perftest=not args.no_perftest))
+        args.write_size, args.total, args.size, args.iters, args.loop, repeat=args.repeat, device=args.device,
+        rstream=not args.no_rstream, two_hosts=args.two_hosts, progress=_progress(args)),
+        (RuntimeError, AssertionError))
+
+
+def cmd_bench_connect(args: argparse.Namespace) -> int:
+    """``aiodat bench connect``: see :func:`aiodat.bench.connect`."""
+    from aiodat import bench
+
+    if args.connections < 1 or args.repeat < 1:
+        _err("aiodat bench connect: error: --connections and --repeat must be >= 1")
+        return 2
+    return _run_bench("aiodat bench connect", args, lambda: bench.connect(
+        args.connections, args.loop, repeat=args.repeat, cmtime=not args.no_cmtime, device=args.device,
+        progress=_progress(args)), (RuntimeError, AssertionError))
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:

@@ -696,33 +696,3 @@ def test_config_validation_host() -> None:
     with pytest.raises(aiodat.InvalidParameter, match="window_size"):
         aiodat_streams.StreamConfig(window_size=100).validate()
     assert aiodat_streams.HEADER.size == 8
-
-
-# -- aiodat bench streams -----------------------------------------------------------------------------
-
-
-@pytest.mark.rxe
-def test_bench_streams_cli(rdma_device: Any) -> None:
-    """`aiodat bench streams --json` measures both transports and reports the RDMA path it used."""
-    import json
-
-    out = subprocess.run([sys.executable, "-m", "aiodat", "bench", "streams", "--total", str(1 << 20),
-                          "--iters", "50", "--no-perftest", "--json"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    assert report["address"] == rdma_device.address and report["write_size"] == 65536
-    for side in ("rdma", "tcp"):
-        figures = report[side]
-        assert figures["throughput_mb_s"] > 0 and 0 < figures["rtt_median_us"] <= figures["rtt_p99_us"]
-    assert report["rdma"]["extra"]["bytes_sent"] == 1 << 20
-
-
-def test_bench_streams_without_device_says_how() -> None:
-    """Without a device the subcommand fails with exit status 1 and says how to get one."""
-    from aiodat.testing.plugin import find_device
-
-    if find_device() is not None:
-        pytest.skip("this machine has an RDMA device")
-    out = subprocess.run([sys.executable, "-m", "aiodat", "bench", "streams", "--no-perftest"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "aiodat rxe run" in out.stderr

@@ -1,7 +1,8 @@
 """The child of a two-process benchmark (started by ``aiodat bench``, see :mod:`aiodat.bench.peer`):
 
-``python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL LOOP``: the server of a ping-pong;
-``python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP``: the receiving side of a bandwidth run.
+``python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL [MODE BUSY_POLL_US] LOOP``: the server of a ping-pong;
+``python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP``: the receiving side of a bandwidth run;
+``python -m aiodat.bench stream-server rdma|tcp HOST PORT LOOP``: the streams server on host B (two hosts).
 """
 from __future__ import annotations
 
@@ -10,21 +11,28 @@ from typing import Sequence
 
 from .harness import run_on_loop
 from .latency import pong_process
+from .streams_vs_tcp import stream_server_process
 from .throughput import sink_process
 
 
 def main(argv: Sequence[str]) -> int:
     """Run the child named by ``argv[0]``; 2 with a usage line for anything else."""
-    if len(argv) == 6 and argv[0] == "pong":
-        _, device, address, size, total, loop_name = argv
-        run_on_loop(loop_name, lambda: pong_process(device, address, int(size), int(total)))
+    if len(argv) in (6, 8) and argv[0] == "pong":
+        device, address, size, total = argv[1:5]
+        mode, busy = (argv[5], int(argv[6])) if len(argv) == 8 else ("await", 0)
+        run_on_loop(argv[-1], lambda: pong_process(device, address, int(size), int(total), mode, busy))
+        return 0
+    if len(argv) == 5 and argv[0] == "stream-server":
+        _, transport, host, port, loop_name = argv
+        run_on_loop(loop_name, lambda: stream_server_process(transport, host, int(port)))
         return 0
     if len(argv) == 7 and argv[0] == "sink":
         _, device, op, size, depth, total, loop_name = argv
         run_on_loop(loop_name, lambda: sink_process(device, op, int(size), int(depth), int(total)))
         return 0
-    print("usage: python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL LOOP\n"
-          "       python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP  (children of aiodat bench)")
+    print("usage: python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL [MODE BUSY_POLL_US] LOOP\n"
+          "       python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP\n"
+          "       python -m aiodat.bench stream-server rdma|tcp HOST PORT LOOP  (children of aiodat bench)")
     return 2
 
 

@@ -69,7 +69,8 @@ def _perftest_port() -> int:
 
 
 def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: str,
-                      timeout: float = 300.0, start_delay: float = 1.0) -> PerftestResult:
+                      timeout: float = 300.0, start_delay: float = 1.0,
+                      prefix: Sequence[str] = ()) -> PerftestResult:
     """Run perftest ``tool`` as a server and a client on ``address`` over rdma_cm (``-R``).
 
     Both processes get ``-d device -R -F -p PORT`` plus ``args``; the client
@@ -83,7 +84,7 @@ def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: s
         return PerftestResult(tool, tuple(args), None, "",
                               error=f"{tool} not found (install the Debian package perftest)")
     port = str(_perftest_port())
-    common = [path, "-d", device, "-R", "-F", "-p", port, *args]
+    common = [*prefix, path, "-d", device, "-R", "-F", "-p", port, *args]
     deadline = time.monotonic() + timeout
     server = subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL, text=True)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -20,3 +20,16 @@ def ratio(ours: float, theirs: Optional[float]) -> Optional[float]:
     loaded TCG guest), and 0 or nothing when it failed: no ratio then.
     """
     return ours / theirs if theirs and math.isfinite(theirs) else None
+
+
+def median(values: Iterable[Optional[float]]) -> Optional[float]:
+    """The median of the finite values (mean of the middle two for an even count); None when there are none.
+
+    Used for the median of per-round figures and ratios (``--repeat``); a
+    round that could not measure a figure contributes None and is left out.
+    """
+    finite = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not finite:
+        return None
+    mid = len(finite) // 2
+    return finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2

@@ -1,211 +1,225 @@
-"""``aiodat bench streams``: aiodat streams beside asyncio TCP streams, on loopback in the same machine.
+"""``aiodat bench streams``: aiodat streams beside librdmacm's ``rstream`` (rsockets) and asyncio TCP streams.
 
-Two figures, each taken for both transports one after the other on the same
-event loop, with the same code (only ``open_connection`` / ``start_server``
-differ, as in examples/kvstore.py):
+Two figures, each taken per round for every transport, one after the other:
 
 * throughput: one client writes ``total`` bytes in ``write_size`` writes
-  (``write`` + ``await drain()``), a server reads until EOF; MB/s from the first
-  write to the server seeing EOF;
-* latency: ``iters`` round trips of a ``size``-byte request and a ``size``-byte
-  response (``write``, ``drain``, ``readexactly``); median and 99th percentile
-  of the full round trip in microseconds.
+  (``write`` + ``await drain()``) to a server that reads them and answers with
+  an 8-byte count; MB/s (10**6 bytes) from the first write to the answer;
+* round trip: ``iters`` round trips of a ``size``-byte request and a
+  ``size``-byte response (``write``, ``drain``, ``readexactly``); the median in us.
 
-TCP runs on 127.0.0.1, RDMA on the device's address (rxe runs over the
-guest's own network stack, so both are "loopback" in the same guest).
+aiodat and asyncio run the same code (only ``open_connection`` /
+``start_server`` differ).  In one guest (the default), aiodat runs on the
+device's address, TCP on 127.0.0.1 and rstream on the device's address
+(``-S write_size -C total/write_size -I 1`` and ``-S size -C 1 -I iters``).
+With ``two_hosts`` (inside ``aiodat rxe run --hosts 2``), the server of aiodat
+and of asyncio TCP runs on host B (``python -m aiodat.bench stream-server``,
+started through :mod:`aiodat.testbed.hosts`) and the client on host A, over
+the same virtio link (aiodat on B's rxe address, TCP on the same address).
 """
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import struct
+import sys
 import time
-from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
 from .harness import device_and_address, run_on_loop
-from .perftest import run_perftest_pair
+from .rounds import Comparison
+from .rstream import run_rstream_pair
 from .stats import percentile
 
-
-@dataclass
-class StreamsFigures:
-    """One transport's figures."""
-
-    transport: str
-    throughput_mb_s: float
-    rtt_median_us: float
-    rtt_p99_us: float
-    extra: Dict[str, Any] = field(default_factory=dict)
+_SINK, _ECHO = b"S", b"E"
+_HEAD = struct.Struct("!cQ")  # kind, then the total bytes (sink) or the message size (echo)
 
 
-@dataclass
-class StreamsReport:
-    """What ``aiodat bench streams`` measured: aiodat (RDMA) and asyncio (TCP) figures side by side."""
-
-    loop: str
-    device: str
-    address: str
-    write_size: int
-    total: int
-    size: int
-    iters: int
-    rdma: StreamsFigures
-    tcp: StreamsFigures
-    #: the device's own ceiling in the same run (perftest, C, no Python): MB/s and round-trip us
-    perftest: Dict[str, Optional[float]] = field(default_factory=dict)
-
-    def as_dict(self) -> Dict[str, Any]:
-        """The report as plain data (for --json)."""
-        return asdict(self)
-
-    def format(self) -> str:
-        """A small table, RDMA beside TCP, with the ratio."""
-        r, t = self.rdma, self.tcp
-
-        def ratio(a: float, b: float) -> str:
-            return f"{a / b:.2f}x" if b else "-"
-
-        lines = [
-            f"aiodat bench streams  loop={self.loop}  device={self.device} ({self.address})",
-            f"  throughput: {self.total // 1024} KiB in {self.write_size}-byte writes + drain();"
-            f" latency: {self.iters} round trips of {self.size} bytes each way",
-            "",
-            f"  {'':<28} {'aiodat (RDMA)':>14} {'asyncio (TCP)':>14} {'RDMA/TCP':>9}",
-            f"  {'throughput MB/s':<28} {r.throughput_mb_s:>14.1f} {t.throughput_mb_s:>14.1f}"
-            f" {ratio(r.throughput_mb_s, t.throughput_mb_s):>9}",
-            f"  {'round trip median us':<28} {r.rtt_median_us:>14.1f} {t.rtt_median_us:>14.1f}"
-            f" {ratio(r.rtt_median_us, t.rtt_median_us):>9}",
-            f"  {'round trip p99 us':<28} {r.rtt_p99_us:>14.1f} {t.rtt_p99_us:>14.1f}"
-            f" {ratio(r.rtt_p99_us, t.rtt_p99_us):>9}",
-        ]
-        labels = {"ib_write_bw_mb_s": "ib_write_bw -R MB/s", "ib_send_bw_mb_s": "ib_send_bw -R MB/s",
-                  "ib_send_lat_e_rtt_us": "ib_send_lat -R -e round trip us"}
-        for key, label in labels.items():
-            if key in self.perftest:
-                value = self.perftest[key]
-                lines.append(f"  {label:<34} {'-' if value is None else f'{value:.1f}':>8}   (device ceiling, same run)")
-        if r.extra:
-            lines.append(f"  RDMA path: {r.extra}")
-        return "\n".join(lines)
-
-
-async def _throughput(streams: ModuleType, host: str, write_size: int, total: int) -> Dict[str, Any]:
-    done: "asyncio.Future[int]" = asyncio.get_running_loop().create_future()
-
-    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        got = 0
-        while True:
-            chunk = await reader.read(1 << 20)
-            if not chunk:
-                break
-            got += len(chunk)
-        if not done.done():
-            done.set_result(got)
+async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One benchmark connection: a sink (read N bytes, answer N) or an echo of fixed-size messages."""
+    try:
+        kind, n = _HEAD.unpack(await reader.readexactly(_HEAD.size))
+        if kind == _SINK:
+            got = 0
+            while got < n:
+                chunk = await reader.read(1 << 20)
+                if not chunk:
+                    break
+                got += len(chunk)
+            writer.write(struct.pack("!Q", got))
+            await writer.drain()
+        else:
+            while True:
+                writer.write(await reader.readexactly(n))
+                await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
         writer.close()
 
-    server = await streams.start_server(sink, host, 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
-        reader, writer = await streams.open_connection(host, port)
-        block = bytes(range(256)) * (write_size // 256 + 1)
-        block = block[:write_size]
-        count = total // write_size
+
+async def start_stream_server(streams: ModuleType, host: str, port: int = 0) -> Any:
+    """Start the benchmark server (sink and echo) with ``streams.start_server``; returns the server."""
+    return await streams.start_server(_serve_one, host, port)
+
+
+async def throughput(streams: ModuleType, host: str, port: int, write_size: int, total: int) -> float:
+    """MB/s of ``total`` bytes written in ``write_size`` writes + drain, until the server's count arrives."""
+    reader, writer = await streams.open_connection(host, port)
+    block = (bytes(range(256)) * (write_size // 256 + 1))[:write_size]
+    count = total // write_size
+    try:
         start = time.perf_counter()
+        writer.write(_HEAD.pack(_SINK, count * write_size))
         for _ in range(count):
             writer.write(block)
             await writer.drain()
-        writer.write_eof()
-        got = await done
+        (got,) = struct.unpack("!Q", await reader.readexactly(8))
         elapsed = time.perf_counter() - start
-        stats = dict(getattr(writer.transport, "stats", {}))
+    finally:
         writer.close()
         await writer.wait_closed()
     if got != count * write_size:
         raise AssertionError(f"the server received {got} bytes of {count * write_size}")
-    return {"mb_s": got / elapsed / 1e6, "stats": stats}
+    return got / elapsed / 1e6
 
 
-async def _latency(streams: ModuleType, host: str, size: int, iters: int) -> List[float]:
-    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                request = await reader.readexactly(size)
-                writer.write(request)
-                await writer.drain()
-        except asyncio.IncompleteReadError:
-            pass
-        writer.close()
-
-    server = await streams.start_server(echo, host, 0)
-    port = server.sockets[0].getsockname()[1]
+async def round_trips(streams: ModuleType, host: str, port: int, size: int, iters: int) -> List[float]:
+    """The sorted round trips (us) of ``iters`` ``size``-byte requests echoed back (after a warm-up)."""
+    reader, writer = await streams.open_connection(host, port)
+    request = bytes(i & 0xFF for i in range(size))
     samples: List[float] = []
-    async with server:
-        reader, writer = await streams.open_connection(host, port)
-        request = bytes(i & 0xFF for i in range(size))
+    try:
+        writer.write(_HEAD.pack(_ECHO, size))
         warmup = max(10, iters // 10)
+        clock = time.perf_counter
         for i in range(warmup + iters):
-            start = time.perf_counter()
+            start = clock()
             writer.write(request)
             await writer.drain()
             reply = await reader.readexactly(size)
             if i >= warmup:
-                samples.append((time.perf_counter() - start) * 1e6)
+                samples.append((clock() - start) * 1e6)
             if reply != request:
                 raise AssertionError("the echo came back different")
+    finally:
         writer.close()
         await writer.wait_closed()
     return sorted(samples)
 
 
-async def measure(transport: str, streams: ModuleType, host: str, write_size: int, total: int, size: int,
-                  iters: int) -> StreamsFigures:
-    """Both figures for one transport."""
-    tput = await _throughput(streams, host, write_size, total)
-    rtts = await _latency(streams, host, size, iters)
-    return StreamsFigures(transport, tput["mb_s"], percentile(rtts, 50), percentile(rtts, 99), tput["stats"])
+async def measure_local(streams: ModuleType, host: str, write_size: int, total: int, size: int,
+                        iters: int) -> tuple:
+    """Both figures for one transport with the server in this process: (MB/s, round-trip median us)."""
+    server = await start_stream_server(streams, host)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        mb_s = await throughput(streams, host, port, write_size, total)
+        rtts = await round_trips(streams, host, port, size, iters)
+    return mb_s, percentile(rtts, 50)
 
 
-def _perftest(device: str, address: str, write_size: int, total: int, size: int,
-              iters: int) -> Dict[str, Optional[float]]:
-    n = str(max(5, total // write_size))
-    out: Dict[str, Optional[float]] = {}
-    for key, tool in (("ib_write_bw_mb_s", "ib_write_bw"), ("ib_send_bw_mb_s", "ib_send_bw")):
-        res = run_perftest_pair(tool, ["-s", str(write_size), "-n", n], device=device, address=address)
-        out[key] = res.value("BW_average[MB/sec]") if res.ok else None
-    res = run_perftest_pair("ib_send_lat", ["-s", str(size), "-n", str(iters), "-e"], device=device,
-                            address=address)
-    typical = res.value("t_typical[usec]") if res.ok else None
-    out["ib_send_lat_e_rtt_us"] = None if typical is None else 2 * typical  # perftest prints half round trips
-    return out
+async def measure_remote(streams: ModuleType, transport: str, host: str, write_size: int, total: int,
+                         size: int, iters: int, loop_name: str) -> tuple:
+    """Both figures for one transport with the server on the peer host of a two-host test bed."""
+    from aiodat.testbed import hosts
+
+    port = random.randint(40000, 49999)
+    proc = hosts.start_on(hosts.peer(), [sys.executable, "-m", "aiodat.bench", "stream-server", transport, host,
+                                         str(port), loop_name],
+                          env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, cwd=os.getcwd())
+    try:
+        deadline = time.monotonic() + 120
+        while "listening" not in proc.stdout():  # the server says so once it accepts
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the {transport} stream server on host {hosts.peer()} did not start: "
+                                   f"{proc.stderr()[-2000:]}")
+            await asyncio.sleep(0.1)
+        mb_s = await throughput(streams, host, port, write_size, total)
+        rtts = await round_trips(streams, host, port, size, iters)
+    finally:
+        proc.kill()
+    return mb_s, percentile(rtts, 50)
+
+
+async def stream_server_process(transport: str, host: str, port: int) -> None:
+    """``python -m aiodat.bench stream-server TRANSPORT HOST PORT LOOP``: serve until killed."""
+    import aiodat
+
+    server = await start_stream_server(aiodat if transport == "rdma" else asyncio, host, port)
+    print("listening", flush=True)
+    async with server:
+        await server.serve_forever()
 
 
 def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters: int = 1000,
-            loop: str = "asyncio", *, device: Optional[str] = None, address: Optional[str] = None,
-            tcp_host: str = "127.0.0.1", perftest: bool = True) -> StreamsReport:
-    """``aiodat bench streams``: aiodat streams beside asyncio TCP streams, same code, same loop, same machine.
+            loop: str = "asyncio", *, repeat: int = 3, device: Optional[str] = None,
+            address: Optional[str] = None, tcp_host: str = "127.0.0.1", rstream: bool = True,
+            two_hosts: bool = False, timeout: float = 300.0,
+            progress: Optional[Callable[[str], None]] = None) -> Comparison:
+    """``aiodat bench streams``: aiodat streams beside rstream and asyncio TCP (one guest), or beside asyncio
+    TCP between the two hosts of ``aiodat rxe run --hosts 2`` (``two_hosts``).
 
-    Throughput of ``total`` bytes in ``write_size``-byte ``write`` + ``drain``
-    calls, and ``iters`` round trips of ``size``-byte request/response
-    (median and p99), over aiodat on the device's address and over asyncio
-    TCP on ``tcp_host``; with ``perftest``, ``ib_write_bw``/``ib_send_bw -R`` and
-    ``ib_send_lat -R -e`` afterwards as the device's ceiling.
+    Each of ``repeat`` rounds takes throughput and the round-trip median of
+    every transport; ratios are aiodat / peer within a round, and their median.
     """
     from aiodat import InvalidParameter
 
     for name, value, low in (("write_size", write_size, 1), ("total", total, write_size), ("size", size, 1),
-                             ("iters", iters, 1)):
+                             ("iters", iters, 1), ("repeat", repeat, 1)):
         if not isinstance(value, int) or value < low:
             raise InvalidParameter(f"{name} must be an int >= {low}, got {value!r}")
     device, address = device_and_address(device, address)
+    setup = {"device": device, "address": address, "loop": loop, "write_size": write_size, "total": total,
+             "size": size, "iters": iters}
+    if two_hosts:
+        from aiodat.testbed import hosts
 
-    async def both() -> StreamsReport:
-        import aiodat
+        peer_addr = hosts.address(hosts.peer())
+        setup.update(hosts="2", server=peer_addr)
+    report = Comparison("aiodat bench streams", setup, repeat,
+                        title=f"throughput: {total // 1024} KiB in {write_size}-byte writes; round trip: "
+                              f"{size}-byte request and response, median")
+    where = " 2 hosts" if two_hosts else ""
+    tput = {"rdma": report.figure("aiodat_mb_s", f"aiodat streams{where} throughput", "MB/s"),
+            "tcp": report.figure("tcp_mb_s", f"asyncio TCP{where} throughput", "MB/s")}
+    rtt = {"rdma": report.figure("aiodat_rtt", f"aiodat streams{where} round trip", "us"),
+           "tcp": report.figure("tcp_rtt", f"asyncio TCP{where} round trip", "us")}
+    if rstream and not two_hosts:
+        tput["rstream"] = report.figure("rstream_mb_s", "rstream throughput", "MB/s")
+        rtt["rstream"] = report.figure("rstream_rtt", "rstream round trip (2 x usec/xfer)", "us")
+        report.compare("aiodat_mb_s", "rstream_mb_s", "aiodat / rstream throughput")
+        report.compare("aiodat_rtt", "rstream_rtt", "aiodat / rstream round trip")
+    report.compare("aiodat_mb_s", "tcp_mb_s", f"aiodat / TCP{where} throughput")
+    report.compare("aiodat_rtt", "tcp_rtt", f"aiodat / TCP{where} round trip")
 
-        rdma = await measure("rdma", aiodat, address, write_size, total, size, iters)
-        tcp = await measure("tcp", asyncio, tcp_host, write_size, total, size, iters)
-        return StreamsReport(loop, device, address, write_size, total, size, iters, rdma, tcp)
+    import aiodat
 
-    report = run_on_loop(loop, both)
-    if perftest:
-        report.perftest = _perftest(device, address, write_size, total, size, iters)
+    for r in range(repeat):
+        for transport, module in (("rdma", aiodat), ("tcp", asyncio)):
+            if progress:
+                progress(f"round {r + 1}: {transport}{where}")
+            try:
+                if two_hosts:
+                    figures = run_on_loop(loop, lambda: measure_remote(
+                        module, transport, peer_addr, write_size, total, size, iters, loop))
+                else:
+                    host = address if transport == "rdma" else tcp_host
+                    figures = run_on_loop(loop, lambda: measure_local(module, host, write_size, total, size, iters))
+            except (OSError, RuntimeError, AssertionError, asyncio.TimeoutError) as exc:
+                tput[transport].record(None, f"{type(exc).__name__}: {exc}")
+                rtt[transport].record(None, f"{type(exc).__name__}: {exc}")
+                continue
+            tput[transport].record(figures[0])
+            rtt[transport].record(figures[1])
+        if "rstream" in tput:
+            if progress:
+                progress(f"round {r + 1}: rstream")
+            count = max(1, total // write_size)
+            res = run_rstream_pair(address, ["-S", str(write_size), "-C", str(count), "-I", "1"], timeout=timeout)
+            tput["rstream"].record(res.mb_s, res.error or None)
+            res = run_rstream_pair(address, ["-S", str(size), "-C", "1", "-I", str(iters)], timeout=timeout)
+            rtt["rstream"].record(res.rtt_us, res.error or None)
     return report

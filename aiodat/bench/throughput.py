@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+import math
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from .harness import device_and_address, run_on_loop
 from .peer import accept_one, finish_child, start_child
 from .perftest import PerftestResult, run_perftest_pair
 from . import stats
+from .rounds import Comparison
 
 #: perftest's tool for each operation
 BW_TOOLS = {"write": "ib_write_bw", "read": "ib_read_bw", "send": "ib_send_bw"}
@@ -109,8 +111,10 @@ def check_args(op: str, size: int, depth: int, iters: int, batch: int) -> None:
         raise ValueError(f"batch ({batch}) cannot exceed depth ({depth})")
 
 
-def setup_side(ia: Any, op: str, size: int, depth: int, server: bool) -> Tuple[Any, Any, Any, Any]:
-    """One side of a bandwidth run: its EP (on one DTO EVD), the EVD, the buffer and a segment of it."""
+def setup_side(ia: Any, op: str, size: int, depth: int, server: bool,
+               busy_poll_us: Optional[int] = None) -> Tuple[Any, Any, Any, Any]:
+    """One side of a bandwidth run: its EP (on one DTO EVD, made with ``busy_poll_us`` when given), the EVD,
+    the buffer and a segment of it."""
     from aiodat import EPAttr, EvdFlags, Privileges
 
     pz = ia.create_pz()
@@ -121,7 +125,11 @@ def setup_side(ia: Any, op: str, size: int, depth: int, server: bool) -> Tuple[A
     # perftest's own QPs are set up the same way (docs/performance.md, "The RNR timer")
     attrs = EPAttr(max_request_dtos=depth, max_recv_dtos=recv_depth, max_rdma_read_in=reads,
                    max_rdma_read_out=reads, min_rnr_timer=1)
-    evd = ia.create_evd((recv_depth if server else depth) + 8, EvdFlags.DTO)
+    qlen = (recv_depth if server else depth) + 8
+    if busy_poll_us is None:
+        evd = ia.create_evd(qlen, EvdFlags.DTO)
+    else:
+        evd = ia.create_evd(qlen, EvdFlags.DTO, busy_poll_us=busy_poll_us)
     ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd, attrs=attrs)
     buf = bytearray(size)
     if (op == "read") == server:  # the side whose bytes travel holds the pattern
@@ -164,7 +172,8 @@ async def sink_process(device: str, op: str, size: int, depth: int, total: int) 
 
 async def bandwidth_stream(device: str, address: str, op: str = "write", size: int = 65536, depth: int = 64,
                            iters: int = 1000, batch: int = 16, warmup: Optional[int] = None,
-                           processes: int = 1, loop_name: str = "asyncio") -> BandwidthSample:
+                           processes: int = 1, loop_name: str = "asyncio", mode: str = "await",
+                           busy_poll_us: int = 50) -> BandwidthSample:
     """Stream ``iters`` ``size``-byte operations from a client EP to a server EP of one IA.
 
     Up to ``depth`` requests are in flight.  They are posted ``batch`` at a
@@ -181,6 +190,11 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
     sink``, same loop kind), as perftest runs its two sides, so receiving and
     sending each have a CPU; the time runs until the last request completes
     (for a send, the peer has acknowledged it: it is in its receive queue).
+
+    ``mode`` is how the sending side learns of its completions: ``await``
+    (``await evd.wait()``), ``callback`` (``evd.set_callback``: the callback
+    posts the next batches) or ``busypoll`` (its EVD made with
+    ``busy_poll_us``, then ``await evd.wait()``).
     """
     from aiodat import CompletionFlags, RemoteRegion, open_ia
     from aiodat.cm import connect_pair
@@ -188,9 +202,12 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
     check_args(op, size, depth, iters, batch)
     if processes not in (1, 2):
         raise ValueError(f"processes must be 1 or 2, got {processes!r}")
+    if mode not in ("await", "callback", "busypoll"):
+        raise ValueError(f"mode must be await, callback or busypoll, got {mode!r}")
     warmup = min(depth * 2, iters) if warmup is None else warmup
     with open_ia(device) as ia:
-        client, c_evd, c_buf, c_seg = setup_side(ia, op, size, depth, server=False)
+        client, c_evd, c_buf, c_seg = setup_side(ia, op, size, depth, server=False,
+                                                 busy_poll_us=busy_poll_us if mode == "busypoll" else None)
         child = None
         if processes == 1:
             server, s_evd, s_buf, s_seg = setup_side(ia, op, size, depth, server=True)
@@ -225,6 +242,12 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
             if op == "send" and child is None:
                 recv_task = asyncio.ensure_future(receive(server, s_evd, s_seg, total))
             start = time.perf_counter()
+            if mode == "callback":
+                await stream_callback(total)
+                end = time.perf_counter()
+                if recv_task is not None:
+                    end = await recv_task
+                return start, end
             posted = completed = 0
             while completed < total:
                 while posted < total and posted - completed < depth:
@@ -239,6 +262,38 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
             if recv_task is not None:
                 end = await recv_task
             return start, end
+
+        def stream_callback(total: int) -> "asyncio.Future[None]":
+            done: "asyncio.Future[None]" = asyncio.get_running_loop().create_future()
+            state = [0, 0]  # posted, completed
+
+            def fill() -> None:
+                posted, completed = state
+                while posted < total and posted - completed < depth:
+                    n = min(batch, total - posted, depth - (posted - completed))
+                    post(n)
+                    posted += n
+                state[0] = posted
+
+            def on_events(events: Any) -> None:
+                try:
+                    for ev in events:
+                        if not ev.ok:
+                            raise RuntimeError(f"{op} failed: {ev.status}")
+                        state[1] += ev.cookie
+                    if state[1] >= total:
+                        if not done.done():
+                            done.set_result(None)
+                        return
+                    fill()
+                except BaseException as exc:
+                    if not done.done():
+                        done.set_exception(exc)
+
+            c_evd.set_callback(on_events)
+            done.add_done_callback(lambda _f: c_evd.set_callback(None))
+            fill()
+            return done
 
         try:
             if warmup:
@@ -263,19 +318,67 @@ def run_bw_perftest(op: str, size: int, depth: int, iters: int, device: str, add
                              device=device, address=address, timeout=timeout)
 
 
-def bandwidth(op: str = "write", size: int = 65536, depth: int = 64, iters: int = 1000, loop: str = "asyncio",
-              *, batch: int = 16, perftest: bool = True, device: Optional[str] = None,
-              address: Optional[str] = None, timeout: float = 300.0, processes: int = 2) -> BandwidthReport:
-    """``aiodat bench bandwidth``: aiodat's streaming ``op`` (write, read, send), then ``ib_<op>_bw -R``.
+def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loop: str, *, batch: int,
+                      repeat: int = 3, modes: Sequence[str] = ("await",), busy_poll_us: int = 50,
+                      perftest: bool = True, device: Optional[str] = None, address: Optional[str] = None,
+                      timeout: float = 300.0, processes: int = 2,
+                      progress: Optional[Callable[[str], None]] = None) -> Comparison:
+    """``repeat`` rounds of aiodat's streaming ``op`` in each of ``modes``, then perftest's ``_bw`` tool with
+    the same size, depth and iterations; ``kind`` "rate" compares Mpps, "bandwidth" MB/s (2**20 bytes)."""
+    from aiodat import DATError
 
-    Same device, size, depth and iteration count, one after the other.  The
-    report's ``ratio()`` is aiodat's MB/s over perftest's average MB/s.
-    """
     check_args(op, size, depth, iters, batch)
+    if not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    for mode in modes:
+        if mode not in ("await", "callback", "busypoll"):
+            raise ValueError(f"mode must be await, callback or busypoll, got {mode!r}")
     device, address = device_and_address(device, address)
-    sample = run_on_loop(loop, lambda: bandwidth_stream(device, address, op, size, depth, iters, batch,
-                                                        processes=processes, loop_name=loop))
-    report = BandwidthReport(device, address, loop, op, size, depth, batch, sample, processes=processes)
+    tool = BW_TOOLS[op]
+    unit = "Mpps" if kind == "rate" else "MB/s"
+    report = Comparison(f"aiodat bench {kind}", {"device": device, "address": address, "loop": loop, "op": op,
+                                                 "size": size, "iters": iters, "depth": depth, "batch": batch,
+                                                 "processes": processes}, repeat,
+                        title=f"{'message rate' if kind == 'rate' else 'bandwidth'} ({unit}; MB = 2**20 bytes "
+                              f"as perftest's), higher is better")
+    labels = {"await": "aiodat await (evd.wait)", "callback": "aiodat callback (set_callback)",
+              "busypoll": f"aiodat busypoll (busy_poll_us={busy_poll_us})"}
+    for mode in modes:
+        report.figure(f"aiodat_{mode}", labels[mode], unit)
     if perftest:
-        report.perftest = run_bw_perftest(op, size, depth, iters, device, address, timeout)
+        report.figure("perftest", f"{tool} -R", unit)
+        for mode in modes:
+            report.compare(f"aiodat_{mode}", "perftest", f"{mode} / {tool}")
+    for r in range(repeat):
+        for mode in modes:
+            if progress:
+                progress(f"round {r + 1}: aiodat {mode}")
+            fig = report.figures[f"aiodat_{mode}"]
+            try:
+                sample = run_on_loop(loop, lambda: bandwidth_stream(
+                    device, address, op, size, depth, iters, batch, processes=processes, loop_name=loop,
+                    mode=mode, busy_poll_us=busy_poll_us))
+                fig.record(sample.mpps if kind == "rate" else sample.mib_per_s)
+            except (DATError, RuntimeError, AssertionError, AttributeError, TypeError) as exc:
+                fig.record(None, f"{type(exc).__name__}: {exc}")
+        if perftest:
+            if progress:
+                progress(f"round {r + 1}: {tool}")
+            res = run_bw_perftest(op, size, depth, iters, device, address, timeout)
+            value = res.value("MsgRate[Mpps]" if kind == "rate" else "BW_average[MB/sec]") if res.ok else None
+            report.figures["perftest"].record(value if value and math.isfinite(value) else None,
+                                              res.error or (None if value else f"{tool} printed {value}"))
     return report
+
+
+def bandwidth(op: str = "write", size: int = 65536, depth: int = 64, iters: int = 1000, loop: str = "asyncio",
+              *, batch: int = 16, repeat: int = 3, modes: Sequence[str] = ("await", "callback", "busypoll"),
+              busy_poll_us: int = 50, perftest: bool = True, device: Optional[str] = None,
+              address: Optional[str] = None, timeout: float = 300.0, processes: int = 2,
+              progress: Optional[Callable[[str], None]] = None) -> Comparison:
+    """``aiodat bench bandwidth``: aiodat's streaming ``op`` (write, read, send) beside ``ib_<op>_bw -R``,
+    same device, size, depth and iteration count, one after the other, ``repeat`` rounds; ratios of MB/s
+    per round and their median."""
+    return compare_streaming("bandwidth", op, size, depth, iters, loop, batch=batch, repeat=repeat, modes=modes,
+                             busy_poll_us=busy_poll_us, perftest=perftest, device=device, address=address,
+                             timeout=timeout, processes=processes, progress=progress)

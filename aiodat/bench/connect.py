@@ -1,0 +1,236 @@
+"""``aiodat bench connect``: aiodat's connection set-up rate beside librdmacm's ``cmtime`` (rdmacm-utils).
+
+cmtime's client creates N rdma_cm ids, resolves all addresses, then all
+routes, makes all QPs and connects them all, each step for every connection
+before the next; the server accepts them and then disconnects them.  It
+prints one row per step with the wall time of the step over all connections
+(and, in newer versions, a "full connect" row: first id to last connection
+established); see :func:`parse_cmtime`.
+
+aiodat's side, in one process on one loop: a PSP accepts N connections (an EP
+each, one shared DTO EVD) while N client EPs connect concurrently
+(``asyncio.gather`` of ``ep.connect``), the same "all at once" as cmtime; then
+all are disconnected and freed.  The figures are per connection: the connect
+phase's wall time / N (beside cmtime's full connect avg/iter), and the whole
+cycle (connect, disconnect, free) / N beside the sum of cmtime's full
+connect, disconnect and destroy rows / N.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+from .harness import device_and_address, run_on_loop
+from .rounds import Comparison
+
+
+@dataclass
+class CmtimeResult:
+    """One cmtime run (the client's table: step -> columns), or why there is none."""
+
+    connections: int
+    steps: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    output: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when cmtime printed its step table."""
+        return not self.error and bool(self.steps)
+
+    def connect_us(self) -> Optional[float]:
+        """Per-connection set-up time (us): "full connect" total / N, else the connect steps' totals / N."""
+        return cmtime_connect_us(self.steps, self.connections) if self.ok else None
+
+    def cycle_us(self) -> Optional[float]:
+        """Per-connection time of connect, disconnect and destroy (us)."""
+        return cmtime_cycle_us(self.steps, self.connections) if self.ok else None
+
+
+_NUM = r"-?\d+(?:\.\d+)?"
+_ROW = re.compile(rf"^\s*([a-z][a-z ]*?)\s*:\s+({_NUM}(?:\s+{_NUM})*)\s*$")
+#: rdmacm-utils up to 44 prints "step  total ms  max ms  min us  us / conn"
+_OLD_HEADER = ["total(ms)", "max(ms)", "min(us)", "us/conn"]
+_TEARDOWN = ("disconnect", "destroy", "destroy id", "destroy qp")
+
+
+def parse_cmtime(output: str) -> Dict[str, Dict[str, float]]:
+    """cmtime's step table: ``{step: {column: value}}``.
+
+    Two layouts exist: rdmacm-utils 44 (Debian 12) prints ``step total ms max
+    ms min us us / conn`` (columns named ``total(ms)``, ``max(ms)``,
+    ``min(us)``, ``us/conn`` here) and steps from "create id" to "destroy";
+    newer ones print ``step us/conn sum(us) max(us) min(us) total(us)
+    avg/iter`` (names kept) and a "full connect" row.  ``total`` is the
+    step's wall time over all connections.
+    """
+    header = None
+    steps: Dict[str, Dict[str, float]] = {}
+    for line in output.splitlines():
+        parts = line.split()
+        if parts and parts[0] == "step":
+            header = _OLD_HEADER if "ms" in parts else parts[1:]
+            continue
+        m = _ROW.match(line)
+        if header is None or not m:
+            continue
+        values = [float(v) for v in m.group(2).split()]
+        if len(values) == len(header):
+            steps[m.group(1)] = dict(zip(header, values))
+    return steps
+
+
+def _total(row: Dict[str, float]) -> float:
+    """A step's wall time over all connections, in us, in either layout."""
+    if "total(us)" in row:
+        return row["total(us)"]
+    return row.get("total(ms)", 0.0) * 1000.0
+
+
+def cmtime_connect_us(steps: Dict[str, Dict[str, float]], connections: int) -> Optional[float]:
+    """Per-connection set-up (us) from cmtime's table."""
+    if connections < 1 or not steps:
+        return None
+    if "full connect" in steps:
+        return _total(steps["full connect"]) / connections
+    total = sum(_total(row) for name, row in steps.items() if name not in _TEARDOWN)
+    return total / connections if total > 0 else None
+
+
+def cmtime_cycle_us(steps: Dict[str, Dict[str, float]], connections: int) -> Optional[float]:
+    """Per-connection set-up plus teardown (disconnect, destroy) (us) from cmtime's table."""
+    setup = cmtime_connect_us(steps, connections)
+    if setup is None:
+        return None
+    return setup + sum(_total(row) for name, row in steps.items() if name in _TEARDOWN) / connections
+
+
+def run_cmtime_pair(address: str, connections: int, *, timeout: float = 300.0,
+                    start_delay: float = 1.0) -> CmtimeResult:
+    """Run ``cmtime -b ADDRESS -p PORT -c N`` (server) and ``cmtime -s ADDRESS -p PORT -c N`` (client).
+
+    Never raises for a failed run: the result's ``error`` says what went wrong.
+    """
+    path = shutil.which("cmtime")
+    if path is None:
+        return CmtimeResult(connections, error="cmtime not found (install the Debian package rdmacm-utils)")
+    port = str(random.randint(50000, 59999))
+    deadline = time.monotonic() + timeout
+    common = ["-p", port, "-c", str(connections)]
+    server = subprocess.Popen([path, "-b", address, *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, text=True)
+    out, error = "", ""
+    try:
+        time.sleep(start_delay)
+        try:
+            client = subprocess.run([path, "-s", address, *common], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                    timeout=max(1.0, deadline - time.monotonic()))
+            out = client.stdout
+            if client.returncode != 0:
+                error = f"cmtime client exited with status {client.returncode}"
+        except subprocess.TimeoutExpired:
+            error = f"cmtime did not finish within {timeout:g} s"
+    finally:
+        try:
+            server.communicate(timeout=max(5.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.communicate()
+    steps = parse_cmtime(out)
+    if not error and not steps:
+        error = "cmtime printed no step table"
+    return CmtimeResult(connections, steps, out, error)
+
+
+async def connect_cycle(device: str, connections: int, timeout: float = 120.0) -> Tuple[float, float]:
+    """Connect ``connections`` EP pairs at once through one PSP, then disconnect and free them all.
+
+    Returns (connect phase, whole cycle) in seconds of wall time.
+    """
+    from aiodat import EPAttr, EvdFlags, open_ia
+
+    attrs = EPAttr(max_recv_dtos=1, max_request_dtos=1)
+    with open_ia(device) as ia:
+        pz = ia.create_pz()
+        dto = ia.create_evd(4 * connections + 8, EvdFlags.DTO)
+        cr_evd = ia.create_evd(connections + 8, EvdFlags.CR)
+        psp = ia.create_psp_any(cr_evd)
+        servers: list = []
+
+        async def accept_all() -> None:
+            accepts = []
+            for _ in range(connections):
+                event = await cr_evd.wait_one(timeout=timeout)
+                ep = ia.create_ep(pz, recv_evd=dto, request_evd=dto, attrs=attrs)
+                servers.append(ep)
+                accepts.append(asyncio.ensure_future(event.cr.accept(ep, timeout=timeout)))
+            await asyncio.gather(*accepts)
+
+        start = time.perf_counter()
+        acceptor = asyncio.ensure_future(accept_all())
+        clients = [ia.create_ep(pz, recv_evd=dto, request_evd=dto, attrs=attrs) for _ in range(connections)]
+        try:
+            await asyncio.gather(*(ep.connect(psp.address, psp.port, timeout=timeout) for ep in clients))
+            await acceptor
+            connected = time.perf_counter()
+            await asyncio.gather(*(ep.disconnect(timeout=timeout) for ep in clients))
+            for ep in clients + servers:
+                ep.free()
+            end = time.perf_counter()
+        finally:
+            if not acceptor.done():
+                acceptor.cancel()
+                await asyncio.gather(acceptor, return_exceptions=True)
+        psp.close()
+    return connected - start, end - start
+
+
+def connect(connections: int = 100, loop: str = "asyncio", *, repeat: int = 3, cmtime: bool = True,
+            device: Optional[str] = None, address: Optional[str] = None, timeout: float = 300.0,
+            progress: Optional[Callable[[str], None]] = None) -> Comparison:
+    """``aiodat bench connect``: ``repeat`` rounds of aiodat's connect/disconnect cycle of ``connections``
+    connections, then ``cmtime -c connections``; per-connection times and their ratios."""
+    from aiodat import DATError
+
+    for name, value in (("connections", connections), ("repeat", repeat)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    device, address = device_and_address(device, address)
+    report = Comparison("aiodat bench connect", {"device": device, "address": address, "loop": loop,
+                                                 "connections": connections}, repeat,
+                        title="per connection, us: wall time of all connections at once / connections")
+    a_conn = report.figure("aiodat_connect", "aiodat connect+accept", "us")
+    a_cycle = report.figure("aiodat_cycle", "aiodat connect+disconnect+free", "us")
+    if cmtime:
+        c_conn = report.figure("cmtime_connect", "cmtime connect (set-up steps)", "us")
+        c_cycle = report.figure("cmtime_cycle", "cmtime connect+disconnect+destroy", "us")
+        report.compare("aiodat_connect", "cmtime_connect", "aiodat / cmtime connect")
+        report.compare("aiodat_cycle", "cmtime_cycle", "aiodat / cmtime whole cycle")
+    for r in range(repeat):
+        if progress:
+            progress(f"round {r + 1}: aiodat")
+        try:
+            conn_s, cycle_s = run_on_loop(loop, lambda: connect_cycle(device, connections))
+            a_conn.record(conn_s * 1e6 / connections)
+            a_cycle.record(cycle_s * 1e6 / connections)
+        except (DATError, RuntimeError, asyncio.TimeoutError) as exc:
+            a_conn.record(None, f"{type(exc).__name__}: {exc}")
+            a_cycle.record(None, f"{type(exc).__name__}: {exc}")
+        if cmtime:
+            if progress:
+                progress(f"round {r + 1}: cmtime")
+            res = run_cmtime_pair(address, connections, timeout=timeout)
+            c_conn.record(res.connect_us(), res.error or None)
+            c_cycle.record(res.cycle_us(), res.error or None)
+    return report
+
+
+__all__: Sequence[str] = ("connect", "connect_cycle", "run_cmtime_pair", "parse_cmtime", "CmtimeResult",
+                          "cmtime_connect_us", "cmtime_cycle_us")

@@ -1,0 +1,106 @@
+"""``aiodat bench latency``: the rounds/median-of-ratios report and the parsers on the host; on rxe, the
+pyverbs peer in both modes and a short run of the command."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import pytest
+
+from aiodat import bench
+from aiodat.bench.latency import perftest_rtt
+from aiodat.cli import main
+
+
+def test_median_of_ratios_is_taken_per_round() -> None:
+    ours, theirs = [10.0, 30.0, 20.0], [5.0, 10.0, 20.0]
+    # per round: 2.0, 3.0, 1.0 -> 2.0; not median(ours) / median(theirs) = 20 / 10
+    assert bench.median_of_ratios(ours, theirs) == 2.0
+    assert bench.median_of_ratios([1.0, None, 3.0, 4.0], [1.0, 1.0, None, 2.0]) == 1.5  # rounds 1 and 4
+    assert bench.median_of_ratios([1.0], [float("inf")]) is None
+    assert bench.median([]) is None and bench.median([3.0, 1.0, 2.0, 10.0]) == 2.5
+
+
+def test_comparison_table_and_json() -> None:
+    report = bench.Comparison("aiodat bench latency", {"device": "rxe0", "loop": "asyncio"}, 3)
+    ours = report.figure("aiodat_await", "aiodat await", "us")
+    peer = report.figure("pyverbs_event", "pyverbs event", "us")
+    for a, b in ((900.0, 450.0), (1000.0, 400.0), (800.0, 500.0)):
+        ours.record(a)
+        peer.record(b)
+    missing = report.figure("aiodat_callback", "aiodat callback", "us")
+    for _ in range(3):
+        missing.record(None, "AttributeError: no set_callback")
+    report.compare("aiodat_await", "pyverbs_event", "await / pyverbs event")
+    report.compare("aiodat_callback", "pyverbs_event", "callback / pyverbs event")
+    out = report.format()
+    assert "3 round(s)" in out
+    row = re.search(r"await / pyverbs event\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    assert row and [float(v) for v in row.groups()] == [2.0, 2.5, 1.6, 2.0], out
+    assert re.search(r"callback / pyverbs event\s+n/a\s+n/a\s+n/a\s+n/a$", out, re.M), out
+    assert "not measured: aiodat callback: AttributeError: no set_callback" in out
+    data = json.loads(json.dumps(report.as_dict()))
+    assert data["figures"]["aiodat_await"]["median"] == 900.0
+    assert data["ratios"][0]["values"] == [2.0, 2.5, 1.6] and data["ratios"][0]["median"] == 2.0
+    assert data["ratios"][1]["median"] is None
+
+
+def test_pyverbs_output_parsing() -> None:
+    res = bench.parse_pyverbs_output("event", 'noise\n{"mode": "event", "rtt_us": [3.0, 1.0, 2.0]}\n')
+    assert res.ok and res.rtt_us == [1.0, 2.0, 3.0] and res.p50 == 2.0
+    bad = bench.parse_pyverbs_output("poll", "Traceback ...\n")
+    assert not bad.ok and bad.p50 is None and "no round trips" in bad.error
+    with pytest.raises(ValueError, match="mode must be"):
+        bench.run_pyverbs_pingpong("rxe0", None, 64, 10, "spin", 16)
+
+
+def test_perftest_inf_is_no_figure() -> None:
+    header = " #bytes #iterations t_min[usec] t_max[usec] t_typical[usec]\n"
+    res = bench.PerftestResult("ib_send_lat", (), 0, "", bench.parse_perftest(header + " 64 300 35.0 99.0 inf\n"))
+    value, why = perftest_rtt(res)
+    assert value is None and "inf" in why
+    res = bench.PerftestResult("ib_send_lat", (), 0, "", bench.parse_perftest(header + " 64 300 35.0 99.0 40.5\n"))
+    assert perftest_rtt(res) == (81.0, None)  # a round trip: twice perftest's half
+
+
+def test_bad_arguments_are_refused(capsys: Any) -> None:
+    assert main(["bench", "latency", "--repeat", "0"]) == 2
+    assert main(["bench", "latency", "--busy-poll-us", "-1"]) == 2
+    assert main(["bench", "latency", "--mode", "spin"]) == 2
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="mode must be"):
+        bench.bench_latency(64, 10, modes=("spin",))
+
+
+# -- on rxe --------------------------------------------------------------------------
+
+
+@pytest.mark.rxe
+def test_bench_latency_json(rdma_device: Any, request: Any, capsys: Any) -> None:
+    """One round, await mode, beside the pyverbs ping-pong (Debian's pyverbs under /usr/bin/python3, event
+    and poll mode) and both ib_send_lat rows: every figure finite and positive, the ratios from them."""
+    loop = request.config.getoption("--aiodat-loop") or "asyncio"
+    assert main(["bench", "latency", "--iters", "30", "--repeat", "1", "--mode", "await", "--loop", loop,
+                 "--json", "--device", rdma_device.name]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["rounds"] == 1 and data["size"] == 64 and data["loop"] == loop
+    for key in ("aiodat_await", "pyverbs_event", "pyverbs_poll", "ib_send_lat_e", "ib_send_lat"):
+        figure = data["figures"][key]
+        assert figure["errors"] is None and 0 < figure["median"] < math.inf, (key, figure)
+    ratios = {(r["ours"], r["theirs"]): r["median"] for r in data["ratios"]}
+    expected = data["figures"]["aiodat_await"]["median"] / data["figures"]["pyverbs_event"]["median"]
+    assert ratios[("aiodat_await", "pyverbs_event")] == pytest.approx(expected)
+    assert all(v is not None and v > 0 for v in ratios.values()), ratios
+
+
+@pytest.mark.rxe
+def test_bench_latency_two_processes(rdma_device: Any, request: Any, capsys: Any) -> None:
+    """aiodat's server in a child process (``python -m aiodat.bench pong ... MODE BUSY_POLL_US LOOP``)."""
+    loop = request.config.getoption("--aiodat-loop") or "asyncio"
+    assert main(["bench", "latency", "--iters", "30", "--repeat", "1", "--mode", "await", "--processes", "2",
+                 "--no-perftest", "--no-pyverbs", "--json", "--loop", loop]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["processes"] == 2 and data["iters"] == 30 and data["ratios"] == []
+    assert 0 < data["figures"]["aiodat_await"]["median"] < math.inf

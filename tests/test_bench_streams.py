@@ -1,0 +1,84 @@
+"""``aiodat bench streams``: rstream's output parsed on the host; on rxe, rstream beside aiodat streams and
+asyncio TCP in one short round."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from aiodat import bench
+from aiodat.cli import main
+
+# printed by rstream (rdmacm-utils 44) in the test bed: -S 64 -C 1 -I 300
+RSTREAM_OUT = """name      bytes   xfers   iters   total       time     Gb/sec    usec/xfer
+custom    64      1       300     37k         1.74s      0.00    2899.98
+"""
+
+
+def test_parse_rstream() -> None:
+    row = bench.parse_rstream(RSTREAM_OUT)
+    assert row == {"bytes": 64.0, "xfers": 1.0, "iters": 300.0, "total": 37e3, "seconds": 1.74, "gbps": 0.0,
+                   "usec_per_xfer": 2899.98}
+    res = bench.RstreamResult(("-S", "64"), row)
+    assert res.ok and res.rtt_us == pytest.approx(5799.96)  # a round trip: two transfers
+    big = bench.RstreamResult((), bench.parse_rstream(
+        "name      bytes   xfers   iters   total       time     Gb/sec    usec/xfer\n"
+        "custom    64k     64      1       8m          0.50s      1.60     3906.25\n"))
+    assert big.mb_s == pytest.approx(200.0)  # Gb/s * 1000 / 8
+    assert bench.parse_rstream("rstream: connect: Connection refused\n") is None
+
+
+def test_two_hosts_outside_a_two_host_bed(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AIODAT_HOSTS", raising=False)
+    assert main(["bench", "streams", "--two-hosts"]) == 1
+    assert "--hosts 2" in capsys.readouterr().err
+    assert main(["bench", "streams", "--repeat", "0"]) == 2
+
+
+def test_bench_streams_without_device_says_how() -> None:
+    """Without a device the subcommand fails with exit status 1 and says how to get one."""
+    from aiodat.testing.plugin import find_device
+
+    if find_device() is not None:
+        pytest.skip("this machine has an RDMA device")
+    out = subprocess.run([sys.executable, "-m", "aiodat", "bench", "streams", "--no-rstream"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "aiodat rxe run" in out.stderr
+
+
+@pytest.mark.rxe
+def test_bench_streams_with_rstream(rdma_device: Any, request: Any, capsys: Any) -> None:
+    """One short round: aiodat streams, asyncio TCP and rstream all give finite figures, and the ratios."""
+    loop = request.config.getoption("--aiodat-loop") or "asyncio"
+    assert main(["bench", "streams", "--total", str(1 << 20), "--iters", "30", "--repeat", "1", "--loop", loop,
+                 "--json", "--device", rdma_device.name]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["address"] == rdma_device.address and data["write_size"] == 65536
+    for key in ("aiodat_mb_s", "tcp_mb_s", "rstream_mb_s", "aiodat_rtt", "tcp_rtt", "rstream_rtt"):
+        figure = data["figures"][key]
+        assert figure["errors"] is None and 0 < figure["median"] < math.inf, (key, figure)
+    assert all(r["median"] and r["median"] > 0 for r in data["ratios"]), data["ratios"]
+
+
+@pytest.mark.hosts2
+def test_bench_streams_two_hosts(capsys: Any) -> None:
+    """Between the two hosts: the servers on host B, aiodat and asyncio TCP over the same link."""
+    import os
+
+    from aiodat.testbed import hosts
+
+    if not hosts.available() or not os.environ.get("AIODAT_RXE_DEVICE"):
+        why = "needs two hosts: `aiodat rxe run --hosts 2 -- python -m pytest -m hosts2 tests/test_bench_streams.py`"
+        if os.environ.get("AIODAT_REQUIRE_DEVICE") == "1" and os.environ.get("AIODAT_HOSTS") == "2":
+            pytest.fail(why)
+        pytest.skip(why)
+    assert main(["bench", "streams", "--two-hosts", "--total", str(1 << 20), "--iters", "30", "--repeat", "1",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hosts"] == "2"
+    for key in ("aiodat_mb_s", "tcp_mb_s", "aiodat_rtt", "tcp_rtt"):
+        assert 0 < data["figures"][key]["median"] < math.inf, (key, data["figures"][key])
