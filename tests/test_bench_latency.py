@@ -86,13 +86,23 @@ def test_bench_latency_json(rdma_device: Any, request: Any, capsys: Any) -> None
                  "--json", "--device", rdma_device.name]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["rounds"] == 1 and data["size"] == 64 and data["loop"] == loop
-    for key in ("aiodat_await", "pyverbs_event", "pyverbs_poll", "ib_send_lat_e", "ib_send_lat"):
+    for key in ("aiodat_await", "pyverbs_event", "pyverbs_poll"):
         figure = data["figures"][key]
         assert figure["errors"] is None and 0 < figure["median"] < math.inf, (key, figure)
+    perftest_ok = set()
+    for key in ("ib_send_lat_e", "ib_send_lat"):
+        figure = data["figures"][key]
+        if figure["errors"] is None:
+            assert 0 < figure["median"] < math.inf, (key, figure)
+            perftest_ok.add(key)
+        else:  # perftest's own cycle counter fails now and then under TCG: reported, never a figure
+            assert all("t_typical inf" in why for why in figure["errors"]), (key, figure)
+            assert figure["median"] is None, (key, figure)
     ratios = {(r["ours"], r["theirs"]): r["median"] for r in data["ratios"]}
     expected = data["figures"]["aiodat_await"]["median"] / data["figures"]["pyverbs_event"]["median"]
     assert ratios[("aiodat_await", "pyverbs_event")] == pytest.approx(expected)
-    assert all(v is not None and v > 0 for v in ratios.values()), ratios
+    assert all(v is not None and v > 0 for (ours, theirs), v in ratios.items()
+               if theirs not in ("ib_send_lat_e", "ib_send_lat") or theirs in perftest_ok), ratios
 
 
 @pytest.mark.rxe
