@@ -798,6 +798,7 @@ class EVD(Handle):
         """Busy polling for a callback EVD: one slice now, the next one after the loop has run its
         other ready callbacks; when busy_poll_us pass with no completion, arm and sleep."""
         if self._callback is None or self._closed:
+            self._spinning = False  # the poller stops here: a later wait's wake-up must see it stopped
             return
         try:
             left = deadline - _monotonic()
