@@ -267,6 +267,7 @@ class EVD(Handle):
         #: set_callback's function and the loop it runs in; None: events wait for wait()/dequeue()
         self._callback: Optional[Callable[[List[Event]], Any]] = None
         self._callback_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._on_error: Optional[Callable[[BaseException], Any]] = None
         self._delivery_scheduled = False
         self._attached_loop: Optional[asyncio.AbstractEventLoop] = None  # see _attach
         self._streams = streams
@@ -704,7 +705,8 @@ class EVD(Handle):
             self._attached_loop = loop
 
     # -- callback delivery ---------------------------------------------------
-    def set_callback(self, fn: Optional[Callable[[List[Event]], Any]]) -> None:
+    def set_callback(self, fn: Optional[Callable[[List[Event]], Any]], *,
+                     on_error: Optional[Callable[[BaseException], Any]] = None) -> None:
         """Deliver events to ``fn(events)`` instead of waits; ``None`` goes back to waits.
 
         The Access Layer's completion callback (``ib_create_cq`` with
@@ -713,20 +715,27 @@ class EVD(Handle):
         Future and no task switch; it may post new requests at once.  It must
         not block: it runs inside the event loop.  Events already queued, and
         connection or software events, are delivered by a ``call_soon``.  An
-        exception from ``fn`` (or a failure of the CQ) goes to the loop's
-        exception handler (``loop.call_exception_handler``), as a protocol's
-        ``data_received`` error does; the events after it stay queued for the
-        next delivery.  While a callback is set, ``wait()`` and ``dequeue()``
+        exception from ``fn`` goes to the loop's exception handler
+        (``loop.call_exception_handler``), as a protocol's ``data_received``
+        error does; the events after it stay queued for the next delivery.
+        A failure of the EVD itself (polling, arming or busy polling its CQ),
+        which ``fn`` would otherwise never learn of, goes to
+        ``on_error(exc)`` if given (a transport aborts its connection there),
+        else to the loop's exception handler too; an exception from
+        ``on_error`` goes to the exception handler.  While a callback is set, ``wait()`` and ``dequeue()``
         raise :class:`aiodat.InvalidState`.  Call it from the loop the EVD
         belongs to (the callbacks run there).
         """
         self._check()
         if fn is not None and not callable(fn):
             raise InvalidParameter(f"set_callback takes a callable or None, not {type(fn).__name__}")
+        if on_error is not None and (fn is None or not callable(on_error)):
+            raise InvalidParameter("on_error must be a callable, given together with a callback"
+                                   f" (got on_error={on_error!r} with fn={fn!r})")
         if self._waiter is not None and not self._waiter.done():
             raise InvalidState("a task is waiting on this EVD: a callback cannot be set while it waits")
         if fn is None:
-            self._callback = self._callback_loop = None
+            self._callback = self._callback_loop = self._on_error = None
             return
         try:
             loop = _get_running_loop()
@@ -734,7 +743,7 @@ class EVD(Handle):
             raise InvalidState("set_callback needs the running event loop the callbacks will run in: "
                                "call it from a coroutine or callback of that loop") from None
         self._attach(loop)
-        self._callback, self._callback_loop = fn, loop
+        self._callback, self._callback_loop, self._on_error = fn, loop, on_error
         if self._queue or self._backlog or self._pending_error is not None:
             self._schedule_delivery()
         if self._unarmed:  # a busy-polling EVD left its CQ unarmed: nobody else will arm it now
@@ -773,7 +782,7 @@ class EVD(Handle):
         try:
             fn(events)
         except Exception as exc:
-            self._callback_failed(exc, f"its callback {fn!r}")
+            self._callback_failed(exc, f"its callback {fn!r}", own=False)
 
     def _callback_wakeup(self) -> None:
         """The reader callback of an EVD with a callback: drain, deliver, and look again while the
@@ -822,11 +831,21 @@ class EVD(Handle):
         if self._unarmed:
             self._callback_failed(self._arm_error or InvalidState("the CQ could not be armed"), "arming the CQ")
 
-    def _callback_failed(self, exc: BaseException, what: str) -> None:
+    def _callback_failed(self, exc: BaseException, what: str, own: bool = True) -> None:
+        """Report a failure of a callback EVD: the EVD's own (``own``) to ``on_error`` if set,
+        else (and the callback's exceptions) to the loop's exception handler."""
         loop = self._callback_loop
         if loop is None:
             self._pending_error = self._pending_error or exc
             return
+        on_error = self._on_error if own else None
+        if on_error is not None:
+            try:
+                on_error(exc)
+                return
+            except Exception as handler_exc:
+                handler_exc.__context__ = exc
+                exc, what = handler_exc, f"{what} failed, and its on_error {on_error!r}"
         loop.call_exception_handler({"message": f"aiodat: {self!r}: {what} failed", "exception": exc, "evd": self})
 
     async def wait_one(self, timeout: Optional[float] = None) -> Event:

@@ -7,12 +7,14 @@ Speed itself is measured by ``aiodat bench latency --mode callback|busypoll``
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, List, Optional, Tuple
 
 import pytest
 
 import aiodat
 from aiodat import EvdFlags
+from aiodat._lib import lib
 from aiodat.cm import connect_pair
 from aiodat.testing.plugin import make_ep_pair
 
@@ -182,6 +184,79 @@ async def test_a_callback_that_raises_reaches_the_loop_handler_and_delivery_goes
         assert errors[0]["evd"] is server.recv_evd and "callback" in errors[0]["message"]
     finally:
         loop.set_exception_handler(old)
+
+
+async def test_a_cq_failure_reaches_on_error_and_the_callbacks_own_error_the_loop(
+        ep_pair: Any, loop_errors: List[dict]) -> None:
+    """A failure of the EVD itself (a failed poll, from the shim's fault switch) goes to
+    on_error, which a transport uses to abort; the callback's own exception still goes to the
+    loop's handler; and the completion the failed poll left behind is delivered afterwards."""
+    server = ep_pair.server
+    got: List[Any] = []
+    failures: List[BaseException] = []
+
+    def fn(events: List[Any]) -> None:
+        got.extend(ev.cookie for ev in events)
+        if len(got) == 1:
+            raise ValueError("the application's callback failed")
+
+    server.recv_evd.set_callback(fn, on_error=failures.append)
+    for i in range(3):
+        server.post_recv(ep_pair.server_lmr[i * 8:(i + 1) * 8], cookie=i)
+    try:
+        ep_pair.client.post_send(put(ep_pair.client_lmr, b"x"))
+        await _until(lambda: got == [0])
+        assert len(loop_errors) == 1 and isinstance(loop_errors[0]["exception"], ValueError)
+        lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL, 1)  # the next wake-up's poll fails
+        ep_pair.client.post_send(put(ep_pair.client_lmr, b"y"))
+        await _until(lambda: failures)
+        assert isinstance(failures[0], aiodat.InternalError) and "polling the CQ" in str(failures[0])
+        ep_pair.client.post_send(put(ep_pair.client_lmr, b"z"))  # the next wake-up finds both
+        await _until(lambda: len(got) == 3)
+        assert got == [0, 1, 2] and len(failures) == 1 and len(loop_errors) == 1
+        loop_errors.clear()  # (the fixture fails a test that leaves errors it did not expect)
+    finally:
+        lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL, 0)
+        server.recv_evd.set_callback(None)
+
+
+async def test_an_on_error_that_raises_reaches_the_loop_handler(ep_pair: Any, loop_errors: List[dict]) -> None:
+    server = ep_pair.server
+
+    def broken(exc: BaseException) -> None:
+        raise RuntimeError("the transport's on_error failed")
+
+    server.recv_evd.set_callback(lambda events: None, on_error=broken)
+    server.post_recv(ep_pair.server_lmr[0:8])
+    try:
+        lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL, 1)
+        ep_pair.client.post_send(put(ep_pair.client_lmr, b"x"))
+        await _until(lambda: loop_errors)
+        (context,) = loop_errors
+        assert isinstance(context["exception"], RuntimeError) and "on_error" in context["message"]
+        assert isinstance(context["exception"].__context__, aiodat.InternalError)
+        loop_errors.clear()
+    finally:
+        lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL, 0)
+        server.recv_evd.set_callback(None)
+
+
+async def test_on_error_needs_a_callback_and_a_callable(ep_pair: Any) -> None:
+    evd = ep_pair.server.recv_evd
+    with pytest.raises(aiodat.InvalidParameter, match="on_error"):
+        evd.set_callback(None, on_error=print)
+    with pytest.raises(aiodat.InvalidParameter, match="on_error"):
+        evd.set_callback(lambda events: None, on_error=42)  # type: ignore[arg-type]
+    assert evd._callback is None  # refused calls change nothing: waits still work
+    with pytest.raises(aiodat.TimeoutExpired):
+        await evd.wait(timeout=0.05)
+
+
+async def _until(condition: Any, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the callback EVD"
+        await asyncio.sleep(0.01)
 
 
 async def test_connection_events_reach_a_callback(ia: Any) -> None:
