@@ -56,7 +56,13 @@ def cq_entries(evd: "EVD") -> int:
 
 def fit_cqs(ia: Any, extra: Iterable[Share] = (), override: Optional[Mapping[Hashable, int]] = None,
             evds: Optional[Iterable["EVD"]] = None, what: str = "the new EP") -> None:
-    """Grow each EVD that ``extra`` (or ``evds``) names until its demand fits; raise InvalidParameter if it cannot."""
+    """Grow each EVD that ``extra`` (or ``evds``) names until its demand fits; raise InvalidParameter if it cannot.
+
+    The exact demand walks every EP of the IA, so it is not taken for every new EP: each EVD
+    keeps an upper bound of its demand (``_cq_bound``: the last exact figure plus every share
+    added since; a closed EP only makes it looser), and a new EP that fits under the bound is
+    let through at once.  A CQ that must grow grows to at least one and a half times its size,
+    so N EPs sharing one EVD cost O(log N) exact walks, not N."""
     extra = list(extra)
     targets: List["EVD"] = []
     for evd in (evds if evds is not None else (share[0] for share in extra)):
@@ -67,15 +73,20 @@ def fit_cqs(ia: Any, extra: Iterable[Share] = (), override: Optional[Mapping[Has
         have = cq_entries(evd)
         if not have:
             continue
-        need = demand(ia, evd, extra, override)
-        if need <= have:
+        added = sum(entries for share_evd, _key, entries in extra if share_evd is evd)
+        bound = evd._cq_bound
+        if bound is not None and override is None and bound + added <= have:
+            evd._cq_bound = bound + added
             continue
-        if need > limit:
-            raise InvalidParameter(
-                f"{evd!r} would need {need} CQ entries for its endpoints' queues with {what}, but its CQ has "
-                f"{have} (qlen is {evd.qlen}) and the device allows at most {limit} (max_evd_qlen): use smaller "
-                f"EPAttr queue depths or another EVD")
-        if lib.ibv_resize_cq(evd._cq, need):
-            exc = error_from_errno(ffi.errno, "ibv_resize_cq")
-            raise InvalidParameter(f"{evd!r} would need {need} CQ entries with {what} but its CQ has {have}, "
-                                   f"and growing it failed: {exc}") from exc
+        need = demand(ia, evd, extra, override)
+        if need > have:
+            if need > limit:
+                raise InvalidParameter(
+                    f"{evd!r} would need {need} CQ entries for its endpoints' queues with {what}, but its CQ has "
+                    f"{have} (qlen is {evd.qlen}) and the device allows at most {limit} (max_evd_qlen): use "
+                    f"smaller EPAttr queue depths or another EVD")
+            if lib.ibv_resize_cq(evd._cq, min(max(need, have + have // 2), limit)):
+                exc = error_from_errno(ffi.errno, "ibv_resize_cq")
+                raise InvalidParameter(f"{evd!r} would need {need} CQ entries with {what} but its CQ has {have}, "
+                                       f"and growing it failed: {exc}") from exc
+        evd._cq_bound = need

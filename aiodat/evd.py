@@ -268,6 +268,7 @@ class EVD(Handle):
         self._callback: Optional[Callable[[List[Event]], Any]] = None
         self._callback_loop: Optional[asyncio.AbstractEventLoop] = None
         self._on_error: Optional[Callable[[BaseException], Any]] = None
+        self._cq_bound: Optional[int] = None  # an upper bound of what may complete at once (cqsize.py)
         self._delivery_scheduled = False
         self._attached_loop: Optional[asyncio.AbstractEventLoop] = None  # see _attach
         self._streams = streams
