@@ -43,13 +43,16 @@ import asyncio
 import dataclasses
 from typing import Any, Collection, Dict, Optional, Set, Tuple
 
-import grpclib.client
-import grpclib.server
-from grpclib.config import Configuration
-from grpclib.encoding.base import CodecBase, StatusDetailsCodecBase
-from grpclib.encoding.proto import ProtoCodec, ProtoStatusDetailsCodec
-from grpclib.protocol import H2Protocol
-from h2.config import H2Configuration
+try:
+    import grpclib.client
+    import grpclib.server
+    from grpclib.config import Configuration
+    from grpclib.encoding.base import CodecBase, StatusDetailsCodecBase
+    from grpclib.encoding.proto import ProtoCodec, ProtoStatusDetailsCodec
+    from grpclib.protocol import H2Protocol
+    from h2.config import H2Configuration
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError("aiodat.integrations.grpclib needs grpclib: pip install 'aiodat[grpclib]'") from exc
 
 from aiodat.errors import InvalidAddress, ModelNotSupported
 from aiodat.streams import ListenSocket, Server, create_connection, create_server, split_kwds

@@ -29,8 +29,11 @@ import dataclasses
 import ssl
 from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Dict, Iterable, Iterator, Optional, TypeVar
 
-import httpcore
-import httpx
+try:
+    import httpcore
+    import httpx
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError("aiodat.integrations.httpx needs httpx and httpcore: pip install 'aiodat[httpx]'") from exc
 
 from aiodat.errors import ModelNotSupported
 from aiodat.streams import open_connection, split_kwds
