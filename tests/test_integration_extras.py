@@ -143,3 +143,32 @@ def test_a_missing_framework_names_the_extra(name: str, framework: str) -> None:
     out = _run(block)
     assert out.returncode == 0, out.stderr
     assert f"pip install 'aiodat[{name}]'" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("name", ["aiohttp", "httpx", "grpclib"])
+def test_public_names_have_docstrings_and_type_hints(name: str) -> None:
+    """Every name in the module's ``__all__``, and every public method and property of those classes,
+    has a docstring and annotated parameters and return."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"aiodat.integrations.{name}")
+    missing = []
+    for public in module.__all__:
+        obj = getattr(module, public)
+        if not (obj.__doc__ or "").strip():
+            missing.append(f"{public}: no docstring")
+        for attr, value in vars(obj).items():
+            if attr.startswith("_") and attr != "__init__":
+                continue
+            func = value.fget if isinstance(value, property) else value
+            if not callable(func):
+                continue
+            if attr != "__init__" and not (func.__doc__ or "").strip():
+                missing.append(f"{public}.{attr}: no docstring")
+            signature = inspect.signature(func)
+            missing += [f"{public}.{attr}({p.name}): no type hint" for p in list(signature.parameters.values())[1:]
+                        if p.annotation is inspect.Parameter.empty]
+            if signature.return_annotation is inspect.Signature.empty:
+                missing.append(f"{public}.{attr}: no return type hint")
+    assert not missing, missing
