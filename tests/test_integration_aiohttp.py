@@ -150,3 +150,54 @@ async def test_connection_refused_is_client_connector_error(web: Web, tmp_path: 
         async with session.get(f"{dead}/hello"):
             pass
     assert isinstance(info.value.os_error, ConnectionRefusedError)
+
+
+# -- host only: the aiohttp internals the integration relies on ------------------------------------
+
+TESTED = "aiohttp 3.14.5"
+
+
+def test_aiohttp_parts_we_build_on() -> None:
+    """aiohttp has no public hook for a site's listener or a connector's connections, so
+    aiodat.integrations.aiohttp uses two internals (each in one marked place): checked here, so that an
+    upgrade that moves one fails with its name instead of breaking sites or sessions."""
+    import inspect
+
+    from aiohttp import web
+    from aiohttp.client_proto import ResponseHandler
+    from aiohttp.connector import BaseConnector
+
+    where = f"(aiodat.integrations.aiohttp was tested with {TESTED}; this is aiohttp {aiohttp.__version__})"
+    assert "_server" in web.BaseSite.__slots__, f"aiohttp's BaseSite has no _server slot any more {where}"
+    assert "self._server.close()" in inspect.getsource(web.BaseSite.stop), \
+        f"aiohttp's BaseSite.stop() no longer closes site._server {where}"
+    assert "site._server" in inspect.getsource(web.BaseRunner.addresses.fget), \
+        f"aiohttp's BaseRunner.addresses no longer reads site._server {where}"
+    assert "_create_connection" in vars(BaseConnector), \
+        f"aiohttp's BaseConnector._create_connection, the hook RdmaConnector overrides, is gone {where}"
+    assert list(inspect.signature(BaseConnector._create_connection).parameters) == \
+        ["self", "req", "traces", "timeout"], f"BaseConnector._create_connection(req, traces, timeout) changed {where}"
+    assert "self._create_connection(" in inspect.getsource(BaseConnector), \
+        f"aiohttp's BaseConnector no longer calls _create_connection {where}"
+    assert list(inspect.signature(ResponseHandler.__init__).parameters) == ["self", "loop"], \
+        f"aiohttp.client_proto.ResponseHandler(loop) changed {where}"
+
+
+@pytest.mark.rxe
+async def test_rdma_site_is_listed_and_stopped_by_its_runner(rdma_device: Any) -> None:
+    """runner.addresses lists an RdmaSite's address, and runner.cleanup() stops it (aiohttp's own
+    bookkeeping of sites, which the integration plugs into)."""
+    from aiohttp import web
+
+    from aiodat.integrations.aiohttp import RdmaSite
+
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    site = RdmaSite(runner, rdma_device.address, 0)
+    assert site.name == f"http://{rdma_device.address}:0" and runner.addresses == []
+    await site.start()
+    assert site.port != 0
+    assert runner.addresses == [(rdma_device.address, site.port)]
+    assert site.name == f"http://{rdma_device.address}:{site.port}"
+    await runner.cleanup()
+    assert runner.addresses == [] and aiodat_streams.shared_ia_count() == 0

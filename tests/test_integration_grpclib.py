@@ -9,16 +9,23 @@ on both loops (``--aiodat-loop asyncio`` / ``uvloop``).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
-from typing import Any, AsyncIterator, Tuple
+import socket
+from typing import Any, AsyncIterator, List, Tuple
 
+import grpclib
 import grpclib.client
+import grpclib.config
+import grpclib.events
+import grpclib.protocol
 import grpclib.server
 import pytest
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 import aiodat
+import aiodat.integrations.grpclib as integration
 from aiodat.integrations.grpclib import RdmaChannel, RdmaServer
 from apps.grpc_echo import EchoReply, EchoRequest, EchoService, EchoStub
 
@@ -43,8 +50,10 @@ async def setup(kind: str, request: pytest.FixtureRequest) -> AsyncIterator[Setu
     else:
         host = "127.0.0.1"
         server = grpclib.server.Server([service])
-        await server.start(host, 0)
-        port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        sock = socket.socket()  # grpclib's start(sock=...): the free port is known without its internals
+        sock.bind((host, 0))
+        port = sock.getsockname()[1]
+        await server.start(sock=sock)
         channel = grpclib.client.Channel(host, port)
     try:
         yield EchoStub(channel), service, channel
@@ -163,9 +172,16 @@ async def test_rdma_server_and_channel_lifecycle(rdma_device: Any) -> None:
     with pytest.raises(RuntimeError, match="already started"):
         await server.start(host, 0)
     port = server.sockets[0].getsockname()[1]
+    requests: List[str] = []
+
+    async def on_request(event: grpclib.events.RecvRequest) -> None:
+        requests.append(event.method_name)
+
+    grpclib.events.listen(server, grpclib.events.RecvRequest, on_request)  # grpclib's events reach RdmaServer's
     channel = RdmaChannel(host, port, buffer_size=8192)
     stub = EchoStub(channel)
     assert (await stub.Unary(EchoRequest(text="a"))).text == "a"
+    assert requests == ["/aiodat.echo.Echo/Unary"]
     server.close()
     await asyncio.wait_for(server.wait_closed(), 30)  # returns: the client's connection was closed too
     assert server.sockets == ()
@@ -175,3 +191,57 @@ async def test_rdma_server_and_channel_lifecycle(rdma_device: Any) -> None:
     assert channel.is_closed
     with pytest.raises(RuntimeError, match="RdmaChannel is closed"):
         await stub.Unary(EchoRequest(text="c"))
+
+
+# -- host only: the grpclib parts the integration builds on ---------------------------------------
+
+TESTED = "grpclib 0.4.9"
+
+
+def _params(func: Any) -> List[str]:
+    return list(inspect.signature(func).parameters)
+
+
+async def test_grpclib_parts_we_build_on() -> None:
+    """grpclib has no public hook for another kind of listener or connection, so aiodat.integrations.grpclib
+    assembles grpclib's public-named parts itself and overrides one private hook of Channel.  Each part is
+    checked here, so that an upgrade that moves one fails with its name instead of breaking calls."""
+    where = f"(aiodat.integrations.grpclib was tested with {TESTED}; this is grpclib {grpclib.__version__})"
+    assert _params(grpclib.server.Handler.__init__) == ["self", "mapping", "codec", "status_details_codec",
+                                                        "dispatch"], \
+        f"grpclib.server.Handler(mapping, codec, status_details_codec, dispatch) changed {where}"
+    for name in ("close", "wait_closed", "check_closed", "closing"):
+        assert hasattr(grpclib.server.Handler, name), f"grpclib.server.Handler.{name} is gone {where}"
+    assert _params(grpclib.protocol.H2Protocol.__init__) == ["self", "handler", "config", "h2_config"], \
+        f"grpclib.protocol.H2Protocol(handler, config, h2_config) changed {where}"
+    assert hasattr(grpclib.client.Handler(), "connection_lost"), \
+        f"grpclib.client.Handler() (no arguments, .connection_lost) changed {where}"
+    for name in ("__for_server__", "__for_client__"):
+        assert callable(getattr(grpclib.config.Configuration(), name, None)), \
+            f"grpclib.config.Configuration.{name}() is gone {where}"
+    assert "_create_connection" in vars(grpclib.client.Channel), \
+        f"grpclib.client.Channel._create_connection, the hook RdmaChannel overrides, is gone {where}"
+    assert "self._create_connection()" in inspect.getsource(grpclib.client.Channel.__connect__), \
+        f"grpclib.client.Channel.__connect__ no longer calls _create_connection() {where}"
+
+    # the settings aiodat copies must still be grpclib's own (read from grpclib's objects: a drift check)
+    server, channel = grpclib.server.Server([EchoService()]), grpclib.client.Channel("127.0.0.1", 1)
+    rdma_server, rdma_channel = RdmaServer([EchoService()]), RdmaChannel("127.0.0.1", 1)
+    try:
+        assert hasattr(server, "__dispatch__"), f"grpclib.server.Server().__dispatch__ (events) is gone {where}"
+        for theirs, ours in ((getattr(server, "_h2_config", None), integration._h2_config(False)),
+                             (getattr(channel, "_h2_config", None), integration._h2_config(True))):
+            assert theirs is not None, f"cannot compare h2 settings: grpclib keeps no _h2_config {where}"
+            for attr in ("client_side", "header_encoding", "validate_inbound_headers",
+                         "validate_outbound_headers", "normalize_inbound_headers", "normalize_outbound_headers"):
+                assert getattr(ours, attr) == getattr(theirs, attr), f"grpclib's h2 setting {attr} changed {where}"
+        codec, details = integration._default_codecs(None, None)
+        assert (type(codec), type(details)) == (type(getattr(server, "_codec", None)),
+                                                type(getattr(server, "_status_details_codec", None))), \
+            f"grpclib's default codecs changed {where}"
+        assert isinstance(rdma_server, grpclib.server.Server) and isinstance(rdma_channel, grpclib.client.Channel)
+        with pytest.raises(RuntimeError, match="not started"):
+            rdma_server.close()
+    finally:
+        channel.close()
+        rdma_channel.close()

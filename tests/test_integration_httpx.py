@@ -10,10 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Tuple
+from typing import Any, AsyncIterator, List, Tuple
 
 import httpcore
 import httpx
@@ -21,11 +18,10 @@ import pytest
 
 import aiodat
 from apps.httpx_app import PEERS, make_app, serve
-from aiodat.integrations.httpx import RdmaHTTPTransport, RdmaNetworkBackend
+from aiodat.integrations.httpx import RdmaHTTPTransport, RdmaNetworkBackend, _httpx_errors
 
-ROOT = Path(__file__).resolve().parents[1]
 
-Setup = Tuple[str, Callable[..., httpx.AsyncClient], Any]  # (base URL, client maker, aiohttp app)
+Setup = Tuple[str, "ClientMaker", Any]  # (base URL, client maker, aiohttp app)
 
 
 @pytest.fixture(params=["tcp", pytest.param("rdma", marks=pytest.mark.rxe)])
@@ -40,13 +36,28 @@ def host(kind: str, request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue("rdma_device").address
 
 
-def client_maker(kind: str) -> Callable[..., httpx.AsyncClient]:
-    """httpx.AsyncClient over TCP, or over RDMA: the only difference is ``transport=``."""
-    def make(limits: httpx.Limits = httpx.Limits(), **kw: Any) -> httpx.AsyncClient:
-        if kind == "rdma":
-            return httpx.AsyncClient(transport=RdmaHTTPTransport(limits=limits), **kw)
-        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(limits=limits), **kw)
-    return make
+class ClientMaker:
+    """Makes httpx.AsyncClients over TCP, or over RDMA: the only difference is ``transport=``.
+
+    ``transports`` keeps each client's transport (httpx has no public accessor for it).
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.transports: List[httpx.AsyncBaseTransport] = []
+
+    def __call__(self, limits: httpx.Limits = httpx.Limits(), **kw: Any) -> httpx.AsyncClient:
+        transport: httpx.AsyncBaseTransport
+        if self.kind == "rdma":
+            transport = RdmaHTTPTransport(limits=limits)
+        else:
+            transport = httpx.AsyncHTTPTransport(limits=limits)
+        self.transports.append(transport)
+        return httpx.AsyncClient(transport=transport, **kw)
+
+
+def client_maker(kind: str) -> ClientMaker:
+    return ClientMaker(kind)
 
 
 @pytest.fixture
@@ -92,9 +103,10 @@ async def test_keepalive_reuses_one_connection(setup: Setup) -> None:
             response = await client.get(url + "/hello", params={"n": str(i)})
             assert response.text == f"hello {i}"
         assert len(app[PEERS]) == 1, app[PEERS]
-        transport = client._transport
+        transport = make.transports[-1]
         if isinstance(transport, RdmaHTTPTransport):
             assert transport.network_backend.connections_opened == 1
+            assert len(transport.pool.connections) == 1
 
 
 async def test_concurrent_requests(setup: Setup) -> None:
@@ -126,14 +138,16 @@ async def test_idle_connection_closed_by_server(kind: str, host: str) -> None:
     app = make_app()
     async with serve(app, kind, host, keepalive_timeout=0.5) as url:
         async with client_maker(kind)() as client:
-            assert (await client.get(url + "/hello")).status_code == 200
-            pool = client._transport._pool  # httpcore's AsyncConnectionPool, under both transports
-            assert len(pool.connections) == 1
+            response = await client.get(url + "/hello")
+            assert response.status_code == 200
+            # httpx's documented "network_stream" extension: the connection the response came on
+            stream = response.extensions["network_stream"]
+            assert stream.get_extra_info("is_readable") is False  # idle, kept alive
             for _ in range(150):  # the server drops the idle connection after 0.5 s; the client notices
                 await asyncio.sleep(0.1)
-                if pool.connections[0].has_expired():  # idle and "readable": closed by the server
+                if stream.get_extra_info("is_readable"):  # idle and "readable": closed by the server
                     break
-            assert pool.connections[0].has_expired()
+            assert stream.get_extra_info("is_readable")
             assert (await client.get(url + "/hello", params={"n": "again"})).text == "hello again"
             assert len(app[PEERS]) == 2
 
@@ -232,10 +246,34 @@ async def test_rdma_transport_errors(rdma_url: str, rdma_device: Any) -> None:
 
 
 
-def test_importing_aiodat_does_not_import_the_frameworks() -> None:
-    """Lazy: httpx, httpcore and grpclib are imported by their integration modules only."""
-    code = ("import sys, aiodat, aiodat.streams, aiodat.integrations; "
-            "print(sorted(m for m in ('httpx', 'httpcore', 'grpclib', 'h2') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+# -- host only: the translation RdmaHTTPTransport does with public API only ------------------------
+
+
+@pytest.mark.parametrize("name", ["TimeoutException", "ConnectTimeout", "ReadTimeout", "WriteTimeout",
+                                  "PoolTimeout", "NetworkError", "ConnectError", "ReadError", "WriteError",
+                                  "ProxyError", "UnsupportedProtocol", "ProtocolError", "LocalProtocolError",
+                                  "RemoteProtocolError"])
+def test_httpcore_errors_become_the_httpx_errors_of_the_same_name(name: str) -> None:
+    """Each httpcore exception is raised as the httpx exception of its name (not a base class of it),
+    the original chained; anything else passes unchanged."""
+    original = getattr(httpcore, name)("boom")
+    with pytest.raises(getattr(httpx, name), match="boom") as info:
+        with _httpx_errors():
+            raise original
+    assert type(info.value) is getattr(httpx, name) and info.value.__cause__ is original
+    with pytest.raises(KeyError):
+        with _httpx_errors():
+            raise KeyError("not httpcore's")
+
+
+def test_transport_uses_public_api_only() -> None:
+    """RdmaHTTPTransport is an httpx.AsyncBaseTransport (the documented base for custom transports), not a
+    subclass of httpx.AsyncHTTPTransport whose private pool it would have to replace; its pool is a
+    public httpcore.AsyncConnectionPool on RdmaNetworkBackend."""
+    transport = RdmaHTTPTransport(limits=httpx.Limits(max_connections=3), retries=2)
+    assert isinstance(transport, httpx.AsyncBaseTransport)
+    assert not isinstance(transport, httpx.AsyncHTTPTransport)
+    assert isinstance(transport.pool, httpcore.AsyncConnectionPool)
+    assert isinstance(transport.network_backend, RdmaNetworkBackend)
+    with pytest.raises(TypeError, match="httpx.Limits"):
+        RdmaHTTPTransport(limits=3)  # type: ignore[arg-type]

@@ -17,6 +17,13 @@ address of the server's RDMA device.
         async with session.get("http://169.254.77.1:8080/") as resp:
             print(await resp.text())
 
+aiohttp has no public hook for a site's listener or a connector's connections:
+the two aiohttp internals this module relies on (a site's ``_server`` slot,
+which ``BaseSite.stop()`` closes and ``runner.addresses`` reads; a connector's
+``_create_connection`` hook) are used in one small place each, marked, and
+checked by ``tests/test_integration_aiohttp.py::test_aiohttp_parts_we_build_on``
+(tested with aiohttp 3.14.5).
+
 aiohttp is imported by this module only (``pip install aiodat[aiohttp]``);
 ``import aiodat`` never needs it.  Keyword arguments the two classes do not
 take themselves are aiodat stream options (``ia``, ``buffer_size``,
@@ -31,6 +38,7 @@ from typing import Any, Dict, List, Optional
 try:
     from aiohttp import web
     from aiohttp.client_exceptions import ClientConnectorError
+    from aiohttp.client_proto import ResponseHandler
     from aiohttp.connector import BaseConnector
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("aiodat.integrations.aiohttp needs aiohttp: pip install 'aiodat[aiohttp]'") from exc
@@ -56,6 +64,19 @@ def _stream_options(options: Dict[str, Any], own: tuple, who: str) -> Dict[str, 
     return dict(options)
 
 
+# -- aiohttp's internals (tested with aiohttp 3.14.5; test_aiohttp_parts_we_build_on checks them) ---------
+
+def _set_site_server(site: "web.BaseSite", server: Any) -> None:
+    """Give aiohttp the site's listener: ``BaseSite.stop()`` closes ``site._server`` and
+    ``BaseRunner.addresses`` lists its sockets (aiohttp's own sites set this slot in ``start()``)."""
+    site._server = server
+
+
+def _site_server(site: "web.BaseSite") -> Any:
+    """The listener :func:`_set_site_server` gave the site (None before ``start()``)."""
+    return site._server
+
+
 class RdmaSite(web.BaseSite):
     """A ``web.BaseSite`` serving an ``AppRunner``'s application over aiodat RDMA streams.
 
@@ -66,13 +87,15 @@ class RdmaSite(web.BaseSite):
     ``window_size``, ``rdma_threshold``).
     """
 
-    __slots__ = ("_host", "_port", "_bound_port", "_options")
+    __slots__ = ("_host", "_port", "_bound_port", "_options", "_rdma_runner", "_rdma_backlog")
 
     def __init__(self, runner: "web.BaseRunner", host: Optional[str] = None, port: int = 8080, *,
                  backlog: int = 128, **options: Any) -> None:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
             raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
         super().__init__(runner, backlog=backlog)
+        self._rdma_runner = runner
+        self._rdma_backlog = backlog
         self._host = host
         self._port = port
         self._bound_port: Optional[int] = None
@@ -86,17 +109,20 @@ class RdmaSite(web.BaseSite):
     @property
     def name(self) -> str:
         """``http://host:port`` (the scheme aiohttp prints; the transport is RDMA)."""
-        host = self._host or (self._server.sockets[0].getsockname()[0] if self._server is not None else "0.0.0.0")
+        server = _site_server(self)
+        host = self._host or (server.sockets[0].getsockname()[0] if server is not None else "0.0.0.0")
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
         """Listen: the runner's server becomes the protocol factory of an aiodat stream server."""
         await super().start()
-        server = self._runner.server
-        assert server is not None
-        self._server = await create_server(server, self._host, self._port, backlog=self._backlog,
-                                           **self._options)
-        self._bound_port = self._server.sockets[0].getsockname()[1]
+        factory = self._rdma_runner.server
+        if factory is None:
+            raise RuntimeError("the runner is not set up (or was cleaned up): call runner.setup() first")
+        server = await create_server(factory, self._host, self._port, backlog=self._rdma_backlog,
+                                     **self._options)
+        _set_site_server(self, server)
+        self._bound_port = server.sockets[0].getsockname()[1]
 
 
 class RdmaConnector(BaseConnector):
@@ -120,6 +146,10 @@ class RdmaConnector(BaseConnector):
         super().__init__(**kwargs)
 
     async def _create_connection(self, req: Any, traces: List[Any], timeout: Any) -> Any:
+        """aiohttp's (private) hook for a new connection, aiohttp 3.14.5: an aiodat stream to the URL's host."""
+        return await self._rdma_connect(req, timeout)
+
+    async def _rdma_connect(self, req: Any, timeout: Any) -> Any:
         if req.is_ssl():
             raise ClientConnectorError(req.connection_key, OSError(
                 "aiodat streams carry plain HTTP only: use an http:// URL with RdmaConnector"))
@@ -127,7 +157,8 @@ class RdmaConnector(BaseConnector):
         if timeout.sock_connect is not None and "connect_timeout" not in options:
             options["connect_timeout"] = timeout.sock_connect
         try:
-            _, proto = await create_connection(self._factory, req.host, req.port, **options)
+            loop = asyncio.get_running_loop()
+            _, proto = await create_connection(lambda: ResponseHandler(loop), req.host, req.port, **options)
         except asyncio.TimeoutError:
             raise  # the session turns it into ConnectionTimeoutError, as for TCP
         except (OSError, DATError) as exc:

@@ -24,12 +24,16 @@ This module imports httpx and httpcore; ``import aiodat`` does not import it.
 from __future__ import annotations
 
 import asyncio
-import ssl
+import contextlib
 import dataclasses
-from typing import Any, Awaitable, Dict, Iterable, Optional, TypeVar
+import ssl
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Dict, Iterable, Iterator, Optional, TypeVar
 
-import httpcore
-import httpx
+try:
+    import httpcore
+    import httpx
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError("aiodat.integrations.httpx needs httpx and httpcore: pip install 'aiodat[httpx]'") from exc
 
 from aiodat.errors import ModelNotSupported
 from aiodat.streams import open_connection, split_kwds
@@ -195,7 +199,50 @@ class RdmaNetworkBackend(httpcore.AsyncNetworkBackend):
         await asyncio.sleep(seconds)
 
 
-class RdmaHTTPTransport(httpx.AsyncHTTPTransport):
+#: httpcore's exceptions and the httpx exceptions of the same names a request raises instead
+_ERROR_NAMES = ("TimeoutException", "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout",
+                "NetworkError", "ConnectError", "ReadError", "WriteError", "ProxyError",
+                "UnsupportedProtocol", "ProtocolError", "LocalProtocolError", "RemoteProtocolError")
+_HTTPX_ERRORS: Dict[type, type] = {getattr(httpcore, name): getattr(httpx, name) for name in _ERROR_NAMES}
+
+
+@contextlib.contextmanager
+def _httpx_errors() -> Iterator[None]:
+    """Raise httpcore's exceptions as httpx's of the same name (the most specific one: the MRO decides).
+
+    httpx's own transport does the same privately; this one uses only the two libraries' public
+    exception classes.  Other exceptions pass through unchanged.
+    """
+    try:
+        yield
+    except Exception as exc:
+        for cls in type(exc).__mro__:
+            mapped = _HTTPX_ERRORS.get(cls)
+            if mapped is not None:
+                raise mapped(str(exc)) from exc
+        raise
+
+
+class _ResponseBody(httpx.AsyncByteStream):
+    """httpcore's response body as httpx's ``AsyncByteStream``, its errors raised as httpx's."""
+
+    def __init__(self, body: AsyncIterable[bytes]) -> None:
+        self._body = body
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with _httpx_errors():
+            async for chunk in self._body:
+                yield chunk
+
+    async def aclose(self) -> None:
+        """Release the connection back to the pool (httpcore's body knows how)."""
+        aclose = getattr(self._body, "aclose", None)
+        if aclose is not None:
+            with _httpx_errors():
+                await aclose()
+
+
+class RdmaHTTPTransport(httpx.AsyncBaseTransport):
     """An httpx transport that sends HTTP/1.1 over aiodat RDMA streams.
 
     ``httpx.AsyncClient(transport=RdmaHTTPTransport())``: every request of the
@@ -205,15 +252,23 @@ class RdmaHTTPTransport(httpx.AsyncHTTPTransport):
     (``buffer_size``, ``recv_depth``, ``window_size``, ``rdma_threshold``) are
     passed to every connection (see :class:`RdmaNetworkBackend`).  After
     :meth:`aclose` a request raises RuntimeError.
+
+    Built on public API only: an :class:`httpx.AsyncBaseTransport` (httpx's
+    documented base for custom transports) around an
+    :class:`httpcore.AsyncConnectionPool` whose ``network_backend`` is
+    :class:`RdmaNetworkBackend`; requests, responses and exceptions are
+    translated between the two libraries as httpx's own transport does.
     """
 
     def __init__(self, *, limits: Optional[httpx.Limits] = None, retries: int = 0, ia: Any = None,
                  **stream_options: Any) -> None:
-        # httpx's own __init__ builds a TCP pool (and an SSL context): not called, the pool is ours
         if limits is None:
             limits = httpx.Limits(max_connections=100, max_keepalive_connections=20)  # httpx's defaults
+        if not isinstance(limits, httpx.Limits):
+            raise TypeError(f"limits must be an httpx.Limits, got {type(limits).__name__}")
+        #: the :class:`RdmaNetworkBackend` every connection of the pool is opened with
         self.network_backend = RdmaNetworkBackend(ia=ia, **stream_options)
-        self._pool = httpcore.AsyncConnectionPool(
+        self._connections = httpcore.AsyncConnectionPool(
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
@@ -222,6 +277,11 @@ class RdmaHTTPTransport(httpx.AsyncHTTPTransport):
         )
         self._closed = False
 
+    @property
+    def pool(self) -> httpcore.AsyncConnectionPool:
+        """The httpcore connection pool (``pool.connections`` lists its connections)."""
+        return self._connections
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send ``request`` over an RDMA connection of the pool (httpx calls this)."""
         if self._closed:
@@ -229,12 +289,27 @@ class RdmaHTTPTransport(httpx.AsyncHTTPTransport):
         if request.url.scheme != "http":
             raise ModelNotSupported(f"RdmaHTTPTransport speaks plain HTTP only (no TLS over RDMA), "
                                     f"not {request.url.scheme}://: use an http:// URL")
-        return await super().handle_async_request(request)
+        if not isinstance(request.stream, httpx.AsyncByteStream):
+            raise TypeError("RdmaHTTPTransport needs an async request body (use httpx.AsyncClient)")
+        core_request = httpcore.Request(
+            method=request.method,
+            url=httpcore.URL(scheme=request.url.raw_scheme, host=request.url.raw_host,
+                             port=request.url.port, target=request.url.raw_path),
+            headers=request.headers.raw,
+            content=request.stream,
+            extensions=request.extensions,
+        )
+        with _httpx_errors():
+            response = await self._connections.handle_async_request(core_request)
+        return httpx.Response(status_code=response.status, headers=response.headers,
+                              stream=_ResponseBody(response.stream),  # type: ignore[arg-type]
+                              extensions=response.extensions)
 
     async def aclose(self) -> None:
         """Close every pooled connection; the transport cannot be used afterwards."""
         self._closed = True
-        await self._pool.aclose()
+        with _httpx_errors():
+            await self._connections.aclose()
 
     async def __aexit__(self, exc_type: Any = None, exc_value: Any = None, traceback: Any = None) -> None:
         """Leaving ``async with`` (the transport's or its AsyncClient's) closes it, as :meth:`aclose`."""
@@ -246,5 +321,4 @@ class RdmaHTTPTransport(httpx.AsyncHTTPTransport):
         return self._closed
 
     def __repr__(self) -> str:
-        return f"<RdmaHTTPTransport {'closed' if self._closed else 'open'} {self._pool!r}>"
-
+        return f"<RdmaHTTPTransport {'closed' if self._closed else 'open'} {self._connections!r}>"
