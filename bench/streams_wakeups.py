@@ -25,7 +25,10 @@ Two parts, in one run:
   (asyncio only); ``cq_calls``: C calls that poll the CQ (drain/poll/spin);
   ``post_send``/``post_recv``/``post_write``: requests posted; ``send_cqes``:
   send completions the transport saw (each a signalled send); ``recv_msgs``:
-  messages received; ``credit_msgs``: standalone CREDIT messages sent.
+  messages received; ``credit_msgs``: standalone CREDIT messages sent;
+* **bytecodes** (``--bytecodes``): the Python bytecodes each side executes per
+  round trip (``sys.settrace`` opcode events, frames the loop starts), a
+  measure of the Python on the path that the host's load cannot blur.
 
 With ``PYTHONPATH`` pointing at another checkout the same script measures that
 code (before/after comparisons in one guest boot).
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 COUNTS: Counter = Counter()
+TRACE = False  # the --bytecodes pass: count bytecodes instead of calls
 CQ_CALLS = ("aiodat_cq_drain", "aiodat_cq_poll", "aiodat_cq_spin")
 POST_CALLS = {"aiodat_post_send": "post_send", "aiodat_post_recv": "post_recv", "aiodat_post_recv1": "post_recv",
               "aiodat_post_send1": "post_send"}
@@ -137,6 +141,31 @@ def instrument() -> None:
     asyncio.events.Handle._run = _run  # asyncio's loop only (uvloop has its own handles)
 
 
+def _opcode_tracer(frame: Any, event: str, arg: Any) -> Any:
+    """sys.settrace's function for ``--bytecodes``: count every bytecode executed (new frames only)."""
+    frame.f_trace_opcodes = True
+
+    where = "bc:" + _area(frame.f_code.co_filename)
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            COUNTS["bytecodes"] += 1
+            COUNTS[where] += 1
+        return local
+    return local
+
+
+def _area(filename: str) -> str:
+    """Which part of the stack a frame's code belongs to (for the bytecode split)."""
+    path = filename.replace(os.sep, "/")
+    for marker, name in (("/aiodat/streams/", "streams"), ("/aiodat/evd.py", "evd"), ("/aiodat/post.py", "post"),
+                         ("/aiodat/", "aiodat-other"), ("/asyncio/", "asyncio"), ("/aiohttp/", "aiohttp"),
+                         ("/uvloop/", "uvloop")):
+        if marker in path:
+            return name
+    return "other"
+
+
 def instrument_loop(loop: asyncio.AbstractEventLoop) -> None:
     """Count the iterations and ready file descriptors of an asyncio loop (uvloop: not available)."""
     run_once = getattr(loop, "_run_once", None)
@@ -220,10 +249,13 @@ async def serve(kind: str, transport: str, host: str, count: bool) -> None:
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if not line:
             break
-        if line.strip() == "reset":
+        if line.strip() in ("reset", "trace"):
             COUNTS.clear()
+            if line.strip() == "trace":
+                sys.settrace(_opcode_tracer)
             print("OK", flush=True)
         elif line.strip() == "report":
+            sys.settrace(None)
             print("COUNTS " + json.dumps(dict(COUNTS)), flush=True)
     if closer is not None:
         closer.close()
@@ -270,13 +302,16 @@ async def echo_client(transport: str, host: str, port: int, messages: int, size:
         writer.write(payload)
         await reader.readexactly(size)
     if child is not None:
-        child.ask("reset")
+        child.ask("trace" if TRACE else "reset")
     COUNTS.clear()
+    if TRACE:
+        sys.settrace(_opcode_tracer)
     start = time.perf_counter()
     for _ in range(messages):
         writer.write(payload)
         await reader.readexactly(size)
     elapsed = time.perf_counter() - start
+    sys.settrace(None)
     counts = dict(COUNTS)
     writer.close()
     await writer.wait_closed()
@@ -302,13 +337,16 @@ async def http_client(transport: str, host: str, port: int, messages: int, count
             async with session.get(url) as resp:
                 await resp.read()
         if child is not None:
-            child.ask("reset")
+            child.ask("trace" if TRACE else "reset")
         COUNTS.clear()
+        if TRACE:
+            sys.settrace(_opcode_tracer)
         start = time.perf_counter()
         for _ in range(messages):
             async with session.get(url) as resp:
                 await resp.read()
         elapsed = time.perf_counter() - start
+        sys.settrace(None)
         counts = dict(COUNTS)
     return messages / elapsed, counts
 
@@ -362,6 +400,23 @@ def measure(kind: str, host: str, args: argparse.Namespace) -> None:
         print(f"[time] {label}, loop {args.loop}, {n} sequential round trips x {args.rounds} rounds: "
               f"RDMA {rdma:.1f}/s {[round(r, 1) for r in rates['rdma']]}, "
               f"TCP {tcp:.1f}/s {[round(r, 1) for r in rates['tcp']]}, RDMA/TCP {rdma / tcp:.2f}x", flush=True)
+    if args.bytecodes:  # before instrument(): its wrappers would be counted too
+        global TRACE
+        TRACE = True
+        for transport in ("rdma", "tcp"):
+            child = Child(kind, transport, where[transport], args.loop, False)
+            try:
+                _, counts = client(transport, child, False)
+                line = child.ask("report")
+                server = json.loads(line.split(" ", 1)[1]) if line.startswith("COUNTS ") else {}
+            finally:
+                child.close()
+            split = {side: ", ".join(f"{k[3:]} {v / n:.0f}" for k, v in sorted(c.items()) if k.startswith("bc:"))
+                     for side, c in (("client", counts), ("server", server))}
+            print(f"[bytecodes] {label}, {transport}, loop {args.loop}, per round trip: "
+                  f"client {counts.get('bytecodes', 0) / n:.0f} ({split['client']}), "
+                  f"server {server.get('bytecodes', 0) / n:.0f} ({split['server']})", flush=True)
+        TRACE = False
     if args.counts:
         instrument()
         for transport in ("rdma", "tcp"):
@@ -383,6 +438,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--size", type=int, default=100, help="bytes per echo message")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per transport (0: none)")
     parser.add_argument("--no-counts", dest="counts", action="store_false", help="skip the instrumented run")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="also count the bytecodes each side executes per round trip (sys.settrace)")
     parser.add_argument("--http", action="store_true", help="also aiohttp GETs")
     parser.add_argument("--only-http", action="store_true", help="aiohttp GETs only")
     parser.add_argument("--host", default=None, help="the RDMA address (default: $AIODAT_RXE_ADDR)")
