@@ -380,9 +380,9 @@ def measure(kind: str, host: str, args: argparse.Namespace) -> None:
 
     def client(transport: str, child: Child, count: bool) -> Tuple[float, Dict[str, int]]:
         if kind == "echo":
-            coro = echo_client(transport, where[transport], child.port, n, args.size, count, child if count else None)
+            coro = echo_client(transport, where[transport], child.port, n, args.size, count, child if count or TRACE else None)
         else:
-            coro = http_client(transport, where[transport], child.port, n, count, child if count else None)
+            coro = http_client(transport, where[transport], child.port, n, count, child if count or TRACE else None)
         return run(coro, args.loop)  # type: ignore[no-any-return]
 
     if args.rounds:
