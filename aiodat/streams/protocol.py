@@ -30,7 +30,7 @@ import collections
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 from aiodat.errors import ConnectionBroken, InvalidParameter, ModelNotSupported
 
@@ -51,6 +51,8 @@ HEADER = struct.Struct("!BBHI")
 PARAMS = struct.Struct("!2sBBHI")
 #: the receive window: address (Q), length (Q), rkey (I) -- the layout of aiodat.RemoteRegion.to_bytes()
 WINDOW_DESC = struct.Struct("!QQI")
+_HEADER_SIZE = HEADER.size
+_unpack_header = HEADER.unpack_from
 MAGIC = b"AS"
 VERSION = 1
 PARAM_WINDOW = 0x01
@@ -242,8 +244,7 @@ def decode_header(data: Any, received: Optional[int] = None) -> Header:
 # -- the state machine ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Send:
+class Send(NamedTuple):
     """One send to post now (from :meth:`StreamCore.next_send`).
 
     Fill send slot ``slot`` with ``header`` and, for DATA, the first ``length``
@@ -251,6 +252,8 @@ class Send:
     the first ``length`` pending bytes to the start of the peer's window
     (cookie :data:`WRITE_COOKIE`).  Post ``wire_length`` bytes of the slot with
     ``cookie``, signalled or not, then call :meth:`StreamCore.sent`.
+    (A NamedTuple, not a dataclass: one is made per message, and a tuple is the
+    cheapest immutable record Python has.)
     """
 
     type: int
@@ -278,8 +281,7 @@ class Send:
         return HEADER.size + (self.length if self.type == MSG_DATA else 0)
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """A received message (from :meth:`StreamCore.on_received` / :meth:`StreamCore.next_held`).
 
     DATA: the payload is the ``length`` bytes after the header in receive slot
@@ -318,7 +320,11 @@ class StreamCore:
         # requests on the send queue in posting order; most sends are unsignalled, and one
         # completion frees everything posted before it (the send queue completes in order)
         self._posted: Deque[Tuple[str, int]] = collections.deque()
-        self._signal_every = max(1, self.nslots // 4)
+        # Signal a send only when the free slots run low (fewer than a quarter left): a signalled
+        # send's completion wakes the loop, so a request/response exchange should see it once in
+        # many round trips, not every few (docs/streams.md, "Event-loop plumbing").
+        self._low_slots = max(1, self.nslots // 4)
+        self._signal_every = max(1, self.nslots - self._low_slots)
         self._unsignalled = 0
         self._buf = bytearray()
         self.eof_requested = False  #: write_eof() or close(): send EOF once the buffer is empty
@@ -413,9 +419,9 @@ class StreamCore:
         slot = self._free_slots[-1]
         credits = min(self._owed, 0xFFFF)
         release = self._release_pending
-        # signal one send in every few, whenever slots run short, and everything from EOF on (so the
-        # last sends before a close complete)
-        signalled = (self._unsignalled >= self._signal_every or len(self._free_slots) - 1 < self._signal_every
+        # signal when the free slots run short (one send in nslots - nslots//4 when they go one by
+        # one), and everything from EOF on (so the last sends before a close complete)
+        signalled = (self._unsignalled >= self._signal_every or len(self._free_slots) - 1 < self._low_slots
                      or mtype == MSG_EOF or self.eof_sent)
         header = HEADER.pack(mtype, FLAG_RELEASE if release else 0, credits, length)
         return Send(mtype, slot, header, length, credits, release, signalled, takes_credit)
@@ -479,23 +485,29 @@ class StreamCore:
         if not 0 <= slot < self.nslots or not self._recv_posted[slot]:
             raise StreamProtocolError(f"stream protocol error: a message arrived in receive slot {slot}, "
                                       f"which is not posted")
-        hdr = decode_header(header, length)
-        if self._credits + hdr.credits > self.peer.credits:
-            raise StreamProtocolError(f"stream protocol error: the peer returned {hdr.credits} credits while we "
+        mtype = 0
+        if length >= _HEADER_SIZE and len(header) >= _HEADER_SIZE:
+            # the common case, a well-formed DATA message, checked here without building a Header
+            mtype, flags, credits, plen = _unpack_header(header)
+        if mtype != MSG_DATA or flags or plen > length - _HEADER_SIZE:
+            hdr = decode_header(header, length)  # every check, and the error that names what is wrong
+            mtype, flags, credits, plen = hdr.type, hdr.flags, hdr.credits, hdr.length
+        if self._credits + credits > self.peer.credits:
+            raise StreamProtocolError(f"stream protocol error: the peer returned {credits} credits while we "
                                       f"hold {self._credits} of the {self.peer.credits} it granted")
-        if hdr.type == MSG_WINDOW and (self.cfg.window_size == 0 or hdr.length > self.cfg.window_size):
-            raise StreamProtocolError(f"stream protocol error: WINDOW of {hdr.length} bytes into a window of "
+        if mtype == MSG_WINDOW and (self.cfg.window_size == 0 or plen > self.cfg.window_size):
+            raise StreamProtocolError(f"stream protocol error: WINDOW of {plen} bytes into a window of "
                                       f"{self.cfg.window_size}")
-        if self.eof_received and hdr.type != MSG_CREDIT:
-            raise StreamProtocolError(f"stream protocol error: {_MSG_NAMES[hdr.type]} after EOF")
+        if self.eof_received and mtype != MSG_CREDIT:
+            raise StreamProtocolError(f"stream protocol error: {_MSG_NAMES[mtype]} after EOF")
         self._recv_posted[slot] = False
-        self._credits += hdr.credits
-        if hdr.flags & FLAG_RELEASE:
+        self._credits += credits
+        if flags & FLAG_RELEASE:
             self._window_free = True
-        message = Message(hdr.type, slot, hdr.length)
-        if hdr.type == MSG_EOF:
+        message = Message(mtype, slot, plen)
+        if mtype == MSG_EOF:
             self.eof_received = True  # even when held: nothing may follow it on the wire
-        if hdr.type == MSG_CREDIT:
+        if mtype == MSG_CREDIT:
             return message
         if self._held or not self._reading:
             self._held.append(message)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Uni
 
 from aiodat.cm import resolve_host
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
+from aiodat.evd import ConnectionEvent, EventType
 from aiodat.streams.pool import IARef
 from aiodat.streams.protocol import (
     DEFAULT_LIMIT,
@@ -69,6 +70,7 @@ class Resources:
             self.ep = ia.create_ep(self.pz, recv_evd=self.evd, request_evd=self.evd, connect_evd=self.evd,
                                    attrs=attrs)
             self.recv_segs = [Segment(self.lmr, i * size, size) for i in range(self.nrecv)]
+            self.recv_cookies = [("r", i) for i in range(self.nrecv)]  # made once, not per re-post
             for i in range(self.nrecv):
                 self.post_recv(i)
         except BaseException:
@@ -76,7 +78,7 @@ class Resources:
             raise
 
     def post_recv(self, i: int) -> None:
-        self.ep.post_recv(self.recv_segs[i], ("r", i))
+        self.ep.post_recv(self.recv_segs[i], self.recv_cookies[i])
 
     def params(self) -> bytes:
         """Our private data: the config and the window's descriptor."""
@@ -142,6 +144,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._lost = False
         self._conn_lost_writes = 0
         self._flush_scheduled = False
+        self._delivered = False  # the batch being handled gave the protocol data (see _handle)
         self._idle: Optional[asyncio.Future[None]] = None
         self._close_task: Optional[asyncio.Task[None]] = None
         self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
@@ -354,9 +357,8 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                 self._finish(ConnectionBroken(f"the RDMA stream failed: {exc!r}"))
 
     def _handle(self, events: Sequence[Any]) -> None:
-        from aiodat.evd import ConnectionEvent, EventType
-
         lost_event = None
+        self._delivered = False
         for event in events:
             if isinstance(event, ConnectionEvent):
                 if event.type in (EventType.CONNECTION_EVENT_DISCONNECTED, EventType.CONNECTION_EVENT_BROKEN):
@@ -380,6 +382,12 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             self._peer_lost(lost_event.type is EventType.CONNECTION_EVENT_BROKEN)
             return
         self._flush()
+        if self._delivered:
+            # The protocol was handed data, and data_received has just queued the wake-up of
+            # whoever reads it (the StreamReader's waiter).  A flush queued now runs right after
+            # that reader, in the same loop iteration: a reply it writes is posted there, not one
+            # iteration later, as a TCP transport's write() sends at once.
+            self._schedule_flush()
 
     def _completion(self, event: Any) -> None:
         kind, slot = event.cookie if isinstance(event.cookie, tuple) else (None, None)
@@ -430,6 +438,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
     def _data(self, view: memoryview) -> None:
         if self._closing and not self._lost:
             return  # as asyncio: no data_received after close()
+        self._delivered = True
         try:
             self._protocol.data_received(view if self._stream_protocol else bytes(view))  # type: ignore
         except Exception as exc:
