@@ -21,8 +21,8 @@ from aiodat.memory import Privileges, RemoteRegion
 pytestmark = pytest.mark.rxe
 
 REGION = 64 * 1024  # the server's window for our writes
-#: cookies the stream does not own: any non-tuple, or a pair whose first item is not "s", "w" or "r"
-FOREIGN_COOKIES = [("dask", 0), ("app", 7), "mine", 12345, None, object()]
+#: cookies the stream does not own: anything but a pair whose first item is "s", "w" or "r"
+FOREIGN_COOKIES = [("dask", 0), ("app", 7), "mine", 12345, None, object(), ("s", 1, "x"), ()]
 #: large enough for the stream's own RDMA window writes (cookie ("w", 0)) to run next to ours
 STREAM_BULK = 512 * 1024
 

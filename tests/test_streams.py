@@ -696,3 +696,49 @@ def test_config_validation_host() -> None:
     with pytest.raises(aiodat.InvalidParameter, match="window_size"):
         aiodat_streams.StreamConfig(window_size=100).validate()
     assert aiodat_streams.HEADER.size == 8
+
+
+@pytest.mark.rxe
+async def test_a_failing_completion_queue_ends_the_stream_with_its_cause(rdma_host: str, loop_errors: List[dict]) -> None:
+    """The CQ under a stream fails (a failed poll, from the shim's fault switch, as a device
+    failure would): the EVD reports it to the transport (set_callback's on_error), which ends
+    the connection with the cause instead of leaving both sides waiting for bytes that cannot
+    come; nothing reaches the loop's exception handler."""
+    from aiodat._lib import lib
+
+    outcomes: List[Any] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert await reader.readexactly(5) == b"hello"
+        writer.write(b"ready")
+        try:
+            outcomes.append(await reader.read(100))
+        except ConnectionResetError as exc:
+            outcomes.append(exc)
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_host, 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await aiodat.open_connection(rdma_host, port)
+    try:
+        writer.write(b"hello")
+        assert await asyncio.wait_for(reader.readexactly(5), 30) == b"ready"
+        lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL, 1)  # the next poll of a CQ fails
+        writer.write(b"x")
+        try:
+            outcomes.append(await asyncio.wait_for(reader.read(100), 60))
+        except ConnectionResetError as exc:
+            outcomes.append(exc)
+        for _ in range(600):
+            if len(outcomes) == 2:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL, 0)
+        writer.close()
+        server.close()
+        await server.wait_closed()
+    assert len(outcomes) == 2, f"a side was left waiting: {outcomes}"
+    failures = [o for o in outcomes if isinstance(o, ConnectionResetError)]
+    assert any("completion queue failed" in str(o) for o in failures), outcomes
+    assert all(o in (b"", b"x") or isinstance(o, ConnectionResetError) for o in outcomes), outcomes

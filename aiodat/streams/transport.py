@@ -164,7 +164,14 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                 if transport is not None:
                     transport._on_events(events)
 
-            self._res.evd.set_callback(on_events)
+            def on_error(exc: BaseException) -> None:
+                transport = ref()
+                if transport is not None and not transport._lost:
+                    # the EVD under the connection failed (its CQ could not be polled or armed):
+                    # nothing more would arrive, so the connection ends now, with the cause
+                    transport._finish(ConnectionBroken(f"the RDMA stream's completion queue failed: {exc!r}"))
+
+            self._res.evd.set_callback(on_events, on_error=on_error)
 
     def __del__(self) -> None:
         # Only the warning: the EP, EVD, LMRs and PZ of the stream are freed by their Raw holders
@@ -390,7 +397,8 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             self._schedule_flush()
 
     def _completion(self, event: Any) -> None:
-        kind, slot = event.cookie if isinstance(event.cookie, tuple) else (None, None)
+        cookie = event.cookie  # the stream's own are pairs; anything else is foreign (docs/streams.md)
+        kind, slot = cookie if type(cookie) is tuple and len(cookie) == 2 else (None, None)
         if not event.ok:
             if event.flushed or self._closing:
                 return  # the QP left CONNECTED: the connection event tells the rest
