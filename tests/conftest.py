@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import AsyncIterator, List
 
 import pytest
@@ -17,3 +18,26 @@ async def loop_errors() -> AsyncIterator[List[dict]]:
     yield errors
     loop.set_exception_handler(old)
     assert not errors, f"exceptions escaped into the event loop: {errors}"
+
+
+@pytest.fixture
+def two_hosts(request: pytest.FixtureRequest) -> None:
+    """For the ``hosts2`` tests: skip outside a two-host test bed (fail there under
+    AIODAT_REQUIRE_DEVICE=1: rxe or host B's agent not up is then a failure), and export the
+    loop chosen with --aiodat-loop as AIODAT_LOOP for the programs the test starts on either host."""
+    from aiodat.testbed import hosts
+
+    required = os.environ.get("AIODAT_REQUIRE_DEVICE") == "1" and os.environ.get("AIODAT_HOSTS") == "2"
+    problem = None
+    if not hosts.available():
+        problem = (f"needs two hosts: run under `aiodat rxe run --hosts 2 -- python -m pytest -m hosts2 "
+                   f"tests/{request.path.name}` (two QEMU guests joined by a virtio link)")
+    elif not os.environ.get("AIODAT_RXE_DEVICE"):
+        problem = "AIODAT_HOSTS=2 but no AIODAT_RXE_DEVICE (did rxe fail to come up?)"
+    elif not os.path.exists(os.path.join(os.environ["AIODAT_HOSTS_DIR"], "ready-1")):
+        problem = "the agent of host B is not up"
+    if problem:
+        if required:
+            pytest.fail(problem)
+        pytest.skip(problem)
+    os.environ["AIODAT_LOOP"] = request.config.getoption("--aiodat-loop") or os.environ.get("AIODAT_LOOP", "asyncio")

@@ -23,10 +23,8 @@ import aiodat
 from aiodat import EPAttr, EPState, EventType, EvdFlags, Privileges
 from aiodat.testbed import hosts
 
-pytestmark = pytest.mark.hosts2
-
-HOW_TO = ("needs two hosts: run under `aiodat rxe run --hosts 2 -- python -m pytest -m hosts2 "
-          "tests/test_faults.py` (two QEMU guests joined by a virtio link)")
+# two_hosts (tests/conftest.py): skipped outside a two-host test bed, AIODAT_LOOP set for the peer
+pytestmark = [pytest.mark.hosts2, pytest.mark.usefixtures("two_hosts")]
 
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_peer.py")
 #: The bound docs/reliability.md names: the survivor of a SIGKILLed peer hears of it within this.
@@ -54,23 +52,6 @@ def figure(name: str, **values: Any) -> None:
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
-
-
-@pytest.fixture(autouse=True)
-def _two_hosts(request: pytest.FixtureRequest) -> None:
-    required = os.environ.get("AIODAT_REQUIRE_DEVICE") == "1" and os.environ.get("AIODAT_HOSTS") == "2"
-    problem = None
-    if not hosts.available():
-        problem = HOW_TO
-    elif not os.environ.get("AIODAT_RXE_DEVICE"):
-        problem = "AIODAT_HOSTS=2 but no AIODAT_RXE_DEVICE (did rxe fail to come up?)"
-    elif not os.path.exists(os.path.join(os.environ["AIODAT_HOSTS_DIR"], "ready-1")):
-        problem = "the agent of host B is not up"
-    if problem:
-        if required:
-            pytest.fail(problem)
-        pytest.skip(problem)
-    os.environ["AIODAT_LOOP"] = request.config.getoption("--aiodat-loop") or os.environ.get("AIODAT_LOOP", "asyncio")
 
 
 @pytest.fixture

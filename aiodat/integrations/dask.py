@@ -164,6 +164,29 @@ def _abort_transport(loop: asyncio.AbstractEventLoop, transport: asyncio.BaseTra
         pass
 
 
+class _AbortOnFailure:
+    """Around one read or write of a comm: any exception ends the comm before it propagates.
+
+    A lost connection (CommClosedError), a cancellation or a failure may leave part of a message
+    consumed or sent, so the stream's state is unknown and the only safe thing is to abort, as
+    distributed's tcp comm does (distributed requires a cancelled read to abort the comm).  Made
+    per call and holding the comm only for it: a comm the program drops stays free of cycles.
+    """
+
+    __slots__ = ("comm",)
+
+    def __init__(self, comm: "RDMAComm") -> None:
+        self.comm = comm
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is not None:
+            self.comm.abort()
+        return False
+
+
 class RDMAComm(Comm):
     """One distributed comm over one aiodat stream; large frames move by RDMA write (module docstring)."""
 
@@ -216,18 +239,9 @@ class RDMAComm(Comm):
         """The next message; a cancelled or failed read aborts the comm (the stream's state is unknown)."""
         if self._closed:
             raise CommClosedError(f"{self!r}: read on a closed comm")
-        try:
+        with _AbortOnFailure(self):
             ident, lengths, modes, data = await self._inbox.get(self._inbox.messages)
             frames = await self._receive_frames(ident, lengths, modes, data)
-        except CommClosedError:
-            self._closed = True
-            self._teardown()
-            raise
-        except BaseException:
-            # CancelledError included: part of a message may have been consumed, so the only safe
-            # thing is to abort, as distributed's tcp comm does.
-            self.abort()
-            raise
         try:
             return await from_frames(frames, deserialize=self.deserialize, deserializers=deserializers,
                                      allow_offload=self.allow_offload)
@@ -288,18 +302,11 @@ class RDMAComm(Comm):
             kind = "rdma" if m == _REMOTE else "inline"
             totals[kind + "_frames"] += 1
             totals[kind + "_bytes"] += v.nbytes
-        try:
+        with _AbortOnFailure(self):
             async with self._write_lock:
                 if self._closed or self._inbox.closed is not None:
                     raise CommClosedError(f"{self!r}: {self._inbox.closed.reason if self._inbox.closed else 'closed'}")
                 await self._send_frames(next(self._ids), views, modes)
-        except CommClosedError:
-            self._closed = True
-            self._teardown()
-            raise
-        except BaseException:
-            self.abort()
-            raise
         return sum(v.nbytes for v in views)
 
     async def _send_frames(self, ident: int, views: List[memoryview], modes: bytes) -> None:
