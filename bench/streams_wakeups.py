@@ -385,6 +385,17 @@ def measure(kind: str, host: str, args: argparse.Namespace) -> None:
             coro = http_client(transport, where[transport], child.port, n, count, child if count or TRACE else None)
         return run(coro, args.loop)  # type: ignore[no-any-return]
 
+    def run_counted(transport: str, counting: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """One counted run against a fresh server child: (the client's counts, the server's)."""
+        child = Child(kind, transport, where[transport], args.loop, counting)
+        try:
+            _, counts = client(transport, child, counting)
+            line = child.ask("report")
+            server = json.loads(line.split(" ", 1)[1]) if line.startswith("COUNTS ") else {}
+        finally:
+            child.close()
+        return counts, server
+
     if args.rounds:
         rates: Dict[str, List[float]] = {"rdma": [], "tcp": []}
         children = {t: Child(kind, t, where[t], args.loop, False) for t in ("rdma", "tcp")}
@@ -404,13 +415,7 @@ def measure(kind: str, host: str, args: argparse.Namespace) -> None:
         global TRACE
         TRACE = True
         for transport in ("rdma", "tcp"):
-            child = Child(kind, transport, where[transport], args.loop, False)
-            try:
-                _, counts = client(transport, child, False)
-                line = child.ask("report")
-                server = json.loads(line.split(" ", 1)[1]) if line.startswith("COUNTS ") else {}
-            finally:
-                child.close()
+            counts, server = run_counted(transport, False)
             split = {side: ", ".join(f"{k[3:]} {v / n:.0f}" for k, v in sorted(c.items()) if k.startswith("bc:"))
                      for side, c in (("client", counts), ("server", server))}
             print(f"[bytecodes] {label}, {transport}, loop {args.loop}, per round trip: "
@@ -420,13 +425,7 @@ def measure(kind: str, host: str, args: argparse.Namespace) -> None:
     if args.counts:
         instrument()
         for transport in ("rdma", "tcp"):
-            child = Child(kind, transport, where[transport], args.loop, True)
-            try:
-                _, counts = client(transport, child, True)
-                line = child.ask("report")
-                server = json.loads(line.split(" ", 1)[1]) if line.startswith("COUNTS ") else {}
-            finally:
-                child.close()
+            counts, server = run_counted(transport, True)
             print(f"[counts] {label}, {transport}, loop {args.loop}, per round trip:\n"
                   f"  client: {per_rt(counts, n, args.loop)}\n  server: {per_rt(server, n, args.loop)}", flush=True)
 
