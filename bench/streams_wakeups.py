@@ -291,6 +291,16 @@ class Child:
         self.proc.wait(120)
 
 
+def begin_measuring(child: Optional[Child]) -> float:
+    """After the warm-up: zero both sides' counts (and start tracing bytecodes if asked); the start time."""
+    if child is not None:
+        child.ask("trace" if TRACE else "reset")
+    COUNTS.clear()
+    if TRACE:
+        sys.settrace(_opcode_tracer)
+    return time.perf_counter()
+
+
 async def echo_client(transport: str, host: str, port: int, messages: int, size: int, count: bool,
                       child: Optional[Child]) -> Tuple[float, Dict[str, int]]:
     """Round trips per second of ``messages`` sequential echoes, and the client's counts."""
@@ -301,12 +311,7 @@ async def echo_client(transport: str, host: str, port: int, messages: int, size:
     for _ in range(20):  # warm up
         writer.write(payload)
         await reader.readexactly(size)
-    if child is not None:
-        child.ask("trace" if TRACE else "reset")
-    COUNTS.clear()
-    if TRACE:
-        sys.settrace(_opcode_tracer)
-    start = time.perf_counter()
+    start = begin_measuring(child)
     for _ in range(messages):
         writer.write(payload)
         await reader.readexactly(size)
@@ -336,12 +341,7 @@ async def http_client(transport: str, host: str, port: int, messages: int, count
         for _ in range(20):
             async with session.get(url) as resp:
                 await resp.read()
-        if child is not None:
-            child.ask("trace" if TRACE else "reset")
-        COUNTS.clear()
-        if TRACE:
-            sys.settrace(_opcode_tracer)
-        start = time.perf_counter()
+        start = begin_measuring(child)
         for _ in range(messages):
             async with session.get(url) as resp:
                 await resp.read()
