@@ -723,9 +723,9 @@ class EVD(Handle):
         which ``fn`` would otherwise never learn of, goes to
         ``on_error(exc)`` if given (a transport aborts its connection there),
         else to the loop's exception handler too; an exception from
-        ``on_error`` goes to the exception handler.  While a callback is set, ``wait()`` and ``dequeue()``
-        raise :class:`aiodat.InvalidState`.  Call it from the loop the EVD
-        belongs to (the callbacks run there).
+        ``on_error`` goes to the exception handler.  While a callback is set,
+        ``wait()`` and ``dequeue()`` raise :class:`aiodat.InvalidState`.  Call
+        it from the loop the EVD belongs to (the callbacks run there).
         """
         self._check()
         if fn is not None and not callable(fn):
