@@ -22,11 +22,12 @@ a cookie the stream ignores; one at a time per comm, so the stream's send-queue 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import struct
 import weakref
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import dask.config
 import dask.utils
@@ -164,27 +165,19 @@ def _abort_transport(loop: asyncio.AbstractEventLoop, transport: asyncio.BaseTra
         pass
 
 
-class _AbortOnFailure:
+@contextlib.contextmanager
+def _abort_on_failure(comm: "RDMAComm") -> Iterator[None]:
     """Around one read or write of a comm: any exception ends the comm before it propagates.
 
     A lost connection (CommClosedError), a cancellation or a failure may leave part of a message
     consumed or sent, so the stream's state is unknown and the only safe thing is to abort, as
-    distributed's tcp comm does (distributed requires a cancelled read to abort the comm).  Made
-    per call and holding the comm only for it: a comm the program drops stays free of cycles.
+    distributed's tcp comm does (distributed requires a cancelled read to abort the comm).
     """
-
-    __slots__ = ("comm",)
-
-    def __init__(self, comm: "RDMAComm") -> None:
-        self.comm = comm
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        if exc_type is not None:
-            self.comm.abort()
-        return False
+    try:
+        yield
+    except BaseException:
+        comm.abort()
+        raise
 
 
 class RDMAComm(Comm):
@@ -239,7 +232,7 @@ class RDMAComm(Comm):
         """The next message; a cancelled or failed read aborts the comm (the stream's state is unknown)."""
         if self._closed:
             raise CommClosedError(f"{self!r}: read on a closed comm")
-        with _AbortOnFailure(self):
+        with _abort_on_failure(self):
             ident, lengths, modes, data = await self._inbox.get(self._inbox.messages)
             frames = await self._receive_frames(ident, lengths, modes, data)
         try:
@@ -302,7 +295,7 @@ class RDMAComm(Comm):
             kind = "rdma" if m == _REMOTE else "inline"
             totals[kind + "_frames"] += 1
             totals[kind + "_bytes"] += v.nbytes
-        with _AbortOnFailure(self):
+        with _abort_on_failure(self):
             async with self._write_lock:
                 if self._closed or self._inbox.closed is not None:
                     raise CommClosedError(f"{self!r}: {self._inbox.closed.reason if self._inbox.closed else 'closed'}")
