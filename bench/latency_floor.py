@@ -15,6 +15,10 @@ round trip beside ``ib_send_lat -R -e``'s typical from the same round:
   floor of any asyncio design that posts and polls through cffi;
 * ``raw poll``: the same calls with no event loop at all, blocking in
   ``select.poll`` on the completion channel: the floor of Python itself;
+* ``tcp loop``: the same ping-pong over TCP on loopback, both ends asyncio
+  ``Protocol`` objects on one loop whose ``data_received`` answers at once:
+  the floor of a TCP design, what issue 16's "small requests cost no more
+  than TCP loopback" compares against;
 * ``aiodat posts`` and ``aiodat wait``: the raw loop with aiodat's
   ``ep.post_recv``/``ep.post_send`` in place of the raw posts, or with
   ``await evd.wait()`` in place of the raw wait: which of the two costs more.
@@ -186,6 +190,46 @@ async def run_raw(device: str, address: str, total: int, processes: int, poll: b
     return percentile(half, 50)
 
 
+class _TcpSide(asyncio.Protocol):
+    """One end of the TCP ping-pong: the pong end answers each message; the ping end counts replies."""
+
+    def __init__(self, answer: bool) -> None:
+        self.answer = answer
+        self.transport: Any = None
+        self.fut: Optional[asyncio.Future[None]] = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        transport.get_extra_info("socket").setsockopt(6, 1, 1)  # TCP_NODELAY, as asyncio sets it
+
+    def data_received(self, data: bytes) -> None:
+        if self.answer:
+            self.transport.write(data)
+        elif self.fut is not None and not self.fut.done():
+            self.fut.set_result(None)
+
+
+async def run_tcp(total: int) -> float:
+    """p50 half round trip (us) of a 2-byte ping-pong over TCP loopback, both ends on this loop."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _TcpSide(True), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    _t, client = await loop.create_connection(lambda: _TcpSide(False), "127.0.0.1", port)
+    stamps = [0] * (total + 1)
+    for i in range(total):
+        client.fut = loop.create_future()
+        stamps[i] = clock()
+        client.transport.write(b"pp")
+        await client.fut
+    stamps[total] = clock()
+    client.transport.close()
+    server.close()
+    await server.wait_closed()
+    warmup = total // 11
+    half = sorted((stamps[i + 1] - stamps[i]) / 2000.0 for i in range(warmup, total))
+    return percentile(half, 50)
+
+
 async def child_main(device: str, total: int, poll: bool) -> None:
     with open_ia(device) as ia:
         pz = ia.create_pz()
@@ -223,6 +267,7 @@ def main() -> None:
             for procs in (1, 2):
                 p50 = run_on_loop(loop_name, lambda: run_raw(device, address, total, procs, False, loop_name))
                 rows.append((f"raw loop, {loop_name}, {procs} process{'es' if procs > 1 else ''}", p50))
+            rows.append((f"tcp loop, {loop_name}, 1 process", run_on_loop(loop_name, lambda: run_tcp(total))))
         p50 = run_on_loop("asyncio", lambda: run_raw(device, address, total, 2, True, "asyncio"))
         rows.append(("raw poll, no loop, 2 processes", p50))
         for part in ("aiodat_posts", "aiodat_wait"):

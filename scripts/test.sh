@@ -21,13 +21,13 @@ echo "== device tests on rxe: asyncio, then uvloop (one guest boot)"
   .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider --aiodat-loop uvloop "$@"' sh "$@"
 
 if [ "${AIODAT_SKIP_FAULTS:-0}" != 1 ]; then
-  echo "== two-host tests (two guests joined by a virtio link): faults and Dask, asyncio, then uvloop"
+  echo "== two-host tests (two guests joined by a virtio link): faults, Dask and streams between hosts, asyncio, then uvloop"
   # packet loss lasts 30 s of each loss test here (60 s by default): about 12-15 min for both loops (TCG),
   # plus the Dask test (tests/test_hosts2_dask.py) in the same boot: 3.7 and 4.2 min measured on a loaded host
   .venv/bin/aiodat rxe run --hosts 2 --timeout "${AIODAT_FAULTS_TIMEOUT:-2400}" -- \
     env AIODAT_REQUIRE_DEVICE=1 AIODAT_LOSS_WINDOW="${AIODAT_LOSS_WINDOW:-30}" sh -c '
-    .venv/bin/python -m pytest -q -m hosts2 -p no:cacheprovider --aiodat-loop asyncio tests/test_faults.py tests/test_hosts2_dask.py &&
-    .venv/bin/python -m pytest -q -m hosts2 -p no:cacheprovider --aiodat-loop uvloop tests/test_faults.py tests/test_hosts2_dask.py'
+    .venv/bin/python -m pytest -q -m hosts2 -p no:cacheprovider --aiodat-loop asyncio tests/test_faults.py tests/test_hosts2_dask.py tests/test_bench_streams.py &&
+    .venv/bin/python -m pytest -q -m hosts2 -p no:cacheprovider --aiodat-loop uvloop tests/test_faults.py tests/test_hosts2_dask.py tests/test_bench_streams.py'
 fi
 
 if [ "${AIODAT_SKIP_DOCS:-0}" != 1 ]; then

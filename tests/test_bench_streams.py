@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from typing import Any
@@ -65,20 +66,12 @@ def test_bench_streams_with_rstream(rdma_device: Any, request: Any, capsys: Any)
 
 
 @pytest.mark.hosts2
-def test_bench_streams_two_hosts(capsys: Any) -> None:
+def test_bench_streams_two_hosts(two_hosts: None, capsys: Any) -> None:
     """Between the two hosts: the servers on host B, aiodat and asyncio TCP over the same link."""
-    import os
-
-    from aiodat.testbed import hosts
-
-    if not hosts.available() or not os.environ.get("AIODAT_RXE_DEVICE"):
-        why = "needs two hosts: `aiodat rxe run --hosts 2 -- python -m pytest -m hosts2 tests/test_bench_streams.py`"
-        if os.environ.get("AIODAT_REQUIRE_DEVICE") == "1" and os.environ.get("AIODAT_HOSTS") == "2":
-            pytest.fail(why)
-        pytest.skip(why)
-    assert main(["bench", "streams", "--two-hosts", "--total", str(1 << 20), "--iters", "30", "--repeat", "1",
-                 "--json"]) == 0
+    loop = os.environ["AIODAT_LOOP"]  # the loop the two_hosts fixture exported from --aiodat-loop
+    assert main(["bench", "streams", "--two-hosts", "--loop", loop, "--total", str(1 << 20), "--iters", "30",
+                 "--repeat", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["hosts"] == "2"
+    assert data["hosts"] == "2" and data["loop"] == loop
     for key in ("aiodat_mb_s", "tcp_mb_s", "aiodat_rtt", "tcp_rtt"):
         assert 0 < data["figures"][key]["median"] < math.inf, (key, data["figures"][key])
