@@ -52,9 +52,37 @@ def _note(side: str, what: str) -> None:
         COUNTS[side + ":" + what] += 1
 
 
+class _TimedLib:
+    """Stands in for the cffi ``lib`` of one aiodat module: adds up the time spent in the C calls that enter
+    the kernel or the CQ (posts, CQ drain/poll), per round trip."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._lib, name)
+        if not name.startswith(("aiodat_post", "aiodat_cq")) or not callable(fn):
+            return fn
+        key = "us in " + name
+
+        def timed(*args: Any) -> Any:
+            t = clock()
+            try:
+                return fn(*args)
+            finally:
+                if ON[0]:
+                    COUNTS[key] += (clock() - t) / 1000
+                    COUNTS["calls " + name] += 1
+        return timed
+
+
 def instrument() -> None:
     """Timestamps on the process's aiodat classes (before any EVD exists: FdWatch binds the function)."""
     import aiodat.evd as evd_mod
+    import aiodat.post as post_mod
+
+    for mod in (evd_mod, post_mod):
+        mod.lib = _TimedLib(mod.lib)
     from aiodat.streams import protocol as proto_mod
     from aiodat.streams import transport as transport_mod
 
