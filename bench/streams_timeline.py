@@ -330,6 +330,24 @@ async def floors(device: str, address: str, iters: int, loop_name: str) -> Dict[
     return out
 
 
+FUNCS: Counter = Counter()
+
+
+def _func_tracer(frame: Any, event: str, arg: Any) -> Any:
+    """sys.settrace's function for ``--functions``: bytecodes per function of aiodat's and asyncio's code."""
+    path = frame.f_code.co_filename
+    if "/aiodat/" not in path and "/asyncio/" not in path:
+        return None
+    frame.f_trace_opcodes = True
+    key = f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            FUNCS[key] += 1
+        return local
+    return local
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--loop", default="uvloop", choices=("asyncio", "uvloop"))
@@ -337,10 +355,21 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-floors", action="store_true")
+    ap.add_argument("--functions", action="store_true", help="only: bytecodes per function per round trip")
     args = ap.parse_args()
     from aiodat.bench import device_and_address, run_on_loop
 
     device, address = device_and_address()
+    if args.functions:
+        sys.settrace(_func_tracer)
+        import threading
+        threading.settrace(_func_tracer)
+        run_on_loop(args.loop, lambda: streams_echo(address, args.size, args.iters, False))
+        sys.settrace(None)
+        total = args.iters + max(10, args.iters // 10)
+        for key, n in FUNCS.most_common(45):
+            print(f"  {key:60s} {n / total:8.1f}")
+        return
     instrument()
     for rnd in range(1, args.rounds + 1):
         print(f"round {rnd} ({args.loop}, {args.size}-byte echo, {args.iters} round trips, one process)", flush=True)
