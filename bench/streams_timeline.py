@@ -130,6 +130,13 @@ def instrument() -> None:
         on_events(self, events)
     T._on_events = _on_events
 
+    for name in ("pause_reading", "resume_reading", "pause_writing", "resume_writing"):
+        if hasattr(T, name):
+            def wrapped(self: Any, _orig: Any = getattr(T, name), _name: str = name) -> None:
+                _note(_side(self), _name)
+                _orig(self)
+            setattr(T, name, wrapped)
+
     Core = proto_mod.StreamCore
     sent = Core.sent
 
@@ -330,6 +337,36 @@ async def floors(device: str, address: str, iters: int, loop_name: str) -> Dict[
     return out
 
 
+async def throughput_counted(host: str, write_size: int, total: int) -> Tuple[float, Dict[str, int]]:
+    """``aiodat bench streams``' throughput (sink server in this process), instrumented: MB/s and the client's stats."""
+    import aiodat
+    from aiodat.bench.streams_vs_tcp import _HEAD, _SINK, start_stream_server
+
+    PENDING.clear()
+    server = await start_stream_server(aiodat, host)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        reader, writer = await aiodat.open_connection(host, port)
+        register(writer.transport)
+        block = bytes(write_size)
+        count = total // write_size
+        EVENTS.clear()
+        COUNTS.clear()
+        ON[0] = True
+        start = time.perf_counter()
+        writer.write(_HEAD.pack(_SINK, count * write_size))
+        for _ in range(count):
+            writer.write(block)
+            await writer.drain()
+        await reader.readexactly(8)
+        elapsed = time.perf_counter() - start
+        ON[0] = False
+        stats = dict(writer.transport.stats)
+        writer.close()
+        await writer.wait_closed()
+    return count * write_size / elapsed / 1e6, stats
+
+
 FUNCS: Counter = Counter()
 
 
@@ -356,6 +393,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-floors", action="store_true")
     ap.add_argument("--functions", action="store_true", help="only: bytecodes per function per round trip")
+    ap.add_argument("--throughput", action="store_true", help="only: the 64 KiB-write throughput, what it posts")
     args = ap.parse_args()
     from aiodat.bench import device_and_address, run_on_loop
 
@@ -371,6 +409,14 @@ def main() -> None:
             print(f"  {key:60s} {n / total:8.1f}")
         return
     instrument()
+    if args.throughput:
+        total = 8 << 20
+        mb_s, stats = run_on_loop(args.loop, lambda: throughput_counted(address, 65536, total))
+        print(f"throughput {mb_s:.1f} MB/s ({args.loop}, 8 MiB in 64 KiB writes + drain), client stats {stats}")
+        mib = total / (1 << 20)
+        for key in sorted(COUNTS):
+            print(f"    {key:30s} {COUNTS[key] / mib:10.2f} per MiB")
+        return
     for rnd in range(1, args.rounds + 1):
         print(f"round {rnd} ({args.loop}, {args.size}-byte echo, {args.iters} round trips, one process)", flush=True)
         if not args.no_floors:
