@@ -73,9 +73,9 @@ class Resources:
                                    attrs=attrs)
             self.recv_segs = [Segment(self.lmr, i * size, size) for i in range(self.nrecv)]
             self.recv_cookies = [("r", i) for i in range(self.nrecv)]  # made once, not per re-post
+            self.send_cookies = [("s", i) for i in range(self.nsend)]  # StreamCore's send cookies, made once
             # the last Segment each send slot was posted with: a request/response stream sends the
             # same length again and again, and a Segment (a frozen dataclass) is costly to make
-            self.send_cookies = [("s", i) for i in range(self.nsend)]  # StreamCore's send cookies, made once
             self.send_segs = [Segment(self.lmr, self.send_base + i * size, HEADER.size) for i in range(self.nsend)]
             for i in range(self.nrecv):
                 self.post_recv(i)
