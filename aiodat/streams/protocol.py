@@ -317,6 +317,7 @@ class StreamCore:
         self._owed = 0  # credits to return to the peer
         self._release_pending = False  # tell the peer its window write has been consumed
         self._free_slots: List[int] = list(range(self.nslots - 1, -1, -1))
+        self._send_cookies = [("s", i) for i in range(self.nslots)]  # made once, not per send
         # requests on the send queue in posting order; most sends are unsignalled, and one
         # completion frees everything posted before it (the send queue completes in order)
         self._posted: Deque[Tuple[str, int]] = collections.deque()
@@ -428,7 +429,11 @@ class StreamCore:
 
     def copy_pending(self, dest: memoryview, length: int) -> None:
         """Copy the first ``length`` pending bytes into ``dest`` (registered memory)."""
-        with memoryview(self._buf) as mv:
+        buf = self._buf
+        if length == len(buf):  # the whole buffer (a small write): no view to make and release
+            dest[:length] = buf
+            return
+        with memoryview(buf) as mv:
             dest[:length] = mv[:length]
 
     def sent(self, send: Send) -> None:
@@ -437,27 +442,32 @@ class StreamCore:
         if slot != send.slot:  # a Send is valid only until the next commit
             self._free_slots.append(slot)
             raise RuntimeError(f"stale Send for slot {send.slot} (slot {slot} is next)")
-        if send.type == MSG_WINDOW:
+        mtype = send.type
+        if mtype == MSG_DATA:  # the common case first
+            self.stats["data_msgs"] += 1
+        elif mtype == MSG_WINDOW:
             self._posted.append(WRITE_COOKIE)
             self._staging_busy = True
             self._window_free = False
             self.stats["window_writes"] += 1
-        elif send.type == MSG_DATA:
-            self.stats["data_msgs"] += 1
-        elif send.type == MSG_CREDIT:
+        elif mtype == MSG_CREDIT:
             self.stats["credit_msgs"] += 1
-        elif send.type == MSG_EOF:
+        elif mtype == MSG_EOF:
             self.eof_sent = True
-        self._posted.append(send.cookie)
+        self._posted.append(self._send_cookies[slot])
         self._unsignalled = 0 if send.signalled else self._unsignalled + 1
         self._owed -= send.credits
         if send.release:
             self._release_pending = False
         if send.takes_credit:
             self._credits -= 1
-        if send.type in (MSG_DATA, MSG_WINDOW):
-            del self._buf[:send.length]
-            self.stats["bytes_sent"] += send.length
+        if mtype == MSG_DATA or mtype == MSG_WINDOW:
+            n = send.length
+            if n == len(self._buf):
+                self._buf.clear()
+            else:
+                del self._buf[:n]
+            self.stats["bytes_sent"] += n
 
     def on_send_complete(self, cookie: Tuple[str, int]) -> None:
         """A send or window write completed: it and everything posted before it are done."""

@@ -38,6 +38,8 @@ from aiodat.streams.protocol import (
 
 __all__ = ["RdmaTransport", "create_connection", "open_connection"]
 
+_HEADER_SIZE = HEADER.size
+
 
 class Resources:
     """PZ, registered buffers, one EVD (DTO + connection events) and the EP of one stream."""
@@ -71,6 +73,10 @@ class Resources:
                                    attrs=attrs)
             self.recv_segs = [Segment(self.lmr, i * size, size) for i in range(self.nrecv)]
             self.recv_cookies = [("r", i) for i in range(self.nrecv)]  # made once, not per re-post
+            self.send_cookies = [("s", i) for i in range(self.nsend)]  # StreamCore's send cookies, made once
+            # the last Segment each send slot was posted with: a request/response stream sends the
+            # same length again and again, and a Segment (a frozen dataclass) is costly to make
+            self.send_segs = [Segment(self.lmr, self.send_base + i * size, HEADER.size) for i in range(self.nsend)]
             for i in range(self.nrecv):
                 self.post_recv(i)
         except BaseException:
@@ -247,6 +253,17 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
     def write(self, data: Union[bytes, bytearray, memoryview]) -> None:
         """Buffer ``data``; it is sent, as far as the peer's credits allow, at the end of this loop
         iteration, together with every other write of the iteration.  Never blocks."""
+        core = self._core
+        if type(data) is bytes and data and not (self._closing or core.eof_requested):
+            # the common case in as few steps as it takes (every small write passes here): the
+            # checks below, then buffer, schedule the flush, and pause the protocol past the mark
+            core.write(data)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._scheduled_flush)
+            if core.buffered > self._high_water:
+                self._maybe_pause_protocol()
+            return
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data argument must be a bytes-like object, not {type(data).__name__!r}")
         if self._core.eof_requested and not self._closing:
@@ -303,33 +320,43 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if self._lost:
             return
         res, core = self._res, self._core
-        try:
-            while True:
-                send = core.next_send()
-                if send is None:
-                    break
-                n = send.length
-                if send.window_write:
-                    staging = res.staging_base
-                    core.copy_pending(res.view[staging:staging + n], n)
-                    res.ep.post_rdma_write(res.lmr[staging:staging + n], self._peer_window[0:n], WRITE_COOKIE)
-                base = res.send_base + send.slot * self._size
-                res.view[base:base + HEADER.size] = send.header
-                if send.type == MSG_DATA:
-                    core.copy_pending(res.view[base + HEADER.size:base + HEADER.size + n], n)
-                res.ep.post_send(self._Segment(res.lmr, base, send.wire_length), send.cookie,
-                                 self._SIGNALLED if send.signalled else self._SUPPRESS)
-                core.sent(send)
-        except DATError as exc:
-            # the EP left CONNECTED under us (the peer went away): the connection event will follow
-            from aiodat.ep import EPState
+        send = core.next_send()
+        if send is not None:
+            view, size, send_base, segs, cookies = res.view, self._size, res.send_base, res.send_segs, res.send_cookies
+            post_send, signalled, suppress = res.ep.post_send, self._SIGNALLED, self._SUPPRESS
+            try:
+                while send is not None:
+                    n, slot = send.length, send.slot
+                    base = send_base + slot * size
+                    view[base:base + _HEADER_SIZE] = send.header
+                    if send.type == MSG_DATA:
+                        core.copy_pending(view[base + _HEADER_SIZE:base + _HEADER_SIZE + n], n)
+                        wire = _HEADER_SIZE + n
+                    else:
+                        if send.type == MSG_WINDOW:
+                            staging = res.staging_base
+                            core.copy_pending(view[staging:staging + n], n)
+                            res.ep.post_rdma_write(res.lmr[staging:staging + n], self._peer_window[0:n],
+                                                   WRITE_COOKIE)
+                        wire = _HEADER_SIZE
+                    seg = segs[slot]
+                    if seg.length != wire:
+                        seg = segs[slot] = self._Segment(res.lmr, base, wire)
+                    post_send(seg, cookies[slot], signalled if send.signalled else suppress)
+                    core.sent(send)
+                    send = core.next_send()
+            except DATError as exc:
+                # the EP left CONNECTED under us (the peer went away): the connection event will follow
+                from aiodat.ep import EPState
 
-            if res.ep.closed or res.ep.state is not EPState.CONNECTED:
+                if res.ep.closed or res.ep.state is not EPState.CONNECTED:
+                    return
+                self._finish(ConnectionBroken(f"sending on the RDMA stream failed: {exc}"))
                 return
-            self._finish(ConnectionBroken(f"sending on the RDMA stream failed: {exc}"))
-            return
-        self._maybe_resume_protocol()
-        self._check_idle()
+        if self._protocol_paused:
+            self._maybe_resume_protocol()
+        if self._idle is not None:
+            self._check_idle()
 
     def _check_idle(self) -> None:
         idle = self._idle
@@ -388,13 +415,18 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                         return
             self._peer_lost(lost_event.type is EventType.CONNECTION_EVENT_BROKEN)
             return
-        self._flush()
         if self._delivered:
             # The protocol was handed data, and data_received has just queued the wake-up of
             # whoever reads it (the StreamReader's waiter).  A flush queued now runs right after
             # that reader, in the same loop iteration: a reply it writes is posted there, not one
-            # iteration later, as a TCP transport's write() sends at once.
+            # iteration later, as a TCP transport's write() sends at once.  That flush also takes
+            # the credits just owed, so flushing here as well would only look for nothing to send
+            # (once per message), unless the protocol wrote from data_received itself.
+            if self._core.buffered:
+                self._flush()
             self._schedule_flush()
+        else:
+            self._flush()
 
     def _completion(self, event: Any) -> None:
         cookie = event.cookie  # the stream's own are pairs; anything else is foreign (docs/streams.md)
@@ -429,7 +461,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
     def _deliver(self, message: Message) -> None:
         res = self._res
         if message.type == MSG_DATA:
-            base = message.slot * self._size + HEADER.size
+            base = message.slot * self._size + _HEADER_SIZE
             self._data(res.view[base:base + message.length])
         elif message.type == MSG_WINDOW:
             self._data(res.window_view[0:message.length])
@@ -437,8 +469,9 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             self._eof()
         if self._lost or res.ep.closed:
             return
+        slot = message.slot
         try:
-            res.post_recv(message.slot)
+            res.ep.post_recv(res.recv_segs[slot], res.recv_cookies[slot])
         except DATError:
             return  # disconnected: nothing more will arrive
         self._core.consumed(message)
