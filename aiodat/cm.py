@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import ipaddress
 import os
 import socket
@@ -121,6 +122,7 @@ def _sockaddr(host: str, port: int) -> Any:
     return addr
 
 
+@functools.lru_cache(maxsize=256)  # every connect asks (twice) about the same few peers
 def _is_numeric(host: str) -> bool:
     try:
         ipaddress.ip_address(host.partition("%")[0])
@@ -197,6 +199,7 @@ class CMChannel:
         #: cm_id -> the finalizer that destroys it when its owner is dropped unclosed
         self._ids: Dict[int, weakref.finalize] = {}
         self._buf = ffi.new("struct aiodat_cm_event *")
+        self._src: Any = None  # the IA's address as a sockaddr, the source of every connect (made once)
         # the loop keeps the channel (its fd) while it watches it, even if the IA is dropped
         self.watch = FdWatch(self.channel.fd, self._on_readable, "rdma_cm event channel", keep=self._raw)
 
@@ -207,6 +210,12 @@ class CMChannel:
             raise error_from_errno(ffi.errno, "creating an rdma_cm id")
         self.own_id(owner, idp[0])
         return idp[0]
+
+    def source(self) -> Any:
+        """The sockaddr connections leave from (the IA's address), or NULL when the IA has none."""
+        if self._src is None:
+            self._src = _sockaddr(self._ia.address, 0) if self._ia.address else ffi.NULL
+        return self._src
 
     def own_id(self, owner: Any, cm_id: Any) -> None:
         """Route ``cm_id``'s events to ``owner`` (held weakly); if the owner is dropped unclosed,
@@ -247,7 +256,8 @@ class CMChannel:
     def dispatch(self, ev: Any) -> None:
         """Route one copied-out event to the PSP, CR or EP that owns its cm_id."""
         kind = ev.event
-        pdata = bytes(ffi.buffer(ev.private_data, ev.private_data_len))  # raw, as the CM delivered it
+        plen = ev.private_data_len
+        pdata = bytes(ffi.buffer(ev.private_data, plen)) if plen else b""  # raw, as the CM delivered it
         if kind == CONNECT_REQUEST:
             psp = self.owners.get(_key(ev.listen_id))
             if isinstance(psp, PSP) and not psp.closed:
@@ -372,7 +382,7 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     ia = ep._ia
     cm = ia._cm
     cm_id = cm.create_id(ep._conn, lib.RDMA_PS_TCP)
-    src = _sockaddr(ia.address, 0) if ia.address else ffi.NULL
+    src = cm.source()  # rdma_resolve_addr copies it
     resolve_ms = int(min(timeout, _RESOLVE_MS / 1000) * 1000) if timeout else _RESOLVE_MS
     if lib.rdma_resolve_addr(cm_id, ffi.cast("struct sockaddr *", src), ffi.cast("struct sockaddr *", dst),
                              resolve_ms):

@@ -56,6 +56,10 @@ __all__ = ["EP", "EPAttr", "EPParam", "EPRecvInfo", "EPState", "ServiceType", "C
 
 _wc_status_name = wc_status_name  # the old private name
 
+#: the attributes of an EP created without any (frozen, so one instance serves every such EP)
+_DEFAULT_ATTRS = EPAttr()
+_DTO, _CONNECTION = int(EvdFlags.DTO), int(EvdFlags.CONNECTION)
+
 
 class EP(Posting, Handle):
     """An Endpoint (dat_ep_create): a queue pair with its EVDs, in a PZ."""
@@ -79,18 +83,20 @@ class EP(Posting, Handle):
         pz._check()
         if pz.ia is not ia:
             raise InvalidParameter("the PZ belongs to another IA")
-        attrs = attrs or EPAttr()
+        attrs = attrs or _DEFAULT_ATTRS
         if not isinstance(attrs, EPAttr):
             raise InvalidParameter(f"attrs must be an EPAttr, not {type(attrs).__name__}")
-        attrs._validate(ia)
-        for name, evd, stream in (("recv_evd", recv_evd, EvdFlags.DTO), ("request_evd", request_evd, EvdFlags.DTO),
-                                  ("connect_evd", connect_evd, EvdFlags.CONNECTION)):
+        if ia._valid_epattr is not attrs:  # EPAttr is frozen: the last one checked on this IA is still good
+            attrs._validate(ia)
+            ia._valid_epattr = attrs
+        for name, evd, stream in (("recv_evd", recv_evd, _DTO), ("request_evd", request_evd, _DTO),
+                                  ("connect_evd", connect_evd, _CONNECTION)):
             if evd is not None:
                 evd._check()
                 if evd._ia is not ia:
                     raise InvalidParameter(f"{name} belongs to another IA")
-                if not evd.streams & stream:
-                    raise InvalidParameter(f"{name} does not accept the {stream.name} stream")
+                if not int.__and__(evd._streams, stream):  # (plain ints: IntFlag's & builds an enum member)
+                    raise InvalidParameter(f"{name} does not accept the {EvdFlags(stream).name} stream")
         if srq is not None:
             if not isinstance(srq, SRQ):
                 raise InvalidParameter(f"srq must be an SRQ, not {type(srq).__name__}")

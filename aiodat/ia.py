@@ -240,6 +240,7 @@ class IA(RootHandle):
             self.address: Optional[str] = _choose_address(name, self.addresses, address)
             # weak: an object the program dropped is routed nothing (and can be collected)
             self._qpn_owner: "MutableMapping[int, EP]" = weakref.WeakValueDictionary()  # completions, QP events
+            self._valid_epattr: Optional[EPAttr] = None  # the EPAttr last validated on this device (ep.py)
             self._comp_vectors_used = -1  # EVDs take the device's completion vectors in turn
             self._cq_owner: "MutableMapping[int, EVD]" = weakref.WeakValueDictionary()  # CQ async events
             self._srq_owner: "MutableMapping[int, SRQ]" = weakref.WeakValueDictionary()  # SRQ async events
