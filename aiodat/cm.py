@@ -28,6 +28,7 @@ with rdma_establish.  aiodat moves the QP to ERR itself where librdmacm would
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import functools
 import ipaddress
@@ -428,7 +429,7 @@ def _timed_out(ep: "EP", cm_id: Any, etype: EventType, reason: str) -> None:
     # Give up on the peer: drop the id (the QP goes to ERR, flushing its requests).
     _drop_connection(ep)
     ep._conn.state = EPState.DISCONNECTED
-    _deliver(ep, ConnectionEvent(etype, ep.connect_evd, ep, reason=reason))
+    _notify(ep, etype, reason=reason)
 
 
 def _conn_param(ep: "EP", pdata: bytes, responder: int, initiator: int) -> Tuple[Any, Any]:
@@ -500,7 +501,7 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
         if ep._conn.state is EPState.CONNECTED or draining:
             _disconnect(ep)  # the peer's DREQ: our QP to ERR, flushing what is posted, and the DREP
         ep._conn.state = EPState.DISCONNECTED
-        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep, pdata))
+        _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED, pdata)
         return
     # TIMEWAIT_EXIT, multicast: nothing to do here
 
@@ -508,7 +509,7 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
 def _established(ep: "EP", pdata: bytes) -> None:
     _cancel_timer(ep)
     ep._conn.state = EPState.CONNECTED
-    _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_ESTABLISHED, ep.connect_evd, ep, pdata))
+    _notify(ep, EventType.CONNECTION_EVENT_ESTABLISHED, pdata)
 
 
 def _disconnect(ep: "EP") -> int:
@@ -520,16 +521,20 @@ def _disconnect(ep: "EP") -> int:
 def _fail_connect(ep: "EP", etype: EventType, reason: str, pdata: bytes = b"") -> None:
     _cancel_timer(ep)
     ep._conn.state = EPState.DISCONNECTED
-    _deliver(ep, ConnectionEvent(etype, ep.connect_evd, ep, pdata, reason))
+    _notify(ep, etype, pdata, reason)
 
 
-def _deliver(ep: "EP", event: ConnectionEvent) -> None:
+def _notify(ep: "EP", etype: EventType, pdata: bytes = b"", reason: str = "") -> None:
+    """A connection event of ``ep``: to the task awaiting the outcome if there is one, else to the
+    connect EVD.  The waiter's event names the EP's own connect EVD only if it was made already
+    (None otherwise: it is made only if the event must go there, see _await_outcome)."""
     waiter = ep._conn.waiter
     if waiter is not None and not waiter.done():
         ep._conn.waiter = None
-        waiter.set_result(event)
+        waiter.set_result(ConnectionEvent(etype, ep._connect_evd, ep, pdata, reason))
     else:
-        ep.connect_evd._push(event)
+        evd = ep.connect_evd
+        evd._push(ConnectionEvent(etype, evd, ep, pdata, reason))
 
 
 def _outcome(ep: "EP", event: ConnectionEvent, what: str) -> bytes:
@@ -556,7 +561,10 @@ async def _await_outcome(ep: "EP", fut: "asyncio.Future[ConnectionEvent]") -> Co
         # The outcome may have arrived just before the cancellation reached the task: it was
         # handed to the future, not the EVD.  Never lose it: it goes to the connect EVD.
         if fut.done() and not fut.cancelled() and fut.exception() is None and not ep.closed:
-            ep.connect_evd._push(fut.result())
+            event = fut.result()
+            if event.evd is None:  # made for the waiter before the EP had its own connect EVD
+                event = dataclasses.replace(event, evd=ep.connect_evd)
+            event.evd._push(event)
         raise
     finally:
         if ep._conn.waiter is fut:
@@ -607,8 +615,8 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
     conn = ep._conn
     if conn.state in (EPState.ACTIVE_CONNECTION_PENDING, EPState.PASSIVE_CONNECTION_PENDING):
         _abandon(ep)
-        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep,
-                                     reason="disconnected before the connection was established"))
+        _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED,
+                reason="disconnected before the connection was established")
         return
     if conn.state is not EPState.CONNECTED:
         raise InvalidState(f"cannot disconnect an EP in state {conn.state.value}")
@@ -677,8 +685,7 @@ def _send_dreq(ep: "EP", timeout: Optional[float]) -> None:
     if err:
         _cancel_timer(ep)
         conn.state = EPState.DISCONNECTED
-        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep,
-                                     reason=f"rdma_disconnect failed: {os.strerror(err)}"))
+        _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED, reason=f"rdma_disconnect failed: {os.strerror(err)}")
         return
     _start_timer(ep, timeout, EventType.CONNECTION_EVENT_DISCONNECTED, "waiting for the DREP")
 

@@ -109,11 +109,12 @@ class EP(Posting, Handle):
         super().__init__(pz)
         self._ia, self._pz, self._srq, self.attrs = ia, pz, srq, attrs
         self._own_evds: List["EVD"] = []
+        # the EP's own connect EVD is made on first use: an awaited connect/accept never needs it
+        self._connect_evd: Optional["EVD"] = connect_evd
         try:
             self.recv_evd: "EVD" = recv_evd or self._private_evd(attrs.max_recv_dtos, EvdFlags.DTO, "recv_evd")
             self.request_evd: "EVD" = request_evd or self._private_evd(
                 attrs.max_request_dtos, EvdFlags.DTO | EvdFlags.RMR_BIND, "request_evd")
-            self.connect_evd: "EVD" = connect_evd or self._private_evd(16, EvdFlags.CONNECTION, "connect_evd")
         except BaseException:  # leave no half-made EP in the PZ (its close would fail, the PZ never free)
             self._destroy_own_evds()
             self._closed = True
@@ -239,8 +240,20 @@ class EP(Posting, Handle):
         """The SRQ the endpoint receives from, if any."""
         return self._srq
 
-    def _evds(self) -> Tuple["EVD", ...]:
-        return (self.recv_evd, self.request_evd, self.connect_evd)
+    @property
+    def connect_evd(self) -> "EVD":
+        """The EVD the EP's connection events go to: the one passed to create_ep, else the EP's own
+        (made on first use, freed with the EP)."""
+        evd = self._connect_evd
+        if evd is None:
+            evd = self._connect_evd = self._private_evd(16, EvdFlags.CONNECTION, "connect_evd")
+            if self._closed:  # an EP freed before it ever needed one: its EVD is freed too
+                self._destroy_own_evds()
+        return evd
+
+    def _evds(self) -> Tuple[Optional["EVD"], ...]:
+        """The EVDs the EP feeds (its own connect EVD only if it was made)."""
+        return (self.recv_evd, self.request_evd, self._connect_evd)
 
     def _cq_shares(self) -> List[Tuple["EVD", Hashable, int]]:
         """What this EP may have completing at once on each CQ it feeds: (evd, key, entries).

@@ -95,13 +95,13 @@ def instrument() -> None:
     cm.CR._accept = timed("py CR._accept", cm.CR._accept)  # type: ignore
     ep_mod.EP.__init__ = timed("py EP.__init__ (create_ep)", ep_mod.EP.__init__)  # type: ignore
     ep_mod.EP.free = timed("py EP.free", ep_mod.EP.free)  # type: ignore
-    orig_deliver = cm._deliver
+    orig_notify = cm._notify
 
-    def deliver(ep: Any, event: Any) -> None:
-        MARKS["deliver " + event.type.name].append(time.perf_counter())
-        orig_deliver(ep, event)
+    def notify(ep: Any, etype: Any, *args: Any, **kwargs: Any) -> None:
+        MARKS["deliver " + etype.name].append(time.perf_counter())
+        orig_notify(ep, etype, *args, **kwargs)
 
-    cm._deliver = deliver  # type: ignore[assignment]
+    cm._notify = notify  # type: ignore[assignment]
 
 
 async def cycle_with_idle(device: str, n: int, loop_name: str) -> Dict[str, float]:
