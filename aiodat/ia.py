@@ -350,7 +350,8 @@ class IA(RootHandle):
     ) -> "EP":
         """Create an Endpoint (a queue pair) in ``pz`` (dat_ep_create).
 
-        An EVD left out is created for the EP (sized from ``attrs``) and freed with it.
+        An EVD left out is created for the EP (sized from ``attrs``) and freed with it; its own
+        connect EVD is made when first needed (``ep.connect_evd``, or an event with no task awaiting it).
         An EVD passed in that is shared with other EPs is grown if the queues of
         everything feeding it would not fit (docs/events.md).  With
         ``EPAttr(service_type=ServiceType.UD)`` the EP is a
