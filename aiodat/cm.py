@@ -28,7 +28,9 @@ with rdma_establish.  aiodat moves the QP to ERR itself where librdmacm would
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
+import functools
 import ipaddress
 import os
 import socket
@@ -121,6 +123,7 @@ def _sockaddr(host: str, port: int) -> Any:
     return addr
 
 
+@functools.lru_cache(maxsize=256)  # every connect asks (twice) about the same few peers
 def _is_numeric(host: str) -> bool:
     try:
         ipaddress.ip_address(host.partition("%")[0])
@@ -197,6 +200,7 @@ class CMChannel:
         #: cm_id -> the finalizer that destroys it when its owner is dropped unclosed
         self._ids: Dict[int, weakref.finalize] = {}
         self._buf = ffi.new("struct aiodat_cm_event *")
+        self._src: Any = None  # the IA's address as a sockaddr, the source of every connect (made once)
         # the loop keeps the channel (its fd) while it watches it, even if the IA is dropped
         self.watch = FdWatch(self.channel.fd, self._on_readable, "rdma_cm event channel", keep=self._raw)
 
@@ -207,6 +211,12 @@ class CMChannel:
             raise error_from_errno(ffi.errno, "creating an rdma_cm id")
         self.own_id(owner, idp[0])
         return idp[0]
+
+    def source(self) -> Any:
+        """The sockaddr connections leave from (the IA's address), or NULL when the IA has none."""
+        if self._src is None:
+            self._src = _sockaddr(self._ia.address, 0) if self._ia.address else ffi.NULL
+        return self._src
 
     def own_id(self, owner: Any, cm_id: Any) -> None:
         """Route ``cm_id``'s events to ``owner`` (held weakly); if the owner is dropped unclosed,
@@ -247,7 +257,8 @@ class CMChannel:
     def dispatch(self, ev: Any) -> None:
         """Route one copied-out event to the PSP, CR or EP that owns its cm_id."""
         kind = ev.event
-        pdata = bytes(ffi.buffer(ev.private_data, ev.private_data_len))  # raw, as the CM delivered it
+        plen = ev.private_data_len
+        pdata = bytes(ffi.buffer(ev.private_data, plen)) if plen else b""  # raw, as the CM delivered it
         if kind == CONNECT_REQUEST:
             psp = self.owners.get(_key(ev.listen_id))
             if isinstance(psp, PSP) and not psp.closed:
@@ -372,7 +383,7 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     ia = ep._ia
     cm = ia._cm
     cm_id = cm.create_id(ep._conn, lib.RDMA_PS_TCP)
-    src = _sockaddr(ia.address, 0) if ia.address else ffi.NULL
+    src = cm.source()  # rdma_resolve_addr copies it
     resolve_ms = int(min(timeout, _RESOLVE_MS / 1000) * 1000) if timeout else _RESOLVE_MS
     if lib.rdma_resolve_addr(cm_id, ffi.cast("struct sockaddr *", src), ffi.cast("struct sockaddr *", dst),
                              resolve_ms):
@@ -418,7 +429,7 @@ def _timed_out(ep: "EP", cm_id: Any, etype: EventType, reason: str) -> None:
     # Give up on the peer: drop the id (the QP goes to ERR, flushing its requests).
     _drop_connection(ep)
     ep._conn.state = EPState.DISCONNECTED
-    _deliver(ep, ConnectionEvent(etype, ep.connect_evd, ep, reason=reason))
+    _notify(ep, etype, reason=reason)
 
 
 def _conn_param(ep: "EP", pdata: bytes, responder: int, initiator: int) -> Tuple[Any, Any]:
@@ -490,7 +501,7 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
         if ep._conn.state is EPState.CONNECTED or draining:
             _disconnect(ep)  # the peer's DREQ: our QP to ERR, flushing what is posted, and the DREP
         ep._conn.state = EPState.DISCONNECTED
-        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep, pdata))
+        _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED, pdata)
         return
     # TIMEWAIT_EXIT, multicast: nothing to do here
 
@@ -498,7 +509,7 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
 def _established(ep: "EP", pdata: bytes) -> None:
     _cancel_timer(ep)
     ep._conn.state = EPState.CONNECTED
-    _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_ESTABLISHED, ep.connect_evd, ep, pdata))
+    _notify(ep, EventType.CONNECTION_EVENT_ESTABLISHED, pdata)
 
 
 def _disconnect(ep: "EP") -> int:
@@ -510,16 +521,20 @@ def _disconnect(ep: "EP") -> int:
 def _fail_connect(ep: "EP", etype: EventType, reason: str, pdata: bytes = b"") -> None:
     _cancel_timer(ep)
     ep._conn.state = EPState.DISCONNECTED
-    _deliver(ep, ConnectionEvent(etype, ep.connect_evd, ep, pdata, reason))
+    _notify(ep, etype, pdata, reason)
 
 
-def _deliver(ep: "EP", event: ConnectionEvent) -> None:
+def _notify(ep: "EP", etype: EventType, pdata: bytes = b"", reason: str = "") -> None:
+    """A connection event of ``ep``: to the task awaiting the outcome if there is one, else to the
+    connect EVD.  The waiter's event names the EP's own connect EVD only if it was made already
+    (None otherwise: it is made only if the event must go there, see _await_outcome)."""
     waiter = ep._conn.waiter
     if waiter is not None and not waiter.done():
         ep._conn.waiter = None
-        waiter.set_result(event)
+        waiter.set_result(ConnectionEvent(etype, ep._connect_evd, ep, pdata, reason))
     else:
-        ep.connect_evd._push(event)
+        evd = ep.connect_evd
+        evd._push(ConnectionEvent(etype, evd, ep, pdata, reason))
 
 
 def _outcome(ep: "EP", event: ConnectionEvent, what: str) -> bytes:
@@ -546,7 +561,10 @@ async def _await_outcome(ep: "EP", fut: "asyncio.Future[ConnectionEvent]") -> Co
         # The outcome may have arrived just before the cancellation reached the task: it was
         # handed to the future, not the EVD.  Never lose it: it goes to the connect EVD.
         if fut.done() and not fut.cancelled() and fut.exception() is None and not ep.closed:
-            ep.connect_evd._push(fut.result())
+            event = fut.result()
+            if event.evd is None:  # made for the waiter before the EP had its own connect EVD
+                event = dataclasses.replace(event, evd=ep.connect_evd)
+            event.evd._push(event)
         raise
     finally:
         if ep._conn.waiter is fut:
@@ -597,8 +615,8 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
     conn = ep._conn
     if conn.state in (EPState.ACTIVE_CONNECTION_PENDING, EPState.PASSIVE_CONNECTION_PENDING):
         _abandon(ep)
-        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep,
-                                     reason="disconnected before the connection was established"))
+        _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED,
+                reason="disconnected before the connection was established")
         return
     if conn.state is not EPState.CONNECTED:
         raise InvalidState(f"cannot disconnect an EP in state {conn.state.value}")
@@ -667,8 +685,7 @@ def _send_dreq(ep: "EP", timeout: Optional[float]) -> None:
     if err:
         _cancel_timer(ep)
         conn.state = EPState.DISCONNECTED
-        _deliver(ep, ConnectionEvent(EventType.CONNECTION_EVENT_DISCONNECTED, ep.connect_evd, ep,
-                                     reason=f"rdma_disconnect failed: {os.strerror(err)}"))
+        _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED, reason=f"rdma_disconnect failed: {os.strerror(err)}")
         return
     _start_timer(ep, timeout, EventType.CONNECTION_EVENT_DISCONNECTED, "waiting for the DREP")
 

@@ -56,6 +56,10 @@ __all__ = ["EP", "EPAttr", "EPParam", "EPRecvInfo", "EPState", "ServiceType", "C
 
 _wc_status_name = wc_status_name  # the old private name
 
+#: the attributes of an EP created without any (frozen, so one instance serves every such EP)
+_DEFAULT_ATTRS = EPAttr()
+_DTO, _CONNECTION = int(EvdFlags.DTO), int(EvdFlags.CONNECTION)
+
 
 class EP(Posting, Handle):
     """An Endpoint (dat_ep_create): a queue pair with its EVDs, in a PZ."""
@@ -79,18 +83,20 @@ class EP(Posting, Handle):
         pz._check()
         if pz.ia is not ia:
             raise InvalidParameter("the PZ belongs to another IA")
-        attrs = attrs or EPAttr()
+        attrs = attrs or _DEFAULT_ATTRS
         if not isinstance(attrs, EPAttr):
             raise InvalidParameter(f"attrs must be an EPAttr, not {type(attrs).__name__}")
-        attrs._validate(ia)
-        for name, evd, stream in (("recv_evd", recv_evd, EvdFlags.DTO), ("request_evd", request_evd, EvdFlags.DTO),
-                                  ("connect_evd", connect_evd, EvdFlags.CONNECTION)):
+        if ia._valid_epattr is not attrs:  # EPAttr is frozen: the last one checked on this IA is still good
+            attrs._validate(ia)
+            ia._valid_epattr = attrs
+        for name, evd, stream in (("recv_evd", recv_evd, _DTO), ("request_evd", request_evd, _DTO),
+                                  ("connect_evd", connect_evd, _CONNECTION)):
             if evd is not None:
                 evd._check()
                 if evd._ia is not ia:
                     raise InvalidParameter(f"{name} belongs to another IA")
-                if not evd.streams & stream:
-                    raise InvalidParameter(f"{name} does not accept the {stream.name} stream")
+                if not int.__and__(evd._streams, stream):  # (plain ints: IntFlag's & builds an enum member)
+                    raise InvalidParameter(f"{name} does not accept the {EvdFlags(stream).name} stream")
         if srq is not None:
             if not isinstance(srq, SRQ):
                 raise InvalidParameter(f"srq must be an SRQ, not {type(srq).__name__}")
@@ -103,11 +109,12 @@ class EP(Posting, Handle):
         super().__init__(pz)
         self._ia, self._pz, self._srq, self.attrs = ia, pz, srq, attrs
         self._own_evds: List["EVD"] = []
+        # the EP's own connect EVD is made on first use: an awaited connect/accept never needs it
+        self._connect_evd: Optional["EVD"] = connect_evd
         try:
             self.recv_evd: "EVD" = recv_evd or self._private_evd(attrs.max_recv_dtos, EvdFlags.DTO, "recv_evd")
             self.request_evd: "EVD" = request_evd or self._private_evd(
                 attrs.max_request_dtos, EvdFlags.DTO | EvdFlags.RMR_BIND, "request_evd")
-            self.connect_evd: "EVD" = connect_evd or self._private_evd(16, EvdFlags.CONNECTION, "connect_evd")
         except BaseException:  # leave no half-made EP in the PZ (its close would fail, the PZ never free)
             self._destroy_own_evds()
             self._closed = True
@@ -233,8 +240,20 @@ class EP(Posting, Handle):
         """The SRQ the endpoint receives from, if any."""
         return self._srq
 
-    def _evds(self) -> Tuple["EVD", ...]:
-        return (self.recv_evd, self.request_evd, self.connect_evd)
+    @property
+    def connect_evd(self) -> "EVD":
+        """The EVD the EP's connection events go to: the one passed to create_ep, else the EP's own
+        (made on first use, freed with the EP)."""
+        evd = self._connect_evd
+        if evd is None:
+            evd = self._connect_evd = self._private_evd(16, EvdFlags.CONNECTION, "connect_evd")
+            if self._closed:  # an EP freed before it ever needed one: its EVD is freed too
+                self._destroy_own_evds()
+        return evd
+
+    def _evds(self) -> Tuple[Optional["EVD"], ...]:
+        """The EVDs the EP feeds (its own connect EVD only if it was made)."""
+        return (self.recv_evd, self.request_evd, self._connect_evd)
 
     def _cq_shares(self) -> List[Tuple["EVD", Hashable, int]]:
         """What this EP may have completing at once on each CQ it feeds: (evd, key, entries).

@@ -70,6 +70,10 @@ class EvdFlags(enum.IntFlag):
 _new, _setattr = object.__new__, object.__setattr__  # build frozen events without their __init__
 
 
+#: the streams that come through a CQ: an EVD fed by one of them has a CQ of its own
+_CQ_STREAMS = int(EvdFlags.DTO | EvdFlags.RMR_BIND)
+
+
 class EventType(enum.IntEnum):
     """DAT event numbers (DAT_EVENT_NUMBER); aiodat's own async events are numbered from 0x20001."""
 
@@ -262,7 +266,8 @@ class EVD(Handle):
         self._ia = ia
         self._qlen = qlen
         #: how long (us) the EVD polls its CQ after the last completion before it arms and sleeps
-        self.busy_poll_us = busy_poll_us if streams & (EvdFlags.DTO | EvdFlags.RMR_BIND) else 0
+        has_cq = int.__and__(streams, _CQ_STREAMS)  # (a plain int: IntFlag's & builds an enum member)
+        self.busy_poll_us = busy_poll_us if has_cq else 0
         self._spinning = False  # a busy poll is in progress (a channel event then needs no arm)
         #: set_callback's function and the loop it runs in; None: events wait for wait()/dequeue()
         self._callback: Optional[Callable[[List[Event]], Any]] = None
@@ -297,7 +302,7 @@ class EVD(Handle):
         self._rearms = 0  # how many times a drain re-armed the CQ (once per wake-up)
         #: awaited requests (rmr.bind) whose completion comes through this EVD's CQ: polled even when full
         self._awaited = 0
-        if streams & (EvdFlags.DTO | EvdFlags.RMR_BIND):
+        if has_cq:
             #: the completion vector (interrupt) of the EVD's CQ; by default EVDs take the device's in turn
             self.comp_vector: Optional[int] = ia._next_comp_vector() if comp_vector is None else comp_vector
             self._create_cq()

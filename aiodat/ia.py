@@ -240,6 +240,7 @@ class IA(RootHandle):
             self.address: Optional[str] = _choose_address(name, self.addresses, address)
             # weak: an object the program dropped is routed nothing (and can be collected)
             self._qpn_owner: "MutableMapping[int, EP]" = weakref.WeakValueDictionary()  # completions, QP events
+            self._valid_epattr: Optional[EPAttr] = None  # the EPAttr last validated on this device (ep.py)
             self._comp_vectors_used = -1  # EVDs take the device's completion vectors in turn
             self._cq_owner: "MutableMapping[int, EVD]" = weakref.WeakValueDictionary()  # CQ async events
             self._srq_owner: "MutableMapping[int, SRQ]" = weakref.WeakValueDictionary()  # SRQ async events
@@ -349,7 +350,8 @@ class IA(RootHandle):
     ) -> "EP":
         """Create an Endpoint (a queue pair) in ``pz`` (dat_ep_create).
 
-        An EVD left out is created for the EP (sized from ``attrs``) and freed with it.
+        An EVD left out is created for the EP (sized from ``attrs``) and freed with it; its own
+        connect EVD is made when first needed (``ep.connect_evd``, or an event with no task awaiting it).
         An EVD passed in that is shared with other EPs is grown if the queues of
         everything feeding it would not fit (docs/events.md).  With
         ``EPAttr(service_type=ServiceType.UD)`` the EP is a
