@@ -133,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
                     "beside cmtime -c N in the same run.  Per-connection times (us) and ratios.")
     cn.add_argument("--connections", "-c", type=int, default=100, help="connections (default 100, as cmtime)")
     cn.add_argument("--no-cmtime", action="store_true", help="measure aiodat only")
+    cn.add_argument("--processes", type=int, choices=(1, 2), default=2,
+                    help="2 (default): the accepting side is a child process, as cmtime runs its server; "
+                         "1: both sides on one loop")
     _common_bench_args(cn)
     so = bsub.add_parser(
         "soak", help="many connections doing mixed operations for a while; checks nothing grows",
@@ -522,7 +525,7 @@ def cmd_bench_connect(args: argparse.Namespace) -> int:
         return 2
     return _run_bench("aiodat bench connect", args, lambda: bench.connect(
         args.connections, args.loop, repeat=args.repeat, cmtime=not args.no_cmtime, device=args.device,
-        progress=_progress(args)), (RuntimeError, AssertionError))
+        processes=args.processes, progress=_progress(args)), (RuntimeError, AssertionError))
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:

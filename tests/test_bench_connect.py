@@ -68,16 +68,21 @@ def test_bad_arguments_are_refused() -> None:
     assert main(["bench", "connect", "--connections", "0"]) == 2
     with pytest.raises(ValueError, match="connections"):
         bench.connect(0)
+    assert main(["bench", "connect", "--processes", "3"]) == 2
+    with pytest.raises(ValueError, match="processes"):
+        bench.connect(8, processes=3)
 
 
 @pytest.mark.rxe
-def test_bench_connect_beside_cmtime(rdma_device: Any, request: Any, capsys: Any) -> None:
-    """One round of 8 connections: aiodat's per-connection times and cmtime's, finite, with the ratios."""
+@pytest.mark.parametrize("processes", [2, 1])
+def test_bench_connect_beside_cmtime(rdma_device: Any, request: Any, capsys: Any, processes: int) -> None:
+    """One round of 8 connections, the accepting side in a child process (as cmtime's server) or on
+    the same loop: aiodat's per-connection times and cmtime's, finite, with the ratios."""
     loop = request.config.getoption("--aiodat-loop") or "asyncio"
     assert main(["bench", "connect", "--connections", "8", "--repeat", "1", "--loop", loop, "--json",
-                 "--device", rdma_device.name]) == 0
+                 "--processes", str(processes), "--device", rdma_device.name]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["connections"] == 8
+    assert data["connections"] == 8 and data["processes"] == processes
     for key in ("aiodat_connect", "aiodat_cycle", "cmtime_connect", "cmtime_cycle"):
         figure = data["figures"][key]
         assert figure["errors"] is None and 0 < figure["median"] < math.inf, (key, figure)

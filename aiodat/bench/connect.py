@@ -7,10 +7,13 @@ prints one row per step with the wall time of the step over all connections
 (and, in newer versions, a "full connect" row: first id to last connection
 established); see :func:`parse_cmtime`.
 
-aiodat's side, in one process on one loop: a PSP accepts N connections (an EP
-each, one shared DTO EVD) while N client EPs connect concurrently
-(``asyncio.gather`` of ``ep.connect``), the same "all at once" as cmtime; then
-all are disconnected and freed.  The figures are per connection: the connect
+aiodat's side: a PSP accepts N connections (an EP each, one shared DTO EVD)
+while N client EPs connect concurrently (``asyncio.gather`` of
+``ep.connect``), the same "all at once" as cmtime; then the clients
+disconnect and all are freed.  ``processes=2`` (the default) runs the
+accepting side in a child process (``python -m aiodat.bench acceptor``), as
+cmtime runs its server, so each side has a CPU; ``processes=1`` runs both on
+one loop.  The figures are per connection, timed on the client: the connect
 phase's wall time / N (beside cmtime's full connect avg/iter), and the whole
 cycle (connect, disconnect, free) / N beside the sum of cmtime's full
 connect, disconnect and destroy rows / N.
@@ -24,7 +27,7 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .harness import device_and_address, run_on_loop
 from .rounds import Comparison
@@ -163,23 +166,12 @@ async def connect_cycle(device: str, connections: int, timeout: float = 120.0) -
         dto = ia.create_evd(4 * connections + 8, EvdFlags.DTO)
         cr_evd = ia.create_evd(connections + 8, EvdFlags.CR)
         psp = ia.create_psp_any(cr_evd)
-        servers: list = []
-
-        async def accept_all() -> None:
-            accepts = []
-            for _ in range(connections):
-                event = await cr_evd.wait_one(timeout=timeout)
-                ep = ia.create_ep(pz, recv_evd=dto, request_evd=dto, attrs=attrs)
-                servers.append(ep)
-                accepts.append(asyncio.ensure_future(event.cr.accept(ep, timeout=timeout)))
-            await asyncio.gather(*accepts)
-
         start = time.perf_counter()
-        acceptor = asyncio.ensure_future(accept_all())
+        acceptor = asyncio.ensure_future(accept_and_wait(ia, pz, cr_evd, dto, connections, attrs, timeout))
         clients = [ia.create_ep(pz, recv_evd=dto, request_evd=dto, attrs=attrs) for _ in range(connections)]
         try:
             await asyncio.gather(*(ep.connect(psp.address, psp.port, timeout=timeout) for ep in clients))
-            await acceptor
+            servers = await acceptor
             connected = time.perf_counter()
             await asyncio.gather(*(ep.disconnect(timeout=timeout) for ep in clients))
             for ep in clients + servers:
@@ -193,9 +185,79 @@ async def connect_cycle(device: str, connections: int, timeout: float = 120.0) -
     return connected - start, end - start
 
 
+async def accept_and_wait(ia: Any, pz: Any, cr_evd: Any, dto: Any, connections: int, attrs: Any,
+                          timeout: float) -> List[Any]:
+    """Accept ``connections`` requests from ``cr_evd``, each onto a new EP (all at once, as they come)."""
+    servers: List[Any] = []
+    accepts = []
+    for _ in range(connections):
+        event = await cr_evd.wait_one(timeout=timeout)
+        ep = ia.create_ep(pz, recv_evd=dto, request_evd=dto, attrs=attrs)
+        servers.append(ep)
+        accepts.append(asyncio.ensure_future(event.cr.accept(ep, timeout=timeout)))
+    await asyncio.gather(*accepts)
+    return servers
+
+
+async def acceptor_process(device: str, connections: int, timeout: float = 120.0) -> None:
+    """The child of a two-process connect cycle: listen (``port N`` on stdout, as
+    :func:`~aiodat.bench.peer.start_child` reads it), accept ``connections``, wait until the
+    client has disconnected each, free them."""
+    import sys
+
+    from aiodat import EPAttr, EventType, EvdFlags, open_ia
+
+    attrs = EPAttr(max_recv_dtos=1, max_request_dtos=1)
+    with open_ia(device) as ia:
+        pz = ia.create_pz()
+        dto = ia.create_evd(4 * connections + 8, EvdFlags.DTO)
+        cr_evd = ia.create_evd(connections + 8, EvdFlags.CR)
+        psp = ia.create_psp_any(cr_evd)
+        sys.stdout.write(f"port {psp.port}\n")
+        sys.stdout.flush()
+        servers = await accept_and_wait(ia, pz, cr_evd, dto, connections, attrs, timeout)
+
+        async def disconnected(ep: Any) -> None:
+            while (await ep.connect_evd.wait_one(timeout=timeout)).type is not EventType.CONNECTION_EVENT_DISCONNECTED:
+                pass
+
+        await asyncio.gather(*(disconnected(ep) for ep in servers))
+        for ep in servers:
+            ep.free()
+        psp.close()
+
+
+async def connect_cycle_remote(device: str, address: str, connections: int, loop_name: str,
+                               timeout: float = 120.0) -> Tuple[float, float]:
+    """:func:`connect_cycle` with the accepting side in a child process; timed on this (client) side."""
+    from aiodat import EPAttr, EvdFlags, open_ia
+
+    from .peer import finish_child, start_child
+
+    attrs = EPAttr(max_recv_dtos=1, max_request_dtos=1)
+    child, port = await start_child(["acceptor", device, str(connections)], loop_name)
+    try:
+        with open_ia(device) as ia:
+            pz = ia.create_pz()
+            dto = ia.create_evd(4 * connections + 8, EvdFlags.DTO)
+            start = time.perf_counter()
+            clients = [ia.create_ep(pz, recv_evd=dto, request_evd=dto, attrs=attrs) for _ in range(connections)]
+            await asyncio.gather(*(ep.connect(address, port, timeout=timeout) for ep in clients))
+            connected = time.perf_counter()
+            await asyncio.gather(*(ep.disconnect(timeout=timeout) for ep in clients))
+            for ep in clients:
+                ep.free()
+            end = time.perf_counter()
+    finally:
+        await finish_child(child)
+    if child.returncode != 0:
+        raise RuntimeError(f"the accepting process failed (exit status {child.returncode})")
+    return connected - start, end - start
+
+
 def connect(connections: int = 100, loop: str = "asyncio", *, repeat: int = 3, cmtime: bool = True,
             device: Optional[str] = None, address: Optional[str] = None, timeout: float = 300.0,
-            progress: Optional[Callable[[str], None]] = None) -> Comparison:
+            processes: int = 2, progress: Optional[Callable[[str], None]] = None) -> Comparison:
     """``aiodat bench connect``: ``repeat`` rounds of aiodat's connect/disconnect cycle of ``connections``
     connections, then ``cmtime -c connections``; per-connection times and their ratios."""
     from aiodat import DATError
@@ -203,9 +265,11 @@ def connect(connections: int = 100, loop: str = "asyncio", *, repeat: int = 3, c
     for name, value in (("connections", connections), ("repeat", repeat)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if processes not in (1, 2):
+        raise ValueError(f"processes must be 1 or 2, got {processes!r}")
     device, address = device_and_address(device, address)
     report = Comparison("aiodat bench connect", {"device": device, "address": address, "loop": loop,
-                                                 "connections": connections}, repeat,
+                                                 "connections": connections, "processes": processes}, repeat,
                         title="per connection, us: wall time of all connections at once / connections")
     a_conn = report.figure("aiodat_connect", "aiodat connect+accept", "us")
     a_cycle = report.figure("aiodat_cycle", "aiodat connect+disconnect+free", "us")
@@ -218,7 +282,10 @@ def connect(connections: int = 100, loop: str = "asyncio", *, repeat: int = 3, c
         if progress:
             progress(f"round {r + 1}: aiodat")
         try:
-            conn_s, cycle_s = run_on_loop(loop, lambda: connect_cycle(device, connections))
+            if processes == 2:
+                conn_s, cycle_s = run_on_loop(loop, lambda: connect_cycle_remote(device, address, connections, loop))
+            else:
+                conn_s, cycle_s = run_on_loop(loop, lambda: connect_cycle(device, connections))
             a_conn.record(conn_s * 1e6 / connections)
             a_cycle.record(cycle_s * 1e6 / connections)
         except (DATError, RuntimeError, asyncio.TimeoutError) as exc:
@@ -233,5 +300,6 @@ def connect(connections: int = 100, loop: str = "asyncio", *, repeat: int = 3, c
     return report
 
 
-__all__: Sequence[str] = ("connect", "connect_cycle", "run_cmtime_pair", "parse_cmtime", "CmtimeResult",
+__all__: Sequence[str] = ("connect", "connect_cycle", "connect_cycle_remote", "acceptor_process",
+                          "run_cmtime_pair", "parse_cmtime", "CmtimeResult",
                           "cmtime_connect_us", "cmtime_cycle_us")
