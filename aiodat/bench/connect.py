@@ -158,16 +158,13 @@ async def connect_cycle(device: str, connections: int, timeout: float = 120.0) -
 
     Returns (connect phase, whole cycle) in seconds of wall time.
     """
-    from aiodat import EPAttr, EvdFlags, open_ia
+    from aiodat import EPAttr, open_ia
 
     attrs = EPAttr(max_recv_dtos=1, max_request_dtos=1)
     with open_ia(device) as ia:
-        pz = ia.create_pz()
-        dto = ia.create_evd(4 * connections + 8, EvdFlags.DTO)
-        cr_evd = ia.create_evd(connections + 8, EvdFlags.CR)
-        psp = ia.create_psp_any(cr_evd)
+        pz, dto, cr_evd, psp = _listening_side(ia, connections)
         start = time.perf_counter()
-        acceptor = asyncio.ensure_future(accept_and_wait(ia, pz, cr_evd, dto, connections, attrs, timeout))
+        acceptor = asyncio.ensure_future(_accept_all(ia, pz, cr_evd, dto, connections, attrs, timeout))
         clients = [ia.create_ep(pz, recv_evd=dto, request_evd=dto, attrs=attrs) for _ in range(connections)]
         try:
             await asyncio.gather(*(ep.connect(psp.address, psp.port, timeout=timeout) for ep in clients))
@@ -185,8 +182,19 @@ async def connect_cycle(device: str, connections: int, timeout: float = 120.0) -
     return connected - start, end - start
 
 
-async def accept_and_wait(ia: Any, pz: Any, cr_evd: Any, dto: Any, connections: int, attrs: Any,
-                          timeout: float) -> List[Any]:
+def _listening_side(ia: Any, connections: int) -> Tuple[Any, Any, Any, Any]:
+    """The accepting side's objects on ``ia``: a PZ, the DTO EVD every EP shares, the CR EVD and
+    its PSP, sized for ``connections``."""
+    from aiodat import EvdFlags
+
+    pz = ia.create_pz()
+    dto = ia.create_evd(4 * connections + 8, EvdFlags.DTO)
+    cr_evd = ia.create_evd(connections + 8, EvdFlags.CR)
+    return pz, dto, cr_evd, ia.create_psp_any(cr_evd)
+
+
+async def _accept_all(ia: Any, pz: Any, cr_evd: Any, dto: Any, connections: int, attrs: Any,
+                     timeout: float) -> List[Any]:
     """Accept ``connections`` requests from ``cr_evd``, each onto a new EP (all at once, as they come)."""
     servers: List[Any] = []
     accepts = []
@@ -205,17 +213,14 @@ async def acceptor_process(device: str, connections: int, timeout: float = 120.0
     client has disconnected each, free them."""
     import sys
 
-    from aiodat import EPAttr, EventType, EvdFlags, open_ia
+    from aiodat import EPAttr, EventType, open_ia
 
     attrs = EPAttr(max_recv_dtos=1, max_request_dtos=1)
     with open_ia(device) as ia:
-        pz = ia.create_pz()
-        dto = ia.create_evd(4 * connections + 8, EvdFlags.DTO)
-        cr_evd = ia.create_evd(connections + 8, EvdFlags.CR)
-        psp = ia.create_psp_any(cr_evd)
+        pz, dto, cr_evd, psp = _listening_side(ia, connections)
         sys.stdout.write(f"port {psp.port}\n")
         sys.stdout.flush()
-        servers = await accept_and_wait(ia, pz, cr_evd, dto, connections, attrs, timeout)
+        servers = await _accept_all(ia, pz, cr_evd, dto, connections, attrs, timeout)
 
         async def disconnected(ep: Any) -> None:
             while (await ep.connect_evd.wait_one(timeout=timeout)).type is not EventType.CONNECTION_EVENT_DISCONNECTED:
