@@ -99,26 +99,16 @@ def instrument() -> None:
         start(self)
     T._start = _start
 
-    write = T.write
+    def note_each_call(method: str, label: str) -> None:
+        orig = getattr(T, method)
 
-    def _write(self: Any, data: Any) -> None:
-        _note(_side(self), "write")
-        write(self, data)
-    T.write = _write
+        def wrapped(self: Any, *args: Any) -> Any:
+            _note(_side(self), label)
+            return orig(self, *args)
+        setattr(T, method, wrapped)
 
-    flush = T._flush
-
-    def _flush(self: Any) -> None:
-        _note(_side(self), "flush")
-        flush(self)
-    T._flush = _flush
-
-    data = T._data
-
-    def _data(self: Any, view: Any) -> None:
-        _note(_side(self), "data_received")
-        data(self, view)
-    T._data = _data
+    for method, label in (("write", "write"), ("_flush", "flush"), ("_data", "data_received")):
+        note_each_call(method, label)
 
     on_events = T._on_events
 
@@ -132,10 +122,7 @@ def instrument() -> None:
 
     for name in ("pause_reading", "resume_reading", "pause_writing", "resume_writing"):
         if hasattr(T, name):
-            def wrapped(self: Any, _orig: Any = getattr(T, name), _name: str = name) -> None:
-                _note(_side(self), _name)
-                _orig(self)
-            setattr(T, name, wrapped)
+            note_each_call(name, name)
 
     Core = proto_mod.StreamCore
     sent = Core.sent

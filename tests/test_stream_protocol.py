@@ -271,10 +271,9 @@ def test_large_writes_use_the_window_once_until_released() -> None:
     assert first.wire_length == HEADER.size  # the payload goes by RDMA write, not in the send
     transmit(a, b, limit=1)
     assert not a.core.window_free
-    second = a.core.next_send()
-    assert second is not None and second.type == MSG_DATA  # window busy: DATA meanwhile, ordered after it
+    assert a.core.next_send() is None  # window busy: the bulk bytes wait for it, not go in slot-sized DATA
     transmit(a, b)
-    assert a.types_sent.count(MSG_WINDOW) == 1
+    assert a.types_sent.count(MSG_WINDOW) == 1 and a.types_sent.count(MSG_DATA) == 0
     process(b)  # consumes the WINDOW: the window is released with b's next message
     send = b.core.next_send()
     assert send is not None and send.release and send.header[1] & FLAG_RELEASE
@@ -288,6 +287,23 @@ def test_large_writes_use_the_window_once_until_released() -> None:
     assert a.types_sent.count(MSG_WINDOW) >= 2
     assert a.core.stats["window_writes"] == a.types_sent.count(MSG_WINDOW)
     assert a.core.stats["bytes_sent"] == b.core.stats["bytes_received"] == len(data)
+
+
+def test_below_the_threshold_or_with_a_small_window_bytes_go_as_data() -> None:
+    a, b = pair(buffer_size=4096, recv_depth=8, window_size=65536, rdma_threshold=16384)
+    a.core.write(bytes(70_000))
+    first = a.core.next_send()
+    assert first is not None and first.type == MSG_WINDOW
+    a.core.sent(first)
+    a.core.discard()
+    a.core.write(b"x" * 100)  # a small write while the window is busy leaves at once
+    small = a.core.next_send()
+    assert small is not None and small.type == MSG_DATA and small.length == 100
+    # a window smaller than the threshold is not worth waiting for: bulk goes as DATA
+    c, _ = pair(buffer_size=4096, recv_depth=8, window_size=8192, rdma_threshold=16384)
+    c.core.write(bytes(50_000))
+    send = c.core.next_send()
+    assert c.core.window_length == 8192 and send is not None and send.type == MSG_DATA
 
 
 def test_window_length_is_the_smaller_of_the_two_and_zero_disables_it() -> None:

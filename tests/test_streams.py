@@ -144,7 +144,9 @@ async def test_readexactly_10mib_odd_chunks(rdma_host: str) -> None:
     reader, writer = await aiodat.open_connection(rdma_host, port)
     rng = random.Random(1)
     sizes = [1, 3, 17, 4093, 16377, 65537, 100003, 262147, 7]
-    offset = 0
+    writer.write(payload[:7])  # alone in its loop iteration: below rdma_threshold, so a DATA message
+    await asyncio.sleep(0)
+    offset = 7
     while offset < total:
         n = min(rng.choice(sizes), total - offset)
         writer.write(payload[offset:offset + n])
@@ -166,9 +168,11 @@ async def test_backpressure_slow_reader(rdma_host: str) -> None:
     """A writer that outruns its reader: drain() blocks, then every byte arrives in order."""
     sink = Sink()
     sink.gate.clear()  # the server does not read until the gate opens
-    server = await aiodat.start_server(sink.read_all, rdma_host, 0)
+    # a 256 KiB window: what the peer can absorb (its reader's buffer, a held window, the credits)
+    # stays well below the 3 MiB written, which keeps the test short under emulation
+    server = await aiodat.start_server(sink.read_all, rdma_host, 0, window_size=262144)
     port = server.sockets[0].getsockname()[1]
-    reader, writer = await aiodat.open_connection(rdma_host, port)
+    reader, writer = await aiodat.open_connection(rdma_host, port, window_size=262144)
     payload = random.Random(2).randbytes(3 * 1024 * 1024)
     for i in range(0, len(payload), 65536):
         writer.write(payload[i:i + 65536])

@@ -90,7 +90,7 @@ class StreamConfig:
 
     buffer_size: int = 16384
     recv_depth: int = 16
-    window_size: int = 262144
+    window_size: int = 1 << 20
     rdma_threshold: int = 65536
 
     def validate(self) -> "StreamConfig":
@@ -250,7 +250,8 @@ class Send(NamedTuple):
     Fill send slot ``slot`` with ``header`` and, for DATA, the first ``length``
     pending bytes (:meth:`StreamCore.copy_pending`); for WINDOW, first RDMA-write
     the first ``length`` pending bytes to the start of the peer's window
-    (cookie :data:`WRITE_COOKIE`).  Post ``wire_length`` bytes of the slot with
+    (cookie :data:`WRITE_COOKIE`, unsignalled: a WINDOW send is always signalled,
+    and its completion covers the write).  Post ``wire_length`` bytes of the slot with
     ``cookie``, signalled or not, then call :meth:`StreamCore.sent`.
     (A NamedTuple, not a dataclass: one is made per message, and a tuple is the
     cheapest immutable record Python has.)
@@ -397,8 +398,9 @@ class StreamCore:
         """What to post now, or None.  Nothing changes until :meth:`sent` commits it.
 
         Order of preference: pending bytes (needs a credit; by window write
-        when at least ``rdma_threshold`` bytes are pending and the window and
-        staging buffer are free, else by DATA), then EOF once the buffer is
+        when at least ``rdma_threshold`` bytes are pending and the peer's
+        window is at least that large -- waiting while the window or the
+        staging buffer is busy -- else by DATA), then EOF once the buffer is
         empty (needs a credit), then a CREDIT message when a RELEASE is due or
         ``credit_threshold`` credits are owed (needs no credit).
         """
@@ -406,24 +408,34 @@ class StreamCore:
             return None
         pending = len(self._buf)
         if pending and self._credits > 0:
-            if (self.window_length and pending >= self.cfg.rdma_threshold and self._window_free
-                    and not self._staging_busy):
+            if not self._bulk(pending):
+                return self._plan(MSG_DATA, min(pending, self._payload_max), True)
+            if self._window_free and not self._staging_busy:
                 return self._plan(MSG_WINDOW, min(pending, self.window_length), True)
-            return self._plan(MSG_DATA, min(pending, self._payload_max), True)
+            # Bulk bytes wait for the window rather than leave in slot-sized DATA sends: one large
+            # RDMA write costs the device far less per byte than many sends, and the writer fills
+            # the buffer again meanwhile (docs/streams.md, "Large writes").
         if not pending and self.eof_requested and not self.eof_sent and self._credits > 0:
             return self._plan(MSG_EOF, 0, True)
         if self._release_pending or self._owed >= self._threshold:
             return self._plan(MSG_CREDIT, 0, False)
         return None
 
+    def _bulk(self, pending: int) -> bool:
+        """Whether ``pending`` bytes go by window write: past the threshold, with a window that holds more
+        than the threshold (a smaller one would only slow them down)."""
+        return pending >= self.cfg.rdma_threshold and self.window_length >= self.cfg.rdma_threshold
+
     def _plan(self, mtype: int, length: int, takes_credit: bool) -> Send:
         slot = self._free_slots[-1]
         credits = min(self._owed, 0xFFFF)
         release = self._release_pending
         # signal when the free slots run short (one send in nslots - nslots//4 when they go one by
-        # one), and everything from EOF on (so the last sends before a close complete)
+        # one), every WINDOW (its completion, which covers the unsignalled RDMA write before it,
+        # frees the staging buffer for the next one), and everything from EOF on (so the last sends
+        # before a close complete)
         signalled = (self._unsignalled >= self._signal_every or len(self._free_slots) - 1 < self._low_slots
-                     or mtype == MSG_EOF or self.eof_sent)
+                     or mtype == MSG_WINDOW or mtype == MSG_EOF or self.eof_sent)
         header = HEADER.pack(mtype, FLAG_RELEASE if release else 0, credits, length)
         return Send(mtype, slot, header, length, credits, release, signalled, takes_credit)
 

@@ -143,6 +143,11 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._peer_window = None
         if self._core.window_length and peer.window is not None:
             self._peer_window = RemoteRegion(peer.window.address, self._core.window_length, peer.window.rkey)
+        if self._core.window_length >= res.cfg.rdma_threshold:
+            # Bulk bytes leave in window writes of up to a window each: the writer may fill half a
+            # window while the other half travels.  asyncio's 64 KiB mark would cut every write to
+            # about 128 KiB, and a write costs rxe about as much per call as per 16 KiB of data.
+            self._set_write_buffer_limits(high=max(self._core.window_length // 2, self._high_water))
         self._Segment = Segment
         self._SIGNALLED, self._SUPPRESS = CompletionFlags.DEFAULT, CompletionFlags.SUPPRESS
         self._eof_delivered = False
@@ -336,8 +341,9 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                         if send.type == MSG_WINDOW:
                             staging = res.staging_base
                             core.copy_pending(view[staging:staging + n], n)
+                            # unsignalled: the WINDOW send after it is signalled and covers it
                             res.ep.post_rdma_write(res.lmr[staging:staging + n], self._peer_window[0:n],
-                                                   WRITE_COOKIE)
+                                                   WRITE_COOKIE, suppress)
                         wire = _HEADER_SIZE
                     seg = segs[slot]
                     if seg.length != wire:
