@@ -289,6 +289,36 @@ def test_large_writes_use_the_window_once_until_released() -> None:
     assert a.core.stats["bytes_sent"] == b.core.stats["bytes_received"] == len(data)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_writes_arrive_in_order_and_a_changed_buffer_does_not_change_them(seed: int) -> None:
+    """Large bytes objects are kept by reference, small writes and mutable buffers are copied at
+    write(): whatever mix is written arrives in order, and changing a buffer after write() is not seen."""
+    rng = random.Random(seed)
+    a, b = pair(buffer_size=4096, recv_depth=8, window_size=65536, rdma_threshold=16384)
+    expected = bytearray(b"hello")
+    a.core.write(b"hello")  # alone: a DATA message
+    transmit(a, b)
+    for _ in range(60):
+        kind = rng.choice(["small", "large", "bytearray", "memoryview"])
+        data = rng.randbytes(rng.randint(1, 100) if kind == "small" else rng.randint(16384, 90000))
+        if kind == "bytearray":
+            mutable = bytearray(data)
+            a.core.write(mutable)
+            mutable[:] = bytes(len(mutable))  # the caller reuses its buffer at once
+        elif kind == "memoryview":
+            a.core.write(memoryview(bytearray(data)))
+        else:
+            a.core.write(data)
+        expected += data
+        assert a.core.buffered <= len(expected) - len(b.got)
+        if rng.random() < 0.5:
+            transmit(a, b), process(b), transmit(b, a), process(a), complete_sends(a), complete_sends(b)
+    for _ in range(400):
+        transmit(a, b), process(b), transmit(b, a), process(a), complete_sends(a), complete_sends(b)
+    assert bytes(b.got) == bytes(expected) and a.core.buffered == 0
+    assert a.core.stats["window_writes"] > 0 and a.core.stats["data_msgs"] > 0
+
+
 def test_below_the_threshold_or_with_a_small_window_bytes_go_as_data() -> None:
     a, b = pair(buffer_size=4096, recv_depth=8, window_size=65536, rdma_threshold=16384)
     a.core.write(bytes(70_000))

@@ -65,6 +65,9 @@ FLAG_RELEASE = 0x01  #: the sender has consumed the receiver's last WINDOW write
 _MSG_NAMES = {MSG_DATA: "DATA", MSG_WINDOW: "WINDOW", MSG_CREDIT: "CREDIT", MSG_EOF: "EOF"}
 _KNOWN_FLAGS = FLAG_RELEASE
 
+#: bytes objects written whole from this size on are kept by reference until sent, not copied
+_KEEP_FROM = 16384
+
 #: send-queue cookies: a send slot is ("s", slot); the RDMA write into the peer's window is WRITE_COOKIE
 WRITE_COOKIE = ("w", 0)
 
@@ -328,7 +331,13 @@ class StreamCore:
         self._low_slots = max(1, self.nslots // 4)
         self._signal_every = max(1, self.nslots - self._low_slots)
         self._unsignalled = 0
-        self._buf = bytearray()
+        # Pending bytes, in order: bytes objects of at least _KEEP_FROM bytes are kept by reference
+        # (immutable: no copy until the one into registered memory), smaller or mutable writes are
+        # copied into a bytearray of ours, several small writes into one.  _head is how much of the
+        # first chunk is already sent (only ever non-zero for a kept bytes object).
+        self._chunks: Deque[Any] = collections.deque()
+        self._head = 0
+        self._pending = 0
         self.eof_requested = False  #: write_eof() or close(): send EOF once the buffer is empty
         self.eof_sent = False
         self.eof_received = False
@@ -353,7 +362,7 @@ class StreamCore:
     @property
     def buffered(self) -> int:
         """Bytes written but not yet handed to a send or RDMA write."""
-        return len(self._buf)
+        return self._pending
 
     @property
     def free_send_slots(self) -> int:
@@ -377,14 +386,34 @@ class StreamCore:
 
     def is_flushed(self) -> bool:
         """Everything written, and the EOF, is sent and every send has completed."""
-        return not self._buf and self.eof_sent and not self._posted
+        return not self._pending and self.eof_sent and not self._posted
 
     # -- the writer's side -------------------------------------------------------------------
     def write(self, data: Any) -> None:
         """Buffer bytes to send; RuntimeError after :meth:`write_eof`."""
         if self.eof_requested:
             raise RuntimeError("Cannot write after write_eof()")
-        self._buf += data
+        chunks = self._chunks
+        if type(data) is bytes:
+            n = len(data)
+            if n >= _KEEP_FROM:
+                chunks.append(data)
+            elif chunks and type(chunks[-1]) is bytearray:
+                chunks[-1] += data
+            else:
+                chunks.append(bytearray(data))
+            self._pending += n
+            return
+        # a buffer the caller may change after write() returns: copied now (len() of a memoryview
+        # counts its items, so the bytes are counted by what the copy grew by)
+        if chunks and type(chunks[-1]) is bytearray:
+            tail = chunks[-1]
+        else:
+            tail = bytearray()
+            chunks.append(tail)
+        before = len(tail)
+        tail += data
+        self._pending += len(tail) - before
 
     def write_eof(self) -> None:
         """Send EOF after the buffered bytes (idempotent)."""
@@ -392,7 +421,8 @@ class StreamCore:
 
     def discard(self) -> None:
         """Drop the bytes not yet sent (abort)."""
-        self._buf.clear()
+        self._chunks.clear()
+        self._head = self._pending = 0
 
     def next_send(self) -> Optional[Send]:
         """What to post now, or None.  Nothing changes until :meth:`sent` commits it.
@@ -406,7 +436,7 @@ class StreamCore:
         """
         if not self._free_slots:
             return None
-        pending = len(self._buf)
+        pending = self._pending
         if pending and self._credits > 0:
             if not self._bulk(pending):
                 return self._plan(MSG_DATA, min(pending, self._payload_max), True)
@@ -441,12 +471,21 @@ class StreamCore:
 
     def copy_pending(self, dest: memoryview, length: int) -> None:
         """Copy the first ``length`` pending bytes into ``dest`` (registered memory)."""
-        buf = self._buf
-        if length == len(buf):  # the whole buffer (a small write): no view to make and release
-            dest[:length] = buf
+        chunks, head = self._chunks, self._head
+        first = chunks[0]
+        if not head and len(first) == length:  # the whole first chunk (a small write): no view to make
+            dest[:length] = first
             return
-        with memoryview(buf) as mv:
-            dest[:length] = mv[:length]
+        done = 0
+        for chunk in chunks:
+            with memoryview(chunk) as mv:
+                piece = mv[head:head + length - done]
+                dest[done:done + len(piece)] = piece
+                done += len(piece)
+                piece.release()
+            if done == length:
+                return
+            head = 0
 
     def sent(self, send: Send) -> None:
         """Commit ``send`` (from :meth:`next_send`): it, and its window write, were posted."""
@@ -475,11 +514,31 @@ class StreamCore:
             self._credits -= 1
         if mtype == MSG_DATA or mtype == MSG_WINDOW:
             n = send.length
-            if n == len(self._buf):
-                self._buf.clear()
+            if n == self._pending:  # everything (a small write): nothing to walk
+                self._chunks.clear()
+                self._head = self._pending = 0
             else:
-                del self._buf[:n]
+                self._consume(n)
             self.stats["bytes_sent"] += n
+
+    def _consume(self, n: int) -> None:
+        """Drop the first ``n`` pending bytes (they were copied into registered memory and posted)."""
+        self._pending -= n
+        chunks, head = self._chunks, self._head
+        while n:
+            first = chunks[0]
+            left = len(first) - head
+            if n < left:
+                if type(first) is bytearray:
+                    del first[:head + n]  # cheap at the front of a bytearray; frees what was sent
+                    head = 0
+                else:
+                    head += n
+                break
+            chunks.popleft()
+            n -= left
+            head = 0
+        self._head = head
 
     def on_send_complete(self, cookie: Tuple[str, int]) -> None:
         """A send or window write completed: it and everything posted before it are done."""
@@ -580,6 +639,6 @@ class StreamCore:
         return f"Connection reset by peer (the RDMA connection {reason})"
 
     def __repr__(self) -> str:
-        return (f"<StreamCore credits={self._credits} owed={self._owed} buffered={len(self._buf)} "
+        return (f"<StreamCore credits={self._credits} owed={self._owed} buffered={self._pending} "
                 f"free_slots={len(self._free_slots)} window_free={self._window_free}>")
 
