@@ -26,10 +26,12 @@ def test_parse_rstream() -> None:
                    "usec_per_xfer": 2899.98}
     res = bench.RstreamResult(("-S", "64"), row)
     assert res.ok and res.rtt_us == pytest.approx(5799.96)  # a round trip: two transfers
-    big = bench.RstreamResult((), bench.parse_rstream(
-        "name      bytes   xfers   iters   total       time     Gb/sec    usec/xfer\n"
-        "custom    64k     64      1       8m          0.50s      1.60     3906.25\n"))
-    assert big.mb_s == pytest.approx(200.0)  # Gb/s * 1000 / 8
+    # 64 KiB x 64 each way in 0.5 s: 0.13 Gb/s printed, 65536 B / 3906.25 us = 16.78 MB/s
+    big_out = ("name      bytes   xfers   iters   total       time     Gb/sec    usec/xfer\n"
+               "custom    64k     64      1       8m          0.50s      0.13     3906.25\n")
+    assert bench.RstreamResult(("-S", "65536", "-C", "64"), bench.parse_rstream(big_out)).mb_s == \
+        pytest.approx(16.777216)  # from usec/xfer: not rounded to 1.25 MB/s steps
+    assert bench.RstreamResult((), bench.parse_rstream(big_out)).mb_s == pytest.approx(16.25)  # Gb/s * 1000 / 8
     assert bench.parse_rstream("rstream: connect: Connection refused\n") is None
 
 

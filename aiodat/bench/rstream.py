@@ -33,8 +33,18 @@ class RstreamResult:
 
     @property
     def mb_s(self) -> Optional[float]:
-        """Throughput in MB/s (10**6 bytes), from rstream's Gb/sec."""
-        return self.row["gbps"] * 1000.0 / 8.0 if self.ok and self.row else None
+        """Throughput in MB/s (10**6 bytes): the message size (``-S``) over usec/xfer.
+
+        rstream prints Gb/sec with two decimals, steps of 1.25 MB/s (8 % of what it moves under
+        emulation), and usec/xfer to 0.01 us; the two are the same figure (bytes per us).  Without
+        ``-S`` in the arguments, Gb/sec is all there is.
+        """
+        if not (self.ok and self.row):
+            return None
+        args = list(self.args)
+        if "-S" in args[:-1] and self.row["usec_per_xfer"] > 0:
+            return int(args[args.index("-S") + 1]) / self.row["usec_per_xfer"]
+        return self.row["gbps"] * 1000.0 / 8.0
 
     @property
     def rtt_us(self) -> Optional[float]:
