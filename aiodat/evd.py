@@ -32,6 +32,7 @@ import struct
 from collections import deque
 from dataclasses import dataclass, field
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Deque, List, Optional, Tuple
 
 from aiodat._fdwatch import FdWatch
@@ -283,6 +284,12 @@ class EVD(Handle):
         self._queue: Deque[Event] = deque()
         self._waiter: Optional["asyncio.Future[None]"] = None
         self._threshold = 1
+        # The waits' timeout timer, kept across waits (see _set_deadline): the current wait's
+        # deadline and timeout, the timer and when it fires (None: no timer pending)
+        self._deadline: Optional[float] = None
+        self._wait_timeout = 0.0
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer_when = 0.0
         self._solicited = False  # a solicited-only wait is in progress
         self._armed_solicited = False  # the CQ's current arm is for solicited completions only
         self._solicited_hit = False
@@ -626,9 +633,8 @@ class EVD(Handle):
                 return self._take(max_events)
             fut: "asyncio.Future[None]" = loop.create_future()
             self._waiter, self._threshold = fut, threshold
-            timer = None
             if timeout is not None:
-                timer = loop.call_later(timeout, self._expire, fut, timeout)
+                self._set_deadline(loop, timeout)
             try:
                 if self.busy_poll_us and not self._solicited:
                     await self._busy_poll(fut)
@@ -643,8 +649,7 @@ class EVD(Handle):
             finally:
                 if self._waiter is fut:  # else a new wait has taken the EVD since this one was cancelled
                     self._waiter = None
-                if timer is not None:
-                    timer.cancel()
+                    self._deadline = None  # (its timer stays, for the next wait: see _set_deadline)
             return self._take(max_events)
         finally:
             if self._waiter is None:  # the solicited flag is the current wait's, if another has begun
@@ -672,6 +677,39 @@ class EVD(Handle):
                     return
         finally:
             self._spinning = False
+
+    def _set_deadline(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        """Make the current wait time out after ``timeout`` seconds.
+
+        One timer serves every wait with a timeout: a wait whose deadline is no earlier than the
+        pending timer's keeps it, and the timer, when it fires early, moves itself to the deadline of
+        the wait then in progress (or ends, with none).  A consumer that waits with the same timeout
+        thousands of times a second so pays no timer creation and cancellation per wake-up.
+        """
+        self._deadline = deadline = loop.time() + timeout
+        self._wait_timeout = timeout
+        timer = self._timer
+        if timer is None or self._timer_when > deadline:
+            if timer is not None:
+                timer.cancel()
+            self._timer, self._timer_when = loop.call_at(deadline, _timer_fired, weakref.ref(self)), deadline
+
+    def _on_timer(self) -> None:
+        """The timer fired: expire the wait in progress if its deadline has come, else move the timer."""
+        self._timer = None
+        fut, deadline = self._waiter, self._deadline
+        if fut is None or fut.done() or deadline is None:
+            return
+        loop = fut.get_loop()
+        if deadline - loop.time() > _TIMER_SLACK:  # set for an earlier wait's deadline
+            self._timer, self._timer_when = loop.call_at(deadline, _timer_fired, weakref.ref(self)), deadline
+            return
+        self._expire(fut, self._wait_timeout)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _expire(self, fut: "asyncio.Future[None]", timeout: float) -> None:
         """The wait's timer: a last look, then the timeout fires, even if the look raised."""
@@ -705,6 +743,8 @@ class EVD(Handle):
         if self._watch is not None:
             self._watch.attach()
         watch, ia = self._watch, self._ia
+        if self._timer is not None and self._attached_loop is not loop:
+            self._cancel_timer()  # a timer of another loop
         # a wait skips _attach while all of these are watched by its loop
         if ((watch is None or watch._loop is loop) and ia._cm.watch._loop is loop
                 and ia._async_source.watch._loop is loop):
@@ -924,6 +964,7 @@ class EVD(Handle):
 
             fut.set_exception(InvalidHandle("the EVD was freed while a task waited on it"))
         self._attached_loop = None
+        self._cancel_timer()
         if self._watch is not None:
             self._watch.detach()
         if self._cq != ffi.NULL:
@@ -962,6 +1003,19 @@ _MAX_BUSY_POLL_US = 1_000_000
 _SPIN_SLICE_US = 20
 #: how many times a callback EVD's wake-up looks at the CQ again after delivering
 _CALLBACK_ROUNDS = 8
+
+
+#: a waits' timer that fires this close to the deadline (s) expires the wait: loops round timers
+#: (libuv to whole milliseconds), and moving the timer for less would only spin
+_TIMER_SLACK = 0.001
+
+
+def _timer_fired(ref: "weakref.ReferenceType[EVD]") -> None:
+    # the timer holds the EVD weakly: a pending timer must not keep a dropped EVD alive for the
+    # rest of a long timeout
+    evd = ref()
+    if evd is not None:
+        evd._on_timer()
 
 
 async def _yield() -> None:

@@ -40,6 +40,42 @@ async def test_wait_timeout_raises_timeout_expired(ia: Any, loop_errors: List[di
     assert (await evd.wait(timeout=T))[0].payload == "after"
 
 
+async def test_wait_timeouts_hold_after_the_timer_is_reused(ia: Any, loop_errors: List[dict]) -> None:
+    """One timer serves an EVD's waits: a long timeout's timer never cuts a later wait short, a
+    shorter timeout still fires on time, and a wait without a timeout is never expired by it."""
+    evd = ia.create_evd(4)
+
+    async def post_later(delay: float, payload: Any) -> None:
+        await asyncio.sleep(delay)
+        evd.post_se(payload)
+
+    for i in range(50):  # many waits with a long timeout, each woken by an event
+        asyncio.get_running_loop().call_soon(evd.post_se, i)
+        assert (await evd.wait(timeout=60))[0].payload == i
+    started = time.monotonic()
+    with pytest.raises(aiodat.TimeoutExpired, match="after 0.3s"):
+        await evd.wait(timeout=0.3)  # a nearer deadline than the pending 60 s timer
+    assert 0.29 <= time.monotonic() - started < 20
+    # a short wait leaves its timer behind; a later, longer wait outlives that timer
+    asyncio.get_running_loop().call_soon(evd.post_se, "quick")
+    assert (await evd.wait(timeout=0.2))[0].payload == "quick"
+    poster = asyncio.ensure_future(post_later(0.6, "late"))
+    assert (await evd.wait(timeout=T))[0].payload == "late"
+    await poster
+    # and a wait with no timeout at all, after another short one
+    asyncio.get_running_loop().call_soon(evd.post_se, "quick2")
+    assert (await evd.wait(timeout=0.2))[0].payload == "quick2"
+    poster = asyncio.ensure_future(post_later(0.6, "untimed"))
+    assert (await evd.wait())[0].payload == "untimed"
+    await poster
+    started = time.monotonic()
+    with pytest.raises(aiodat.TimeoutExpired):
+        await evd.wait(timeout=0.25)  # after all that, a timeout still fires on time
+    assert 0.24 <= time.monotonic() - started < 20
+    evd.close()
+    assert not loop_errors
+
+
 async def test_dequeue_returns_none_when_empty(ia: Any, loop_errors: List[dict]) -> None:
     evd = ia.create_evd(4)
     assert evd.dequeue() is None
