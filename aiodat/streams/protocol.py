@@ -452,8 +452,8 @@ class StreamCore:
         return None
 
     def _bulk(self, pending: int) -> bool:
-        """Whether ``pending`` bytes go by window write: past the threshold, with a window that holds more
-        than the threshold (a smaller one would only slow them down)."""
+        """Whether ``pending`` bytes go by window write: at least the threshold, with a window at least
+        that large (a smaller one would only slow them down)."""
         return pending >= self.cfg.rdma_threshold and self.window_length >= self.cfg.rdma_threshold
 
     def _plan(self, mtype: int, length: int, takes_credit: bool) -> Send:

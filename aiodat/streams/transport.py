@@ -144,9 +144,9 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if self._core.window_length and peer.window is not None:
             self._peer_window = RemoteRegion(peer.window.address, self._core.window_length, peer.window.rkey)
         if self._core.window_length >= res.cfg.rdma_threshold:
-            # Bulk bytes leave in window writes of up to a window each: the writer may fill half a
-            # window while the other half travels.  asyncio's 64 KiB mark would cut every write to
-            # about 128 KiB, and a write costs rxe about as much per call as per 16 KiB of data.
+            # Bulk bytes leave in window writes of up to a window each: the writer may buffer half
+            # a window while the last write is in flight.  asyncio's 64 KiB mark would cut every
+            # write to about 128 KiB, and a write costs rxe about as much per call as per 16 KiB.
             self._set_write_buffer_limits(high=max(self._core.window_length // 2, self._high_water))
         self._Segment = Segment
         self._SIGNALLED, self._SUPPRESS = CompletionFlags.DEFAULT, CompletionFlags.SUPPRESS
