@@ -146,6 +146,10 @@ def _retry_deferred() -> None:
 gc.callbacks.append(lambda phase, info: _retry_deferred() if phase == "stop" and _deferred else None)
 
 
+def _close_rank(handle: "Handle") -> int:
+    return handle._close_rank
+
+
 class Handle:
     """Base of every aiodat object that owns a verbs or rdma_cm resource."""
 
@@ -196,9 +200,9 @@ class Handle:
         """Free this object and everything created from it. Idempotent."""
         if self._closed:
             return
-        children = sorted(self._children, key=lambda child: child._close_rank)
         first_error: Optional[BaseException] = None
-        for child in children:
+        # (most objects, every EP and CR among them, have no children: no sort for those)
+        for child in sorted(self._children, key=_close_rank) if self._children else ():
             try:
                 child.close()
             except Exception as exc:  # keep closing the rest; report the first

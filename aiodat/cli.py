@@ -132,6 +132,10 @@ def _parser() -> argparse.ArgumentParser:
         description="aiodat connects N EP pairs at once (connect + accept), then disconnects and frees them; "
                     "beside cmtime -c N in the same run.  Per-connection times (us) and ratios.")
     cn.add_argument("--connections", "-c", type=int, default=100, help="connections (default 100, as cmtime)")
+    cn.add_argument("--mode", action="append", choices=("await", "callback"), default=None,
+                    help="await: a task per connection awaiting connect/accept/disconnect; callback: both sides "
+                         "driven from EVD callbacks (connect_nowait, accept_nowait), as cmtime drives its "
+                         "connections from one event handler; repeat the flag for both (default: both)")
     cn.add_argument("--no-cmtime", action="store_true", help="measure aiodat only")
     cn.add_argument("--processes", type=int, choices=(1, 2), default=2,
                     help="2 (default): the accepting side is a child process, as cmtime runs its server; "
@@ -525,7 +529,8 @@ def cmd_bench_connect(args: argparse.Namespace) -> int:
         return 2
     return _run_bench("aiodat bench connect", args, lambda: bench.connect(
         args.connections, args.loop, repeat=args.repeat, cmtime=not args.no_cmtime, device=args.device,
-        processes=args.processes, progress=_progress(args)), (RuntimeError, AssertionError))
+        processes=args.processes, modes=tuple(dict.fromkeys(args.mode)) if args.mode else bench.CONNECT_MODES,
+        progress=_progress(args)), (RuntimeError, AssertionError))
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:

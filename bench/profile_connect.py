@@ -24,27 +24,15 @@ import pstats
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 from aiodat import cm, ep as ep_mod
 from aiodat.bench import device_and_address, run_on_loop
 from aiodat.bench.connect import connect_cycle
 
-TOTALS: Dict[str, List[int]] = defaultdict(lambda: [0, 0])
+from profile_latency import TOTALS, clock, timed  # (the script's folder is on sys.path)
+
 MARKS: Dict[str, List[float]] = defaultdict(list)
-clock = time.perf_counter_ns
-
-
-def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = clock()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            cell = TOTALS[name]
-            cell[0] += clock() - t0
-            cell[1] += 1
-    return wrapper
 
 
 class TimedLib:

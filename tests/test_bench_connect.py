@@ -71,20 +71,26 @@ def test_bad_arguments_are_refused() -> None:
     assert main(["bench", "connect", "--processes", "3"]) == 2
     with pytest.raises(ValueError, match="processes"):
         bench.connect(8, processes=3)
+    assert main(["bench", "connect", "--mode", "busypoll"]) == 2
+    with pytest.raises(ValueError, match="modes"):
+        bench.connect(8, modes=("spin",))
 
 
 @pytest.mark.rxe
 @pytest.mark.parametrize("processes", [2, 1])
 def test_bench_connect_beside_cmtime(rdma_device: Any, request: Any, capsys: Any, processes: int) -> None:
-    """One round of 8 connections, the accepting side in a child process (as cmtime's server) or on
-    the same loop: aiodat's per-connection times and cmtime's, finite, with the ratios."""
+    """One round of 8 connections in each mode (tasks awaiting, or callbacks on shared EVDs), the
+    accepting side in a child process (as cmtime's server) or on the same loop: aiodat's
+    per-connection times and cmtime's, finite, with the ratios."""
     loop = request.config.getoption("--aiodat-loop") or "asyncio"
     assert main(["bench", "connect", "--connections", "8", "--repeat", "1", "--loop", loop, "--json",
                  "--processes", str(processes), "--device", rdma_device.name]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["connections"] == 8 and data["processes"] == processes
-    for key in ("aiodat_connect", "aiodat_cycle", "cmtime_connect", "cmtime_cycle"):
+    keys = [f"aiodat_{mode}_{phase}" for mode in ("await", "callback") for phase in ("connect", "cycle")]
+    for key in keys + ["cmtime_connect", "cmtime_cycle"]:
         figure = data["figures"][key]
         assert figure["errors"] is None and 0 < figure["median"] < math.inf, (key, figure)
-    assert data["figures"]["aiodat_connect"]["median"] <= data["figures"]["aiodat_cycle"]["median"]
-    assert all(r["median"] > 0 for r in data["ratios"])
+    for mode in ("await", "callback"):
+        assert data["figures"][f"aiodat_{mode}_connect"]["median"] <= data["figures"][f"aiodat_{mode}_cycle"]["median"]
+    assert len(data["ratios"]) == 4 and all(r["median"] > 0 for r in data["ratios"])

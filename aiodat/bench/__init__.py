@@ -30,6 +30,7 @@ aiodat's public API; the core never imports this package.
 """
 from __future__ import annotations
 
+from .connect import MODES as CONNECT_MODES
 from .connect import CmtimeResult, connect, connect_cycle, parse_cmtime, run_cmtime_pair
 from .endurance import SoakInterval, SoakReport, soak
 from .harness import LOOPS, device_and_address, run_on_loop
@@ -49,7 +50,7 @@ __all__ = [
     "Comparison", "Figure", "Ratio", "median_of_ratios", "median",
     "bandwidth", "bandwidth_stream", "BandwidthReport", "BandwidthSample", "BW_TOOLS", "rate",
     "streams", "RstreamResult", "parse_rstream", "run_rstream_pair",
-    "connect", "connect_cycle", "CmtimeResult", "parse_cmtime", "run_cmtime_pair", "compare_streaming", "soak", "SoakReport", "SoakInterval",
+    "connect", "CONNECT_MODES", "connect_cycle", "CmtimeResult", "parse_cmtime", "run_cmtime_pair", "compare_streaming", "soak", "SoakReport", "SoakInterval",
     "PerftestResult", "parse_perftest", "run_perftest_pair",
     "LOOPS", "device_and_address", "run_on_loop", "percentile", "ratio",
 ]

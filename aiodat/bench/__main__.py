@@ -3,7 +3,7 @@
 ``python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL [MODE BUSY_POLL_US] LOOP``: the server of a ping-pong;
 ``python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP``: the receiving side of a bandwidth run;
 ``python -m aiodat.bench stream-server rdma|tcp HOST PORT LOOP``: the streams server on host B (two hosts);
-``python -m aiodat.bench acceptor DEVICE CONNECTIONS LOOP``: the accepting side of a connect cycle.
+``python -m aiodat.bench acceptor DEVICE CONNECTIONS [await|callback] LOOP``: the accepting side of a connect cycle.
 """
 from __future__ import annotations
 
@@ -32,14 +32,15 @@ def main(argv: Sequence[str]) -> int:
         _, device, op, size, depth, total, loop_name = argv
         run_on_loop(loop_name, lambda: sink_process(device, op, int(size), int(depth), int(total)))
         return 0
-    if len(argv) == 4 and argv[0] == "acceptor":
-        _, device, connections, loop_name = argv
-        run_on_loop(loop_name, lambda: acceptor_process(device, int(connections)))
+    if len(argv) in (4, 5) and argv[0] == "acceptor":
+        device, connections, loop_name = argv[1], argv[2], argv[-1]
+        mode = argv[3] if len(argv) == 5 else "await"
+        run_on_loop(loop_name, lambda: acceptor_process(device, int(connections), mode=mode))
         return 0
     print("usage: python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL [MODE BUSY_POLL_US] LOOP\n"
           "       python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP\n"
           "       python -m aiodat.bench stream-server rdma|tcp HOST PORT LOOP\n"
-          "       python -m aiodat.bench acceptor DEVICE CONNECTIONS LOOP  (children of aiodat bench)")
+          "       python -m aiodat.bench acceptor DEVICE CONNECTIONS [await|callback] LOOP  (children of aiodat bench)")
     return 2
 
 
