@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Deque, List, Opt
 from aiodat._fdwatch import FdWatch
 from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
+from aiodat.poller import Poller, poller_for
 from aiodat.errors import (
     DTOError,
     InsufficientResources,
@@ -269,7 +270,10 @@ class EVD(Handle):
         #: how long (us) the EVD polls its CQ after the last completion before it arms and sleeps
         has_cq = int.__and__(streams, _CQ_STREAMS)  # (a plain int: IntFlag's & builds an enum member)
         self.busy_poll_us = busy_poll_us if has_cq else 0
-        self._spinning = False  # a busy poll is in progress (a channel event then needs no arm)
+        #: a busy-polling EVD stays with the loop's poller until then (monotonic; see poller.py)
+        self._busy_until = 0.0
+        self._poller: Optional[Poller] = None  # the poller of the loop watching the channel
+        self._arm_retried = False  # the poller's arm failed once and is being tried again
         #: set_callback's function and the loop it runs in; None: events wait for wait()/dequeue()
         self._callback: Optional[Callable[[List[Event]], Any]] = None
         self._callback_loop: Optional[asyncio.AbstractEventLoop] = None
@@ -344,16 +348,18 @@ class EVD(Handle):
         raise exc
 
     # -- feeding the queue -------------------------------------------------
-    def _drain_cq(self, rearm: bool = True, spin_us: int = 0, arm_if_unarmed: bool = True) -> bool:
+    def _drain_cq(self, rearm: bool = True, spin_us: int = 0, arm_if_unarmed: bool = True,
+                  napi: bool = False) -> bool:
         """Move completions from the CQ into the queue while there is room (one C call per 64).
 
-        With ``rearm`` (the reader callback's drain) the channel's event is read
-        and acked and the CQ re-armed, in the first call only: once per
-        wake-up, however many chunks follow.  A busy-polling EVD arms lazily
-        instead: the wake-up leaves the CQ unarmed, and only a wait (or the
-        callback poller) about to sleep arms it, so a busy consumer takes no
-        interrupts.  A CQ whose last arm failed (or was left unarmed) is armed
-        again by any drain that is not a spin (or told not to: ``arm_if_unarmed``).
+        With ``rearm`` the channel's event is read and acked and the CQ
+        re-armed, in the first call only: once per wake-up, however many
+        chunks follow.  The reader callback's drain (``napi``) arms lazily
+        instead: it leaves the CQ unarmed and the caller hands the EVD to the
+        loop's poller (poller.py), which arms it only when completions stop
+        coming, so a busy consumer takes no interrupts.  A CQ whose last arm
+        failed (or was left unarmed) is armed again by any drain that is not a
+        spin (or told not to: ``arm_if_unarmed``).
         ``spin_us``: poll for up to that long in C when the CQ is empty (busy polling).  Completions polled but not yet turned into
         events when something raised stay in ``_backlog`` and come first next
         time.  While an awaited request (``rmr.bind``) is outstanding the CQ is
@@ -370,7 +376,7 @@ class EVD(Handle):
             notified = self._queue_completions(iter(backlog))
         queue = self._queue
         channel = self._channel if rearm else _NULL
-        lazy = self.busy_poll_us and not self._solicited
+        lazy = napi and not self._solicited
         if rearm:
             arm = -1 if lazy else (1 if self._solicited else 0)
         else:
@@ -411,9 +417,10 @@ class EVD(Handle):
                 return notified
 
     def _poll(self) -> None:
-        """A wait's first look: poll the CQ with no system call (the common case in a few steps)."""
-        if self._backlog or self._awaited or (self._unarmed and not self.busy_poll_us) or self._wcs is None:
-            self._drain_cq(rearm=False, arm_if_unarmed=not self.busy_poll_us)
+        """A wait's first look: poll the CQ with no system call (the common case in a few steps).
+        An unarmed CQ is left to the poller, which the wait hands it to if it sleeps."""
+        if self._backlog or self._awaited or self._wcs is None:
+            self._drain_cq(rearm=False, arm_if_unarmed=False)
             return
         room = self._qlen - len(self._queue)
         if room <= 0:
@@ -424,7 +431,7 @@ class EVD(Handle):
                 raise error_from_errno(-got, "polling the CQ")
             self._queue_completions(_WC.iter_unpack(self._wc_bytes[0:got * _WC_SIZE]))
             if got == 64:  # more may wait: the full drain takes them
-                self._drain_cq(rearm=False, arm_if_unarmed=not self.busy_poll_us)
+                self._drain_cq(rearm=False, arm_if_unarmed=False)
 
     def _note_arm(self, solicited: bool, read_channel: bool) -> None:
         """After an arm: remember a failure (the next sleeper must arm again), and for
@@ -484,16 +491,80 @@ class EVD(Handle):
             self._callback_wakeup()
             return
         try:
-            if self._drain_cq():
+            if self._drain_cq(napi=True):
                 self._wake()
-            waiter = self._waiter
-            if self._unarmed and not self._spinning and waiter is not None and not waiter.done():
-                # a task still sleeps on this CQ, so it must be armed: try once more, else tell it
-                if self._drain_cq(rearm=False):
-                    self._wake()
-                if self._unarmed and not waiter.done():
-                    raise self._arm_error or InvalidState("the CQ could not be armed")
         except Exception as exc:
+            self._wake(exc)
+        if self._unarmed:  # (also after a failure: the CQ must be armed or polled)
+            self._napi_add()
+
+    # -- the loop's poller (poller.py) ---------------------------------------
+    def _napi_add(self) -> None:
+        """Hand the unarmed CQ to the poller of the loop watching it (or arm it now, with no loop)."""
+        watch = self._watch
+        loop = watch._loop if watch is not None else None
+        if loop is None:
+            self._napi_arm()
+            return
+        poller = self._poller
+        if poller is None or poller._loop is not loop:
+            poller = self._poller = poller_for(loop)
+        if self.busy_poll_us:
+            self._busy_until = _monotonic() + self.busy_poll_us * 1e-6
+        if not poller.add(self):
+            self._napi_arm()
+
+    def _napi_poll(self, spin_us: int = 0) -> bool:
+        """The poller's look (or, with ``spin_us``, its spin): poll the CQ without arming it and
+        hand what came to the callback or the waiting task.  True if a completion that notifies
+        came.  Never raises: a failure goes where the reader callback's would."""
+        try:
+            notified = self._drain_cq(rearm=False, spin_us=spin_us, arm_if_unarmed=False)
+        except Exception as exc:
+            self._napi_failed(exc, "polling the CQ")
+            return False
+        self._hand_over(notified)
+        return notified
+
+    def _napi_arm(self) -> bool:
+        """The poller is done with this EVD: arm its CQ, then look once more (what raced the arm).
+        A failed arm is tried again after the poller's next turns (True: keep polling); when
+        that fails too, it goes to the callback's on_error or the waiting task, and a later wait
+        or wake-up tries again."""
+        if self._closed or self._wcs is None:
+            return False
+        try:
+            self._hand_over(self._drain_cq(rearm=False))
+        except Exception as exc:
+            self._napi_failed(exc, "polling the CQ")
+        if not self._unarmed:
+            self._arm_retried = False
+            return False
+        if not self._arm_retried:
+            self._arm_retried = True
+            return True
+        self._arm_retried = False
+        exc = self._arm_error or InvalidState("the CQ could not be armed")
+        if self._callback is not None:
+            self._callback_failed(exc, "arming the CQ")
+        elif self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(exc)
+        return False
+
+    def _hand_over(self, notified: bool) -> None:
+        """After the poller's look: deliver to the callback, or wake the waiting task."""
+        if notified and self.busy_poll_us:
+            self._busy_until = _monotonic() + self.busy_poll_us * 1e-6
+        if self._callback is not None:
+            if self._queue:
+                self._deliver()
+        elif notified:
+            self._wake()
+
+    def _napi_failed(self, exc: BaseException, what: str) -> None:
+        if self._callback is not None:
+            self._callback_failed(exc, what)
+        else:
             self._wake(exc)
 
     def _push(self, event: Event) -> None:
@@ -636,10 +707,12 @@ class EVD(Handle):
             if timeout is not None:
                 self._set_deadline(loop, timeout)
             try:
-                if self.busy_poll_us and not self._solicited:
-                    await self._busy_poll(fut)
-                if self._unarmed and not fut.done():
-                    # about to sleep on an unarmed CQ (a lazy wake-up, or the last arm failed):
+                if not self._solicited and (self._unarmed or self.busy_poll_us):
+                    # the loop's poller looks at the CQ at the next turns, and arms it if nothing comes
+                    # (a busy-polling EVD: after busy_poll_us without a completion)
+                    self._napi_add()
+                elif self._unarmed and not fut.done():
+                    # a solicited wait about to sleep on an unarmed CQ (its last arm failed):
                     # arm it, then look once more, or fail instead of sleeping forever
                     if self._drain_cq(rearm=False):
                         self._wake()
@@ -654,29 +727,6 @@ class EVD(Handle):
         finally:
             if self._waiter is None:  # the solicited flag is the current wait's, if another has begun
                 self._solicited = False  # also after returning at once or failing before sleeping
-
-    async def _busy_poll(self, fut: "asyncio.Future[None]") -> None:
-        """Poll the CQ until ``fut`` is done or ``busy_poll_us`` pass with no completion, in slices
-        of at most _SPIN_SLICE_US spent in C, yielding to the loop between them (other tasks, and
-        a peer in the same loop, keep running)."""
-        budget = self.busy_poll_us * 1e-6
-        deadline = _monotonic() + budget
-        self._spinning = True
-        try:
-            while not fut.done():
-                left = deadline - _monotonic()
-                if left <= 0:
-                    return
-                if self._drain_cq(rearm=False, spin_us=min(int(left * 1e6) + 1, _SPIN_SLICE_US)):
-                    self._wake()
-                    deadline = _monotonic() + budget  # polling goes on for busy_poll_us after the last one
-                if fut.done():
-                    return
-                await _yield()
-                if self._closed:
-                    return
-        finally:
-            self._spinning = False
 
     def _set_deadline(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
         """Make the current wait time out after ``timeout`` seconds.
@@ -792,8 +842,8 @@ class EVD(Handle):
         self._callback, self._callback_loop, self._on_error = fn, loop, on_error
         if self._queue or self._backlog or self._pending_error is not None:
             self._schedule_delivery()
-        if self._unarmed:  # a busy-polling EVD left its CQ unarmed: nobody else will arm it now
-            self._callback_arm()
+        if self._unarmed:  # the poller arms it, or delivers what comes first
+            self._napi_add()
 
     def _refuse_if_callback(self, what: str) -> None:
         if self._callback is not None:
@@ -812,7 +862,7 @@ class EVD(Handle):
         try:
             self._raise_pending()
             if self._backlog:
-                self._drain_cq(rearm=False)
+                self._drain_cq(rearm=False, arm_if_unarmed=False)
         except Exception as exc:
             self._callback_failed(exc, "taking the EVD's queued completions")
         self._deliver()
@@ -832,50 +882,23 @@ class EVD(Handle):
 
     def _callback_wakeup(self) -> None:
         """The reader callback of an EVD with a callback: drain, deliver, and look again while the
-        callback's own posts keep completions coming (up to _CALLBACK_ROUNDS looks per wake-up)."""
+        callback's own posts keep completions coming (up to _CALLBACK_ROUNDS looks per wake-up);
+        the poller takes the CQ from there."""
         try:
-            notified = self._drain_cq()
+            notified = self._drain_cq(napi=True)
             for _ in range(_CALLBACK_ROUNDS):
                 if not notified and not self._queue:
                     break
                 self._deliver()
                 if self._callback is None or self._closed:
-                    return
-                notified = self._drain_cq(rearm=False)
+                    break
+                notified = self._drain_cq(rearm=False, arm_if_unarmed=False)
                 if not notified:
                     break
-            if self.busy_poll_us:
-                self._callback_spin(_monotonic() + self.busy_poll_us * 1e-6)
         except Exception as exc:
             self._callback_failed(exc, "draining the CQ")
-
-    def _callback_spin(self, deadline: float) -> None:
-        """Busy polling for a callback EVD: one slice now, the next one after the loop has run its
-        other ready callbacks; when busy_poll_us pass with no completion, arm and sleep."""
-        if self._callback is None or self._closed:
-            self._spinning = False  # the poller stops here: a later wait's wake-up must see it stopped
-            return
-        try:
-            left = deadline - _monotonic()
-            if left <= 0:
-                self._spinning = False
-                self._callback_arm()
-                return
-            self._spinning = True
-            if self._drain_cq(rearm=False, spin_us=min(int(left * 1e6) + 1, _SPIN_SLICE_US)):
-                self._deliver()
-                deadline = _monotonic() + self.busy_poll_us * 1e-6
-            self._callback_loop.call_soon(self._callback_spin, deadline)  # type: ignore[union-attr]
-        except Exception as exc:
-            self._spinning = False
-            self._callback_failed(exc, "busy polling the CQ")
-
-    def _callback_arm(self) -> None:
-        """Arm the CQ before a callback EVD sleeps, then look once more (what raced the arm)."""
-        if self._drain_cq(rearm=False):
-            self._deliver()
-        if self._unarmed:
-            self._callback_failed(self._arm_error or InvalidState("the CQ could not be armed"), "arming the CQ")
+        if self._unarmed and not self._closed:
+            self._napi_add()
 
     def _callback_failed(self, exc: BaseException, what: str, own: bool = True) -> None:
         """Report a failure of a callback EVD: the EVD's own (``own``) to ``on_error`` if set,
@@ -965,6 +988,8 @@ class EVD(Handle):
             fut.set_exception(InvalidHandle("the EVD was freed while a task waited on it"))
         self._attached_loop = None
         self._cancel_timer()
+        if self._poller is not None:
+            self._poller.discard(self)
         if self._watch is not None:
             self._watch.detach()
         if self._cq != ffi.NULL:
@@ -999,8 +1024,6 @@ _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic
 _MAX_BUSY_POLL_US = 1_000_000
-#: longest stretch a busy poll spends in C before it yields to the loop (us)
-_SPIN_SLICE_US = 20
 #: how many times a callback EVD's wake-up looks at the CQ again after delivering
 _CALLBACK_ROUNDS = 8
 
@@ -1017,10 +1040,6 @@ def _timer_fired(ref: "weakref.ReferenceType[EVD]") -> None:
     if evd is not None:
         evd._on_timer()
 
-
-async def _yield() -> None:
-    """One turn of the loop for everything else that is ready (a bare yield inside a coroutine)."""
-    await asyncio.sleep(0)
 
 #: struct aiodat_wc (shim.h) as Python's struct reads it, native alignment and padding
 _WC = struct.Struct("@QiiIIIIIIHB5x")

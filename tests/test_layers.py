@@ -26,7 +26,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "aiodat"
 #: low -> high; each layer is (name, component patterns).  Keep in step with docs/architecture.md.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("foundation", ("aiodat._shim", "aiodat._lib", "aiodat._version", "aiodat.errors")),
-    ("support", ("aiodat.attrs", "aiodat._handle", "aiodat._fdwatch", "aiodat.netdev", "aiodat.devinfo",
+    ("support", ("aiodat.attrs", "aiodat._handle", "aiodat._fdwatch", "aiodat.poller", "aiodat.netdev",
+                 "aiodat.devinfo",
                  "aiodat.epattr")),
     ("events", ("aiodat.evd",)),
     ("memory", ("aiodat.memory",)),

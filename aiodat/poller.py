@@ -1,0 +1,134 @@
+"""NAPI for completion queues: a busy CQ stays unarmed and is polled once per loop turn.
+
+Arming a CQ (``ibv_req_notify_cq``) and reading its channel event cost a system
+call each, and every completion that lands on an armed CQ makes the kernel
+queue a channel event and wake the loop's ``epoll``.  While completions keep
+coming none of that is needed.  So a wake-up leaves its CQ unarmed and hands
+the EVD to its loop's :class:`Poller`, which polls every such EVD at each turn
+of the loop (one ``call_soon``), as Linux NAPI polls a busy NIC with its
+interrupt off.  An EVD goes back to sleep (its CQ armed, then polled once more
+for what raced the arm) when the poller has found nothing on it for
+:data:`IDLE_TURNS` turns, or, for an EVD made with ``busy_poll_us``, once that
+long has passed since its last completion; while only busy-polling EVDs are
+left waiting, the poller spins on their CQs in C for a short slice per turn.
+
+Invariant: every CQ of an EVD is either armed or in its loop's poller, so no
+completion waits unseen however the EVD is consumed (waits, callbacks, an
+awaited bind, a disconnect's drain marker).  With both ends of a connection in
+one process, rxe completes the peer's receive inside the sender's post, and a
+callback EVD's reply is then found and delivered in the same poller turn, with
+no system call and no wake-up between the two sides.
+
+The poller is duck-typed over the EVD (evd.py is the layer above): it calls
+``_napi_poll(spin_us=0)`` and ``_napi_arm()`` (True: keep polling), which never raise,
+and reads ``_closed``, ``_callback``, ``busy_poll_us`` and ``_busy_until``.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from typing import Any, Dict
+
+#: turns with nothing found before a (non-busy) EVD's CQ is armed: three, so that a task woken by
+#: its channel (the reader callback in one turn, the task in the next) can run and post before its
+#: peer's EVD gives up, and a one-loop ping-pong settles into polling instead of interrupts
+IDLE_TURNS = 3
+#: how many times one turn polls its EVDs again while callbacks' posts keep completions coming
+PASSES = 16
+#: longest stretch one turn spends spinning in C on busy-polling EVDs (us)
+SPIN_SLICE_US = 20
+
+_monotonic = time.monotonic
+
+
+class Poller:
+    """The EVDs of one event loop whose CQs are unarmed, polled at each turn of the loop."""
+
+    __slots__ = ("_loop", "_hot", "_scheduled", "__weakref__")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        #: EVD -> turns in a row with nothing found (-1: found something this turn)
+        self._hot: Dict[Any, int] = {}
+        self._scheduled = False
+
+    def __contains__(self, evd: Any) -> bool:
+        return evd in self._hot
+
+    def add(self, evd: Any) -> bool:
+        """Poll ``evd`` from the next turn on; False when the loop is closed (arm it instead)."""
+        if evd not in self._hot:
+            self._hot[evd] = 0
+        if not self._scheduled:
+            if self._loop.is_closed():
+                self._hot.pop(evd, None)
+                return False
+            self._scheduled = True
+            self._loop.call_soon(self._turn)
+        return True
+
+    def discard(self, evd: Any) -> None:
+        """Stop polling ``evd`` (it is being freed)."""
+        self._hot.pop(evd, None)
+
+    def _turn(self) -> None:
+        self._scheduled = False
+        try:
+            self._poll_all()
+        except BaseException as exc:  # a loop callback: never let it escape (the EVD methods do not raise)
+            self._loop.call_exception_handler({"message": "aiodat: the CQ poller failed", "exception": exc})
+        if self._hot and not self._scheduled and not self._loop.is_closed():
+            self._scheduled = True
+            self._loop.call_soon(self._turn)
+
+    def _poll_all(self) -> None:
+        hot = self._hot
+        found_any = False
+        for _ in range(PASSES):
+            again = False
+            for evd in list(hot):
+                if evd._closed:
+                    del hot[evd]
+                elif evd._napi_poll():
+                    hot[evd] = -1
+                    found_any = True
+                    # a callback may have posted, and on one device the peer's completion may be
+                    # there already: look again this turn (a woken task runs only at the next)
+                    again = again or evd._callback is not None
+            if not again:
+                break
+        now = 0.0
+        spinning = []
+        for evd, idle in list(hot.items()):
+            if idle < 0:
+                hot[evd] = 0
+                continue
+            if evd.busy_poll_us:
+                now = now or _monotonic()
+                if now < evd._busy_until:
+                    spinning.append(evd)
+                    continue
+            elif idle + 1 < IDLE_TURNS:
+                hot[evd] = idle + 1
+                continue
+            del hot[evd]
+            if evd._napi_arm():  # the arm failed: polled on, and tried again
+                hot[evd] = 0
+        if spinning and not found_any:
+            # nothing came this turn and only busy pollers wait: spin in C, a slice shared among them
+            slice_us = max(1, SPIN_SLICE_US // len(spinning))
+            for evd in spinning:
+                if evd._napi_poll(slice_us) and evd in hot:
+                    hot[evd] = 0
+
+
+_pollers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Poller]" = weakref.WeakKeyDictionary()
+
+
+def poller_for(loop: asyncio.AbstractEventLoop) -> Poller:
+    """The poller of ``loop`` (made on first use, dropped with the loop)."""
+    poller = _pollers.get(loop)
+    if poller is None:
+        poller = _pollers[loop] = Poller(loop)
+    return poller
