@@ -416,22 +416,24 @@ class EVD(Handle):
                     self._report_overflow(queue[-1])
                 return notified
 
-    def _poll(self) -> None:
-        """A wait's first look: poll the CQ with no system call (the common case in a few steps).
-        An unarmed CQ is left to the poller, which the wait hands it to if it sleeps."""
+    def _poll(self) -> bool:
+        """A look with no system call and no arm, in a few steps in the common case: a wait's
+        first look and the poller's.  True when an event that notifies arrived (see _drain_cq).
+        An unarmed CQ is left to the poller, which a wait hands it to if it sleeps."""
         if self._backlog or self._awaited or self._wcs is None:
-            self._drain_cq(rearm=False, arm_if_unarmed=False)
-            return
+            return self._drain_cq(rearm=False, arm_if_unarmed=False)
         room = self._qlen - len(self._queue)
         if room <= 0:
-            return
+            return False
         got = lib.aiodat_cq_poll(self._cq, self._wcs, 64 if room > 64 else room)
-        if got:
-            if got < 0:
-                raise error_from_errno(-got, "polling the CQ")
-            self._queue_completions(_WC.iter_unpack(self._wc_bytes[0:got * _WC_SIZE]))
-            if got == 64:  # more may wait: the full drain takes them
-                self._drain_cq(rearm=False, arm_if_unarmed=False)
+        if not got:
+            return False
+        if got < 0:
+            raise error_from_errno(-got, "polling the CQ")
+        notified = self._queue_completions(_WC.iter_unpack(self._wc_bytes[0:got * _WC_SIZE]))
+        if got == 64:  # more may wait: the full drain takes them
+            notified = self._drain_cq(rearm=False, arm_if_unarmed=False) or notified
+        return notified
 
     def _note_arm(self, solicited: bool, read_channel: bool) -> None:
         """After an arm: remember a failure (the next sleeper must arm again), and for
@@ -519,7 +521,10 @@ class EVD(Handle):
         hand what came to the callback or the waiting task.  True if a completion that notifies
         came.  Never raises: a failure goes where the reader callback's would."""
         try:
-            notified = self._drain_cq(rearm=False, spin_us=spin_us, arm_if_unarmed=False)
+            if spin_us:
+                notified = self._drain_cq(rearm=False, spin_us=spin_us, arm_if_unarmed=False)
+            else:
+                notified = self._poll()
         except Exception as exc:
             self._napi_failed(exc, "polling the CQ")
             return False
@@ -695,10 +700,9 @@ class EVD(Handle):
                 self._solicited_hit = False
                 self._drain_cq()  # re-arm the CQ for the kind of completion this wait wants
             else:
-                # Hot path: poll the CQ, no system call.  The CQ stays armed (or its channel holds an
-                # unread event, which the reader callback drains).  Connection and async events need
+                # Hot path: poll the CQ, no system call.  The CQ is armed, or with the loop's poller
+                # (poller.py), which arms it when nothing comes.  Connection and async events need
                 # no look here: the loop runs their fds' reader callbacks before anyone sleeps long.
-                # A busy-polling EVD arms only when it is about to sleep.
                 self._poll()
             if len(self._queue) >= threshold:
                 return self._take(max_events)
@@ -892,7 +896,7 @@ class EVD(Handle):
                 self._deliver()
                 if self._callback is None or self._closed:
                     break
-                notified = self._drain_cq(rearm=False, arm_if_unarmed=False)
+                notified = self._poll()
                 if not notified:
                     break
         except Exception as exc:

@@ -308,8 +308,104 @@ async def ping_pong(pair: Pair, rounds: int, tick: Optional[List[int]] = None) -
     return got
 
 
+# -- NAPI arming: the loop's poller (aiodat/poller.py) ----------------------------------------
+async def test_a_ping_pong_in_one_loop_settles_into_polling(ia: Any) -> None:
+    """Plain waits, no busy polling: once both sides keep each other busy, the loop's poller finds
+    each reply at the next turn and the receive CQs are (almost) never armed again (an armed CQ
+    costs a channel event, a read and a re-arm per message).  When the traffic stops, the poller arms both
+    CQs after its idle turns, and a message much later still wakes a wait."""
+    pair = await Pair(ia).connect()
+    try:
+        (a, b), (la, lb) = pair.eps, pair.lmrs
+        recv_a, recv_b = a.recv_evd, b.recv_evd
+        rounds, warmup = 50, 10
+
+        async def echo() -> None:
+            for i in range(rounds):
+                (ev,) = await recv_b.wait(timeout=T)
+                assert ev.ok, ev
+                if i + 1 < rounds:
+                    b.post_recv(lb[2048:2056])
+                b.post_send(put(lb, b"pong"))
+
+        b.post_recv(lb[2048:2056])
+        task = asyncio.ensure_future(echo())
+        for i in range(rounds):
+            if i == warmup:  # by now the CQs went from armed to polled
+                before = recv_a._rearms, recv_b._rearms
+            a.post_recv(la[2048:2056], cookie=i)
+            a.post_send(put(la, b"ping"))
+            (ev,) = await recv_a.wait(timeout=T)
+            assert ev.ok and ev.cookie == i, ev
+        await asyncio.wait_for(task, T)
+        # an arm per message without the poller; now one now and then, when rxe finished a send in
+        # its kernel thread a few turns later instead of inside the post
+        arms = recv_a._rearms - before[0], recv_b._rearms - before[1]
+        assert max(arms) <= (rounds - warmup) // 4, f"CQs armed {arms} times in {rounds - warmup} round trips"
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not recv_a._unarmed and not recv_b._unarmed, "idle CQs must end armed"
+        b.post_recv(pair.lmrs[1][0:8], cookie="late")
+        waiter = asyncio.ensure_future(recv_b.wait(timeout=T))
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        a.post_send(put(pair.lmrs[0], b"late"))
+        (ev,) = await waiter
+        assert ev.ok and ev.cookie == "late"
+    finally:
+        pair.close()
+
+
+async def test_a_callback_reply_in_one_loop_comes_in_the_same_turn(ia: Any) -> None:
+    """Both sides answer from callbacks, in one process: rxe completes the peer's receive inside
+    the post, and the poller delivers it in the same turn of the loop, so 60 round trips take far
+    fewer turns than round trips (a wake-up per message would take at least two per round trip)."""
+    pair = await Pair(ia).connect()
+    try:
+        (a, b), (la, lb) = pair.eps, pair.lmrs
+        rounds, seen = 60, []
+        done: "asyncio.Future[None]" = asyncio.get_running_loop().create_future()
+
+        def on_b(events: List[Any]) -> None:
+            for ev in events:
+                assert ev.ok, ev
+                b.post_recv(lb[2048:2056])
+                b.post_send(put(lb, b"pong"))
+
+        def on_a(events: List[Any]) -> None:
+            for ev in events:
+                assert ev.ok, ev
+                seen.append(ev.cookie)
+                if len(seen) == rounds:
+                    done.set_result(None)
+                else:
+                    a.post_recv(la[2048:2056], cookie=len(seen))
+                    a.post_send(put(la, b"ping"))
+
+        turns = 0
+
+        async def count_turns() -> None:
+            nonlocal turns
+            while not done.done():
+                turns += 1
+                await asyncio.sleep(0)
+
+        a.recv_evd.set_callback(on_a)
+        b.recv_evd.set_callback(on_b)
+        b.post_recv(lb[2048:2056])
+        a.post_recv(la[2048:2056], cookie=0)
+        counter = asyncio.ensure_future(count_turns())
+        a.post_send(put(la, b"ping"))
+        await asyncio.wait_for(done, T)
+        await counter
+        assert seen == list(range(rounds))
+        assert turns < rounds, f"{rounds} round trips took {turns} turns of the loop"
+    finally:
+        pair.close()
+
+
 async def test_a_busy_polling_ping_pong_in_one_loop_takes_no_interrupts(ia: Any) -> None:
-    """Both sides busy-poll in one loop (each yields to the other between slices).  With a
+    """Both sides busy-poll in one loop (each yields to the other between turns).  With a
     budget far above a round trip the receive CQs are armed only the first time."""
     pair = await Pair(ia, busy_poll_us=500_000).connect()
     try:
