@@ -8,9 +8,9 @@ the EVD to its loop's :class:`Poller`, which polls every such EVD at each turn
 of the loop (one ``call_soon``), as Linux NAPI polls a busy NIC with its
 interrupt off.  An EVD goes back to sleep (its CQ armed, then polled once more
 for what raced the arm) when the poller has found nothing on it for
-:data:`IDLE_TURNS` turns, or, for an EVD made with ``busy_poll_us``, once that
-long has passed since its last completion; while only busy-polling EVDs are
-left waiting, the poller spins on their CQs in C for a short slice per turn.
+:data:`IDLE_TURNS` turns and, for an EVD made with ``busy_poll_us``, that long
+has passed since its last completion; in a turn that found nothing, the poller
+spins on the busy-polling EVDs' CQs in C for a short slice.
 
 Invariant: every CQ of an EVD is either armed or in its loop's poller, so no
 completion waits unseen however the EVD is consumed (waits, callbacks, an
@@ -104,13 +104,15 @@ class Poller:
             if idle < 0:
                 hot[evd] = 0
                 continue
-            if evd.busy_poll_us:
+            idle += 1
+            busy = False
+            if evd.busy_poll_us:  # busy polling lengthens the stay, never shortens it
                 now = now or _monotonic()
-                if now < evd._busy_until:
+                busy = now < evd._busy_until
+                if busy:
                     spinning.append(evd)
-                    continue
-            elif idle + 1 < IDLE_TURNS:
-                hot[evd] = idle + 1
+            if busy or idle < IDLE_TURNS:
+                hot[evd] = idle
                 continue
             del hot[evd]
             if evd._napi_arm():  # the arm failed: polled on, and tried again

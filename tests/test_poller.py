@@ -120,3 +120,14 @@ async def test_one_poller_per_loop() -> None:
         assert P.poller_for(other) is not P.poller_for(loop)
     finally:
         other.close()
+
+
+async def test_a_short_busy_window_still_gets_the_idle_turns() -> None:
+    """Busy polling lengthens an EVD's stay, never shortens it: a window shorter than a turn
+    (50 us under emulation) must not arm the CQ sooner than a plain EVD's idle turns."""
+    poller = P.Poller(asyncio.get_running_loop())
+    evd = FakeEVD([], busy_poll_us=1)
+    evd._busy_until = 0.0
+    poller.add(evd)
+    await turns(P.IDLE_TURNS + 3)
+    assert evd.calls == ["poll"] * P.IDLE_TURNS + ["arm"]
