@@ -520,6 +520,8 @@ class EVD(Handle):
         """The poller's look (or, with ``spin_us``, its spin): poll the CQ without arming it and
         hand what came to the callback or the waiting task.  True if a completion that notifies
         came.  Never raises: a failure goes where the reader callback's would."""
+        if self._closed:  # (a callback earlier in the poller's turn may have freed it)
+            return False
         try:
             if spin_us:
                 notified = self._drain_cq(rearm=False, spin_us=spin_us, arm_if_unarmed=False)

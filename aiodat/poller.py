@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 #: turns with nothing found before a (non-busy) EVD's CQ is armed: three, so that a task woken by
 #: its channel (the reader callback in one turn, the task in the next) can run and post before its
@@ -49,7 +49,7 @@ class Poller:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        #: EVD -> turns in a row with nothing found (-1: found something this turn)
+        #: EVD -> turns in a row with nothing found
         self._hot: Dict[Any, int] = {}
         self._scheduled = False
 
@@ -84,41 +84,42 @@ class Poller:
 
     def _poll_all(self) -> None:
         hot = self._hot
-        found_any = False
-        for _ in range(PASSES):
-            again = False
-            for evd in list(hot):
-                if evd._closed:
-                    del hot[evd]
-                elif evd._napi_poll():
-                    hot[evd] = -1
-                    found_any = True
-                    # a callback may have posted, and on one device the peer's completion may be
-                    # there already: look again this turn (a woken task runs only at the next)
-                    again = again or evd._callback is not None
-            if not again:
-                break
-        now = 0.0
-        spinning = []
-        for evd, idle in list(hot.items()):
-            if idle < 0:
-                hot[evd] = 0
+        found_any = callbacks = False
+        spinning: List[Any] = []
+        for evd in list(hot):
+            if evd._closed:
+                del hot[evd]
                 continue
-            idle += 1
-            busy = False
-            if evd.busy_poll_us:  # busy polling lengthens the stay, never shortens it
-                now = now or _monotonic()
-                busy = now < evd._busy_until
-                if busy:
-                    spinning.append(evd)
+            if evd._napi_poll():
+                hot[evd] = 0
+                found_any = True
+                if evd._callback is not None:
+                    callbacks = True
+                continue
+            idle = hot[evd] + 1
+            # busy polling lengthens the stay, never shortens it
+            busy = evd.busy_poll_us and _monotonic() < evd._busy_until
+            if busy:
+                spinning.append(evd)
             if busy or idle < IDLE_TURNS:
                 hot[evd] = idle
                 continue
             del hot[evd]
             if evd._napi_arm():  # the arm failed: polled on, and tried again
                 hot[evd] = 0
+        if callbacks:
+            # a callback may have posted, and on one device the peer's completion may be there
+            # already: look again this turn (a woken task runs only at the next)
+            for _ in range(PASSES - 1):
+                again = False
+                for evd in list(hot):
+                    if evd._callback is not None and not evd._closed and evd._napi_poll():
+                        hot[evd] = 0
+                        again = True
+                if not again:
+                    break
         if spinning and not found_any:
-            # nothing came this turn and only busy pollers wait: spin in C, a slice shared among them
+            # nothing came this turn and busy pollers wait: spin in C, a slice shared among them
             slice_us = max(1, SPIN_SLICE_US // len(spinning))
             for evd in spinning:
                 if evd._napi_poll(slice_us) and evd in hot:
