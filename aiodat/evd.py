@@ -510,6 +510,8 @@ class EVD(Handle):
             return
         poller = self._poller
         if poller is None or poller._loop is not loop:
+            if poller is not None:  # the EVD moved to another loop after its first one closed
+                poller.discard(self)
             poller = self._poller = poller_for(loop)
         if self.busy_poll_us:
             self._busy_until = _monotonic() + self.busy_poll_us * 1e-6
@@ -798,6 +800,8 @@ class EVD(Handle):
             ia._attach_loop()
         if self._watch is not None:
             self._watch.attach()
+            if self._unarmed and self._poller is not None and self._poller._loop is not self._watch._loop:
+                self._napi_add()  # an unarmed CQ left with a closed loop's poller: this loop's polls it
         watch, ia = self._watch, self._ia
         if self._timer is not None and self._attached_loop is not loop:
             self._cancel_timer()  # a timer of another loop

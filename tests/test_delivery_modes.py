@@ -508,3 +508,37 @@ async def test_a_list_of_one_segment_posts_like_a_bare_one(ep_pair: Any) -> None
     assert ev.cookie == "r" and ev.transferred_length == len(b"one segment")
     (sent,) = await ep_pair.client.request_evd.wait(timeout=T)
     assert sent.cookie == "s" and sent.ok
+
+
+def test_an_unarmed_cq_left_by_a_closed_loop_is_polled_by_the_next(rdma_device: Any) -> None:
+    """An object may move to a new loop once its first loop is closed.  A CQ that loop's poller
+    still held unarmed must be taken over by the new loop's poller as soon as the new loop
+    watches it: here an awaited bind, whose completion no wait or callback asks for, completes."""
+    with aiodat.open_ia(rdma_device.name) as ia:
+        first = asyncio.new_event_loop()
+
+        async def busy_then_stop() -> Any:
+            pair = await make_ep_pair(ia)
+            pair.client.post_recv(pair.client_lmr[0:8])
+            pair.server.post_send(put(pair.server_lmr, b"one"), cookie="sent")
+            (ev,) = await pair.server.request_evd.wait(timeout=T)  # the wake-up leaves the CQ unarmed
+            assert ev.cookie == "sent" and ev.ok
+            return pair
+
+        try:
+            pair = first.run_until_complete(busy_then_stop())
+        finally:
+            first.close()
+        try:
+            assert pair.server.request_evd._unarmed, "the test needs the CQ left unarmed by the closed loop"
+
+            async def bind_on_a_new_loop() -> int:
+                exposed = pair.pz.register(bytearray(4096), aiodat.Privileges.LOCAL_WRITE
+                                           | aiodat.Privileges.MW_BIND)
+                rmr = pair.pz.create_rmr()
+                return await asyncio.wait_for(rmr.bind(exposed[0:1024], aiodat.Privileges.REMOTE_READ,
+                                                       pair.server), T)
+
+            assert asyncio.run(bind_on_a_new_loop()) > 0
+        finally:
+            pair.close()
