@@ -4,7 +4,9 @@ An EVD is a queue of immutable events fed by any DAT stream:
 
 * DTO and RMR-bind completions come from the EVD's CQ.  Its completion
   channel fd is non-blocking and watched by the running loop; a wake-up drains
-  in one C call (read and ack every channel event, re-arm, poll the CQ).
+  in one C call (read and ack the channel event, poll the CQ) and leaves the CQ
+  unarmed with the loop's poller (poller.py), which polls it once per turn of
+  the loop while completions keep coming and arms it when they stop (NAPI).
 * Connection and connection-request events are routed here by cm.py.
 * Software events come from :meth:`EVD.post_se`.
 * The IA's asynchronous EVD is fed by the device's async fd (:class:`AsyncSource`).
@@ -14,8 +16,9 @@ An EVD is a queue of immutable events fed by any DAT stream:
 that is cancelled takes nothing: its events stay queued for the next wait.
 Instead of waits, ``evd.set_callback(fn)`` hands each batch of events to
 ``fn(events)`` from inside the loop's reader callback (the Access Layer's
-completion callback).  ``busy_poll_us`` keeps polling the CQ for a while after
-the last completion before the CQ is armed and the EVD sleeps.
+completion callback).  ``busy_poll_us`` keeps the CQ with the poller for a
+while after the last completion, spinning on it in C when nothing else came,
+before the CQ is armed and the EVD sleeps.
 
 Capacity (qlen): completions are polled from the CQ only while the EVD has
 room, so the rest wait in the CQ, losing nothing; a CQ that itself overruns
@@ -310,7 +313,7 @@ class EVD(Handle):
         self._pending_error: Optional[BaseException] = None
         self._unarmed = False  # the last arm failed: arm again before anyone sleeps
         self._arm_error: Optional[BaseException] = None
-        self._rearms = 0  # how many times a drain re-armed the CQ (once per wake-up)
+        self._rearms = 0  # how many times the CQ was armed (at most once per wake-up)
         #: awaited requests (rmr.bind) whose completion comes through this EVD's CQ: polled even when full
         self._awaited = 0
         if has_cq:
