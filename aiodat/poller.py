@@ -30,9 +30,10 @@ import time
 import weakref
 from typing import Any, Dict, List
 
-#: turns with nothing found before a (non-busy) EVD's CQ is armed: three, so that a task woken by
-#: its channel (the reader callback in one turn, the task in the next) can run and post before its
-#: peer's EVD gives up, and a one-loop ping-pong settles into polling instead of interrupts
+#: turns with nothing found before an EVD's CQ is armed (a busy-polling EVD's at the earliest):
+#: three, so that a task woken by its channel (the reader callback in one turn, the task in the
+#: next) can run and post before its peer's EVD gives up, and a one-loop ping-pong settles into
+#: polling instead of interrupts
 IDLE_TURNS = 3
 #: how many times one turn polls its EVDs again while callbacks' posts keep completions coming
 PASSES = 16
