@@ -46,7 +46,7 @@ _monotonic = time.monotonic
 class Poller:
     """The EVDs of one event loop whose CQs are unarmed, polled at each turn of the loop."""
 
-    __slots__ = ("_loop", "_hot", "_scheduled", "__weakref__")
+    __slots__ = ("_loop", "_hot", "_scheduled")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -114,7 +114,7 @@ class Poller:
             for _ in range(PASSES - 1):
                 again = False
                 for evd in list(hot):
-                    if evd._callback is not None and not evd._closed and evd._napi_poll():
+                    if evd._callback is not None and evd._napi_poll():  # (never polls a freed EVD)
                         hot[evd] = 0
                         again = True
                 if not again:
