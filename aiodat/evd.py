@@ -203,6 +203,7 @@ class RMRBindEvent(Event):
     cookie: Any = None
     status: str = "IBV_WC_SUCCESS"
     rmr_context: Optional[int] = None
+    notify = True  # (a class attribute, not a field) it always ends a wait, as DTO events do by default
 
     @property
     def ok(self) -> bool:
@@ -466,9 +467,12 @@ class EVD(Handle):
         of them notifies.  If one raises, the ones after it are kept in ``_backlog``."""
         notified = False
         queue, refs = self._queue, self._ia._qpn_owner.data  # WeakValueDictionary's table of weak refs
+        qpn = ep = None  # a batch mostly comes from one QP: look its EP up once
         for wc in wcs:
-            ref = refs.get(wc[_WC_QP_NUM])
-            ep = ref() if ref is not None else None
+            if wc[_WC_QP_NUM] != qpn:
+                qpn = wc[_WC_QP_NUM]
+                ref = refs.get(qpn)
+                ep = ref() if ref is not None else None
             if ep is None:
                 continue
             try:
@@ -483,7 +487,7 @@ class EVD(Handle):
                 if wc[_WC_STATUS]:
                     self._solicited_hit = True  # an error completion always notifies
                     notified = True
-                elif getattr(event, "notify", True):
+                elif event.notify:
                     notified = True
         return notified
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
@@ -95,6 +96,32 @@ def _flag_bits(name: str, value: Any) -> Tuple[int, bool]:
 
 # the hot paths compare by identity with these
 _NO_FLAGS = CompletionFlags.DEFAULT
+
+
+def _columns(items: Iterable[Any], width: int, what: str, shape: str) -> List[Tuple[Any, ...]]:
+    """A batch's items (tuples of ``width``) as ``width`` columns, transposed in C: a batch of
+    thousands costs no Python step per item here."""
+    if type(items) is not list and type(items) is not tuple:
+        try:
+            items = list(items)
+        except TypeError:
+            raise InvalidParameter(f"{what}: items must be an iterable of {shape}, not "
+                                   f"{type(items).__name__}") from None
+    if not items:
+        return [()] * width
+    try:
+        if set(map(len, items)) == {width}:
+            return list(zip(*items))
+    except TypeError:
+        pass
+    raise InvalidParameter(f"{what}: items must be {shape}")
+
+
+def _all_same(column: Sequence[Any]) -> bool:
+    """True when every entry of a non-empty column is the very object of the first (checked in C)."""
+    return all(map(operator.is_, column, repeat(column[0])))
+
+
 _CONNECTED, _DISCONNECTED, _ERROR = EPState.CONNECTED, EPState.DISCONNECTED, EPState.ERROR
 _SEND = DTOOp.SEND
 
@@ -184,26 +211,19 @@ class Posting(WorkRequests):
             raise InvalidState("this EP receives from an SRQ: post to srq.post_recv_batch")
         if self._conn.state in (EPState.DISCONNECTED, EPState.ERROR):
             raise InvalidState(f"cannot post a receive on an EP in state {self._conn.state.value}")
-        batch = []
-        last_in: Any = batch  # a sentinel no item is
-        checked: Tuple[Segment, ...] = ()
-        for segs, cookie in items:
-            if segs is not last_in:  # the same segments again: checked already
-                checked = as_segments(segs)
-                self._check_post(checked, self.attrs.max_recv_iov, "post_recv_batch")
-                last_in = segs
-            batch.append((checked, cookie))
-        n = len(batch)
+        inputs, cookies = _columns(items, 2, "post_recv_batch", "(segments, cookie) pairs")
+        n = len(cookies)
         if n == 0:
             return 0
-        first = batch[0][0]
-        if all(segs is first for segs, _ in batch):  # one scatter list shared by every receive
+        batch = self._checked(inputs, cookies, self.attrs.max_recv_iov, "post_recv_batch")
+        if _all_same(inputs):  # one scatter list shared by every receive
+            first = batch[0][0]
             sges = ffi.new("struct aiodat_sge[]", max(1, len(first)))
             self._fill_sges(sges, 0, first)
             first_id = self._take_ids(n) * 2 + 1
             err = lib.aiodat_post_recv_same(self._qp, ffi.NULL, first_id, 2, n, sges, len(first), self._posted)
             posted = self._posted[0]
-            self._recv_q.extend(zip(range(first_id, first_id + 2 * posted, 2), [c for _, c in batch], repeat(first)))
+            self._recv_q.extend(zip(range(first_id, first_id + 2 * posted, 2), cookies, repeat(first)))
             for seg in first:
                 seg.lmr._inflight += posted
             if err:
@@ -231,6 +251,25 @@ class Posting(WorkRequests):
             raise self._post_error(err, f"post_recv_batch (posted {posted} of {n})", len(self._recv_q),
                                    self.attrs.max_recv_dtos)
         return posted
+
+    def _checked(self, inputs: Sequence[Segments], cookies: Sequence[Any], limit: int,
+                 what: str) -> List[Tuple[Tuple[Segment, ...], Any]]:
+        """A batch's (segments, cookie) pairs with every item's segments checked; the same segments
+        object on consecutive items is checked once, and yields one tuple (see _post_many)."""
+        if inputs and _all_same(inputs):  # a stream of one buffer: check it once, no step per item
+            segs = as_segments(inputs[0])
+            self._check_post(segs, limit, what)
+            return list(zip(repeat(segs), cookies))
+        batch = []
+        last_in: Any = batch  # a sentinel no item is
+        checked: Tuple[Segment, ...] = ()
+        for segs, cookie in zip(inputs, cookies):
+            if segs is not last_in:  # the same segments again: checked already
+                checked = as_segments(segs)
+                self._check_post(checked, limit, what)
+                last_in = segs
+            batch.append((checked, cookie))
+        return batch
 
     def _inline_bit(self, opcode: int, segs: Tuple[Segment, ...]) -> int:
         """IBV_SEND_INLINE for a send or RDMA write small enough to go inline, else 0."""
@@ -318,15 +357,8 @@ class Posting(WorkRequests):
         ``last_flags`` (default: ``flags``) are the last request's: ``flags=SUPPRESS,
         last_flags=DEFAULT`` asks for one completion per batch, which also retires the others.
         """
-        batch = []
-        last_in: Any = batch  # a sentinel no item is
-        checked: Tuple[Segment, ...] = ()
-        for segs, cookie in items:
-            if segs is not last_in:  # the same segments again (a stream of one buffer): checked already
-                checked = as_segments(segs)
-                self._check_post(checked, self.attrs.max_request_iov, "post_send_batch")
-                last_in = segs
-            batch.append((checked, cookie))
+        inputs, cookies = _columns(items, 2, "post_send_batch", "(segments, cookie) pairs")
+        batch = self._checked(inputs, cookies, self.attrs.max_request_iov, "post_send_batch")
         return self._post_many(DTOOp.SEND, WR_SEND, batch, flags, last_flags)
 
     # -- RDMA and atomics ---------------------------------------------------------
@@ -481,10 +513,9 @@ class Posting(WorkRequests):
         n = len(batch)
         if n == 0:
             return 0
-        first = batch[0][0]
-        if n > 1 and all(segs is first for segs, _ in batch) and (
-                remotes is None or all(r is remotes[0] for r in remotes)):
-            return self._post_same(op, opcode, first, [cookie for _, cookie in batch], bits,
+        segs_column, cookies = zip(*batch)
+        if n > 1 and _all_same(segs_column) and (remotes is None or _all_same(remotes)):
+            return self._post_same(op, opcode, segs_column[0], cookies, bits,
                                    remotes[0] if remotes is not None else None)
         wrs = ffi.new("struct aiodat_send_wr[]", n)
         sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
@@ -514,7 +545,7 @@ class Posting(WorkRequests):
                                    len(self._send_q), self.attrs.max_request_dtos)
         return posted
 
-    def _post_same(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookies: List[Any],
+    def _post_same(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookies: Sequence[Any],
                    bits: Tuple[Tuple[int, bool], Tuple[int, bool]], remote: Optional["RemoteRegion"]) -> int:
         """The batch fast path: n requests on the same segments (and remote): one scatter/gather
         list, the request written once and copied n times in C, only the wr_ids set one by one."""

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 _WC_WR_FLUSH_ERR = 5
-_RECV = DTOOp.RECV
+_RECV, _RECV_IMM = DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM
 
 
 class DrainMarker:
@@ -94,36 +94,37 @@ class WorkRequests:
     # -- completions (called by evd.py) ---------------------------------------
     def _completion_event(self, wc: Tuple[int, ...], evd: "EVD") -> Any:
         """The event of one completion; ``wc`` is a struct aiodat_wc as a tuple (evd._WC)."""
-        wr_id, code, opcode, vendor_err, byte_len, imm_data, _qpn, src_qp, wc_flags = wc[:9]
-        status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
+        wr_id = wc[0]
         if wr_id & 1:
-            if self._srq is not None:
+            q = self._recv_q  # (empty on an SRQ's EP)
+            if q and q[0][0] == wr_id:  # the usual case: receives complete in the order they were posted
+                _, cookie, segs = q.popleft()
+            elif self._srq is not None:
                 cookie, segs = self._srq._complete(wr_id)
             else:
-                q = self._recv_q
-                entry = q[0] if q else None
-                if entry is not None and entry[0] == wr_id:  # the usual case: completions come in order
-                    q.popleft()
-                    cookie, segs = entry[1], entry[2]
-                else:
-                    cookie, segs = self._pop_recv(wr_id)
+                cookie, segs = self._pop_recv(wr_id)
             if len(segs) == 1:
                 segs[0].lmr._inflight -= 1
             else:
                 self._track(segs, -1)
+            code = wc[1]
             notify = True
             if self._quiet and wr_id in self._quiet:
                 self._quiet.discard(wr_id)
                 notify = bool(code)
-            op = DTOOp.RECV_RDMA_WRITE_IMM if opcode == WC_RECV_RDMA_WITH_IMM else _RECV
-            imm = imm_data if wc_flags & 2 else None  # IBV_WC_WITH_IMM
-            return DTOCompletionEvent._completed(evd, self, cookie, status, byte_len, op,
-                                                 imm, vendor_err, src_qp if self._ud else None, notify)
+            return DTOCompletionEvent._completed(
+                evd, self, cookie, wc_status_name(code) if code else "IBV_WC_SUCCESS", wc[4],
+                _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
+                wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
+                wc[3], wc[7] if self._ud else None, notify)
+        code, byte_len, vendor_err = wc[1], wc[4], wc[3]
+        status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
         entry = self._pop_send(wr_id)
         if entry is None:
             return None
         _, cookie, op, segs, target = entry
-        self._track(segs, -1)
+        for seg in segs:
+            seg.lmr._inflight -= 1
         if target is not None and type(target) is DrainMarker:
             self._quiet.discard(wr_id)
             if code and code != _WC_WR_FLUSH_ERR and self._rc:
@@ -137,7 +138,7 @@ class WorkRequests:
         elif op is DTOOp.COMPARE_SWAP or op is DTOOp.FETCH_ADD:
             length = 8 if not code else byte_len  # verbs leaves byte_len undefined; 8 bytes landed locally
         else:
-            length = sum(s.length for s in segs)
+            length = segs[0].length if len(segs) == 1 else sum(s.length for s in segs)
         notify = True
         if self._quiet and wr_id in self._quiet:
             self._quiet.discard(wr_id)
@@ -156,7 +157,8 @@ class WorkRequests:
             entry = q.popleft()
             if entry[0] == wr_id:
                 return entry
-            self._track(entry[3], -1)
+            for seg in entry[3]:
+                seg.lmr._inflight -= 1
             if quiet:
                 quiet.discard(entry[0])
         return None

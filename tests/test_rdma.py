@@ -344,6 +344,21 @@ async def test_batch_of_one_buffer_signals_only_the_last(ia: Any) -> None:
     assert p.client.request_evd.dequeue() is None  # the 31 suppressed sends produced nothing
     with pytest.raises(aiodat.InvalidParameter, match="last_flags"):
         p.client.post_send_batch([(seg, 0)], CompletionFlags.SUPPRESS, last_flags="signal")
+    # items that are not (segments, cookie) pairs: a clear error, and nothing posted
+    for bad in ([seg], [(seg, 1, 2)], 5, [(seg, 0), (seg,)]):
+        with pytest.raises(aiodat.InvalidParameter, match="pairs"):
+            p.client.post_send_batch(bad)
+        with pytest.raises(aiodat.InvalidParameter, match="pairs"):
+            p.server.post_recv_batch(bad)
+    assert p.client.query().outstanding_requests == 0 and p.server.query().outstanding_recvs == 0
+    # receives into one segment object (one scatter list for all), from a generator
+    rseg = p.server_lmr[64:128]
+    assert p.server.post_recv_batch((rseg, f"r{i}") for i in range(8)) == 8
+    assert p.client.post_send_batch([(seg, i) for i in range(8)]) == 8
+    received = await p.server.recv_evd.wait(8, timeout=T)
+    assert [e.cookie for e in received] == [f"r{i}" for i in range(8)] and all(e.ok for e in received)
+    assert [e.cookie for e in await p.client.request_evd.wait(8, timeout=T)] == list(range(8))
+    assert bytes(p.server_lmr.memoryview()[64:128]) == bytes(range(64))
     p.client_lmr.free()  # nothing of it is in flight any more
 
 
