@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import operator
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
@@ -31,7 +30,7 @@ from aiodat.errors import (
 )
 from aiodat.evd import DTOOp
 from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments
-from aiodat.wr import DrainMarker, WorkRequests
+from aiodat.wr import DrainMarker, WorkRequests, all_same
 
 if TYPE_CHECKING:
     from aiodat.ia import IA
@@ -117,15 +116,8 @@ def _columns(items: Iterable[Any], width: int, what: str, shape: str) -> List[Tu
     raise InvalidParameter(f"{what}: items must be {shape}")
 
 
-def _all_same(column: Sequence[Any]) -> bool:
-    """True when every entry of a non-empty column is the very object of the first (checked in C)."""
-    return all(map(operator.is_, column, repeat(column[0])))
-
-
 _CONNECTED, _DISCONNECTED, _ERROR = EPState.CONNECTED, EPState.DISCONNECTED, EPState.ERROR
 _SEND = DTOOp.SEND
-
-
 
 
 class Posting(WorkRequests):
@@ -216,7 +208,7 @@ class Posting(WorkRequests):
         if n == 0:
             return 0
         batch = self._checked(inputs, cookies, self.attrs.max_recv_iov, "post_recv_batch")
-        if _all_same(inputs):  # one scatter list shared by every receive
+        if all_same(inputs):  # one scatter list shared by every receive
             first = batch[0][0]
             sges = ffi.new("struct aiodat_sge[]", max(1, len(first)))
             self._fill_sges(sges, 0, first)
@@ -256,7 +248,7 @@ class Posting(WorkRequests):
                  what: str) -> List[Tuple[Tuple[Segment, ...], Any]]:
         """A batch's (segments, cookie) pairs with every item's segments checked; the same segments
         object on consecutive items is checked once, and yields one tuple (see _post_many)."""
-        if inputs and _all_same(inputs):  # a stream of one buffer: check it once, no step per item
+        if inputs and all_same(inputs):  # a stream of one buffer: check it once, no step per item
             segs = as_segments(inputs[0])
             self._check_post(segs, limit, what)
             return list(zip(repeat(segs), cookies))
@@ -514,7 +506,7 @@ class Posting(WorkRequests):
         if n == 0:
             return 0
         segs_column, cookies = zip(*batch)
-        if n > 1 and _all_same(segs_column) and (remotes is None or _all_same(remotes)):
+        if n > 1 and all_same(segs_column) and (remotes is None or all_same(remotes)):
             return self._post_same(op, opcode, segs_column[0], cookies, bits,
                                    remotes[0] if remotes is not None else None)
         wrs = ffi.new("struct aiodat_send_wr[]", n)

@@ -15,8 +15,11 @@ set by :meth:`WorkRequests._init_tracking` and reads the EP's ``_srq``, ``_rc``,
 """
 from __future__ import annotations
 
+import bisect
 import itertools
+import operator
 from collections import deque
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Callable, Deque, Optional, Tuple
 
 from aiodat.epattr import EPRecvInfo
@@ -29,6 +32,12 @@ if TYPE_CHECKING:
 WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 _WC_WR_FLUSH_ERR = 5
 _RECV, _RECV_IMM = DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM
+_WR_ID, _SEGS = operator.itemgetter(0), operator.itemgetter(3)  # of a send queue entry
+
+
+def all_same(column: Any) -> bool:
+    """True when every entry of a non-empty sequence is the very object of the first (checked in C)."""
+    return all(map(operator.is_, column, repeat(column[0])))
 
 
 class DrainMarker:
@@ -151,17 +160,26 @@ class WorkRequests:
                                              None, vendor_err, None, notify)
 
     def _pop_send(self, wr_id: int) -> Any:
-        # Earlier entries without a completion of their own finished before this one.
-        q, quiet = self._send_q, self._quiet
-        while q:
-            entry = q.popleft()
-            if entry[0] == wr_id:
-                return entry
-            for seg in entry[3]:
-                seg.lmr._inflight -= 1
-            if quiet:
-                quiet.discard(entry[0])
-        return None
+        """Take the entry of ``wr_id`` off the send queue (None if it is not there).  The entries
+        before it, posted without a completion of their own, finished before it: they are retired
+        in bulk, with no Python step per entry in the usual case of a batch of one buffer."""
+        q = self._send_q
+        if q and q[0][0] == wr_id:
+            return q.popleft()
+        n = bisect.bisect_left(q, wr_id, key=_WR_ID)  # wr_ids grow in posting order
+        retired = list(map(operator.call, repeat(q.popleft, n)))
+        if retired:
+            segs_column = list(map(_SEGS, retired))
+            if all_same(segs_column):
+                for seg in segs_column[0]:
+                    seg.lmr._inflight -= n
+            else:
+                for segs in segs_column:
+                    for seg in segs:
+                        seg.lmr._inflight -= 1
+            if self._quiet:
+                self._quiet.difference_update(map(_WR_ID, retired))
+        return q.popleft() if q and q[0][0] == wr_id else None
 
     def _pop_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
         q = self._recv_q
