@@ -39,13 +39,18 @@ def test_short_real_run(rdma_device: Any, op: str, processes: int) -> None:
 
 @pytest.mark.rxe
 def test_rate_json_beside_ib_send_bw(rdma_device: Any, request: Any, capsys: Any) -> None:
-    """One round of the rate, await mode, beside ib_send_bw -R: both finite, and the ratio."""
+    """One round of the rate, await mode, beside ib_send_bw -R (polling) and -R -e (sleeping on its
+    completion channel, as an awaited EVD does): all three finite, and both ratios."""
     loop = request.config.getoption("--aiodat-loop") or "asyncio"
     assert main(["bench", "rate", "--iters", "500", "--depth", "32", "--batch", "8", "--repeat", "1",
                  "--mode", "await", "--loop", loop, "--json", "--device", rdma_device.name]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["command"] == "aiodat bench rate" and data["iters"] == 500 and data["rounds"] == 1
-    for key in ("aiodat_await", "perftest"):
-        assert 0 < data["figures"][key]["median"] < math.inf, data["figures"][key]
-    assert data["ratios"][0]["median"] == pytest.approx(
-        data["figures"]["aiodat_await"]["median"] / data["figures"]["perftest"]["median"])
+    figures = data["figures"]
+    for key in ("aiodat_await", "perftest", "perftest_event"):
+        assert 0 < figures[key]["median"] < math.inf, figures[key]
+    ratios = {(r["ours"], r["theirs"]): r["median"] for r in data["ratios"]}
+    assert ratios == {
+        ("aiodat_await", "perftest"): pytest.approx(figures["aiodat_await"]["median"] / figures["perftest"]["median"]),
+        ("aiodat_await", "perftest_event"): pytest.approx(
+            figures["aiodat_await"]["median"] / figures["perftest_event"]["median"])}

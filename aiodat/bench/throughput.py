@@ -318,10 +318,12 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
 
 
 def run_bw_perftest(op: str, size: int, depth: int, iters: int, device: str, address: str,
-                 timeout: float) -> PerftestResult:
-    """perftest's ``_bw`` tool for ``op`` with the same size, iterations and depth as aiodat's run."""
-    return run_perftest_pair(BW_TOOLS[op], ["-s", str(size), "-n", str(iters), "-t", str(depth)],
-                             device=device, address=address, timeout=timeout)
+                    timeout: float, events: bool = False) -> PerftestResult:
+    """perftest's ``_bw`` tool for ``op`` with the same size, iterations and depth as aiodat's run;
+    with ``events``, ``-e``: it sleeps on the completion channel, as ``await evd.wait()`` does,
+    instead of polling."""
+    return run_perftest_pair(BW_TOOLS[op], ["-s", str(size), "-n", str(iters), "-t", str(depth)]
+                             + (["-e"] if events else []), device=device, address=address, timeout=timeout)
 
 
 def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loop: str, *, batch: int,
@@ -351,10 +353,16 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
               "busypoll": f"aiodat busypoll (busy_poll_us={busy_poll_us})"}
     for mode in modes:
         report.figure(f"aiodat_{mode}", labels[mode], unit)
+    # for the message rate, also perftest sleeping on its completion channel: like with like for await
+    perftests = {"perftest": False, "perftest_event": True} if kind == "rate" else {"perftest": False}
     if perftest:
         report.figure("perftest", f"{tool} -R", unit)
+        if "perftest_event" in perftests:
+            report.figure("perftest_event", f"{tool} -R -e", unit)
         for mode in modes:
             report.compare(f"aiodat_{mode}", "perftest", f"{mode} / {tool}")
+        if "await" in modes and "perftest_event" in perftests:
+            report.compare("aiodat_await", "perftest_event", f"await / {tool} -e")
     for r in range(repeat):
         for mode in modes:
             if progress:
@@ -367,13 +375,13 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
                 fig.record(sample.mpps if kind == "rate" else sample.mib_per_s)
             except (DATError, RuntimeError, AssertionError, AttributeError, TypeError) as exc:
                 fig.record(None, f"{type(exc).__name__}: {exc}")
-        if perftest:
+        for key, events in perftests.items() if perftest else ():
             if progress:
-                progress(f"round {r + 1}: {tool}")
-            res = run_bw_perftest(op, size, depth, iters, device, address, timeout)
+                progress(f"round {r + 1}: {tool}{' -e' if events else ''}")
+            res = run_bw_perftest(op, size, depth, iters, device, address, timeout, events)
             value = res.value("MsgRate[Mpps]" if kind == "rate" else "BW_average[MB/sec]") if res.ok else None
-            report.figures["perftest"].record(value if value and math.isfinite(value) else None,
-                                              res.error or (None if value else f"{tool} printed {value}"))
+            report.figures[key].record(value if value and math.isfinite(value) else None,
+                                       res.error or (None if value else f"{tool} printed {value}"))
     return report
 
 
