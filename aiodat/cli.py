@@ -90,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         description="The same asyncio-streams code over aiodat (RDMA) and over asyncio (TCP), beside librdmacm's "
                     "rstream, in one guest: throughput of WRITE_SIZE writes + drain() and the median round "
                     "trip of SIZE-byte requests/responses; ratios aiodat / peer per round and their median.  "
+                    "The servers run in a child process, as rstream's (--processes 1: on the client's loop).  "
                     "--two-hosts (inside `aiodat rxe run --hosts 2`): the servers run on host B, aiodat and "
                     "asyncio TCP over the same virtio link.")
     st.add_argument("--write-size", type=int, default=65536, help="bytes per write (default 65536)")
@@ -97,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--size", "-s", type=int, default=64, help="request/response size (default 64)")
     st.add_argument("--iters", "-n", type=int, default=1000, help="measured round trips (default 1000)")
     st.add_argument("--no-rstream", action="store_true", help="skip rstream")
+    st.add_argument("--processes", type=int, choices=(1, 2), default=2,
+                    help="2 (default): the aiodat and TCP servers are a child process, as rstream's server is; "
+                         "1: client and server on one loop")
     st.add_argument("--two-hosts", action="store_true",
                     help="servers on host B of `aiodat rxe run --hosts 2`, client here (aiodat vs asyncio TCP)")
     _common_bench_args(st)
@@ -517,7 +521,7 @@ def cmd_bench_streams(args: argparse.Namespace) -> int:
             return 1
     return _run_bench("aiodat bench streams", args, lambda: bench.streams(
         args.write_size, args.total, args.size, args.iters, args.loop, repeat=args.repeat, device=args.device,
-        rstream=not args.no_rstream, two_hosts=args.two_hosts, progress=_progress(args)),
+        rstream=not args.no_rstream, two_hosts=args.two_hosts, processes=args.processes, progress=_progress(args)),
         (RuntimeError, AssertionError))
 
 

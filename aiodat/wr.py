@@ -15,11 +15,10 @@ set by :meth:`WorkRequests._init_tracking` and reads the EP's ``_srq``, ``_rc``,
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import operator
 from collections import deque
-from itertools import repeat
+from itertools import repeat, starmap
 from typing import TYPE_CHECKING, Any, Callable, Deque, Optional, Tuple
 
 from aiodat.epattr import EPRecvInfo
@@ -33,6 +32,18 @@ WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 _WC_WR_FLUSH_ERR = 5
 _RECV, _RECV_IMM = DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM
 _WR_ID, _SEGS = operator.itemgetter(0), operator.itemgetter(3)  # of a send queue entry
+
+
+def _entries_before(q: Deque[Tuple[Any, ...]], wr_id: int) -> int:
+    """How many entries of a queue in wr_id order come before ``wr_id`` (a binary search)."""
+    lo, hi = 0, len(q)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if q[mid][0] < wr_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def all_same(column: Any) -> bool:
@@ -166,8 +177,8 @@ class WorkRequests:
         q = self._send_q
         if q and q[0][0] == wr_id:
             return q.popleft()
-        n = bisect.bisect_left(q, wr_id, key=_WR_ID)  # wr_ids grow in posting order
-        retired = list(map(operator.call, repeat(q.popleft, n)))
+        n = _entries_before(q, wr_id)
+        retired = list(starmap(q.popleft, repeat((), n)))  # n pops, in C
         if retired:
             segs_column = list(map(_SEGS, retired))
             if all_same(segs_column):

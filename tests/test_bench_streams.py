@@ -54,13 +54,16 @@ def test_bench_streams_without_device_says_how() -> None:
 
 
 @pytest.mark.rxe
-def test_bench_streams_with_rstream(rdma_device: Any, request: Any, capsys: Any) -> None:
-    """One short round: aiodat streams, asyncio TCP and rstream all give finite figures, and the ratios."""
+@pytest.mark.parametrize("processes", [2, 1])
+def test_bench_streams_with_rstream(rdma_device: Any, request: Any, capsys: Any, processes: int) -> None:
+    """One short round: aiodat streams, asyncio TCP and rstream all give finite figures, and the ratios;
+    the servers in a child process (the default, as rstream's), or on the client's loop."""
     loop = request.config.getoption("--aiodat-loop") or "asyncio"
     assert main(["bench", "streams", "--total", str(1 << 20), "--iters", "30", "--repeat", "1", "--loop", loop,
-                 "--json", "--device", rdma_device.name]) == 0
+                 "--json", "--device", rdma_device.name, "--processes", str(processes)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["address"] == rdma_device.address and data["write_size"] == 65536
+    assert data["processes"] == processes
     for key in ("aiodat_mb_s", "tcp_mb_s", "rstream_mb_s", "aiodat_rtt", "tcp_rtt", "rstream_rtt"):
         figure = data["figures"][key]
         assert figure["errors"] is None and 0 < figure["median"] < math.inf, (key, figure)

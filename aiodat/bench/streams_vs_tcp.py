@@ -12,6 +12,9 @@ aiodat and asyncio run the same code (only ``open_connection`` /
 ``start_server`` differ).  In one guest (the default), aiodat runs on the
 device's address, TCP on 127.0.0.1 and rstream on the device's address
 (``-S write_size -C total/write_size -I 1`` and ``-S size -C 1 -I iters``).
+rstream's server and client are two processes, so by default (``processes=2``)
+the aiodat and TCP servers are a child process too (``python -m aiodat.bench
+stream-server``); ``processes=1`` runs client and server on one loop.
 With ``two_hosts`` (inside ``aiodat rxe run --hosts 2``), the server of aiodat
 and of asyncio TCP runs on host B (``python -m aiodat.bench stream-server``,
 started through :mod:`aiodat.testbed.hosts`) and the client on host A, over
@@ -29,6 +32,7 @@ from types import ModuleType
 from typing import Any, Callable, List, Optional
 
 from .harness import device_and_address, run_on_loop
+from .peer import start_child
 from .rounds import Comparison
 from .rstream import run_rstream_pair
 from .stats import percentile
@@ -121,6 +125,19 @@ async def measure_local(streams: ModuleType, host: str, write_size: int, total: 
     return mb_s, percentile(rtts, 50)
 
 
+async def measure_child(streams: ModuleType, transport: str, host: str, write_size: int, total: int,
+                        size: int, iters: int, loop_name: str) -> tuple:
+    """Both figures for one transport with the server in a child process of this guest, as rstream runs."""
+    proc, port = await start_child(["stream-server", transport, host, "0"], loop_name)
+    try:
+        mb_s = await throughput(streams, host, port, write_size, total)
+        rtts = await round_trips(streams, host, port, size, iters)
+    finally:
+        proc.kill()
+        await proc.wait()
+    return mb_s, percentile(rtts, 50)
+
+
 async def measure_remote(streams: ModuleType, transport: str, host: str, write_size: int, total: int,
                          size: int, iters: int, loop_name: str) -> tuple:
     """Both figures for one transport with the server on the peer host of a two-host test bed."""
@@ -149,7 +166,7 @@ async def stream_server_process(transport: str, host: str, port: int) -> None:
     import aiodat
 
     server = await start_stream_server(aiodat if transport == "rdma" else asyncio, host, port)
-    print("listening", flush=True)
+    print(f"port {server.sockets[0].getsockname()[1]} listening", flush=True)  # (read by peer.start_child)
     async with server:
         await server.serve_forever()
 
@@ -157,16 +174,20 @@ async def stream_server_process(transport: str, host: str, port: int) -> None:
 def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters: int = 1000,
             loop: str = "asyncio", *, repeat: int = 3, device: Optional[str] = None,
             address: Optional[str] = None, tcp_host: str = "127.0.0.1", rstream: bool = True,
-            two_hosts: bool = False, timeout: float = 300.0,
+            two_hosts: bool = False, processes: int = 2, timeout: float = 300.0,
             progress: Optional[Callable[[str], None]] = None) -> Comparison:
     """``aiodat bench streams``: aiodat streams beside rstream and asyncio TCP (one guest), or beside asyncio
     TCP between the two hosts of ``aiodat rxe run --hosts 2`` (``two_hosts``).
 
     Each of ``repeat`` rounds takes throughput and the round-trip median of
     every transport; ratios are aiodat / peer within a round, and their median.
+    In one guest the servers are a child process (``processes=2``, as rstream's
+    two processes) or share the client's loop (``processes=1``).
     """
     from aiodat import InvalidParameter
 
+    if processes not in (1, 2):
+        raise InvalidParameter(f"processes must be 1 or 2, got {processes!r}")
     for name, value, low in (("write_size", write_size, 1), ("total", total, write_size), ("size", size, 1),
                              ("iters", iters, 1), ("repeat", repeat, 1)):
         if not isinstance(value, int) or value < low:
@@ -179,6 +200,8 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
 
         peer_addr = hosts.address(hosts.peer())
         setup.update(hosts="2", server=peer_addr)
+    else:
+        setup.update(processes=processes)
     report = Comparison("aiodat bench streams", setup, repeat,
                         title=f"throughput: {total // 1024} KiB in {write_size}-byte writes; round trip: "
                               f"{size}-byte request and response, median")
@@ -205,6 +228,10 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
                 if two_hosts:
                     figures = run_on_loop(loop, lambda: measure_remote(
                         module, transport, peer_addr, write_size, total, size, iters, loop))
+                elif processes == 2:
+                    host = address if transport == "rdma" else tcp_host
+                    figures = run_on_loop(loop, lambda: measure_child(
+                        module, transport, host, write_size, total, size, iters, loop))
                 else:
                     host = address if transport == "rdma" else tcp_host
                     figures = run_on_loop(loop, lambda: measure_local(module, host, write_size, total, size, iters))
