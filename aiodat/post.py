@@ -95,6 +95,8 @@ def _flag_bits(name: str, value: Any) -> Tuple[int, bool]:
 
 # the hot paths compare by identity with these
 _NO_FLAGS = CompletionFlags.DEFAULT
+_CONNECTED, _DISCONNECTED, _ERROR = EPState.CONNECTED, EPState.DISCONNECTED, EPState.ERROR
+_SEND = DTOOp.SEND
 
 
 def _columns(items: Iterable[Any], width: int, what: str, shape: str) -> List[Tuple[Any, ...]]:
@@ -114,10 +116,6 @@ def _columns(items: Iterable[Any], width: int, what: str, shape: str) -> List[Tu
     except TypeError:
         pass
     raise InvalidParameter(f"{what}: items must be {shape}")
-
-
-_CONNECTED, _DISCONNECTED, _ERROR = EPState.CONNECTED, EPState.DISCONNECTED, EPState.ERROR
-_SEND = DTOOp.SEND
 
 
 class Posting(WorkRequests):
