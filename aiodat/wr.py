@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections import deque
-from itertools import repeat, starmap
+from collections import Counter, deque
+from itertools import chain, repeat, starmap
 from typing import TYPE_CHECKING, Any, Callable, Deque, Optional, Tuple
 
 from aiodat.epattr import EPRecvInfo
@@ -32,6 +32,7 @@ WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 _WC_WR_FLUSH_ERR = 5
 _RECV, _RECV_IMM = DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM
 _WR_ID, _SEGS = operator.itemgetter(0), operator.itemgetter(3)  # of a send queue entry
+_LMR = operator.attrgetter("lmr")  # of a Segment
 
 
 def _entries_before(q: Deque[Tuple[Any, ...]], wr_id: int) -> int:
@@ -173,21 +174,20 @@ class WorkRequests:
     def _pop_send(self, wr_id: int) -> Any:
         """Take the entry of ``wr_id`` off the send queue (None if it is not there).  The entries
         before it, posted without a completion of their own, finished before it: they are retired
-        in bulk, with no Python step per entry in the usual case of a batch of one buffer."""
+        in bulk, with no Python step per entry (one per distinct LMR, none for one buffer)."""
         q = self._send_q
         if q and q[0][0] == wr_id:
             return q.popleft()
         n = _entries_before(q, wr_id)
         retired = list(starmap(q.popleft, repeat((), n)))  # n pops, in C
         if retired:
-            segs_column = list(map(_SEGS, retired))
-            if all_same(segs_column):
-                for seg in segs_column[0]:
-                    seg.lmr._inflight -= n
+            # the LMR of every segment of every retired entry, gathered in C
+            lmrs = list(map(_LMR, chain.from_iterable(map(_SEGS, retired))))
+            if lmrs and all_same(lmrs):  # the usual case: one buffer
+                lmrs[0]._inflight -= len(lmrs)
             else:
-                for segs in segs_column:
-                    for seg in segs:
-                        seg.lmr._inflight -= 1
+                for lmr, count in Counter(lmrs).items():
+                    lmr._inflight -= count
             if self._quiet:
                 self._quiet.difference_update(map(_WR_ID, retired))
         return q.popleft() if q and q[0][0] == wr_id else None

@@ -51,6 +51,16 @@ def test_one_buffer_batch_retires_together() -> None:
     assert lmr._inflight == 1  # the completed entry's own count is its caller's to release
 
 
+def test_single_posts_of_one_buffer_retire_together() -> None:
+    """post_send makes a new (segment,) tuple for every request: the count goes by LMR."""
+    lmr = FakeLMR()
+    seg = FakeSeg(lmr)
+    ep = make_ep()
+    posted(ep, [(2 * i, (seg,)) for i in range(16)] + [(40, ())])  # and a zero-length send
+    assert ep._pop_send(40)[0] == 40
+    assert lmr._inflight == 0 and not ep._send_q
+
+
 def test_mixed_segments_and_later_entries_stay() -> None:
     a, b = FakeLMR(), FakeLMR()
     ep = make_ep()
