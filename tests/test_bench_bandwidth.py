@@ -47,10 +47,14 @@ def test_rate_json_beside_ib_send_bw(rdma_device: Any, request: Any, capsys: Any
     data = json.loads(capsys.readouterr().out)
     assert data["command"] == "aiodat bench rate" and data["iters"] == 500 and data["rounds"] == 1
     figures = data["figures"]
-    for key in ("aiodat_await", "perftest", "perftest_event"):
+    for key in ("aiodat_await", "perftest"):
         assert 0 < figures[key]["median"] < math.inf, figures[key]
+    # -e fails now and then under TCG even after the harness's retry: then it is reported as not
+    # measured, with perftest's reason, and its ratio is n/a (never a made-up figure)
+    event = figures["perftest_event"]
+    assert (event["median"] is not None and 0 < event["median"] < math.inf) or event["errors"], event
     ratios = {(r["ours"], r["theirs"]): r["median"] for r in data["ratios"]}
     assert ratios == {
         ("aiodat_await", "perftest"): pytest.approx(figures["aiodat_await"]["median"] / figures["perftest"]["median"]),
-        ("aiodat_await", "perftest_event"): pytest.approx(
-            figures["aiodat_await"]["median"] / figures["perftest_event"]["median"])}
+        ("aiodat_await", "perftest_event"): None if event["median"] is None else pytest.approx(
+            figures["aiodat_await"]["median"] / event["median"])}
