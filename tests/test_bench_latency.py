@@ -95,8 +95,10 @@ def test_bench_latency_json(rdma_device: Any, request: Any, capsys: Any) -> None
         if figure["errors"] is None:
             assert 0 < figure["median"] < math.inf, (key, figure)
             perftest_ok.add(key)
-        else:  # perftest's own cycle counter fails now and then under TCG: reported, never a figure
-            assert all("t_typical inf" in why for why in figure["errors"]), (key, figure["errors"])
+        else:  # perftest's own cycle counter fails now and then under TCG, and on a loaded host its
+            # pair can hang until the harness's timeout: reported, never a figure
+            assert all("t_typical inf" in why or "did not finish" in why for why in figure["errors"]), (
+                key, figure["errors"])
             assert figure["median"] is None, (key, figure)
     ratios = {(r["ours"], r["theirs"]): r["median"] for r in data["ratios"]}
     expected = data["figures"]["aiodat_await"]["median"] / data["figures"]["pyverbs_event"]["median"]
