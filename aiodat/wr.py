@@ -144,8 +144,7 @@ class WorkRequests:
         if entry is None:
             return None
         _, cookie, op, segs, target = entry
-        for seg in segs:
-            seg.lmr._inflight -= 1
+        self._track(segs, -1)
         if target is not None and type(target) is DrainMarker:
             self._quiet.discard(wr_id)
             if code and code != _WC_WR_FLUSH_ERR and self._rc:
