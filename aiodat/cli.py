@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
                          "1: client and server on one loop")
     st.add_argument("--two-hosts", action="store_true",
                     help="servers on host B of `aiodat rxe run --hosts 2`, client here (aiodat vs asyncio TCP)")
+    st.add_argument("--busy-poll-us", type=int, default=1000,
+                    help="also run aiodat with this busy_poll_us stream option on both sides, as rstream spins "
+                         "before it sleeps (default 1000; 0: not run)")
     _common_bench_args(st)
     bw = bsub.add_parser(
         "bandwidth", help="RDMA write/read or send bandwidth vs ib_write_bw/ib_read_bw/ib_send_bw -R",
@@ -508,9 +511,10 @@ def cmd_bench_streams(args: argparse.Namespace) -> int:
     """``aiodat bench streams``: see :func:`aiodat.bench.streams`."""
     from aiodat import bench
 
-    if args.write_size < 1 or args.total < args.write_size or args.size < 1 or args.iters < 1 or args.repeat < 1:
+    if (args.write_size < 1 or args.total < args.write_size or args.size < 1 or args.iters < 1 or args.repeat < 1
+            or not 0 <= args.busy_poll_us <= 1_000_000):
         _err("aiodat bench streams: error: --write-size, --size, --iters and --repeat must be >= 1, "
-             "--total >= --write-size")
+             "--total >= --write-size, --busy-poll-us between 0 and 1000000")
         return 2
     if args.two_hosts:
         from aiodat.testbed import hosts
@@ -521,7 +525,8 @@ def cmd_bench_streams(args: argparse.Namespace) -> int:
             return 1
     return _run_bench("aiodat bench streams", args, lambda: bench.streams(
         args.write_size, args.total, args.size, args.iters, args.loop, repeat=args.repeat, device=args.device,
-        rstream=not args.no_rstream, two_hosts=args.two_hosts, processes=args.processes, progress=_progress(args)),
+        rstream=not args.no_rstream, two_hosts=args.two_hosts, processes=args.processes,
+        busy_poll_us=args.busy_poll_us, progress=_progress(args)),
         (RuntimeError, AssertionError))
 
 

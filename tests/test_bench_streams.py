@@ -64,10 +64,13 @@ def test_bench_streams_with_rstream(rdma_device: Any, request: Any, capsys: Any,
     data = json.loads(capsys.readouterr().out)
     assert data["address"] == rdma_device.address and data["write_size"] == 65536
     assert data["processes"] == processes
-    for key in ("aiodat_mb_s", "tcp_mb_s", "rstream_mb_s", "aiodat_rtt", "tcp_rtt", "rstream_rtt"):
+    assert data["busy_poll_us"] == 1000
+    for key in ("aiodat_mb_s", "aiodat_busy_mb_s", "tcp_mb_s", "rstream_mb_s", "aiodat_rtt", "aiodat_busy_rtt",
+                "tcp_rtt", "rstream_rtt"):
         figure = data["figures"][key]
         assert figure["errors"] is None and 0 < figure["median"] < math.inf, (key, figure)
     assert all(r["median"] and r["median"] > 0 for r in data["ratios"]), data["ratios"]
+    assert len(data["ratios"]) == 8  # aiodat and aiodat busy poll, each against rstream and TCP, both figures
 
 
 @pytest.mark.hosts2
@@ -78,5 +81,5 @@ def test_bench_streams_two_hosts(two_hosts: None, capsys: Any) -> None:
                  "--repeat", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["hosts"] == "2" and data["loop"] == loop
-    for key in ("aiodat_mb_s", "tcp_mb_s", "aiodat_rtt", "tcp_rtt"):
+    for key in ("aiodat_mb_s", "aiodat_busy_mb_s", "tcp_mb_s", "aiodat_rtt", "aiodat_busy_rtt", "tcp_rtt"):
         assert 0 < data["figures"][key]["median"] < math.inf, (key, data["figures"][key])

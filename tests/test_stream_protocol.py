@@ -200,8 +200,8 @@ def test_bad_params_are_refused(data: bytes, match: str) -> None:
 
 
 def test_split_kwds() -> None:
-    cfg, rest = split_kwds({"buffer_size": 4096, "ssl": None, "family": 0, "whatever": 1})
-    assert cfg == StreamConfig(buffer_size=4096) and rest == {"whatever": 1}
+    cfg, rest = split_kwds({"buffer_size": 4096, "ssl": None, "family": 0, "whatever": 1, "busy_poll_us": 50})
+    assert cfg == StreamConfig(buffer_size=4096, busy_poll_us=50) and rest == {"whatever": 1}
     with pytest.raises(ModelNotSupported, match="ssl=True"):
         split_kwds({"ssl": True})
     with pytest.raises(InvalidParameter, match="recv_depth"):

@@ -675,6 +675,37 @@ async def test_writes_of_one_iteration_are_one_message(rdma_host: str) -> None:
         await writer.wait_closed()
 
 
+@pytest.mark.rxe
+async def test_busy_polling_streams(rdma_host: str) -> None:
+    """``busy_poll_us`` makes both ends' EVDs busy-poll (as rsockets' polling_time), and the stream
+    works as ever; without it they sleep at once."""
+    served: List[Any] = []
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served.append(writer.get_extra_info("aiodat_ep"))
+        while data := await reader.read(4096):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await aiodat.start_server(echo, rdma_host, 0, busy_poll_us=700)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        reader, writer = await aiodat.open_connection(rdma_host, port, busy_poll_us=300)
+        plain_reader, plain_writer = await aiodat.open_connection(rdma_host, port)
+        for i in range(20):
+            message = b"%04d" % i * (i + 1)
+            writer.write(message)
+            assert await reader.readexactly(len(message)) == message
+        assert writer.get_extra_info("aiodat_config").busy_poll_us == 300
+        assert writer.get_extra_info("aiodat_ep").recv_evd.busy_poll_us == 300
+        assert plain_writer.get_extra_info("aiodat_ep").recv_evd.busy_poll_us == 0
+        assert [ep.recv_evd.busy_poll_us for ep in served] == [700, 700]
+        for w in (writer, plain_writer):
+            w.close()
+            await w.wait_closed()
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 
 
@@ -687,6 +718,8 @@ async def test_bad_arguments(rdma_host: str) -> None:
         await aiodat.open_connection(rdma_host, 1, buffer_size=3)
     with pytest.raises(aiodat.InvalidParameter, match="recv_depth"):
         await aiodat.start_server(lambda r, w: None, rdma_host, 0, recv_depth=0)
+    with pytest.raises(aiodat.InvalidParameter, match="busy_poll_us"):
+        await aiodat.open_connection(rdma_host, 1, busy_poll_us=-1)
     with pytest.raises(aiodat.InvalidAddress, match="cannot listen on 10.9.8.7"):
         await aiodat.start_server(lambda r, w: None, "10.9.8.7", 0)
     with pytest.raises(TypeError):
@@ -699,6 +732,9 @@ def test_config_validation_host() -> None:
     assert aiodat_streams.StreamConfig().validate().extra_slots >= 2
     with pytest.raises(aiodat.InvalidParameter, match="window_size"):
         aiodat_streams.StreamConfig(window_size=100).validate()
+    for bad in (-1, 1_000_001, 1.5, True):
+        with pytest.raises(aiodat.InvalidParameter, match="busy_poll_us"):
+            aiodat_streams.StreamConfig(busy_poll_us=bad).validate()
     assert aiodat_streams.HEADER.size == 8
 
 

@@ -2,7 +2,7 @@
 
 ``python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL [MODE BUSY_POLL_US] LOOP``: the server of a ping-pong;
 ``python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP``: the receiving side of a bandwidth run;
-``python -m aiodat.bench stream-server rdma|tcp HOST PORT LOOP``: the streams server on host B (two hosts);
+``python -m aiodat.bench stream-server rdma|tcp HOST PORT [BUSY_POLL_US] LOOP``: the streams server (a child, or on host B);
 ``python -m aiodat.bench acceptor DEVICE CONNECTIONS [await|callback] LOOP``: the accepting side of a connect cycle.
 """
 from __future__ import annotations
@@ -24,9 +24,10 @@ def main(argv: Sequence[str]) -> int:
         mode, busy = (argv[5], int(argv[6])) if len(argv) == 8 else ("await", 0)
         run_on_loop(argv[-1], lambda: pong_process(device, address, int(size), int(total), mode, busy))
         return 0
-    if len(argv) == 5 and argv[0] == "stream-server":
-        _, transport, host, port, loop_name = argv
-        run_on_loop(loop_name, lambda: stream_server_process(transport, host, int(port)))
+    if len(argv) in (5, 6) and argv[0] == "stream-server":
+        transport, host, port, loop_name = argv[1], argv[2], argv[3], argv[-1]
+        busy = int(argv[4]) if len(argv) == 6 else 0
+        run_on_loop(loop_name, lambda: stream_server_process(transport, host, int(port), busy))
         return 0
     if len(argv) == 7 and argv[0] == "sink":
         _, device, op, size, depth, total, loop_name = argv
@@ -39,7 +40,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     print("usage: python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL [MODE BUSY_POLL_US] LOOP\n"
           "       python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL LOOP\n"
-          "       python -m aiodat.bench stream-server rdma|tcp HOST PORT LOOP\n"
+          "       python -m aiodat.bench stream-server rdma|tcp HOST PORT [BUSY_POLL_US] LOOP\n"
           "       python -m aiodat.bench acceptor DEVICE CONNECTIONS [await|callback] LOOP  (children of aiodat bench)")
     return 2
 

@@ -29,7 +29,7 @@ import struct
 import sys
 import time
 from types import ModuleType
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .harness import device_and_address, run_on_loop
 from .peer import start_child
@@ -64,14 +64,15 @@ async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
         writer.close()
 
 
-async def start_stream_server(streams: ModuleType, host: str, port: int = 0) -> Any:
-    """Start the benchmark server (sink and echo) with ``streams.start_server``; returns the server."""
-    return await streams.start_server(_serve_one, host, port)
+async def start_stream_server(streams: ModuleType, host: str, port: int = 0, **options: Any) -> Any:
+    """Start the benchmark server (sink and echo) with ``streams.start_server(..., **options)``."""
+    return await streams.start_server(_serve_one, host, port, **options)
 
 
-async def throughput(streams: ModuleType, host: str, port: int, write_size: int, total: int) -> float:
+async def throughput(streams: ModuleType, host: str, port: int, write_size: int, total: int,
+                     **options: Any) -> float:
     """MB/s of ``total`` bytes written in ``write_size`` writes + drain, until the server's count arrives."""
-    reader, writer = await streams.open_connection(host, port)
+    reader, writer = await streams.open_connection(host, port, **options)
     block = (bytes(range(256)) * (write_size // 256 + 1))[:write_size]
     count = total // write_size
     try:
@@ -90,9 +91,10 @@ async def throughput(streams: ModuleType, host: str, port: int, write_size: int,
     return got / elapsed / 1e6
 
 
-async def round_trips(streams: ModuleType, host: str, port: int, size: int, iters: int) -> List[float]:
+async def round_trips(streams: ModuleType, host: str, port: int, size: int, iters: int,
+                      **options: Any) -> List[float]:
     """The sorted round trips (us) of ``iters`` ``size``-byte requests echoed back (after a warm-up)."""
-    reader, writer = await streams.open_connection(host, port)
+    reader, writer = await streams.open_connection(host, port, **options)
     request = bytes(i & 0xFF for i in range(size))
     samples: List[float] = []
     try:
@@ -114,24 +116,31 @@ async def round_trips(streams: ModuleType, host: str, port: int, size: int, iter
     return sorted(samples)
 
 
+def _options(busy_poll_us: int) -> Dict[str, Any]:
+    """The stream options of a measurement: busy polling for aiodat when asked, none for TCP."""
+    return {"busy_poll_us": busy_poll_us} if busy_poll_us else {}
+
+
 async def measure_local(streams: ModuleType, host: str, write_size: int, total: int, size: int,
-                        iters: int) -> tuple:
+                        iters: int, busy_poll_us: int = 0) -> tuple:
     """Both figures for one transport with the server in this process: (MB/s, round-trip median us)."""
-    server = await start_stream_server(streams, host)
+    options = _options(busy_poll_us)
+    server = await start_stream_server(streams, host, **options)
     port = server.sockets[0].getsockname()[1]
     async with server:
-        mb_s = await throughput(streams, host, port, write_size, total)
-        rtts = await round_trips(streams, host, port, size, iters)
+        mb_s = await throughput(streams, host, port, write_size, total, **options)
+        rtts = await round_trips(streams, host, port, size, iters, **options)
     return mb_s, percentile(rtts, 50)
 
 
 async def measure_child(streams: ModuleType, transport: str, host: str, write_size: int, total: int,
-                        size: int, iters: int, loop_name: str) -> tuple:
+                        size: int, iters: int, loop_name: str, busy_poll_us: int = 0) -> tuple:
     """Both figures for one transport with the server in a child process of this guest, as rstream runs."""
-    proc, port = await start_child(["stream-server", transport, host, "0"], loop_name)
+    proc, port = await start_child(["stream-server", transport, host, "0", str(busy_poll_us)], loop_name)
+    options = _options(busy_poll_us)
     try:
-        mb_s = await throughput(streams, host, port, write_size, total)
-        rtts = await round_trips(streams, host, port, size, iters)
+        mb_s = await throughput(streams, host, port, write_size, total, **options)
+        rtts = await round_trips(streams, host, port, size, iters, **options)
     finally:
         proc.kill()
         await proc.wait()
@@ -139,14 +148,15 @@ async def measure_child(streams: ModuleType, transport: str, host: str, write_si
 
 
 async def measure_remote(streams: ModuleType, transport: str, host: str, write_size: int, total: int,
-                         size: int, iters: int, loop_name: str) -> tuple:
+                         size: int, iters: int, loop_name: str, busy_poll_us: int = 0) -> tuple:
     """Both figures for one transport with the server on the peer host of a two-host test bed."""
     from aiodat.testbed import hosts
 
     port = random.randint(40000, 49999)
     proc = hosts.start_on(hosts.peer(), [sys.executable, "-m", "aiodat.bench", "stream-server", transport, host,
-                                         str(port), loop_name],
+                                         str(port), str(busy_poll_us), loop_name],
                           env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, cwd=os.getcwd())
+    options = _options(busy_poll_us)
     try:
         deadline = time.monotonic() + 120
         while "listening" not in proc.stdout():  # the server says so once it accepts
@@ -154,18 +164,19 @@ async def measure_remote(streams: ModuleType, transport: str, host: str, write_s
                 raise RuntimeError(f"the {transport} stream server on host {hosts.peer()} did not start: "
                                    f"{proc.stderr()[-2000:]}")
             await asyncio.sleep(0.1)
-        mb_s = await throughput(streams, host, port, write_size, total)
-        rtts = await round_trips(streams, host, port, size, iters)
+        mb_s = await throughput(streams, host, port, write_size, total, **options)
+        rtts = await round_trips(streams, host, port, size, iters, **options)
     finally:
         proc.kill()
     return mb_s, percentile(rtts, 50)
 
 
-async def stream_server_process(transport: str, host: str, port: int) -> None:
-    """``python -m aiodat.bench stream-server TRANSPORT HOST PORT LOOP``: serve until killed."""
+async def stream_server_process(transport: str, host: str, port: int, busy_poll_us: int = 0) -> None:
+    """``python -m aiodat.bench stream-server TRANSPORT HOST PORT [BUSY_POLL_US] LOOP``: serve until killed."""
     import aiodat
 
-    server = await start_stream_server(aiodat if transport == "rdma" else asyncio, host, port)
+    server = await start_stream_server(aiodat if transport == "rdma" else asyncio, host, port,
+                                       **_options(busy_poll_us))
     print(f"port {server.sockets[0].getsockname()[1]} listening", flush=True)  # (read by peer.start_child)
     async with server:
         await server.serve_forever()
@@ -174,7 +185,7 @@ async def stream_server_process(transport: str, host: str, port: int) -> None:
 def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters: int = 1000,
             loop: str = "asyncio", *, repeat: int = 3, device: Optional[str] = None,
             address: Optional[str] = None, tcp_host: str = "127.0.0.1", rstream: bool = True,
-            two_hosts: bool = False, processes: int = 2, timeout: float = 300.0,
+            two_hosts: bool = False, processes: int = 2, busy_poll_us: int = 1000, timeout: float = 300.0,
             progress: Optional[Callable[[str], None]] = None) -> Comparison:
     """``aiodat bench streams``: aiodat streams beside rstream and asyncio TCP (one guest), or beside asyncio
     TCP between the two hosts of ``aiodat rxe run --hosts 2`` (``two_hosts``).
@@ -182,19 +193,22 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
     Each of ``repeat`` rounds takes throughput and the round-trip median of
     every transport; ratios are aiodat / peer within a round, and their median.
     In one guest the servers are a child process (``processes=2``, as rstream's
-    two processes) or share the client's loop (``processes=1``).
+    two processes) or share the client's loop (``processes=1``).  With
+    ``busy_poll_us`` (0: not run) aiodat is measured a second time with that
+    ``busy_poll_us`` stream option on both sides, as rstream spins on its CQ
+    (rsockets' ``polling_time``) before it sleeps.
     """
     from aiodat import InvalidParameter
 
     if processes not in (1, 2):
         raise InvalidParameter(f"processes must be 1 or 2, got {processes!r}")
     for name, value, low in (("write_size", write_size, 1), ("total", total, write_size), ("size", size, 1),
-                             ("iters", iters, 1), ("repeat", repeat, 1)):
+                             ("iters", iters, 1), ("repeat", repeat, 1), ("busy_poll_us", busy_poll_us, 0)):
         if not isinstance(value, int) or value < low:
             raise InvalidParameter(f"{name} must be an int >= {low}, got {value!r}")
     device, address = device_and_address(device, address)
     setup = {"device": device, "address": address, "loop": loop, "write_size": write_size, "total": total,
-             "size": size, "iters": iters}
+             "size": size, "iters": iters, "busy_poll_us": busy_poll_us}
     if two_hosts:
         from aiodat.testbed import hosts
 
@@ -206,41 +220,48 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
                         title=f"throughput: {total // 1024} KiB in {write_size}-byte writes; round trip: "
                               f"{size}-byte request and response, median")
     where = " 2 hosts" if two_hosts else ""
-    tput = {"rdma": report.figure("aiodat_mb_s", f"aiodat streams{where} throughput", "MB/s"),
-            "tcp": report.figure("tcp_mb_s", f"asyncio TCP{where} throughput", "MB/s")}
-    rtt = {"rdma": report.figure("aiodat_rtt", f"aiodat streams{where} round trip", "us"),
-           "tcp": report.figure("tcp_rtt", f"asyncio TCP{where} round trip", "us")}
+    # (figure key prefix, transport, stream module, busy_poll_us, label)
+    runs = [("aiodat", "rdma", "aiodat streams", 0), ("tcp", "tcp", "asyncio TCP", 0)]
+    if busy_poll_us:
+        runs.insert(1, ("aiodat_busy", "rdma", f"aiodat streams, busy poll {busy_poll_us} us,", busy_poll_us))
+    tput = {key: report.figure(f"{key}_mb_s", f"{label}{where} throughput", "MB/s") for key, _, label, _ in runs}
+    rtt = {key: report.figure(f"{key}_rtt", f"{label}{where} round trip", "us") for key, _, label, _ in runs}
     if rstream and not two_hosts:
         tput["rstream"] = report.figure("rstream_mb_s", "rstream throughput", "MB/s")
         rtt["rstream"] = report.figure("rstream_rtt", "rstream round trip (2 x usec/xfer)", "us")
-        report.compare("aiodat_mb_s", "rstream_mb_s", "aiodat / rstream throughput")
-        report.compare("aiodat_rtt", "rstream_rtt", "aiodat / rstream round trip")
-    report.compare("aiodat_mb_s", "tcp_mb_s", f"aiodat / TCP{where} throughput")
-    report.compare("aiodat_rtt", "tcp_rtt", f"aiodat / TCP{where} round trip")
+    for key, peer, peer_label in (("rstream", "rstream", "rstream"), ("tcp", "tcp", f"TCP{where}")):
+        if peer not in tput:
+            continue
+        for mine, mine_label in (("aiodat", "aiodat"), ("aiodat_busy", "aiodat busy poll")):
+            if mine in tput:
+                report.compare(f"{mine}_mb_s", f"{key}_mb_s", f"{mine_label} / {peer_label} throughput")
+                report.compare(f"{mine}_rtt", f"{key}_rtt", f"{mine_label} / {peer_label} round trip")
 
     import aiodat
 
     for r in range(repeat):
-        for transport, module in (("rdma", aiodat), ("tcp", asyncio)):
+        for key, transport, _label, busy in runs:
+            module = aiodat if transport == "rdma" else asyncio
             if progress:
-                progress(f"round {r + 1}: {transport}{where}")
+                progress(f"round {r + 1}: {key}{where}")
             try:
                 if two_hosts:
                     figures = run_on_loop(loop, lambda: measure_remote(
-                        module, transport, peer_addr, write_size, total, size, iters, loop))
+                        module, transport, peer_addr, write_size, total, size, iters, loop, busy))
                 elif processes == 2:
                     host = address if transport == "rdma" else tcp_host
                     figures = run_on_loop(loop, lambda: measure_child(
-                        module, transport, host, write_size, total, size, iters, loop))
+                        module, transport, host, write_size, total, size, iters, loop, busy))
                 else:
                     host = address if transport == "rdma" else tcp_host
-                    figures = run_on_loop(loop, lambda: measure_local(module, host, write_size, total, size, iters))
+                    figures = run_on_loop(loop, lambda: measure_local(
+                        module, host, write_size, total, size, iters, busy))
             except (OSError, RuntimeError, AssertionError, asyncio.TimeoutError) as exc:
-                tput[transport].record(None, f"{type(exc).__name__}: {exc}")
-                rtt[transport].record(None, f"{type(exc).__name__}: {exc}")
+                tput[key].record(None, f"{type(exc).__name__}: {exc}")
+                rtt[key].record(None, f"{type(exc).__name__}: {exc}")
                 continue
-            tput[transport].record(figures[0])
-            rtt[transport].record(figures[1])
+            tput[key].record(figures[0])
+            rtt[key].record(figures[1])
         if "rstream" in tput:
             if progress:
                 progress(f"round {r + 1}: rstream")

@@ -88,17 +88,23 @@ class StreamConfig:
     the credits granted to the peer; ``window_size``: the registered receive
     window for RDMA writes (0 disables the large-message path);
     ``rdma_threshold``: pending bytes from which the writer uses the window
-    instead of sends.
+    instead of sends; ``busy_poll_us``: how long the connection's EVD keeps
+    polling its CQ after its last completion before it sleeps (0: it sleeps at
+    once; see ``ia.create_evd``), as rsockets' ``polling_time``: it saves the
+    sleep and the wake-up when the peer answers within that time, and burns a
+    CPU while it spins.
     """
 
     buffer_size: int = 16384
     recv_depth: int = 16
     window_size: int = 1 << 20
     rdma_threshold: int = 65536
+    busy_poll_us: int = 0
 
     def validate(self) -> "StreamConfig":
         """Return self, or raise InvalidParameter naming the bad value."""
-        checks = (("buffer_size", 64, 1 << 20), ("recv_depth", 4, 4096), ("rdma_threshold", 1, 1 << 40))
+        checks = (("buffer_size", 64, 1 << 20), ("recv_depth", 4, 4096), ("rdma_threshold", 1, 1 << 40),
+                  ("busy_poll_us", 0, 1_000_000))
         for name, low, high in checks:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
@@ -124,7 +130,7 @@ class StreamConfig:
         return self.recv_depth + self.extra_slots
 
 
-_CONFIG_KEYS = ("buffer_size", "recv_depth", "window_size", "rdma_threshold")
+_CONFIG_KEYS = ("buffer_size", "recv_depth", "window_size", "rdma_threshold", "busy_poll_us")
 # keyword arguments of loop.create_connection / create_server that have no meaning here: accepted when
 # left at their "off" value, refused otherwise
 _IGNORABLE = {"ssl": (None, False), "sock": (None,), "local_addr": (None,), "server_hostname": (None,),

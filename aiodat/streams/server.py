@@ -241,8 +241,9 @@ async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], ho
 
     ``host`` must be the IPv4 address of an RDMA device (or None / "" /
     "0.0.0.0" for the default device; the server listens on that device's
-    address).  ``ia``, ``buffer_size``, ``recv_depth``, ``window_size`` and
-    ``rdma_threshold`` as for :func:`create_connection`.
+    address).  ``ia``, ``buffer_size``, ``recv_depth``, ``window_size``,
+    ``rdma_threshold`` and ``busy_poll_us`` as for :func:`create_connection`
+    (each accepted connection gets them).
     """
     cfg, rest = split_kwds(kwds)
     if rest:

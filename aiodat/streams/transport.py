@@ -67,7 +67,8 @@ class Resources:
                 self.window_lmr = self.pz.register(
                     self.window, Privileges.LOCAL_READ | Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE)
                 self.window_view = self.window_lmr.memoryview()
-            self.evd = ia.create_evd(self.nrecv + self.nsend + 16, EvdFlags.DTO | EvdFlags.CONNECTION)
+            self.evd = ia.create_evd(self.nrecv + self.nsend + 16, EvdFlags.DTO | EvdFlags.CONNECTION,
+                                     busy_poll_us=cfg.busy_poll_us)
             attrs = EPAttr(max_recv_dtos=self.nrecv, max_request_dtos=self.nsend + 2)
             self.ep = ia.create_ep(self.pz, recv_evd=self.evd, request_evd=self.evd, connect_evd=self.evd,
                                    attrs=attrs)
@@ -559,7 +560,8 @@ async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol]
     whose address is ``host``, else ``$AIODAT_RXE_DEVICE``, else the first
     active one; IAs opened here are shared per event loop, see
     :mod:`aiodat.streams.pool`).  ``buffer_size``, ``recv_depth``,
-    ``window_size`` and ``rdma_threshold`` set the :class:`StreamConfig`.
+    ``window_size``, ``rdma_threshold`` and ``busy_poll_us`` set the
+    :class:`StreamConfig`.
     Raises ConnectionRefusedError (:class:`aiodat.ConnectionRejected`) when
     nothing listens there, TimeoutError after ``connect_timeout`` seconds.
     """
