@@ -231,7 +231,7 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
                         title=f"throughput: {total // 1024} KiB in {write_size}-byte writes; round trip: "
                               f"{size}-byte request and response, median")
     where = " 2 hosts" if two_hosts else ""
-    # (figure key prefix, transport, stream module, busy_poll_us, label)
+    # (figure key prefix, transport, label, busy_poll_us), in the order each round measures them
     runs = [("aiodat", "rdma", "aiodat streams", 0), ("tcp", "tcp", "asyncio TCP", 0)]
     if busy_poll_us:
         runs.insert(1, ("aiodat_busy", "rdma", f"aiodat streams, busy poll {busy_poll_us} us,", busy_poll_us))
@@ -240,13 +240,13 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
     if rstream and not two_hosts:
         tput["rstream"] = report.figure("rstream_mb_s", "rstream throughput", "MB/s")
         rtt["rstream"] = report.figure("rstream_rtt", "rstream round trip (2 x usec/xfer)", "us")
-    for key, peer, peer_label in (("rstream", "rstream", "rstream"), ("tcp", "tcp", f"TCP{where}")):
+    for peer, peer_label in (("rstream", "rstream"), ("tcp", f"TCP{where}")):
         if peer not in tput:
             continue
         for mine, mine_label in (("aiodat", "aiodat"), ("aiodat_busy", "aiodat busy poll")):
             if mine in tput:
-                report.compare(f"{mine}_mb_s", f"{key}_mb_s", f"{mine_label} / {peer_label} throughput")
-                report.compare(f"{mine}_rtt", f"{key}_rtt", f"{mine_label} / {peer_label} round trip")
+                report.compare(f"{mine}_mb_s", f"{peer}_mb_s", f"{mine_label} / {peer_label} throughput")
+                report.compare(f"{mine}_rtt", f"{peer}_rtt", f"{mine_label} / {peer_label} round trip")
 
     import aiodat
 
