@@ -697,6 +697,8 @@ async def test_busy_polling_streams(rdma_host: str) -> None:
             message = b"%04d" % i * (i + 1)
             writer.write(message)
             assert await reader.readexactly(len(message)) == message
+        plain_writer.write(b"x")
+        assert await plain_reader.readexactly(1) == b"x"  # (both handlers have started)
         assert writer.get_extra_info("aiodat_config").busy_poll_us == 300
         assert writer.get_extra_info("aiodat_ep").recv_evd.busy_poll_us == 300
         assert plain_writer.get_extra_info("aiodat_ep").recv_evd.busy_poll_us == 0
