@@ -510,11 +510,12 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
 def cmd_bench_streams(args: argparse.Namespace) -> int:
     """``aiodat bench streams``: see :func:`aiodat.bench.streams`."""
     from aiodat import bench
+    from aiodat.poller import MAX_BUSY_POLL_US
 
     if (args.write_size < 1 or args.total < args.write_size or args.size < 1 or args.iters < 1 or args.repeat < 1
-            or not 0 <= args.busy_poll_us <= 1_000_000):
+            or not 0 <= args.busy_poll_us <= MAX_BUSY_POLL_US):
         _err("aiodat bench streams: error: --write-size, --size, --iters and --repeat must be >= 1, "
-             "--total >= --write-size, --busy-poll-us between 0 and 1000000")
+             f"--total >= --write-size, --busy-poll-us between 0 and {MAX_BUSY_POLL_US}")
         return 2
     if args.two_hosts:
         from aiodat.testbed import hosts

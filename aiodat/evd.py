@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Deque, List, Opt
 from aiodat._fdwatch import FdWatch
 from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
-from aiodat.poller import Poller, poller_for
+from aiodat.poller import MAX_BUSY_POLL_US, Poller, poller_for
 from aiodat.errors import (
     DTOError,
     InsufficientResources,
@@ -265,8 +265,8 @@ class EVD(Handle):
                                         or not 0 <= comp_vector < max(vectors, 1)):
             raise InvalidParameter(f"comp_vector must be None or between 0 and {max(vectors, 1) - 1} "
                                    f"(the device has {vectors} completion vectors), got {comp_vector!r}")
-        if type(busy_poll_us) is not int or not 0 <= busy_poll_us <= _MAX_BUSY_POLL_US:
-            raise InvalidParameter(f"busy_poll_us must be an int between 0 and {_MAX_BUSY_POLL_US} "
+        if type(busy_poll_us) is not int or not 0 <= busy_poll_us <= MAX_BUSY_POLL_US:
+            raise InvalidParameter(f"busy_poll_us must be an int between 0 and {MAX_BUSY_POLL_US} "
                                    f"microseconds, got {busy_poll_us!r}")
         super().__init__(ia)
         self._ia = ia
@@ -1040,7 +1040,6 @@ _DTO_COMPLETION = EventType.DTO_COMPLETION
 _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic
-_MAX_BUSY_POLL_US = 1_000_000
 #: how many times a callback EVD's wake-up looks at the CQ again after delivering
 _CALLBACK_ROUNDS = 8
 

@@ -39,6 +39,8 @@ IDLE_TURNS = 3
 PASSES = 16
 #: longest stretch one turn spends spinning in C on busy-polling EVDs (us)
 SPIN_SLICE_US = 20
+#: the largest ``busy_poll_us`` an EVD (and a stream, which passes it on) accepts: one second
+MAX_BUSY_POLL_US = 1_000_000
 
 _monotonic = time.monotonic
 

@@ -132,30 +132,33 @@ def _options(busy_poll_us: int) -> Dict[str, Any]:
     return {"busy_poll_us": busy_poll_us} if busy_poll_us else {}
 
 
+async def _figures(streams: ModuleType, host: str, port: int, write_size: int, total: int, size: int,
+                   iters: int, busy_poll_us: int) -> tuple:
+    """Both figures against a server listening on ``host:port``: (MB/s, round-trip median us)."""
+    options = _options(busy_poll_us)
+    mb_s = await warm_throughput(streams, host, port, write_size, total, **options)
+    rtts = await round_trips(streams, host, port, size, iters, **options)
+    return mb_s, percentile(rtts, 50)
+
+
 async def measure_local(streams: ModuleType, host: str, write_size: int, total: int, size: int,
                         iters: int, busy_poll_us: int = 0) -> tuple:
     """Both figures for one transport with the server in this process: (MB/s, round-trip median us)."""
-    options = _options(busy_poll_us)
-    server = await start_stream_server(streams, host, **options)
+    server = await start_stream_server(streams, host, **_options(busy_poll_us))
     port = server.sockets[0].getsockname()[1]
     async with server:
-        mb_s = await warm_throughput(streams, host, port, write_size, total, **options)
-        rtts = await round_trips(streams, host, port, size, iters, **options)
-    return mb_s, percentile(rtts, 50)
+        return await _figures(streams, host, port, write_size, total, size, iters, busy_poll_us)
 
 
 async def measure_child(streams: ModuleType, transport: str, host: str, write_size: int, total: int,
                         size: int, iters: int, loop_name: str, busy_poll_us: int = 0) -> tuple:
     """Both figures for one transport with the server in a child process of this guest, as rstream runs."""
     proc, port = await start_child(["stream-server", transport, host, "0", str(busy_poll_us)], loop_name)
-    options = _options(busy_poll_us)
     try:
-        mb_s = await warm_throughput(streams, host, port, write_size, total, **options)
-        rtts = await round_trips(streams, host, port, size, iters, **options)
+        return await _figures(streams, host, port, write_size, total, size, iters, busy_poll_us)
     finally:
         proc.kill()
         await proc.wait()
-    return mb_s, percentile(rtts, 50)
 
 
 async def measure_remote(streams: ModuleType, transport: str, host: str, write_size: int, total: int,
@@ -167,7 +170,6 @@ async def measure_remote(streams: ModuleType, transport: str, host: str, write_s
     proc = hosts.start_on(hosts.peer(), [sys.executable, "-m", "aiodat.bench", "stream-server", transport, host,
                                          str(port), str(busy_poll_us), loop_name],
                           env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, cwd=os.getcwd())
-    options = _options(busy_poll_us)
     try:
         deadline = time.monotonic() + 120
         while "listening" not in proc.stdout():  # the server says so once it accepts
@@ -175,11 +177,9 @@ async def measure_remote(streams: ModuleType, transport: str, host: str, write_s
                 raise RuntimeError(f"the {transport} stream server on host {hosts.peer()} did not start: "
                                    f"{proc.stderr()[-2000:]}")
             await asyncio.sleep(0.1)
-        mb_s = await warm_throughput(streams, host, port, write_size, total, **options)
-        rtts = await round_trips(streams, host, port, size, iters, **options)
+        return await _figures(streams, host, port, write_size, total, size, iters, busy_poll_us)
     finally:
         proc.kill()
-    return mb_s, percentile(rtts, 50)
 
 
 async def stream_server_process(transport: str, host: str, port: int, busy_poll_us: int = 0) -> None:

@@ -381,10 +381,10 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
             for _attempt in range(2):  # under TCG perftest now and then fails or prints 0: once more
                 res = run_bw_perftest(op, size, depth, iters, device, address, timeout, events)
                 value = res.value("MsgRate[Mpps]" if kind == "rate" else "BW_average[MB/sec]") if res.ok else None
-                if value and math.isfinite(value):
+                measured = value if value and math.isfinite(value) else None
+                if measured:
                     break
-            report.figures[key].record(value if value and math.isfinite(value) else None,
-                                       res.error or (None if value else f"{tool} printed {value}"))
+            report.figures[key].record(measured, res.error or (None if value else f"{tool} printed {value}"))
     return report
 
 

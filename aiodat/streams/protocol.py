@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 from aiodat.errors import ConnectionBroken, InvalidParameter, ModelNotSupported
+from aiodat.poller import MAX_BUSY_POLL_US
 
 __all__ = [
     "HEADER", "PARAMS", "WINDOW_DESC", "MAGIC", "VERSION", "PARAM_WINDOW", "MSG_DATA", "MSG_WINDOW", "MSG_CREDIT",
@@ -104,7 +105,7 @@ class StreamConfig:
     def validate(self) -> "StreamConfig":
         """Return self, or raise InvalidParameter naming the bad value."""
         checks = (("buffer_size", 64, 1 << 20), ("recv_depth", 4, 4096), ("rdma_threshold", 1, 1 << 40),
-                  ("busy_poll_us", 0, 1_000_000))
+                  ("busy_poll_us", 0, MAX_BUSY_POLL_US))
         for name, low, high in checks:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
