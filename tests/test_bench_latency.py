@@ -65,6 +65,19 @@ def test_perftest_inf_is_no_figure() -> None:
     assert perftest_rtt(res) == (81.0, None)  # a round trip: twice perftest's half
 
 
+def test_unusable_perftest_figure_is_an_error() -> None:
+    """run_perftest_pair retries a run whose figure is 0 or not finite: _usable is what marks it."""
+    from aiodat.bench.perftest import _usable
+
+    header = " #bytes #iterations BW_peak[MB/sec] BW_average[MB/sec] MsgRate[Mpps]\n"
+    for printed in ("0.00", "inf"):
+        res = bench.PerftestResult("ib_send_bw", (), 0, "", bench.parse_perftest(header + f" 64 100 1.0 1.0 {printed}\n"))
+        assert _usable(res, "MsgRate[Mpps]").error == f"ib_send_bw printed MsgRate[Mpps] = {float(printed)}"
+    res = bench.PerftestResult("ib_send_bw", (), 0, "", bench.parse_perftest(header + " 64 100 1.0 1.0 0.05\n"))
+    assert _usable(res, "MsgRate[Mpps]").ok and _usable(res, None).ok
+    assert _usable(res, "t_typical[usec]").error == "ib_send_bw printed t_typical[usec] = None"
+
+
 def test_bad_arguments_are_refused(capsys: Any) -> None:
     assert main(["bench", "latency", "--repeat", "0"]) == 2
     assert main(["bench", "latency", "--busy-poll-us", "-1"]) == 2

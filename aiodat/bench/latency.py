@@ -389,8 +389,9 @@ def bench_latency(size: int = 64, iters: int = 1000, loop: str = "asyncio", *, r
             else:
                 args = ["-s", str(size), "-n", str(iters)] + (["-e"] if key == "ib_send_lat_e" else [])
                 prefix = POLL_PREFIX if key == "ib_send_lat" else ()
-                value, err = perftest_rtt(run_perftest_pair("ib_send_lat", args, device=device,
-                                                            address=address, timeout=timeout, prefix=prefix))
+                value, err = perftest_rtt(run_perftest_pair("ib_send_lat", args, device=device, address=address,
+                                                            timeout=timeout, prefix=prefix,
+                                                            figure="t_typical[usec]"))
                 fig.record(value, err)
     if perftest:
         report.notes.append("ib_send_lat -R runs under `chrt --idle 0`: two spinning processes on the "

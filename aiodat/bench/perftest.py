@@ -2,6 +2,7 @@
 parse its result table."""
 from __future__ import annotations
 
+import math
 import random
 import re
 import shutil
@@ -70,31 +71,44 @@ def _perftest_port() -> int:
 
 def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: str,
                       timeout: float = 300.0, start_delay: float = 1.0,
-                      prefix: Sequence[str] = ()) -> PerftestResult:
+                      prefix: Sequence[str] = (), figure: Optional[str] = None) -> PerftestResult:
     """Run perftest ``tool`` as a server and a client on ``address`` over rdma_cm (``-R``).
 
     Both processes get ``-d device -R -F -p PORT`` plus ``args``; the client
     connects to ``address`` and is retried while the server is not yet
     listening.  A pair whose client fails once the server has exited (under
     TCG perftest's own connection or completion now and then fails) is run
-    once more, on a new port.  Returns the client's parsed output (the
-    server's when the client printed no table).  Never raises for a failed
-    tool: the result's ``error`` says what went wrong (tool missing, timeout,
-    exit status; a retried failure names both attempts' errors).
+    once more, on a new port; so is one that printed 0, nothing or a
+    non-finite number in the column ``figure`` (e.g. "MsgRate[Mpps]") when
+    one is named, as its cycle counter now and then does under TCG.  This
+    is the only retry: callers take the result as it comes.  Returns the
+    client's parsed output (the server's when the client printed no table).
+    Never raises for a failed tool: the result's ``error`` says what went
+    wrong (tool missing, timeout, exit status, an unusable figure; a retried
+    failure names both attempts' errors).
     """
     path = shutil.which(tool)
     if path is None:
         return PerftestResult(tool, tuple(args), None, "",
                               error=f"{tool} not found (install the Debian package perftest)")
     deadline = time.monotonic() + timeout
-    first = _run_pair_once(path, tool, args, device, address, timeout, start_delay, prefix)
+    first = _usable(_run_pair_once(path, tool, args, device, address, timeout, start_delay, prefix), figure)
     left = deadline - time.monotonic()
-    if first.returncode in (0, None) or left <= 0:
+    if (first.returncode in (0, None) and not first.error) or left <= 0:
         return first
-    second = _run_pair_once(path, tool, args, device, address, left, start_delay, prefix)
+    second = _usable(_run_pair_once(path, tool, args, device, address, left, start_delay, prefix), figure)
     if second.error:
         second.error = f"{second.error} (and before that, once: {first.error})"
     return second
+
+
+def _usable(res: PerftestResult, figure: Optional[str]) -> PerftestResult:
+    """``res``, with an ``error`` if it ran but its ``figure`` column is missing, 0 or not finite."""
+    if figure is not None and res.ok:
+        value = res.value(figure)
+        if value is None or not 0 < value < math.inf:
+            res.error = f"{res.tool} printed {figure} = {value}"
+    return res
 
 
 def _run_pair_once(path: str, tool: str, args: Sequence[str], device: str, address: str, timeout: float,
