@@ -1,5 +1,6 @@
-"""setuptools shim: the C extension is declared through cffi_modules here."""
-from setuptools import setup
+"""setuptools shim: the cffi extension is declared through cffi_modules, the completions module
+(plain C, limited API) as an ordinary extension."""
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 
@@ -21,4 +22,10 @@ class BuildExtWithoutRpath(build_ext):
         super().build_extensions()
 
 
-setup(cffi_modules=["aiodat/_shim/build_shim.py:ffibuilder"], cmdclass={"build_ext": BuildExtWithoutRpath})
+# the hot paths in plain C on the limited API (aiodat/_shim/completions.c and posts.c): they need no
+# library beyond the interpreter (verbs' post calls are inline)
+HOT_PATHS = [Extension(f"aiodat._shim._{name}", [f"aiodat/_shim/{name}.c"], py_limited_api=True,
+                       extra_compile_args=["-O2", "-Wall"]) for name in ("completions", "posts")]
+
+setup(cffi_modules=["aiodat/_shim/build_shim.py:ffibuilder"], ext_modules=HOT_PATHS,
+      cmdclass={"build_ext": BuildExtWithoutRpath})

@@ -135,6 +135,7 @@ class EP(Posting, Handle):
             pz._children.pop(self, None)
             raise
         self._qp = self._create_qp()
+        self._qp_address = int(ffi.cast("uintptr_t", self._qp))  # for the C hot paths (post.py)
         self.qp_num: int = self._qp.qp_num
         ia._qpn_owner[self.qp_num] = self
         if srq is not None:
@@ -399,6 +400,7 @@ class EP(Posting, Handle):
         self._raw.release()
         self._ia._qpn_owner.pop(self.qp_num, None)
         self._qp = self._create_qp()
+        self._qp_address = int(ffi.cast("uintptr_t", self._qp))
         self.qp_num = self._qp.qp_num
         self._ia._qpn_owner[self.qp_num] = self
         cm.reset(self)
@@ -445,7 +447,7 @@ class EP(Posting, Handle):
             cm.detach_cm_id(self)  # QP before its cm_id, but librdmacm must forget the QP first
             self._drop_windows()
             self._raw.release()
-            self._qp = ffi.NULL
+            self._qp, self._qp_address = ffi.NULL, 0
         self._retire_all()
         self._ia._qpn_owner.pop(self.qp_num, None)
         if self._srq is not None:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Deque, List, Opt
 from aiodat._fdwatch import FdWatch
 from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
+from aiodat._shim import _completions
 from aiodat.poller import MAX_BUSY_POLL_US, Poller, poller_for
 from aiodat.errors import (
     DTOError,
@@ -342,6 +343,7 @@ class EVD(Handle):
         self._watch = FdWatch(self._channel.fd, self._on_readable, "completion channel", keep=self._raw_channel)
         self._wcs = ffi.new("struct aiodat_wc[]", 64)
         self._wc_bytes = ffi.buffer(self._wcs)
+        self._wcs_address = int(ffi.cast("uintptr_t", self._wcs))  # for _completions.queue_common
         self._status = ffi.new("int[2]")  # channel events read, arm errno (aiodat_cq_drain)
         ia._cq_owner[int(ffi.cast("uintptr_t", self._cq))] = self
         if lib.ibv_req_notify_cq(self._cq, 0):
@@ -413,7 +415,7 @@ class EVD(Handle):
             if got:
                 if got < 0:
                     raise error_from_errno(-got, "polling the CQ")
-                if self._queue_completions(_WC.iter_unpack(self._wc_bytes[0:got * _WC_SIZE])):
+                if self._queue_polled(got):
                     notified = True
             if got < room or room == 0:
                 if self._awaited and len(queue) > self._qlen:
@@ -434,7 +436,7 @@ class EVD(Handle):
             return False
         if got < 0:
             raise error_from_errno(-got, "polling the CQ")
-        notified = self._queue_completions(_WC.iter_unpack(self._wc_bytes[0:got * _WC_SIZE]))
+        notified = self._queue_polled(got)
         if got == 64:  # more may wait: the full drain takes them
             notified = self._drain_cq(rearm=False, arm_if_unarmed=False) or notified
         return notified
@@ -461,6 +463,16 @@ class EVD(Handle):
         if solicited and fired and was_solicited_arm:
             self._solicited_hit = True
         self._armed_solicited = solicited and (fired or was_solicited_arm)
+
+    def _queue_polled(self, got: int) -> bool:
+        """Turn the ``got`` completions just polled into ``_wcs`` into events; True if one of them
+        notifies.  The leading common-case ones are done in C (aiodat/_shim/completions.c: a
+        success that is the oldest request of its EP's queue), the rest from the first other one
+        on by _queue_completions."""
+        taken, notified = _queue_common(self, self._wcs_address, got, self._ia._qpn_owner.data, self._queue)
+        if taken < got and self._queue_completions(_WC.iter_unpack(self._wc_bytes[taken * _WC_SIZE:got * _WC_SIZE])):
+            notified = True
+        return notified
 
     def _queue_completions(self, wcs: Any) -> bool:
         """Turn polled completions (struct aiodat_wc tuples, see _WC) into events; True if one
@@ -1037,6 +1049,11 @@ class EVDParam:
 
 
 _DTO_COMPLETION = EventType.DTO_COMPLETION
+# the C common case (completions.c) makes DTOCompletionEvents as _completed does; a send or RDMA
+# write has the length of its segments, which it sums itself
+_completions.configure(DTOCompletionEvent, _DTO_COMPLETION, DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM,
+                       frozenset({DTOOp.SEND, DTOOp.RDMA_WRITE}))
+_queue_common = _completions.queue_common
 _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic

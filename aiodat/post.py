@@ -18,6 +18,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from aiodat._lib import ffi, lib
+from aiodat._shim import _posts
 from aiodat.epattr import EPAttr, EPState, ServiceType
 from aiodat.errors import (
     InvalidParameter,
@@ -95,8 +96,10 @@ def _flag_bits(name: str, value: Any) -> Tuple[int, bool]:
 
 # the hot paths compare by identity with these
 _NO_FLAGS = CompletionFlags.DEFAULT
-_CONNECTED, _DISCONNECTED, _ERROR = EPState.CONNECTED, EPState.DISCONNECTED, EPState.ERROR
-_SEND = DTOOp.SEND
+# the hot paths of post_recv and post_send, in C (_shim/posts.c), with what they compare and record
+_posts.configure(Segment, CompletionFlags, _SEND_BITS, DTOOp.SEND, EPState.CONNECTED, EPState.DISCONNECTED,
+                 EPState.ERROR)
+_c_post_recv, _c_post_send = _posts.post_recv, _posts.post_send
 
 
 def _columns(items: Iterable[Any], width: int, what: str, shape: str) -> List[Tuple[Any, ...]]:
@@ -155,21 +158,14 @@ class Posting(WorkRequests):
     def post_recv(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
         """Post a receive into ``segments`` (dat_ep_post_recv); it completes on ``recv_evd``."""
-        if type(segments) is list and len(segments) == 1:
-            segments = segments[0]  # a list of one segment takes the bare segment's fast path
-        if type(segments) is Segment and flags is _NO_FLAGS and self._srq is None and not self._closed:
-            # The hot path (one segment, default flags): the same checks as below, in fewer
-            # steps, and scalars into C instead of filling arrays field by field.
-            lmr, state = segments.lmr, self._conn.state
-            if lmr._pz is self._pz and not lmr._closed and state is not _DISCONNECTED and state is not _ERROR:
-                wr_id = next(self._ids) * 2 + 1
-                err = lib.aiodat_post_recv1(self._qp, wr_id, lmr.address + segments.offset, segments.length,
-                                            lmr.lmr_context)
-                if err:
-                    raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
-                self._recv_q.append((wr_id, cookie, (segments,)))
-                lmr._inflight += 1
+        if flags is _NO_FLAGS:
+            # The hot path (one segment, or a list of one, default flags) in C (_shim/posts.c):
+            # the same checks as below and the same record; -1 when it is not that case.
+            err = _c_post_recv(self, self._qp_address, segments, cookie)
+            if not err:
                 return
+            if err > 0:
+                raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
         if not isinstance(flags, int):
             raise InvalidParameter(f"flags must be CompletionFlags, not {type(flags).__name__}")
         segs = as_segments(segments)
@@ -313,25 +309,13 @@ class Posting(WorkRequests):
     def post_send(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT, *, imm_data: Optional[int] = None) -> None:
         """Send the bytes of ``segments`` to the peer (dat_ep_post_send); with ``imm_data``, a send with immediate."""
-        if type(segments) is list and len(segments) == 1:
-            segments = segments[0]  # a list of one segment takes the bare segment's fast path
-        if (type(segments) is Segment and imm_data is None and type(flags) is CompletionFlags and 0 <= flags < 16
-                and self._conn.state is _CONNECTED and self._rc and not self._closed):
-            lmr = segments.lmr
-            if lmr._pz is self._pz and not lmr._closed:  # the hot path, as in post_recv
-                send_flags, quiet = _SEND_BITS[flags]
-                if segments.length <= self.max_inline:
-                    send_flags |= SEND_INLINE
-                wr_id = next(self._ids) * 2
-                err = lib.aiodat_post_send1(self._qp, wr_id, WR_SEND, send_flags, 0, lmr.address + segments.offset,
-                                            segments.length, lmr.lmr_context, 0, 0)
-                if err:
-                    raise self._post_error(err, "post send", len(self._send_q), self.attrs.max_request_dtos)
-                self._send_q.append((wr_id, cookie, _SEND, (segments,), None))
-                lmr._inflight += 1
-                if quiet:
-                    self._quiet.add(wr_id)
+        if imm_data is None:
+            # the hot path in C, as in post_recv: a send of one segment on a connected RC EP
+            err = _c_post_send(self, self._qp_address, segments, cookie, flags)
+            if not err:
                 return
+            if err > 0:
+                raise self._post_error(err, "post send", len(self._send_q), self.attrs.max_request_dtos)
         segs = as_segments(segments)
         self._check_post(segs, self.attrs.max_request_iov, "post_send")
         if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):

@@ -9,6 +9,12 @@ while the hardware may still touch them (``lmr._inflight``).  Requests posted
 without a completion of their own (suppressed) are retired when a later
 request of the same send queue completes, as the send queue is ordered.
 
+The common case of :meth:`WorkRequests._completion_event` (a success that is
+the oldest entry of its queue, no UNSIGNALLED requests outstanding, no internal
+target) is also written in C, in aiodat/_shim/completions.c, which reads
+``_recv_q``, ``_send_q``, ``_quiet`` and ``_ud`` and the entries' layout: a change
+here must be made there too (tests/test_hot_paths_c.py compares the two).
+
 :class:`WorkRequests` is a mixin of :class:`aiodat.EP`; it owns the attributes
 set by :meth:`WorkRequests._init_tracking` and reads the EP's ``_srq``, ``_rc``,
 ``_ud`` and ``recv_evd`` (duck-typed: this module sits below ep.py).

@@ -38,11 +38,14 @@ packages = ["aiodat", "aiodat._shim", "aiodat.streams", "aiodat.integrations", "
             "aiodat.testbed", "aiodat.testing"]
 wanted = {p.replace(".", "/") + "/__init__.py" for p in packages}
 wanted |= set(open(sources).read().split())
-wanted |= {"aiodat/py.typed", "aiodat/_shim/shim.c", "aiodat/_shim/shim.h", "aiodat/_shim/build_shim.py"}
+wanted |= {"aiodat/py.typed", "aiodat/_shim/shim.c", "aiodat/_shim/shim.h", "aiodat/_shim/build_shim.py",
+           "aiodat/_shim/completions.c", "aiodat/_shim/posts.c"}
 problems += [f"wheel lacks {name}" for name in sorted(wanted - names)]
-extensions = [n for n in names if n.endswith(".so")]
-if extensions != ["aiodat/_shim/_core.abi3.so"]:
-    problems.append(f"wheel's extensions are {extensions}, expected only aiodat/_shim/_core.abi3.so")
+extensions = sorted(n for n in names if n.endswith(".so"))
+HOT_PATHS = ["aiodat/_shim/_completions.abi3.so", "aiodat/_shim/_posts.abi3.so"]
+EXPECTED = sorted(HOT_PATHS + ["aiodat/_shim/_core.abi3.so"])
+if extensions != EXPECTED:
+    problems.append(f"wheel's extensions are {extensions}, expected {EXPECTED}")
 
 # entry points, and the module each one names must be in the wheel
 info = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
@@ -116,6 +119,14 @@ if "aiodat/_shim/_core.abi3.so" in names:
             if not match or tuple(map(int, match.group(1).split("."))) > newest:
                 problems.append(f"the extension needs {version} of {file_}: newer than Debian bookworm's, "
                                 f"or private (allowed: {prefix}<= {'.'.join(map(str, newest))})")
+
+# the hot-path modules (plain C on the limited API) need nothing beyond libc and the interpreter
+for hot in HOT_PATHS:
+    if hot in names:
+        needed, paths, versions = elf_needs(zipfile.ZipFile(wheel).read(hot))
+        print(f"  {hot.rsplit('/', 1)[1]}: NEEDED {needed}; versions {versions}", flush=True)
+        if not set(needed) <= {"libc.so.6"} or paths:
+            problems.append(f"{hot} needs {needed} (rpath {paths}); only libc.so.6 is allowed")
 
 for problem in problems:
     print("check_wheel: " + problem, file=sys.stderr)

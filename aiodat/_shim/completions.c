@@ -1,0 +1,273 @@
+/* aiodat/_shim/completions.c: the extension module aiodat._shim._completions.
+ *
+ * The common case of turning polled completions into events, in C: what
+ * EVD._queue_completions (evd.py) and WorkRequests._completion_event (wr.py)
+ * do in Python, for a successful completion that is the oldest request of its
+ * EP's queue, has no UNSIGNALLED requests beside it and, for a send, has no
+ * internal target.  It stops at the first completion that is anything else and
+ * says where; the Python path takes the rest, so the rules live in one place
+ * (wr.py) and C only skips the interpreter for the case that dominates a
+ * ping-pong or a stream.  A Python error inside (which valid objects never
+ * raise) is cleared and also hands over: Python then meets it and keeps the
+ * completions it could not turn into events.
+ *
+ * Built with the limited API (abi3), like the cffi module beside it; it reads
+ * the struct aiodat_wc array the cffi module polled into, at the address the
+ * EVD passes, and never calls verbs (it links to no library).
+ */
+#define Py_LIMITED_API 0x03090000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "shim.h"  /* struct aiodat_wc, the array the cffi module polls into */
+
+#define WC_RECV_RDMA_WITH_IMM 129
+#define WC_WITH_IMM 2
+
+/* set once by configure(): the event class and the values an event carries */
+static PyObject *event_cls, *dto_completion, *op_recv, *op_recv_imm, *plain_send_ops, *success;
+static allocfunc event_alloc;
+static PyObject *one;
+static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
+static PyObject *k_type, *k_evd, *k_ep, *k_cookie, *k_status, *k_length, *k_operation, *k_imm,
+                *k_vendor_err, *k_src_qp, *k_notify;
+
+static PyObject *configure(PyObject *self, PyObject *args)
+{
+    PyObject *cls, *dto, *recv, *recv_imm, *sends;
+    if (!PyArg_ParseTuple(args, "OOOOO", &cls, &dto, &recv, &recv_imm, &sends))
+        return NULL;
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "configure(event class, DTO type, RECV, RECV_IMM, set of send ops)");
+        return NULL;
+    }
+    event_alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)cls, Py_tp_alloc);
+    if (event_alloc == NULL) {
+        PyErr_SetString(PyExc_TypeError, "the event class has no tp_alloc");
+        return NULL;
+    }
+    if (event_cls != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._completions is configured once");
+        return NULL;
+    }
+    Py_INCREF(cls); Py_INCREF(dto); Py_INCREF(recv); Py_INCREF(recv_imm); Py_INCREF(sends);
+    event_cls = cls; dto_completion = dto; op_recv = recv; op_recv_imm = recv_imm; plain_send_ops = sends;
+    Py_RETURN_NONE;
+}
+
+/* The total length of a tuple of segments; -1 on error. */
+static long long segments_length(PyObject *segs)
+{
+    long long total = 0;
+    for (Py_ssize_t k = 0; k < PyTuple_Size(segs); k++) {
+        PyObject *seglen = PyObject_GetAttr(PyTuple_GetItem(segs, k), s_length);
+        long long len = seglen ? PyLong_AsLongLong(seglen) : -1;
+        Py_XDECREF(seglen);
+        if (len < 0)
+            return -1;
+        total += len;
+    }
+    return total;
+}
+
+/* lmr._inflight -= 1 for each segment: they are the hardware's no more. */
+static int release_segments(PyObject *segs)
+{
+    for (Py_ssize_t k = 0; k < PyTuple_Size(segs); k++) {
+        PyObject *lmr = PyObject_GetAttr(PyTuple_GetItem(segs, k), s_lmr);
+        PyObject *count = lmr ? PyObject_GetAttr(lmr, s_inflight) : NULL;
+        PyObject *less = count ? PyNumber_Subtract(count, one) : NULL;
+        int err = less == NULL || PyObject_SetAttr(lmr, s_inflight, less) < 0;
+        Py_XDECREF(less); Py_XDECREF(count); Py_XDECREF(lmr);
+        if (err)
+            return -1;
+    }
+    return 0;
+}
+
+/* a DTOCompletionEvent made as DTOCompletionEvent._completed makes it: no __init__, one __dict__ */
+static PyObject *make_event(PyObject *evd, PyObject *ep, PyObject *cookie, long long length, PyObject *op,
+                            PyObject *imm, uint32_t vendor_err, PyObject *src_qp)
+{
+    PyObject *d = PyDict_New(), *ev = NULL, *len = NULL, *verr = NULL;
+    if (d == NULL)
+        return NULL;
+    len = PyLong_FromLongLong(length);
+    verr = PyLong_FromUnsignedLong(vendor_err);
+    if (len && verr
+        && !PyDict_SetItem(d, k_type, dto_completion) && !PyDict_SetItem(d, k_evd, evd)
+        && !PyDict_SetItem(d, k_ep, ep) && !PyDict_SetItem(d, k_cookie, cookie)
+        && !PyDict_SetItem(d, k_status, success) && !PyDict_SetItem(d, k_length, len)
+        && !PyDict_SetItem(d, k_operation, op) && !PyDict_SetItem(d, k_imm, imm)
+        && !PyDict_SetItem(d, k_vendor_err, verr) && !PyDict_SetItem(d, k_src_qp, src_qp)
+        && !PyDict_SetItem(d, k_notify, Py_True)) {
+        ev = event_alloc((PyTypeObject *)event_cls, 0);
+        if (ev && PyObject_GenericSetAttr(ev, s_dict, d) < 0)
+            Py_CLEAR(ev);
+    }
+    Py_XDECREF(len); Py_XDECREF(verr); Py_DECREF(d);
+    return ev;
+}
+
+/* The event of one completion if it is the common case (1), else 0 with nothing changed; -1 on error. */
+static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject **out)
+{
+    int recv = (int)(wc->wr_id & 1);
+    int taken = 0;
+    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL, *imm = NULL, *src = NULL;
+    q = PyObject_GetAttr(ep, recv ? s_recv_q : s_send_q);
+    quiet = q ? PyObject_GetAttr(ep, s_quiet) : NULL;
+    if (quiet == NULL)
+        goto error;
+    if (PySet_Size(quiet) != 0 || PyObject_Length(q) <= 0)  /* UNSIGNALLED requests about, or an SRQ's EP */
+        goto done;
+    head = PySequence_GetItem(q, 0);
+    if (head == NULL || !PyTuple_Check(head))
+        goto error;
+    wr_id = PyTuple_GetItem(head, 0);
+    if (wr_id == NULL || PyLong_AsUnsignedLongLong(wr_id) != wc->wr_id) {
+        if (PyErr_Occurred())
+            goto error;
+        goto done;  /* not the oldest request (suppressed sends before it, or out of order) */
+    }
+    PyObject *cookie = PyTuple_GetItem(head, 1);
+    PyObject *op, *segs;
+    if (recv) {
+        if (PyTuple_Size(head) != 3)
+            goto error;
+        op = wc->opcode == WC_RECV_RDMA_WITH_IMM ? op_recv_imm : op_recv;
+        segs = PyTuple_GetItem(head, 2);
+    } else {
+        if (PyTuple_Size(head) != 5)
+            goto error;
+        op = PyTuple_GetItem(head, 2);
+        segs = PyTuple_GetItem(head, 3);
+        if (PyTuple_GetItem(head, 4) != Py_None)
+            goto done;  /* a drain marker or a window bind: wr.py's business */
+        int plain = PySet_Contains(plain_send_ops, op);
+        if (plain <= 0) {
+            if (plain < 0)
+                goto error;
+            goto done;  /* an RDMA read or atomic: its length comes from the completion */
+        }
+    }
+    if (segs == NULL || !PyTuple_Check(segs))
+        goto error;
+    /* everything that can fail comes before the entry is taken: a failure leaves it for wr.py */
+    long long length;
+    if (recv) {
+        length = wc->byte_len;
+        imm = wc->wc_flags & WC_WITH_IMM ? PyLong_FromUnsignedLong(wc->imm_data) : (Py_INCREF(Py_None), Py_None);
+        PyObject *ud = imm ? PyObject_GetAttr(ep, s_ud) : NULL;
+        int is_ud = ud ? PyObject_IsTrue(ud) : -1;
+        Py_XDECREF(ud);
+        if (is_ud < 0)
+            goto error;
+        src = is_ud ? PyLong_FromUnsignedLong(wc->src_qp) : (Py_INCREF(Py_None), Py_None);
+    } else {
+        length = segments_length(segs);
+        imm = (Py_INCREF(Py_None), Py_None);
+        src = (Py_INCREF(Py_None), Py_None);
+    }
+    if (src == NULL || length < 0)
+        goto error;
+    *out = make_event(evd, ep, cookie, length, op, imm, wc->vendor_err, src);
+    if (*out == NULL)
+        goto error;
+    popped = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
+    if (popped == NULL || release_segments(segs) < 0) {
+        /* (a deque's popleft and an int's decrement do not fail on real objects) */
+        Py_CLEAR(*out);
+        goto error;
+    }
+    taken = 1;
+    goto done;
+error:
+    taken = -1;
+done:
+    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(popped); Py_XDECREF(imm); Py_XDECREF(src);
+    return taken;
+}
+
+/* queue_common(evd, wcs_address, count, qpn_refs, queue) -> (taken, notified) */
+static PyObject *queue_common(PyObject *self, PyObject *args)
+{
+    PyObject *evd, *refs, *queue;
+    unsigned long long address;
+    int count;
+    if (!PyArg_ParseTuple(args, "OKiO!O", &evd, &address, &count, &PyDict_Type, &refs, &queue))
+        return NULL;
+    if (event_cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._completions is not configured");
+        return NULL;
+    }
+    const struct aiodat_wc *wcs = (const struct aiodat_wc *)(uintptr_t)address;
+    int i, notified = 0;
+    uint32_t last_qpn = 0;
+    PyObject *ep = NULL;  /* borrowed from the weak reference's target, held below */
+    for (i = 0; i < count; i++) {
+        const struct aiodat_wc *wc = &wcs[i];
+        if (wc->status != 0)
+            break;  /* failures: wr.py */
+        if (i == 0 || wc->qp_num != last_qpn) {
+            last_qpn = wc->qp_num;
+            PyObject *key = PyLong_FromUnsignedLong(wc->qp_num);
+            if (key == NULL)
+                break;
+            PyObject *ref = PyDict_GetItemWithError(refs, key);
+            Py_DECREF(key);
+            ep = ref ? PyWeakref_GetObject(ref) : NULL;
+            if (ep == Py_None)
+                ep = NULL;
+            if (ep == NULL && PyErr_Occurred())
+                break;
+        }
+        if (ep == NULL)
+            continue;  /* the EP is gone: its completion makes no event (as in evd.py) */
+        PyObject *event = NULL;
+        Py_INCREF(ep);
+        int taken = common_event(evd, ep, wc, &event);
+        Py_DECREF(ep);
+        if (taken <= 0)
+            break;
+        PyObject *appended = PyObject_CallMethodObjArgs(queue, s_append, event, NULL);
+        Py_DECREF(event);
+        if (appended == NULL)
+            break;  /* (a deque's append does not fail: the entry is taken, the event would be lost) */
+        Py_DECREF(appended);
+        notified = 1;
+    }
+    PyErr_Clear();  /* whatever failed, Python meets it again on the same completion */
+    return Py_BuildValue("(ii)", i, notified);
+}
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS,
+     "configure(event_cls, dto_completion, recv_op, recv_imm_op, plain_send_ops): the classes and values events carry."},
+    {"queue_common", queue_common, METH_VARARGS,
+     "queue_common(evd, wcs_address, count, qpn_refs, queue) -> (taken, notified): turn the leading common-case "
+     "completions into events appended to queue; the rest is left to Python."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "aiodat._shim._completions",
+    "The common case of turning polled completions into events, in C (see evd.py).", -1, methods,
+};
+
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__completions(void)
+{
+    INTERN(s_recv_q, "_recv_q"); INTERN(s_send_q, "_send_q"); INTERN(s_quiet, "_quiet"); INTERN(s_ud, "_ud");
+    INTERN(s_lmr, "lmr"); INTERN(s_inflight, "_inflight"); INTERN(s_length, "length");
+    INTERN(s_popleft, "popleft"); INTERN(s_append, "append"); INTERN(s_dict, "__dict__");
+    INTERN(k_type, "type"); INTERN(k_evd, "evd"); INTERN(k_ep, "ep"); INTERN(k_cookie, "cookie");
+    INTERN(k_status, "status"); INTERN(k_length, "transferred_length"); INTERN(k_operation, "operation");
+    INTERN(k_imm, "imm_data"); INTERN(k_vendor_err, "vendor_err"); INTERN(k_src_qp, "src_qp");
+    INTERN(k_notify, "notify"); INTERN(success, "IBV_WC_SUCCESS");
+    if ((one = PyLong_FromLong(1)) == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}

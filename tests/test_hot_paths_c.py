@@ -1,0 +1,258 @@
+"""The hot paths in C (aiodat/_shim/completions.c and posts.c) against the Python they mirror.
+
+Host-only: the C common case of turning completions into events against wr.py's
+``_completion_event``: the same completions, read from a real ``struct aiodat_wc`` array, must
+give equal events, queues and in-flight counts, and C must stop, changing nothing, at the first
+completion that is not its case.  On rxe: a ping-pong's completions and posts take the C paths,
+and the posts record what post.py's general path records.  The rest of the suite runs through
+both paths too."""
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any, List, Tuple
+
+import pytest
+
+import aiodat.post
+from aiodat import CompletionFlags, DTOOp, QueueFull
+from aiodat._lib import ffi
+from aiodat._shim import _completions
+from aiodat.evd import EVD
+from aiodat.wr import DrainMarker, WorkRequests
+
+IBV_WC_SEND, IBV_WC_RDMA_WRITE, IBV_WC_RECV, IBV_WC_RECV_RDMA_WITH_IMM = 0, 1, 128, 129
+
+
+class LMR:
+    def __init__(self) -> None:
+        self._inflight = 0
+
+
+class Seg:
+    def __init__(self, lmr: LMR, length: int) -> None:
+        self.lmr, self.length = lmr, length
+
+
+class EP(WorkRequests):
+    _srq = None
+    _rc = True
+
+    def __init__(self, ud: bool = False) -> None:
+        self._ud = ud
+        self._init_tracking()
+        self.errors: List[str] = []
+
+    def _on_async_error(self, why: str) -> None:
+        self.errors.append(why)
+
+
+def wc_array(rows: List[Tuple[Any, ...]]) -> Any:
+    """struct aiodat_wc[] of (wr_id, status, opcode, byte_len, qp_num, imm or None, src_qp, vendor_err)."""
+    wcs = ffi.new("struct aiodat_wc[]", max(1, len(rows)))
+    for wc, (wr_id, status, opcode, byte_len, qpn, imm, src_qp, vendor_err) in zip(wcs, rows):
+        wc.wr_id, wc.status, wc.opcode, wc.byte_len, wc.qp_num = wr_id, status, opcode, byte_len, qpn
+        wc.imm_data, wc.wc_flags = imm or 0, 0 if imm is None else 2
+        wc.src_qp, wc.vendor_err = src_qp, vendor_err
+    return wcs
+
+
+def as_tuple(wc: Any) -> Tuple[int, ...]:
+    """A wc as evd.py's _WC struct reads it."""
+    return (wc.wr_id, wc.status, wc.opcode, wc.vendor_err, wc.byte_len, wc.imm_data, wc.qp_num, wc.src_qp,
+            wc.wc_flags, wc.slid, wc.sl)
+
+
+def world() -> Tuple[Any, ...]:
+    """Two identical fake worlds (an EP per QPN 7 and 8, one LMR each), one for C and one for Python."""
+    worlds = []
+    for _ in range(2):
+        lmr_a, lmr_b = LMR(), LMR()
+        ep_a, ep_b = EP(), EP(ud=True)
+        for ep, lmr in ((ep_a, lmr_a), (ep_b, lmr_b)):
+            for i in range(4):
+                ep._recv_q.append((2 * i + 1, f"r{i}", (Seg(lmr, 256),)))
+                ep._send_q.append((2 * i, f"s{i}", DTOOp.SEND, (Seg(lmr, 10), Seg(lmr, 20)), None))
+                lmr._inflight += 3
+        refs = {7: weakref.ref(ep_a), 8: weakref.ref(ep_b)}
+        worlds.append((ep_a, ep_b, lmr_a, lmr_b, refs))
+    return tuple(worlds)
+
+
+def python_events(rows: List[Tuple[Any, ...]], refs: dict, evd: Any) -> deque:
+    queue: deque = deque()
+    for wc in wc_array(rows)[0:len(rows)]:
+        ep = refs[wc.qp_num]() if wc.qp_num in refs else None
+        if ep is not None:
+            event = ep._completion_event(as_tuple(wc), evd)
+            if event is not None:
+                queue.append(event)
+    return queue
+
+
+def run_c(rows: List[Tuple[Any, ...]], refs: dict, evd: Any) -> Tuple[int, bool, deque]:
+    wcs = wc_array(rows)
+    queue: deque = deque()
+    taken, notified = _completions.queue_common(evd, int(ffi.cast("uintptr_t", wcs)), len(rows), refs, queue)
+    return taken, bool(notified), queue
+
+
+def events_equal_ignoring_world(a: Any, b: Any) -> None:
+    """Fields of two events made in the two worlds (their ep differs by construction)."""
+    for name in ("type", "cookie", "status", "transferred_length", "operation", "imm_data", "vendor_err",
+                 "src_qp", "notify"):
+        assert getattr(a, name) == getattr(b, name), name
+
+
+def test_receives_and_sends_give_the_python_events() -> None:
+    c_world, py_world = world()
+    evd = object()
+    rows = [(1, 0, IBV_WC_RECV, 64, 7, None, 0, 0),
+            (0, 0, IBV_WC_SEND, 0, 7, None, 0, 0),
+            (3, 0, IBV_WC_RECV_RDMA_WITH_IMM, 0, 7, 0xDEADBEEF, 0, 0),
+            (1, 0, IBV_WC_RECV, 100, 8, 5, 77, 0),    # UD: src_qp
+            (5, 0, IBV_WC_RECV, 1, 99, None, 0, 0)]   # a QP nobody owns: no event
+    taken, notified, c_queue = run_c(rows, c_world[4], evd)
+    py_queue = python_events(rows, py_world[4], evd)
+    assert (taken, notified) == (5, True)
+    assert len(c_queue) == len(py_queue) == 4
+    for a, b in zip(c_queue, py_queue):
+        events_equal_ignoring_world(a, b)
+    assert [e.transferred_length for e in c_queue] == [64, 30, 0, 100]
+    assert [e.imm_data for e in c_queue] == [None, None, 0xDEADBEEF, 5]
+    assert [e.src_qp for e in c_queue] == [None, None, None, 77]
+    assert c_queue[2].operation is DTOOp.RECV_RDMA_WRITE_IMM and c_queue[1].operation is DTOOp.SEND
+    assert c_world[2]._inflight == py_world[2]._inflight == 12 - 1 - 2 - 1
+    assert [e[0] for e in c_world[0]._recv_q] == [5, 7] and [e[0] for e in c_world[0]._send_q] == [2, 4, 6]
+    assert type(c_queue[0]) is type(py_queue[0]) and c_queue[0].evd is evd
+    with pytest.raises(Exception):  # frozen, as the Python-made events are
+        c_queue[0].cookie = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("case", ["error", "suppressed before", "unsignalled", "drain marker", "rdma read", "srq"])
+def test_c_stops_changing_nothing_where_python_must_decide(case: str) -> None:
+    c_world, py_world = world()
+    rows = [(1, 0, IBV_WC_RECV, 64, 7, None, 0, 0)]
+    for ep, lmr in ((c_world[0], c_world[2]), (py_world[0], py_world[2])):
+        if case == "unsignalled":
+            ep._quiet.add(9)
+        elif case == "drain marker":
+            ep._send_q[0] = (0, None, DTOOp.RDMA_WRITE, (), DrainMarker(lambda status: None))
+        elif case == "rdma read":
+            ep._send_q[0] = (0, "c", DTOOp.RDMA_READ, (Seg(lmr, 8),), None)
+        elif case == "srq":
+            ep._recv_q.clear()
+    second = {"error": (3, 12, IBV_WC_RECV, 0, 7, None, 0, 1), "suppressed before": (2, 0, IBV_WC_SEND, 0, 7, None, 0, 0),
+              "unsignalled": (3, 0, IBV_WC_RECV, 0, 7, None, 0, 0), "drain marker": (0, 0, IBV_WC_RDMA_WRITE, 0, 7, None, 0, 0),
+              "rdma read": (0, 0, 2, 8, 7, None, 0, 0), "srq": (1, 0, IBV_WC_RECV, 0, 7, None, 0, 0)}[case]
+    if case in ("unsignalled", "srq"):
+        rows = [second]  # C takes nothing at all
+    else:
+        rows.append(second)
+    recv_before = list(c_world[0]._recv_q)[len(rows) - 1:]
+    send_before = list(c_world[0]._send_q)
+    inflight = c_world[2]._inflight
+    taken, _, c_queue = run_c(rows, c_world[4], object())
+    assert taken == len(rows) - 1  # the last row is Python's
+    assert len(c_queue) == taken
+    if taken:  # what C took is exactly the first receive
+        assert c_queue[0].cookie == "r0" and c_world[2]._inflight == inflight - 1
+        assert list(c_world[0]._recv_q) == recv_before
+    else:
+        assert c_world[2]._inflight == inflight
+    assert list(c_world[0]._send_q) == send_before
+
+
+def test_configure_is_once_and_bad_arguments_are_refused() -> None:
+    with pytest.raises(RuntimeError, match="configured once"):
+        _completions.configure(object, 1, 2, 3, frozenset())
+    with pytest.raises(TypeError):
+        _completions.queue_common(object(), 0, 0, "not a dict", deque())
+
+
+@pytest.mark.rxe
+async def test_a_ping_pong_takes_the_c_path(ep_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On rxe: signalled sends and receives become events in C (Python's path sees none of them), with
+    the cookies, lengths and immediate data the posts gave, and the LMRs free afterwards."""
+    python_path: List[int] = []
+    original = EVD._queue_completions
+
+    def counting(self: EVD, wcs: Any) -> bool:
+        wcs = list(wcs)
+        python_path.extend(wc[0] for wc in wcs)
+        return original(self, iter(wcs))
+
+    monkeypatch.setattr(EVD, "_queue_completions", counting)
+    pair = ep_pair
+    c_recv, c_req, _ = pair.client_evds
+    s_recv, _, _ = pair.server_evds
+    for i in range(20):
+        pair.server.post_recv(pair.server_lmr[0:64], ("recv", i))
+        pair.client.post_send(pair.client_lmr[0:10 + i], ("send", i), imm_data=i if i % 2 else None)
+        (got,) = await s_recv.wait()
+        (sent,) = await c_req.wait()
+        assert (got.cookie, got.transferred_length, got.imm_data) == (("recv", i), 10 + i, i if i % 2 else None)
+        assert (sent.cookie, sent.transferred_length, sent.operation) == (("send", i), 10 + i, DTOOp.SEND)
+        assert got.ep is pair.server and sent.ep is pair.client and got.evd is s_recv
+    assert python_path == []
+    # a suppressed send before a signalled one goes through Python's retirement, and still frees
+    pair.server.post_recv(pair.server_lmr[0:64])
+    pair.server.post_recv(pair.server_lmr[0:64])
+    pair.client.post_send(pair.client_lmr[0:8], None, CompletionFlags.SUPPRESS)
+    pair.client.post_send(pair.client_lmr[0:8], "last")
+    assert [e.cookie for e in await c_req.wait()] == ["last"]
+    assert len(python_path) == 1
+    events: List[Any] = []
+    while len(events) < 2:
+        events += await s_recv.wait()
+    pair.client_lmr.free()
+    pair.server_lmr.free()  # nothing of either is in flight any more
+
+
+@pytest.mark.rxe
+async def test_hot_posts_record_what_the_general_path_records(ep_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """post_recv and post_send of one segment (bare or a list of one) go through posts.c: nothing of
+    post.py's general path runs, and the queue entries, in-flight counts and UNSIGNALLED marks are the
+    ones it would have made; a full receive queue is QueueFull, with nothing recorded."""
+    pair = ep_pair
+    client, server = pair.client, pair.server
+    general = []
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        general.append(args)
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(aiodat.post, "as_segments", refused)
+    seg = pair.server_lmr[0:64]
+    before = pair.server_lmr._inflight
+    server.post_recv(seg, "r0")
+    server.post_recv([pair.server_lmr[64:128]], "r1")
+    (id0, cookie0, segs0), (id1, cookie1, segs1) = list(server._recv_q)[-2:]
+    assert id0 % 2 == 1 and id1 == id0 + 2 and (cookie0, cookie1) == ("r0", "r1")
+    assert segs0 == (seg,) and segs1[0].offset == 64
+    assert pair.server_lmr._inflight == before + 2
+    quiet = CompletionFlags.UNSIGNALLED
+    client.post_send(pair.client_lmr[0:8], "s0", quiet)
+    client.post_send([pair.client_lmr[8:16]], "s1")
+    (sid0, c0, op0, s0, t0), (sid1, c1, op1, s1, t1) = list(client._send_q)[-2:]
+    assert sid0 % 2 == 0 and sid1 == sid0 + 2 and (c0, c1) == ("s0", "s1") and op0 is op1 is DTOOp.SEND
+    assert (t0, t1) == (None, None) and s0[0].length == 8 and client._quiet == {sid0}
+    assert pair.client_lmr._inflight == 2
+    assert not general
+    events: List[Any] = []
+    while len(events) < 2:
+        events += await server.recv_evd.wait()
+    assert [(e.cookie, e.transferred_length) for e in events] == [("r0", 8), ("r1", 8)]
+    sent = await client.request_evd.wait(2)  # the UNSIGNALLED one comes with the next
+    assert [e.cookie for e in sent] == ["s0", "s1"]
+    assert pair.client_lmr._inflight == 0 and not client._quiet
+    # the receive queue full: refused by the device, reported as post.py reports it, nothing recorded
+    depth, posted = len(server._recv_q), 0
+    with pytest.raises(QueueFull, match="post_recv: the queue is full"):
+        for _ in range(4 * server.attrs.max_recv_dtos + 64):  # (the device may round the queue up)
+            server.post_recv(seg)
+            posted += 1
+    assert posted >= server.attrs.max_recv_dtos - depth
+    assert len(server._recv_q) == depth + posted
+    assert pair.server_lmr._inflight == len(server._recv_q)
+    assert not general
