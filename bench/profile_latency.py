@@ -96,7 +96,9 @@ async def pingpong(iters: int) -> float:
     import aiodat.post
 
     # posting lives in post.py (ep.py was split, issue 14)
-    aiodat.post.lib = TimedLib(aiodat.post.lib, ["aiodat_post_send1", "aiodat_post_recv1"])  # type: ignore
+    # one-segment posts are the C hot paths (_shim/posts.c)
+    aiodat.post._c_post_send = timed("C post_send (posts.c)", aiodat.post._c_post_send)  # type: ignore
+    aiodat.post._c_post_recv = timed("C post_recv (posts.c)", aiodat.post._c_post_recv)  # type: ignore
     aiodat.evd.lib = TimedLib(aiodat.evd.lib, ["aiodat_cq_drain"])  # type: ignore
     EVD._on_readable = timed("EVD._on_readable (reader callback)", EVD._on_readable)  # type: ignore
     EVD._drain_cq = timed("EVD._drain_cq", EVD._drain_cq)  # type: ignore

@@ -87,6 +87,19 @@ def instrument() -> None:
     for mod in (evd_mod, post_mod, transport_mod, proto_mod):
         if hasattr(mod, "lib") and not isinstance(mod.lib, _CountingLib):
             mod.lib = _CountingLib(mod.lib)
+    # one-segment posts go through the C hot paths (_shim/posts.c), not the cffi lib
+    for name, key in (("_c_post_recv", "post_recv"), ("_c_post_send", "post_send")):
+        hot = getattr(post_mod, name)
+        if getattr(hot, "counted", False):
+            continue
+
+        def counted(*args: Any, _hot: Any = hot, _key: str = key) -> Any:
+            err = _hot(*args)
+            if err == 0:
+                COUNTS[_key] += 1
+            return err
+        counted.counted = True  # type: ignore[attr-defined]
+        setattr(post_mod, name, counted)
     EVD = evd_mod.EVD
     on_readable = EVD._on_readable
 
