@@ -205,7 +205,7 @@ static PyObject *queue_common(PyObject *self, PyObject *args)
     const struct aiodat_wc *wcs = (const struct aiodat_wc *)(uintptr_t)address;
     int i, notified = 0;
     uint32_t last_qpn = 0;
-    PyObject *ep = NULL;  /* borrowed from the weak reference's target, held below */
+    PyObject *ep = NULL;  /* the EP of last_qpn, held while it is used */
     for (i = 0; i < count; i++) {
         const struct aiodat_wc *wc = &wcs[i];
         if (wc->status != 0)
@@ -217,18 +217,18 @@ static PyObject *queue_common(PyObject *self, PyObject *args)
                 break;
             PyObject *ref = PyDict_GetItemWithError(refs, key);
             Py_DECREF(key);
+            Py_CLEAR(ep);
             ep = ref ? PyWeakref_GetObject(ref) : NULL;
             if (ep == Py_None)
                 ep = NULL;
             if (ep == NULL && PyErr_Occurred())
                 break;
+            Py_XINCREF(ep);
         }
         if (ep == NULL)
             continue;  /* the EP is gone: its completion makes no event (as in evd.py) */
         PyObject *event = NULL;
-        Py_INCREF(ep);
         int taken = common_event(evd, ep, wc, &event);
-        Py_DECREF(ep);
         if (taken <= 0)
             break;
         PyObject *appended = PyObject_CallMethodObjArgs(queue, s_append, event, NULL);
@@ -238,6 +238,7 @@ static PyObject *queue_common(PyObject *self, PyObject *args)
         Py_DECREF(appended);
         notified = 1;
     }
+    Py_XDECREF(ep);
     PyErr_Clear();  /* whatever failed, Python meets it again on the same completion */
     return Py_BuildValue("(ii)", i, notified);
 }

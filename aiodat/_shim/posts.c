@@ -187,7 +187,11 @@ static PyObject *post_recv(PyObject *self, PyObject *args)
     if (ok <= 0)
         return ok < 0 ? NULL : PyLong_FromLong(-1);
     struct ibv_qp *qp = qp_at(address);
-    long long id = qp ? next_id(ep) : -1;
+    if (qp == NULL) {  /* (an open EP always has its QP's address) */
+        Py_DECREF(lmr);
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
+    }
+    long long id = next_id(ep);
     unsigned long long wr_id = (unsigned long long)id * 2 + 1;
     if (id >= 0)  /* the entry first: once the request is posted, recording it must not need memory */
         entry = Py_BuildValue("(KO(O))", wr_id, cookie, seg);
@@ -232,9 +236,13 @@ static PyObject *post_send(PyObject *self, PyObject *args)
     long send_flags = PyLong_AsLong(PyTuple_GetItem(pair, 0));
     int quiet = PyObject_IsTrue(PyTuple_GetItem(pair, 1));
     unsigned long long max_inline;
-    struct ibv_qp *qp = NULL;
+    struct ibv_qp *qp = qp_at(address);
+    if (qp == NULL) {  /* (an open EP always has its QP's address) */
+        Py_DECREF(lmr);
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
+    }
     long long id = -1;
-    if (send_flags >= 0 && quiet >= 0 && get_u64(ep, s_max_inline, &max_inline) == 0 && (qp = qp_at(address)))
+    if (send_flags >= 0 && quiet >= 0 && get_u64(ep, s_max_inline, &max_inline) == 0)
         id = next_id(ep);
     unsigned long long wr_id = (unsigned long long)id * 2;
     if (id >= 0) {
