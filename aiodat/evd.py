@@ -309,6 +309,11 @@ class EVD(Handle):
         self._cq: Any = ffi.NULL
         self._watch: Optional[FdWatch] = None
         self._wcs: Any = None
+        # what _completions.look reads: the CQ's and the completion array's addresses (0: none),
+        # the IA's table of EPs by QP number, and where it leaves a poll it did not finish
+        self._cq_address = self._wcs_address = 0
+        self._qpn_refs = ia._qpn_owner.data  # (WeakValueDictionary's own dict of weak references)
+        self._polled: Tuple[int, int, int] = (0, 0, 0)
         #: completions polled from the CQ whose events could not be made yet (a failure halfway)
         self._backlog: List[Any] = []
         #: a failure of the reader callback with no task waiting: raised by the next wait or dequeue
@@ -343,7 +348,8 @@ class EVD(Handle):
         self._watch = FdWatch(self._channel.fd, self._on_readable, "completion channel", keep=self._raw_channel)
         self._wcs = ffi.new("struct aiodat_wc[]", 64)
         self._wc_bytes = ffi.buffer(self._wcs)
-        self._wcs_address = int(ffi.cast("uintptr_t", self._wcs))  # for _completions.queue_common
+        self._wcs_address = int(ffi.cast("uintptr_t", self._wcs))
+        self._cq_address = int(ffi.cast("uintptr_t", self._cq))
         self._status = ffi.new("int[2]")  # channel events read, arm errno (aiodat_cq_drain)
         ia._cq_owner[int(ffi.cast("uintptr_t", self._cq))] = self
         if lib.ibv_req_notify_cq(self._cq, 0):
@@ -423,23 +429,26 @@ class EVD(Handle):
                 return notified
 
     def _poll(self) -> bool:
-        """A look with no system call and no arm, in a few steps in the common case: a wait's
-        first look and the poller's.  True when an event that notifies arrived (see _drain_cq).
-        An unarmed CQ is left to the poller, which a wait hands it to if it sleeps."""
-        if self._backlog or self._awaited or self._wcs is None:
+        """A look with no system call and no arm, in one C call in the common case
+        (_completions.look): a wait's first look and the poller's.  True when an event that
+        notifies arrived (see _drain_cq).  An unarmed CQ is left to the poller, which a wait
+        hands it to if it sleeps."""
+        found = _look(self)
+        if found >= 0:
+            return found == 1
+        if found == -1:  # not the common case: nothing was polled
+            if self._closed:
+                return False
             return self._drain_cq(rearm=False, arm_if_unarmed=False)
-        room = self._qlen - len(self._queue)
-        if room <= 0:
-            return False
-        got = lib.aiodat_cq_poll(self._cq, self._wcs, 64 if room > 64 else room)
-        if not got:
-            return False
+        # completions were polled that C left to Python
+        got, taken, notified = self._polled
         if got < 0:
             raise error_from_errno(-got, "polling the CQ")
-        notified = self._queue_polled(got)
+        if taken < got and self._queue_completions(_WC.iter_unpack(self._wc_bytes[taken * _WC_SIZE:got * _WC_SIZE])):
+            notified = True
         if got == 64:  # more may wait: the full drain takes them
             notified = self._drain_cq(rearm=False, arm_if_unarmed=False) or notified
-        return notified
+        return bool(notified)
 
     def _note_arm(self, solicited: bool, read_channel: bool) -> None:
         """After an arm: remember a failure (the next sleeper must arm again), and for
@@ -469,7 +478,7 @@ class EVD(Handle):
         notifies.  The leading common-case ones are done in C (aiodat/_shim/completions.c: a
         success that is the oldest request of its EP's queue), the rest from the first other one
         on by _queue_completions."""
-        taken, notified = _queue_common(self, self._wcs_address, got, self._ia._qpn_owner.data, self._queue)
+        taken, notified = _queue_common(self, self._wcs_address, got, self._qpn_refs, self._queue)
         if taken < got and self._queue_completions(_WC.iter_unpack(self._wc_bytes[taken * _WC_SIZE:got * _WC_SIZE])):
             notified = True
         return notified
@@ -1025,6 +1034,7 @@ class EVD(Handle):
             self._ia._cq_owner.pop(int(ffi.cast("uintptr_t", self._cq)), None)
             # ack every event the channel still holds, then destroy CQ before channel
             lib.aiodat_cq_drain(self._channel, self._cq, -1, self._wcs, 0, self._status)
+            self._cq_address = 0
             self._raw_cq.release()
             self._cq = ffi.NULL
         if self._channel != ffi.NULL:
@@ -1052,8 +1062,9 @@ _DTO_COMPLETION = EventType.DTO_COMPLETION
 # the C common case (completions.c) makes DTOCompletionEvents as _completed does; a send or RDMA
 # write has the length of its segments, which it sums itself
 _completions.configure(DTOCompletionEvent, _DTO_COMPLETION, DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM,
-                       frozenset({DTOOp.SEND, DTOOp.RDMA_WRITE}))
-_queue_common = _completions.queue_common
+                       frozenset({DTOOp.SEND, DTOOp.RDMA_WRITE}),
+                       int(ffi.cast("uintptr_t", ffi.addressof(lib, "aiodat_cq_poll"))))
+_queue_common, _look = _completions.queue_common, _completions.look
 _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic

@@ -11,9 +11,13 @@
  * raise) is cleared and also hands over: Python then meets it and keeps the
  * completions it could not turn into events.
  *
+ * look() is EVD._poll's common case: it polls through the shim's own
+ * aiodat_cq_poll (its address given to configure(), so the shim's fault
+ * injection still applies) and queues the events, in one call from Python.
+ *
  * Built with the limited API (abi3), like the cffi module beside it; it reads
- * the struct aiodat_wc array the cffi module polled into, at the address the
- * EVD passes, and never calls verbs (it links to no library).
+ * the struct aiodat_wc array the cffi module polls into, at the address the
+ * EVD passes, and links to no library.
  */
 #define Py_LIMITED_API 0x03090000
 #define PY_SSIZE_T_CLEAN
@@ -28,7 +32,11 @@
 /* set once by configure(): the event class and the values an event carries */
 static PyObject *event_cls, *dto_completion, *op_recv, *op_recv_imm, *plain_send_ops, *success;
 static allocfunc event_alloc;
+/* the shim's aiodat_cq_poll (the cffi module), whose address configure() is given */
+static int (*poll_fn)(struct ibv_cq *cq, struct aiodat_wc *out, int max);
 static PyObject *one;
+static PyObject *s_closed, *s_backlog, *s_awaited, *s_cq_address, *s_wcs_address, *s_qlen, *s_queue,
+                *s_qpn_refs, *s_polled;
 static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
 static PyObject *k_type, *k_evd, *k_ep, *k_cookie, *k_status, *k_length, *k_operation, *k_imm,
                 *k_vendor_err, *k_src_qp, *k_notify;
@@ -36,10 +44,12 @@ static PyObject *k_type, *k_evd, *k_ep, *k_cookie, *k_status, *k_length, *k_oper
 static PyObject *configure(PyObject *self, PyObject *args)
 {
     PyObject *cls, *dto, *recv, *recv_imm, *sends;
-    if (!PyArg_ParseTuple(args, "OOOOO", &cls, &dto, &recv, &recv_imm, &sends))
+    unsigned long long poll_address;
+    if (!PyArg_ParseTuple(args, "OOOOOK", &cls, &dto, &recv, &recv_imm, &sends, &poll_address))
         return NULL;
     if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "configure(event class, DTO type, RECV, RECV_IMM, set of send ops)");
+        PyErr_SetString(PyExc_TypeError,
+                        "configure(event class, DTO type, RECV, RECV_IMM, set of send ops, address of aiodat_cq_poll)");
         return NULL;
     }
     event_alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)cls, Py_tp_alloc);
@@ -53,6 +63,7 @@ static PyObject *configure(PyObject *self, PyObject *args)
     }
     Py_INCREF(cls); Py_INCREF(dto); Py_INCREF(recv); Py_INCREF(recv_imm); Py_INCREF(sends);
     event_cls = cls; dto_completion = dto; op_recv = recv; op_recv_imm = recv_imm; plain_send_ops = sends;
+    poll_fn = (int (*)(struct ibv_cq *, struct aiodat_wc *, int))(uintptr_t)poll_address;
     Py_RETURN_NONE;
 }
 
@@ -190,22 +201,16 @@ done:
     return taken;
 }
 
-/* queue_common(evd, wcs_address, count, qpn_refs, queue) -> (taken, notified) */
-static PyObject *queue_common(PyObject *self, PyObject *args)
+/* Turn the leading common-case completions of wcs[0:count] into events appended to queue;
+ * returns how many were taken, and sets *notified when any was.  Never raises: whatever failed,
+ * Python meets it again on the same completion. */
+static int queue_events(PyObject *evd, const struct aiodat_wc *wcs, int count, PyObject *refs, PyObject *queue,
+                        int *notified)
 {
-    PyObject *evd, *refs, *queue;
-    unsigned long long address;
-    int count;
-    if (!PyArg_ParseTuple(args, "OKiO!O", &evd, &address, &count, &PyDict_Type, &refs, &queue))
-        return NULL;
-    if (event_cls == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._completions is not configured");
-        return NULL;
-    }
-    const struct aiodat_wc *wcs = (const struct aiodat_wc *)(uintptr_t)address;
-    int i, notified = 0;
+    int i;
     uint32_t last_qpn = 0;
     PyObject *ep = NULL;  /* the EP of last_qpn, held while it is used */
+    *notified = 0;
     for (i = 0; i < count; i++) {
         const struct aiodat_wc *wc = &wcs[i];
         if (wc->status != 0)
@@ -236,16 +241,113 @@ static PyObject *queue_common(PyObject *self, PyObject *args)
         if (appended == NULL)
             break;  /* (a deque's append does not fail: the entry is taken, the event would be lost) */
         Py_DECREF(appended);
-        notified = 1;
+        *notified = 1;
     }
     Py_XDECREF(ep);
-    PyErr_Clear();  /* whatever failed, Python meets it again on the same completion */
-    return Py_BuildValue("(ii)", i, notified);
+    PyErr_Clear();
+    return i;
+}
+
+/* queue_common(evd, wcs_address, count, qpn_refs, queue) -> (taken, notified) */
+static PyObject *queue_common(PyObject *self, PyObject *args)
+{
+    PyObject *evd, *refs, *queue;
+    unsigned long long address;
+    int count, notified;
+    if (!PyArg_ParseTuple(args, "OKiO!O", &evd, &address, &count, &PyDict_Type, &refs, &queue))
+        return NULL;
+    if (event_cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._completions is not configured");
+        return NULL;
+    }
+    int taken = queue_events(evd, (const struct aiodat_wc *)(uintptr_t)address, count, refs, queue, &notified);
+    return Py_BuildValue("(ii)", taken, notified);
+}
+
+/* attribute ``name`` of ``obj`` as a C integer; -1 with an exception set on error */
+static int get_ull(PyObject *obj, PyObject *name, unsigned long long *out)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    *out = PyLong_AsUnsignedLongLong(value);
+    Py_DECREF(value);
+    return *out == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* attribute ``name`` of ``obj`` is true (1), false (0), or an error (-1) */
+static int attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    int truth = value ? PyObject_IsTrue(value) : -1;
+    Py_XDECREF(value);
+    return truth;
+}
+
+/* look(evd) -> 1, 0, -1 or -2: EVD._poll's common case (evd.py).  It polls the EVD's CQ through
+ * the shim's own aiodat_cq_poll (so the shim's fault injection still applies) and queues what
+ * came: 1 when an event that notifies arrived, 0 when none did.  -1: not the common case
+ * (closed, a backlog, an awaited request): nothing was polled and Python looks instead.  -2:
+ * completions were polled that Python must finish (a failed poll, a full batch, or one C did
+ * not take): evd._polled is (got, taken, notified). */
+static PyObject *look(PyObject *self, PyObject *evd)
+{
+    if (poll_fn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._completions is not configured");
+        return NULL;
+    }
+    int closed = attr_true(evd, s_closed), backlog = -1, awaited = -1;
+    if (closed == 0)
+        backlog = attr_true(evd, s_backlog);
+    if (backlog == 0)
+        awaited = attr_true(evd, s_awaited);
+    unsigned long long cq = 0, wcs = 0, qlen = 0;
+    if (awaited == 0 && (get_ull(evd, s_cq_address, &cq) < 0 || get_ull(evd, s_wcs_address, &wcs) < 0
+                         || get_ull(evd, s_qlen, &qlen) < 0))
+        return NULL;
+    if (closed != 0 || backlog != 0 || awaited != 0 || cq == 0 || wcs == 0)
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
+    PyObject *queue = PyObject_GetAttr(evd, s_queue);
+    if (queue == NULL)
+        return NULL;
+    Py_ssize_t queued = PyObject_Length(queue);
+    long long room = (long long)qlen - queued;
+    PyObject *result = NULL;
+    if (queued < 0)
+        goto out;
+    if (room <= 0) {
+        result = PyLong_FromLong(0);
+        goto out;
+    }
+    int got = poll_fn((struct ibv_cq *)(uintptr_t)cq, (struct aiodat_wc *)(uintptr_t)wcs, room > 64 ? 64 : (int)room);
+    int taken = 0, notified = 0;
+    if (got > 0) {
+        PyObject *refs = PyObject_GetAttr(evd, s_qpn_refs);
+        if (refs == NULL)
+            goto out;
+        taken = PyDict_Check(refs) ? queue_events(evd, (struct aiodat_wc *)(uintptr_t)wcs, got, refs, queue,
+                                                  &notified) : 0;
+        Py_DECREF(refs);
+    }
+    if (got >= 0 && taken == got && got < 64) {
+        result = PyLong_FromLong(notified);
+        goto out;
+    }
+    PyObject *polled = Py_BuildValue("(iii)", got, taken, notified);
+    if (polled != NULL && PyObject_SetAttr(evd, s_polled, polled) == 0)
+        result = PyLong_FromLong(-2);
+    Py_XDECREF(polled);  /* (if this failed, the polled completions stay in wcs: Python raises) */
+out:
+    Py_DECREF(queue);
+    return result;
 }
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
-     "configure(event_cls, dto_completion, recv_op, recv_imm_op, plain_send_ops): the classes and values events carry."},
+     "configure(event_cls, dto_completion, recv_op, recv_imm_op, plain_send_ops, cq_poll_address): the classes and "
+     "values events carry, and the shim's poll."},
+    {"look", look, METH_O,
+     "look(evd) -> 1 (an event that notifies came), 0 (none), -1 (Python looks), -2 (Python finishes evd._polled)."},
     {"queue_common", queue_common, METH_VARARGS,
      "queue_common(evd, wcs_address, count, qpn_refs, queue) -> (taken, notified): turn the leading common-case "
      "completions into events appended to queue; the rest is left to Python."},
@@ -263,7 +365,10 @@ PyMODINIT_FUNC PyInit__completions(void)
 {
     INTERN(s_recv_q, "_recv_q"); INTERN(s_send_q, "_send_q"); INTERN(s_quiet, "_quiet"); INTERN(s_ud, "_ud");
     INTERN(s_lmr, "lmr"); INTERN(s_inflight, "_inflight"); INTERN(s_length, "length");
-    INTERN(s_popleft, "popleft"); INTERN(s_append, "append"); INTERN(s_dict, "__dict__");
+    INTERN(s_popleft, "popleft"); INTERN(s_append, "append");
+    INTERN(s_closed, "_closed"); INTERN(s_backlog, "_backlog"); INTERN(s_awaited, "_awaited");
+    INTERN(s_cq_address, "_cq_address"); INTERN(s_wcs_address, "_wcs_address"); INTERN(s_qlen, "_qlen");
+    INTERN(s_queue, "_queue"); INTERN(s_qpn_refs, "_qpn_refs"); INTERN(s_polled, "_polled"); INTERN(s_dict, "__dict__");
     INTERN(k_type, "type"); INTERN(k_evd, "evd"); INTERN(k_ep, "ep"); INTERN(k_cookie, "cookie");
     INTERN(k_status, "status"); INTERN(k_length, "transferred_length"); INTERN(k_operation, "operation");
     INTERN(k_imm, "imm_data"); INTERN(k_vendor_err, "vendor_err"); INTERN(k_src_qp, "src_qp");
