@@ -125,6 +125,7 @@ class Posting(WorkRequests):
     """Mixin of the EP: every dat_ep_post_* call, and the posts of memory-window binds."""
 
     _qp: Any
+    _qp_address = 0  # the QP's address for the C hot paths (ep.py sets it with the QP; 0: none)
     _pz: "PZ"
     _ia: "IA"
     _conn: Any

@@ -47,20 +47,21 @@ static PyObject *configure(PyObject *self, PyObject *args)
     unsigned long long poll_address;
     if (!PyArg_ParseTuple(args, "OOOOOK", &cls, &dto, &recv, &recv_imm, &sends, &poll_address))
         return NULL;
-    if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "configure(event class, DTO type, RECV, RECV_IMM, set of send ops, address of aiodat_cq_poll)");
-        return NULL;
-    }
-    event_alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)cls, Py_tp_alloc);
-    if (event_alloc == NULL) {
-        PyErr_SetString(PyExc_TypeError, "the event class has no tp_alloc");
-        return NULL;
-    }
     if (event_cls != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._completions is configured once");
         return NULL;
     }
+    if (!PyType_Check(cls) || poll_address == 0) {
+        PyErr_SetString(PyExc_TypeError,
+                        "configure(event class, DTO type, RECV, RECV_IMM, set of send ops, address of aiodat_cq_poll)");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)cls, Py_tp_alloc);
+    if (alloc == NULL) {
+        PyErr_SetString(PyExc_TypeError, "the event class has no tp_alloc");
+        return NULL;
+    }
+    event_alloc = alloc;
     Py_INCREF(cls); Py_INCREF(dto); Py_INCREF(recv); Py_INCREF(recv_imm); Py_INCREF(sends);
     event_cls = cls; dto_completion = dto; op_recv = recv; op_recv_imm = recv_imm; plain_send_ops = sends;
     poll_fn = (int (*)(struct ibv_cq *, struct aiodat_wc *, int))(uintptr_t)poll_address;
