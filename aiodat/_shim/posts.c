@@ -97,6 +97,8 @@ static int check_segment(PyObject *ep, PyObject *seg, PyObject **lmr, struct ibv
     if (ok == 1 && (get_u64(*lmr, s_address, &address) < 0 || get_u64(seg, s_offset, &offset) < 0
                     || get_u64(seg, s_length, &length) < 0 || get_u64(*lmr, s_lkey, &lkey) < 0))
         ok = -1;
+    if (ok == 1 && length > UINT32_MAX)
+        ok = 0;  /* more than one scatter/gather element holds: the general path says so */
     if (ok <= 0) {
         Py_CLEAR(*lmr);
         return ok;
