@@ -317,9 +317,14 @@ async def test_aiodat_client_against_rdma_server(ia: Any) -> None:
         await connect_when_listening(ep, ia.address, port)  # (may reset the EP: receives go after)
         ep.post_recv(answer[0:64], cookie="answer")  # before our message: the answer follows it
         ep.post_send(out, cookie="message")
-        (await ep.request_evd.wait_one(timeout=T)).raise_for_status()
+        sent = await ep.request_evd.wait_one(timeout=T)
         got = (await ep.recv_evd.wait_one(timeout=T)).raise_for_status()
         assert got.transferred_length == 16 and bytes(answer.memoryview()[0:16]) == bytes(16)  # its zeroed buffer
+        # rdma_server answers only once our message arrived, then disconnects once its answer
+        # completed: when its DREQ reaches our QP before the ACK of our send does (as in the
+        # test below; seen in CI under load), the send completes flushed although the answer
+        # proves it was delivered
+        assert sent.ok or sent.status == "IBV_WC_WR_FLUSH_ERR", sent
         event = await ep.connect_evd.wait_one(timeout=T)  # the server disconnects once it has sent
         assert event.type is aiodat.EventType.CONNECTION_EVENT_DISCONNECTED
         await server.finish()
