@@ -444,8 +444,7 @@ class EVD(Handle):
         got, taken, notified = self._polled
         if got < 0:
             raise error_from_errno(-got, "polling the CQ")
-        if taken < got and self._queue_completions(_WC.iter_unpack(self._wc_bytes[taken * _WC_SIZE:got * _WC_SIZE])):
-            notified = True
+        notified = self._queue_rest(got, taken, bool(notified))
         if got == 64:  # more may wait: the full drain takes them
             notified = self._drain_cq(rearm=False, arm_if_unarmed=False) or notified
         return bool(notified)
@@ -479,9 +478,13 @@ class EVD(Handle):
         success that is the oldest request of its EP's queue), the rest from the first other one
         on by _queue_completions."""
         taken, notified = _queue_common(self, self._wcs_address, got, self._qpn_refs, self._queue)
+        return self._queue_rest(got, taken, notified)
+
+    def _queue_rest(self, got: int, taken: int, notified: bool) -> bool:
+        """After C took the first ``taken`` of ``got`` polled completions: the rest, in Python."""
         if taken < got and self._queue_completions(_WC.iter_unpack(self._wc_bytes[taken * _WC_SIZE:got * _WC_SIZE])):
-            notified = True
-        return notified
+            return True
+        return bool(notified)
 
     def _queue_completions(self, wcs: Any) -> bool:
         """Turn polled completions (struct aiodat_wc tuples, see _WC) into events; True if one
