@@ -436,6 +436,10 @@ class EVD(Handle):
         found = _look(self)
         if found >= 0:
             return found == 1
+        return self._poll_rest(found)
+
+    def _poll_rest(self, found: int) -> bool:
+        """_poll after C's look left the work to Python (``found``: -1 or -2, see _completions.look)."""
         if found == -1:  # not the common case: nothing was polled
             if self._closed:
                 return False
@@ -560,6 +564,17 @@ class EVD(Handle):
                 notified = self._drain_cq(rearm=False, spin_us=spin_us, arm_if_unarmed=False)
             else:
                 notified = self._poll()
+        except Exception as exc:
+            self._napi_failed(exc, "polling the CQ")
+            return False
+        self._hand_over(notified)
+        return notified
+
+    def _napi_resume(self, found: int) -> bool:
+        """_napi_poll after _completions.napi_poll's look left the work to Python (``found``: -1
+        or -2, as _completions.look returns it)."""
+        try:
+            notified = self._poll_rest(found)
         except Exception as exc:
             self._napi_failed(exc, "polling the CQ")
             return False
@@ -919,7 +934,11 @@ class EVD(Handle):
         try:
             fn(events)
         except Exception as exc:
-            self._callback_failed(exc, f"its callback {fn!r}", own=False)
+            self._callback_raised(fn, exc)
+
+    def _callback_raised(self, fn: Callable[[List[Event]], Any], exc: BaseException) -> None:
+        """The callback ``fn`` raised ``exc`` (here or in _completions.napi_poll's delivery)."""
+        self._callback_failed(exc, f"its callback {fn!r}", own=False)
 
     def _callback_wakeup(self) -> None:
         """The reader callback of an EVD with a callback: drain, deliver, and look again while the

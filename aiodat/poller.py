@@ -19,9 +19,11 @@ one process, rxe completes the peer's receive inside the sender's post, and a
 callback EVD's reply is then found and delivered in the same poller turn, with
 no system call and no wake-up between the two sides.
 
-The poller is duck-typed over the EVD (evd.py is the layer above): it calls
-``_napi_poll(spin_us=0)`` and ``_napi_arm()`` (True: keep polling), which never raise,
-and reads ``_closed``, ``_callback``, ``busy_poll_us`` and ``_busy_until``.
+The poller is duck-typed over the EVD (evd.py is the layer above).  Its looks are
+``_completions.napi_poll(evd)`` and ``_completions.sweep`` (aiodat/_shim/completions.c):
+EVD._napi_poll() in C, which calls the EVD's own Python methods for what is not the common
+case.  It calls ``_napi_poll(spin_us)`` to spin and ``_napi_arm()`` (True: keep polling),
+which never raise, and reads ``_closed``, ``_callback``, ``busy_poll_us`` and ``_busy_until``.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ import asyncio
 import time
 import weakref
 from typing import Any, Dict, List
+
+from ._shim._completions import napi_poll as _napi_poll, sweep as _sweep
 
 #: turns with nothing found before an EVD's CQ is armed (a busy-polling EVD's at the earliest):
 #: three, so that a task woken by its channel (the reader callback in one turn, the task in the
@@ -87,19 +91,15 @@ class Poller:
 
     def _poll_all(self) -> None:
         hot = self._hot
-        found_any = callbacks = False
+        # one C call looks at every EVD (hands what came to its callback or waiting task) and
+        # counts the idle turns of the rest; Python decides for those it returns
+        found_any, callbacks, rest = _sweep(hot, IDLE_TURNS)
         spinning: List[Any] = []
-        for evd in list(hot):
-            if evd._closed:
-                del hot[evd]
+        for evd in rest:  # they busy-poll, or found nothing for IDLE_TURNS turns
+            idle = hot.get(evd)
+            if idle is None:  # freed by a callback in this turn
                 continue
-            if evd._napi_poll():
-                hot[evd] = 0
-                found_any = True
-                if evd._callback is not None:
-                    callbacks = True
-                continue
-            idle = hot[evd] + 1
+            idle += 1
             # busy polling lengthens the stay, never shortens it
             busy = evd.busy_poll_us and _monotonic() < evd._busy_until
             if busy:
@@ -116,7 +116,7 @@ class Poller:
             for _ in range(PASSES - 1):
                 again = False
                 for evd in list(hot):
-                    if evd._callback is not None and evd._napi_poll():  # (never polls a freed EVD)
+                    if evd._callback is not None and _napi_poll(evd):  # (never polls a freed EVD)
                         hot[evd] = 0
                         again = True
                 if not again:

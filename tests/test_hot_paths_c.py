@@ -8,6 +8,7 @@ and the posts record what post.py's general path records.  The rest of the suite
 both paths too."""
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections import deque
 from typing import Any, List, Tuple
@@ -256,3 +257,71 @@ async def test_hot_posts_record_what_the_general_path_records(ep_pair: Any, monk
     assert len(server._recv_q) == depth + posted
     assert pair.server_lmr._inflight == len(server._recv_q)
     assert not general
+
+
+@pytest.mark.rxe
+@pytest.mark.parametrize("mode", ["wait", "callback"])
+async def test_the_pollers_look_and_hand_over_are_c(ep_pair: Any, monkeypatch: pytest.MonkeyPatch,
+                                                    mode: str) -> None:
+    """Once a one-loop ping-pong has settled into polling, the loop's poller finds each message and
+    wakes the waiting task, or calls the callback, in C (_completions.sweep and napi_poll): none of
+    EVD._napi_poll, _napi_resume or _deliver runs in Python, and _wake only after the odd arm."""
+    pair = ep_pair
+    recv = {pair.client.recv_evd, pair.server.recv_evd}
+    python: List[str] = []
+    for name in ("_napi_poll", "_napi_resume", "_deliver", "_wake"):
+        def spy(self: EVD, *args: Any, _name: str = name, _real: Any = getattr(EVD, name)) -> Any:
+            if self in recv:
+                python.append(_name)
+            return _real(self, *args)
+        monkeypatch.setattr(EVD, name, spy)
+    quiet = CompletionFlags.SUPPRESS  # (no send completions: only the receive EVDs are in play)
+    client, server = pair.client, pair.server
+    rounds, warmup = 40, 10
+    server.post_recv(pair.server_lmr[0:64])
+    if mode == "wait":
+        async def echo() -> None:
+            for _ in range(rounds):
+                (ev,) = await server.recv_evd.wait(timeout=10)
+                server.post_recv(pair.server_lmr[0:64])
+                server.post_send(pair.server_lmr[64:64 + ev.transferred_length], None, quiet)
+
+        task = asyncio.ensure_future(echo())
+        for i in range(rounds):
+            if i == warmup:
+                python.clear()
+            client.post_recv(pair.client_lmr[0:64], i)
+            client.post_send(pair.client_lmr[64:72], None, quiet)
+            (ev,) = await client.recv_evd.wait(timeout=10)
+            assert ev.ok and ev.cookie == i
+        await asyncio.wait_for(task, 10)
+    else:
+        done = asyncio.get_running_loop().create_future()
+        seen: List[int] = []
+
+        def on_server(events: List[Any]) -> None:
+            for ev in events:
+                server.post_recv(pair.server_lmr[0:64])
+                server.post_send(pair.server_lmr[64:72], None, quiet)
+
+        def on_client(events: List[Any]) -> None:
+            for ev in events:
+                seen.append(ev.cookie)
+                if len(seen) == warmup:
+                    python.clear()
+                if len(seen) == rounds:
+                    done.set_result(None)
+                else:
+                    client.post_recv(pair.client_lmr[0:64], len(seen))
+                    client.post_send(pair.client_lmr[64:72], None, quiet)
+
+        server.recv_evd.set_callback(on_server)
+        client.recv_evd.set_callback(on_client)
+        client.post_recv(pair.client_lmr[0:64], 0)
+        client.post_send(pair.client_lmr[64:72], None, quiet)
+        await asyncio.wait_for(done, 10)
+        assert seen == list(range(rounds))
+        server.recv_evd.set_callback(None)
+        client.recv_evd.set_callback(None)
+    assert "_napi_poll" not in python and "_napi_resume" not in python, python
+    assert python.count("_deliver") + python.count("_wake") <= (rounds - warmup) // 4, python

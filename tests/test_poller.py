@@ -1,7 +1,7 @@
 """The loop's CQ poller (aiodat/poller.py) as a state table, host-only: when an EVD stays with the
 poller, when it is armed, and what a turn does.  The EVD side is a small stand-in recording the
-poller's calls; the real EVDs are exercised on rxe in tests/test_delivery_modes.py and
-tests/test_wakeups.py."""
+poller's calls, which reach it through the poller's C looks (aiodat/_shim/completions.c); the
+real EVDs are exercised on rxe in tests/test_delivery_modes.py and tests/test_wakeups.py."""
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +24,16 @@ class FakeEVD:
         self.arm_fails = arm_fails
         self.calls: List[str] = []
 
-    def _napi_poll(self, spin_us: int = 0) -> bool:
-        self.calls.append(f"spin{spin_us}" if spin_us else "poll")
+    #: the poller's looks are C (_completions.napi_poll and sweep), and C's look hands an EVD
+    #: with a backlog to its Python _napi_resume: that is where this stand-in answers
+    _backlog = ["scripted"]
+
+    def _napi_resume(self, found: int) -> bool:
+        self.calls.append("poll")
+        return self.finds.pop(0) if self.finds else False
+
+    def _napi_poll(self, spin_us: int) -> bool:
+        self.calls.append(f"spin{spin_us}")
         return self.finds.pop(0) if self.finds else False
 
     def _napi_arm(self) -> bool:

@@ -80,7 +80,8 @@ async def test_completions_after_a_failing_one_are_kept(ia: Any, loop_errors: Li
     monkeypatch.setattr(pair.server, "_completion_event", fails_once)
     # the Python path keeps what it could not turn into events: take the C common case
     # (aiodat/_shim/completions.c, which never fails on real objects) out of the way
-    monkeypatch.setattr(aiodat.evd, "_look", lambda evd: -1)
+    # (no CQ address: C's look, the wait's and the poller's, hands every look to Python)
+    monkeypatch.setattr(recv_evd, "_cq_address", 0)
     monkeypatch.setattr(aiodat.evd, "_queue_common", lambda evd, address, got, refs, queue: (0, False))
     with pytest.raises(RuntimeError, match="injected") as info:
         await recv_evd.wait(5, timeout=T)  # one poll takes all five; the second raises

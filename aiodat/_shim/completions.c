@@ -15,6 +15,10 @@
  * aiodat_cq_poll (its address given to configure(), so the shim's fault
  * injection still applies) and queues the events, in one call from Python.
  *
+ * napi_poll() and sweep() are the loop's poller (poller.py) in C: EVD._napi_poll's look and
+ * its hand-over (the callback's delivery or the waiting task's wake-up), and the poller's pass
+ * over its EVDs; whatever is not the common case they hand to the same Python methods.
+ *
  * Built with the limited API (abi3), like the cffi module beside it; it reads
  * the struct aiodat_wc array the cffi module polls into, at the address the
  * EVD passes, and links to no library.
@@ -23,6 +27,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "shim.h"  /* struct aiodat_wc, the array the cffi module polls into */
 
@@ -37,6 +42,9 @@ static int (*poll_fn)(struct ibv_cq *cq, struct aiodat_wc *out, int max);
 static PyObject *one;
 static PyObject *s_closed, *s_backlog, *s_awaited, *s_cq_address, *s_wcs_address, *s_qlen, *s_queue,
                 *s_qpn_refs, *s_polled;
+static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited_hit, *s_busy_poll_us,
+                *s_busy_until, *s_overflow_reported, *s_done, *s_set_result, *s_clear, *s_napi_resume,
+                *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
 static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
 static PyObject *k_type, *k_evd, *k_ep, *k_cookie, *k_status, *k_length, *k_operation, *k_imm,
                 *k_vendor_err, *k_src_qp, *k_notify;
@@ -343,12 +351,236 @@ out:
     return result;
 }
 
+
+/* Call evd.<method>(exc, ...) with the exception being raised, if it is an Exception (else leave
+ * it raised: -1); 0 when the method took it. */
+static int hand_exception(PyObject *evd, PyObject *method, PyObject *extra_first)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;  /* KeyboardInterrupt and the like go on up, as from the Python path */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *res = extra_first
+        ? PyObject_CallMethodObjArgs(evd, method, extra_first, value, NULL)
+        : PyObject_CallMethodObjArgs(evd, method, value, s_polling_the_cq, NULL);
+    Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+/* EVD._deliver: every queued event to the callback fn, once. */
+static int deliver(PyObject *evd, PyObject *fn, PyObject *queue)
+{
+    PyObject *events = PySequence_List(queue);
+    if (events == NULL)
+        return -1;
+    PyObject *cleared = PyObject_CallMethodObjArgs(queue, s_clear, NULL);
+    if (cleared == NULL || PyObject_SetAttr(evd, s_overflow_reported, Py_False) < 0) {
+        Py_XDECREF(cleared);
+        Py_DECREF(events);
+        return -1;
+    }
+    Py_DECREF(cleared);
+    PyObject *res = PyObject_CallFunctionObjArgs(fn, events, NULL);
+    Py_DECREF(events);
+    if (res != NULL) {
+        Py_DECREF(res);
+        return 0;
+    }
+    return hand_exception(evd, s_callback_raised, fn);
+}
+
+/* EVD._wake() with no exception: complete the waiting task's future if the wait is satisfied. */
+static int wake(PyObject *evd, PyObject *queue)
+{
+    PyObject *fut = PyObject_GetAttr(evd, s_waiter);
+    if (fut == NULL)
+        return -1;
+    int rc = 0;
+    if (fut != Py_None) {
+        PyObject *done = PyObject_CallMethodObjArgs(fut, s_done, NULL);
+        int is_done = done ? PyObject_IsTrue(done) : -1;
+        Py_XDECREF(done);
+        int satisfied = -1;
+        if (is_done == 0) {
+            unsigned long long threshold;
+            Py_ssize_t queued = PyObject_Length(queue);
+            if (queued >= 0 && get_ull(evd, s_threshold, &threshold) == 0) {
+                satisfied = (unsigned long long)queued >= threshold;
+                if (!satisfied) {
+                    satisfied = attr_true(evd, s_solicited);
+                    if (satisfied == 1)
+                        satisfied = attr_true(evd, s_solicited_hit);
+                }
+            }
+        }
+        if (is_done < 0 || satisfied < 0) {
+            rc = -1;
+        } else if (is_done == 0 && satisfied) {
+            PyObject *res = PyObject_CallMethodObjArgs(fut, s_set_result, Py_None, NULL);
+            rc = res ? 0 : -1;
+            Py_XDECREF(res);
+        }
+    }
+    Py_DECREF(fut);
+    return rc;
+}
+
+/* EVD._hand_over: after a look, deliver to the callback or wake the waiting task. */
+static int hand_over(PyObject *evd, int notified)
+{
+    if (notified) {
+        unsigned long long busy_us;
+        if (get_ull(evd, s_busy_poll_us, &busy_us) < 0)
+            return -1;
+        if (busy_us) {  /* time.monotonic() is CLOCK_MONOTONIC */
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            PyObject *until = PyFloat_FromDouble((double)now.tv_sec + now.tv_nsec * 1e-9 + busy_us * 1e-6);
+            int err = until == NULL || PyObject_SetAttr(evd, s_busy_until, until) < 0;
+            Py_XDECREF(until);
+            if (err)
+                return -1;
+        }
+    }
+    PyObject *fn = PyObject_GetAttr(evd, s_callback), *queue = fn ? PyObject_GetAttr(evd, s_queue) : NULL;
+    int rc = -1;
+    if (queue != NULL) {
+        if (fn != Py_None) {
+            Py_ssize_t queued = PyObject_Length(queue);
+            rc = queued < 0 ? -1 : queued ? deliver(evd, fn, queue) : 0;
+        } else {
+            rc = notified ? wake(evd, queue) : 0;
+        }
+    }
+    Py_XDECREF(fn); Py_XDECREF(queue);
+    return rc;
+}
+
+/* EVD._napi_poll() (spin_us 0) for an open EVD: 1 (an event that notifies came), 0, or -1 with an
+ * exception that is not an Exception (anything else went to the EVD, as in Python). */
+static int napi_poll_evd(PyObject *evd)
+{
+    PyObject *found = look(NULL, evd);
+    long f = found ? PyLong_AsLong(found) : -3;
+    Py_XDECREF(found);
+    if (f == -3 || (f == -1 && PyErr_Occurred()))
+        return hand_exception(evd, s_napi_failed, NULL) < 0 ? -1 : 0;
+    if (f < 0) {  /* not the common case: Python finishes the look and hands over */
+        PyObject *arg = PyLong_FromLong(f);
+        PyObject *res = arg ? PyObject_CallMethodObjArgs(evd, s_napi_resume, arg, NULL) : NULL;
+        Py_XDECREF(arg);
+        int truth = res ? PyObject_IsTrue(res) : -1;
+        Py_XDECREF(res);
+        return truth;
+    }
+    if (hand_over(evd, f == 1) < 0)
+        return hand_exception(evd, s_napi_failed, NULL) < 0 ? -1 : 0;
+    return f == 1;
+}
+
+/* napi_poll(evd) -> bool: EVD._napi_poll() (evd.py) in one call: the poller's look at one EVD. */
+static PyObject *napi_poll(PyObject *self, PyObject *evd)
+{
+    int closed = attr_true(evd, s_closed);
+    if (closed != 0)
+        return closed < 0 ? NULL : PyBool_FromLong(0);  /* (a callback earlier in the turn may have freed it) */
+    int found = napi_poll_evd(evd);
+    return found < 0 ? NULL : PyBool_FromLong(found);
+}
+
+/* hot[evd] = value */
+static int set_turns(PyObject *hot, PyObject *evd, long value)
+{
+    PyObject *v = PyLong_FromLong(value);
+    int rc = v ? PyDict_SetItem(hot, evd, v) : -1;
+    Py_XDECREF(v);
+    return rc;
+}
+
+/* sweep(hot, idle_turns) -> (found_any, callbacks, rest): the first pass of Poller._poll_all
+ * (poller.py) over hot (EVD -> turns in a row with nothing found).  Drops closed EVDs, looks at
+ * each other one, counts its idle turns, and returns the EVDs whose fate Python decides: those
+ * that busy-poll and those idle for idle_turns turns. */
+static PyObject *sweep(PyObject *self, PyObject *args)
+{
+    PyObject *hot;
+    int idle_turns;
+    if (!PyArg_ParseTuple(args, "O!i", &PyDict_Type, &hot, &idle_turns))
+        return NULL;
+    PyObject *evds = PyDict_Keys(hot), *rest = PyList_New(0), *result = NULL;
+    int found_any = 0, callbacks = 0;
+    if (evds == NULL || rest == NULL)
+        goto out;
+    for (Py_ssize_t i = 0; i < PyList_Size(evds); i++) {
+        PyObject *evd = PyList_GetItem(evds, i);  /* (borrowed: evds holds it) */
+        int closed = attr_true(evd, s_closed);
+        if (closed < 0)
+            goto out;
+        if (closed) {
+            if (PyDict_DelItem(hot, evd) < 0) {
+                if (!PyErr_ExceptionMatches(PyExc_KeyError))
+                    goto out;
+                PyErr_Clear();  /* (already discarded by its free) */
+            }
+            continue;
+        }
+        int found = napi_poll_evd(evd);
+        if (found < 0)
+            goto out;
+        int still = PyDict_Contains(hot, evd);
+        if (still < 0)
+            goto out;
+        if (found) {
+            found_any = 1;
+            if (still && set_turns(hot, evd, 0) < 0)
+                goto out;
+            PyObject *fn = PyObject_GetAttr(evd, s_callback);
+            if (fn == NULL)
+                goto out;
+            callbacks |= fn != Py_None;
+            Py_DECREF(fn);
+            continue;
+        }
+        PyObject *turns = still ? PyDict_GetItemWithError(hot, evd) : NULL;  /* (borrowed) */
+        if (turns == NULL) {
+            if (PyErr_Occurred())
+                goto out;
+            continue;  /* freed by a callback in this turn */
+        }
+        long idle = PyLong_AsLong(turns);
+        unsigned long long busy_us;
+        if ((idle == -1 && PyErr_Occurred()) || get_ull(evd, s_busy_poll_us, &busy_us) < 0)
+            goto out;
+        if (!busy_us && idle + 1 < idle_turns) {
+            if (set_turns(hot, evd, idle + 1) < 0)
+                goto out;
+        } else if (PyList_Append(rest, evd) < 0) {  /* Python counts its turn and decides */
+            goto out;
+        }
+    }
+    result = Py_BuildValue("(OOO)", found_any ? Py_True : Py_False, callbacks ? Py_True : Py_False, rest);
+out:
+    Py_XDECREF(evds); Py_XDECREF(rest);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(event_cls, dto_completion, recv_op, recv_imm_op, plain_send_ops, cq_poll_address): the classes and "
      "values events carry, and the shim's poll."},
     {"look", look, METH_O,
      "look(evd) -> 1 (an event that notifies came), 0 (none), -1 (Python looks), -2 (Python finishes evd._polled)."},
+    {"napi_poll", napi_poll, METH_O,
+     "napi_poll(evd) -> bool: EVD._napi_poll() in one call (the poller's look and hand-over)."},
+    {"sweep", sweep, METH_VARARGS,
+     "sweep(hot, idle_turns) -> (found_any, callbacks, rest): the poller's pass over its EVDs; rest is the "
+     "EVDs that busy-poll or were idle for idle_turns turns."},
     {"queue_common", queue_common, METH_VARARGS,
      "queue_common(evd, wcs_address, count, qpn_refs, queue) -> (taken, notified): turn the leading common-case "
      "completions into events appended to queue; the rest is left to Python."},
@@ -373,6 +605,12 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(k_type, "type"); INTERN(k_evd, "evd"); INTERN(k_ep, "ep"); INTERN(k_cookie, "cookie");
     INTERN(k_status, "status"); INTERN(k_length, "transferred_length"); INTERN(k_operation, "operation");
     INTERN(k_imm, "imm_data"); INTERN(k_vendor_err, "vendor_err"); INTERN(k_src_qp, "src_qp");
+    INTERN(s_callback, "_callback"); INTERN(s_waiter, "_waiter"); INTERN(s_threshold, "_threshold");
+    INTERN(s_solicited, "_solicited"); INTERN(s_solicited_hit, "_solicited_hit");
+    INTERN(s_busy_poll_us, "busy_poll_us"); INTERN(s_busy_until, "_busy_until");
+    INTERN(s_overflow_reported, "_overflow_reported"); INTERN(s_done, "done"); INTERN(s_set_result, "set_result");
+    INTERN(s_clear, "clear"); INTERN(s_napi_resume, "_napi_resume"); INTERN(s_napi_failed, "_napi_failed");
+    INTERN(s_callback_raised, "_callback_raised"); INTERN(s_polling_the_cq, "polling the CQ");
     INTERN(k_notify, "notify"); INTERN(success, "IBV_WC_SUCCESS");
     if ((one = PyLong_FromLong(1)) == NULL)
         return NULL;
