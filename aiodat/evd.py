@@ -553,17 +553,15 @@ class EVD(Handle):
         if not poller.add(self):
             self._napi_arm()
 
-    def _napi_poll(self, spin_us: int = 0) -> bool:
-        """The poller's look (or, with ``spin_us``, its spin): poll the CQ without arming it and
-        hand what came to the callback or the waiting task.  True if a completion that notifies
-        came.  Never raises: a failure goes where the reader callback's would."""
+    def _napi_spin(self, spin_us: int) -> bool:
+        """The poller's spin on a busy-polling EVD: poll the CQ for up to ``spin_us`` microseconds
+        without arming it and hand what came to the callback or the waiting task.  True if a
+        completion that notifies came.  Never raises: a failure goes where the reader callback's
+        would.  (The poller's plain look is C: _completions.napi_poll.)"""
         if self._closed:  # (a callback earlier in the poller's turn may have freed it)
             return False
         try:
-            if spin_us:
-                notified = self._drain_cq(rearm=False, spin_us=spin_us, arm_if_unarmed=False)
-            else:
-                notified = self._poll()
+            notified = self._drain_cq(rearm=False, spin_us=spin_us, arm_if_unarmed=False)
         except Exception as exc:
             self._napi_failed(exc, "polling the CQ")
             return False
@@ -571,8 +569,8 @@ class EVD(Handle):
         return notified
 
     def _napi_resume(self, found: int) -> bool:
-        """_napi_poll after _completions.napi_poll's look left the work to Python (``found``: -1
-        or -2, as _completions.look returns it)."""
+        """The poller's look (_completions.napi_poll) when C left it to Python (``found``: -1 or
+        -2, as _completions.look returns it): finish it and hand over.  Never raises."""
         try:
             notified = self._poll_rest(found)
         except Exception as exc:
@@ -726,6 +724,20 @@ class EVD(Handle):
         wait on an EVD at a time (DAT_INVALID_STATE otherwise).  Cancelling the
         wait loses nothing: the events stay queued.
         """
+        if max_events is None and not solicited_only:
+            # the common case in C, up to the sleep (_completions.wait_begin): the same checks,
+            # look and hand-over to the poller as below; None when it is not the common case
+            begun = _wait_begin(self, threshold, timeout)
+            if begun is not None:
+                if type(begun) is list:
+                    return begun
+                try:
+                    await begun
+                finally:
+                    if self._waiter is begun:  # else a new wait has taken the EVD since this one was cancelled
+                        self._waiter = None
+                        self._deadline = None
+                return self._take(None)
         if self._closed:
             self._check()
         if self._callback is not None:
@@ -1086,7 +1098,7 @@ _DTO_COMPLETION = EventType.DTO_COMPLETION
 _completions.configure(DTOCompletionEvent, _DTO_COMPLETION, DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM,
                        frozenset({DTOOp.SEND, DTOOp.RDMA_WRITE}),
                        int(ffi.cast("uintptr_t", ffi.addressof(lib, "aiodat_cq_poll"))))
-_queue_common, _look = _completions.queue_common, _completions.look
+_queue_common, _look, _wait_begin = _completions.queue_common, _completions.look, _completions.wait_begin
 _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic

@@ -20,10 +20,11 @@ callback EVD's reply is then found and delivered in the same poller turn, with
 no system call and no wake-up between the two sides.
 
 The poller is duck-typed over the EVD (evd.py is the layer above).  Its looks are
-``_completions.napi_poll(evd)`` and ``_completions.sweep`` (aiodat/_shim/completions.c):
-EVD._napi_poll() in C, which calls the EVD's own Python methods for what is not the common
-case.  It calls ``_napi_poll(spin_us)`` to spin and ``_napi_arm()`` (True: keep polling),
-which never raise, and reads ``_closed``, ``_callback``, ``busy_poll_us`` and ``_busy_until``.
+``_completions.napi_poll(evd)`` and ``_completions.sweep`` (aiodat/_shim/completions.c), C
+that calls the EVD's own Python methods for what is not the common case (``_napi_resume``,
+``_napi_failed``, ``_callback_raised``).  It calls ``_napi_spin(spin_us)`` to spin and
+``_napi_arm()`` (True: keep polling), which never raise, and reads ``_closed``,
+``_callback``, ``busy_poll_us`` and ``_busy_until``.
 """
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ class Poller:
             # nothing came this turn and busy pollers wait: spin in C, a slice shared among them
             slice_us = max(1, SPIN_SLICE_US // len(spinning))
             for evd in spinning:
-                if evd._napi_poll(slice_us) and evd in hot:
+                if evd._napi_spin(slice_us) and evd in hot:
                     hot[evd] = 0
 
 

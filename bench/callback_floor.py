@@ -11,7 +11,10 @@ and then runs it with nothing but the shim's cffi calls (``aiodat_post_recv1``,
 * ``plain``: a Python loop, both sides in turn, spinning on the CQ;
 * ``callback``: through the event loop, a ``call_soon`` poller that polls both CQs (again while
   completions keep coming, up to 16 times a turn, as aiodat's poller does) and calls a Python
-  function per completion, which posts the next receive and the reply.
+  function per completion, which posts the next receive and the reply;
+* ``await``: the floor of a wait per message: two tasks, each awaiting a bare Future that the
+  same kind of ``call_soon`` poller completes when a receive arrives on its CQ, and then posting
+  the next receive and the reply, as ``await evd.wait()`` does with none of aiodat around it.
 
 It prints the p50 round trip (us) of each; compare with pyverbs' event mode in the same boot
 (``aiodat/bench/pyverbs_pingpong.py --mode event``).  See docs/performance.md, "The floor of a
@@ -87,6 +90,41 @@ async def run(mode: str, n: int) -> float:
                 post_send1(qb, 2, WR_SEND, flags(i), 0, *sb, 0, 0)
                 spin_for_recv(cqa)
             stamps.append(clock())
+        elif mode == "await":
+            loop = asyncio.get_running_loop()
+            waiters: List[Any] = [None, None]  # the future each side's task awaits
+
+            def poll_turn() -> None:
+                for side, cq in ((0, cqa), (1, cqb)):
+                    fut = waiters[side]
+                    got = poll(cq, wcs, 8)
+                    if fut is not None and any(wcs[k].wr_id & 1 for k in range(got)):
+                        waiters[side] = None
+                        fut.set_result(None)
+                if waiters[0] is not None or waiters[1] is not None:
+                    loop.call_soon(poll_turn)
+
+            def sleep(side: int) -> "asyncio.Future[None]":
+                fut = waiters[side] = loop.create_future()
+                if waiters[1 - side] is None:  # (otherwise the poller is already scheduled)
+                    loop.call_soon(poll_turn)
+                return fut
+
+            async def pong() -> None:
+                for i in range(n):
+                    await sleep(1)
+                    post_recv1(qb, 1, *rb)
+                    post_send1(qb, 2, WR_SEND, flags(i), 0, *sb, 0, 0)
+
+            server = asyncio.ensure_future(pong())
+            await asyncio.sleep(0)
+            for i in range(n):
+                post_recv1(qa, 1, *ra)
+                stamps.append(clock())
+                post_send1(qa, 2, WR_SEND, flags(i), 0, *sa, 0, 0)
+                await sleep(0)
+            stamps.append(clock())
+            await server
         else:
             loop = asyncio.get_running_loop()
             done = loop.create_future()
@@ -136,7 +174,7 @@ async def run(mode: str, n: int) -> float:
 def main() -> None:
     loop = sys.argv[1] if len(sys.argv) > 1 else "uvloop"
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
-    for mode in ("plain", "callback"):
+    for mode in ("plain", "callback", "await"):
         print(f"{loop} {mode}: p50 round trip {run_on_loop(loop, lambda: run(mode, n)):.1f} us", flush=True)
 
 

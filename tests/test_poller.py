@@ -32,7 +32,7 @@ class FakeEVD:
         self.calls.append("poll")
         return self.finds.pop(0) if self.finds else False
 
-    def _napi_poll(self, spin_us: int) -> bool:
+    def _napi_spin(self, spin_us: int) -> bool:
         self.calls.append(f"spin{spin_us}")
         return self.finds.pop(0) if self.finds else False
 

@@ -15,8 +15,8 @@
  * aiodat_cq_poll (its address given to configure(), so the shim's fault
  * injection still applies) and queues the events, in one call from Python.
  *
- * napi_poll() and sweep() are the loop's poller (poller.py) in C: EVD._napi_poll's look and
- * its hand-over (the callback's delivery or the waiting task's wake-up), and the poller's pass
+ * napi_poll() and sweep() are the loop's poller (poller.py) in C: its look at an EVD and
+ * the hand-over (the callback's delivery or the waiting task's wake-up), and the poller's pass
  * over its EVDs; whatever is not the common case they hand to the same Python methods.
  *
  * Built with the limited API (abi3), like the cffi module beside it; it reads
@@ -30,6 +30,7 @@
 #include <time.h>
 
 #include "shim.h"  /* struct aiodat_wc, the array the cffi module polls into */
+#include "pyattrs.h"
 
 #define WC_RECV_RDMA_WITH_IMM 129
 #define WC_WITH_IMM 2
@@ -45,6 +46,9 @@ static PyObject *s_closed, *s_backlog, *s_awaited, *s_cq_address, *s_wcs_address
 static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited_hit, *s_busy_poll_us,
                 *s_busy_until, *s_overflow_reported, *s_done, *s_set_result, *s_clear, *s_napi_resume,
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
+static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicited, *s_unarmed, *s_poller,
+                *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest;
+static PyObject *get_running_loop;  /* asyncio.events._get_running_loop: the running loop, or None */
 static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
 static PyObject *k_type, *k_evd, *k_ep, *k_cookie, *k_status, *k_length, *k_operation, *k_imm,
                 *k_vendor_err, *k_src_qp, *k_notify;
@@ -273,26 +277,6 @@ static PyObject *queue_common(PyObject *self, PyObject *args)
     return Py_BuildValue("(ii)", taken, notified);
 }
 
-/* attribute ``name`` of ``obj`` as a C integer; -1 with an exception set on error */
-static int get_ull(PyObject *obj, PyObject *name, unsigned long long *out)
-{
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL)
-        return -1;
-    *out = PyLong_AsUnsignedLongLong(value);
-    Py_DECREF(value);
-    return *out == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
-}
-
-/* attribute ``name`` of ``obj`` is true (1), false (0), or an error (-1) */
-static int attr_true(PyObject *obj, PyObject *name)
-{
-    PyObject *value = PyObject_GetAttr(obj, name);
-    int truth = value ? PyObject_IsTrue(value) : -1;
-    Py_XDECREF(value);
-    return truth;
-}
-
 /* look(evd) -> 1, 0, -1 or -2: EVD._poll's common case (evd.py).  It polls the EVD's CQ through
  * the shim's own aiodat_cq_poll (so the shim's fault injection still applies) and queues what
  * came: 1 when an event that notifies arrived, 0 when none did.  -1: not the common case
@@ -311,8 +295,8 @@ static PyObject *look(PyObject *self, PyObject *evd)
     if (backlog == 0)
         awaited = attr_true(evd, s_awaited);
     unsigned long long cq = 0, wcs = 0, qlen = 0;
-    if (awaited == 0 && (get_ull(evd, s_cq_address, &cq) < 0 || get_ull(evd, s_wcs_address, &wcs) < 0
-                         || get_ull(evd, s_qlen, &qlen) < 0))
+    if (awaited == 0 && (attr_ull(evd, s_cq_address, &cq) < 0 || attr_ull(evd, s_wcs_address, &wcs) < 0
+                         || attr_ull(evd, s_qlen, &qlen) < 0))
         return NULL;
     if (closed != 0 || backlog != 0 || awaited != 0 || cq == 0 || wcs == 0)
         return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
@@ -373,19 +357,25 @@ static int hand_exception(PyObject *evd, PyObject *method, PyObject *extra_first
     return 0;
 }
 
-/* EVD._deliver: every queued event to the callback fn, once. */
-static int deliver(PyObject *evd, PyObject *fn, PyObject *queue)
+/* EVD._take(None): every queued event, as a new list; the queue is empty afterwards. */
+static PyObject *take_all(PyObject *evd, PyObject *queue)
 {
     PyObject *events = PySequence_List(queue);
     if (events == NULL)
-        return -1;
+        return NULL;
     PyObject *cleared = PyObject_CallMethodObjArgs(queue, s_clear, NULL);
-    if (cleared == NULL || PyObject_SetAttr(evd, s_overflow_reported, Py_False) < 0) {
-        Py_XDECREF(cleared);
-        Py_DECREF(events);
+    if (cleared == NULL || PyObject_SetAttr(evd, s_overflow_reported, Py_False) < 0)
+        Py_CLEAR(events);  /* (there is room again: the next overflow is reported) */
+    Py_XDECREF(cleared);
+    return events;
+}
+
+/* EVD._deliver: every queued event to the callback fn, once. */
+static int deliver(PyObject *evd, PyObject *fn, PyObject *queue)
+{
+    PyObject *events = take_all(evd, queue);
+    if (events == NULL)
         return -1;
-    }
-    Py_DECREF(cleared);
     PyObject *res = PyObject_CallFunctionObjArgs(fn, events, NULL);
     Py_DECREF(events);
     if (res != NULL) {
@@ -410,7 +400,7 @@ static int wake(PyObject *evd, PyObject *queue)
         if (is_done == 0) {
             unsigned long long threshold;
             Py_ssize_t queued = PyObject_Length(queue);
-            if (queued >= 0 && get_ull(evd, s_threshold, &threshold) == 0) {
+            if (queued >= 0 && attr_ull(evd, s_threshold, &threshold) == 0) {
                 satisfied = (unsigned long long)queued >= threshold;
                 if (!satisfied) {
                     satisfied = attr_true(evd, s_solicited);
@@ -436,7 +426,7 @@ static int hand_over(PyObject *evd, int notified)
 {
     if (notified) {
         unsigned long long busy_us;
-        if (get_ull(evd, s_busy_poll_us, &busy_us) < 0)
+        if (attr_ull(evd, s_busy_poll_us, &busy_us) < 0)
             return -1;
         if (busy_us) {  /* time.monotonic() is CLOCK_MONOTONIC */
             struct timespec now;
@@ -462,7 +452,7 @@ static int hand_over(PyObject *evd, int notified)
     return rc;
 }
 
-/* EVD._napi_poll() (spin_us 0) for an open EVD: 1 (an event that notifies came), 0, or -1 with an
+/* The poller's look at an open EVD: 1 (an event that notifies came), 0, or -1 with an
  * exception that is not an Exception (anything else went to the EVD, as in Python). */
 static int napi_poll_evd(PyObject *evd)
 {
@@ -484,7 +474,8 @@ static int napi_poll_evd(PyObject *evd)
     return f == 1;
 }
 
-/* napi_poll(evd) -> bool: EVD._napi_poll() (evd.py) in one call: the poller's look at one EVD. */
+/* napi_poll(evd) -> bool: the poller's look at one EVD and its hand-over, in one call; what is not
+ * the common case goes to the EVD's Python (_napi_resume, _napi_failed, _callback_raised). */
 static PyObject *napi_poll(PyObject *self, PyObject *evd)
 {
     int closed = attr_true(evd, s_closed);
@@ -555,7 +546,7 @@ static PyObject *sweep(PyObject *self, PyObject *args)
         }
         long idle = PyLong_AsLong(turns);
         unsigned long long busy_us;
-        if ((idle == -1 && PyErr_Occurred()) || get_ull(evd, s_busy_poll_us, &busy_us) < 0)
+        if ((idle == -1 && PyErr_Occurred()) || attr_ull(evd, s_busy_poll_us, &busy_us) < 0)
             goto out;
         if (!busy_us && idle + 1 < idle_turns) {
             if (set_turns(hot, evd, idle + 1) < 0)
@@ -570,6 +561,175 @@ out:
     return result;
 }
 
+
+/* 1 when the attribute ``name`` of ``obj`` is None, 0 when not, -1 on error */
+static int attr_none(PyObject *obj, PyObject *name)
+{
+    return attr_is(obj, name, Py_None);
+}
+
+/* A wait is about to sleep on an EVD that is unarmed or busy-polls: EVD._napi_add, which hands it
+ * to its loop's poller.  Done here when the poller already holds it and has its turn scheduled
+ * (a ping-pong's every wait); anything else is the Python method's. */
+static int napi_add(PyObject *evd, PyObject *loop)
+{
+    unsigned long long busy_us;
+    if (attr_ull(evd, s_busy_poll_us, &busy_us) < 0)
+        return -1;
+    int held = 0;
+    PyObject *poller = busy_us ? NULL : PyObject_GetAttr(evd, s_poller);
+    if (poller != NULL && poller != Py_None) {
+        PyObject *hot = PyObject_GetAttr(poller, s_hot);
+        held = hot != NULL && attr_is(poller, s_loop, loop) == 1 && attr_true(poller, s_scheduled) == 1
+               && PyDict_Check(hot) && PyDict_Contains(hot, evd) == 1;
+        Py_XDECREF(hot);
+    }
+    Py_XDECREF(poller);
+    PyErr_Clear();  /* (any doubt: the Python method) */
+    if (held)
+        return 0;
+    PyObject *res = PyObject_CallMethodObjArgs(evd, s_napi_add, NULL);
+    Py_XDECREF(res);
+    return res ? 0 : -1;
+}
+
+/* The checks of EVD.wait that let the common case through: 1 (go on), 0 (Python's general path),
+ * -1 (an error). */
+static int can_wait_here(PyObject *evd, long threshold, PyObject *timeout, PyObject *loop)
+{
+    unsigned long long qlen;
+    if (threshold < 1 || attr_ull(evd, s_qlen, &qlen) < 0 || (unsigned long long)threshold > qlen)
+        return PyErr_Occurred() ? -1 : 0;
+    if (timeout != Py_None) {
+        if (!PyFloat_CheckExact(timeout) && !PyLong_CheckExact(timeout))
+            return 0;
+        double seconds = PyFloat_AsDouble(timeout);
+        if (seconds == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();  /* (too large an int: Python's path says what it thinks of it) */
+            return 0;
+        }
+        if (!(seconds >= 0))
+            return 0;
+    }
+    int ok = attr_true(evd, s_closed) == 0 && attr_none(evd, s_callback) == 1
+             && attr_none(evd, s_pending_error) == 1 && attr_true(evd, s_armed_solicited) == 0
+             && attr_true(evd, s_solicited) == 0 && attr_true(evd, s_sharers) == 0
+             && attr_is(evd, s_attached_loop, loop) == 1;
+    if (!ok)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *waiter = PyObject_GetAttr(evd, s_waiter);
+    if (waiter == NULL)
+        return -1;
+    int free = 1;
+    if (waiter != Py_None) {  /* a done waiter is a wait cancelled or woken that has not run again yet */
+        PyObject *done = PyObject_CallMethodObjArgs(waiter, s_done, NULL);
+        free = done ? PyObject_IsTrue(done) : -1;
+        Py_XDECREF(done);
+    }
+    Py_DECREF(waiter);
+    return free;
+}
+
+/* wait_begin(evd, threshold, timeout) -> list, Future or None: EVD.wait's common case (no
+ * max_events, not solicited, the EVD attached to the running loop, nothing pending) up to its
+ * sleep.  A list: the events queued (at least threshold), taken.  A Future: the EVD's new
+ * waiter, which the poller or the reader callback completes; the wait awaits it and takes the
+ * events.  None: not the common case, and nothing was done (Python's general path decides, and
+ * raises what it raises). */
+static PyObject *wait_begin(PyObject *self, PyObject *args)
+{
+    PyObject *evd, *threshold, *timeout;
+    if (!PyArg_ParseTuple(args, "OOO", &evd, &threshold, &timeout))
+        return NULL;
+    if (poll_fn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._completions is not configured");
+        return NULL;
+    }
+    if (get_running_loop == NULL) {
+        PyObject *events = PyImport_ImportModule("asyncio.events");
+        get_running_loop = events ? PyObject_GetAttrString(events, "_get_running_loop") : NULL;
+        Py_XDECREF(events);
+        if (get_running_loop == NULL)
+            return NULL;
+    }
+    if (!PyLong_CheckExact(threshold))
+        Py_RETURN_NONE;
+    long wanted = PyLong_AsLong(threshold);
+    if (wanted == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *loop = PyObject_CallObject(get_running_loop, NULL);
+    if (loop == NULL)
+        return NULL;
+    PyObject *result = NULL, *queue = NULL;
+    int go = loop == Py_None ? 0 : can_wait_here(evd, wanted, timeout, loop);
+    if (go <= 0) {
+        if (go == 0) {
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
+        goto out;
+    }
+    /* EVD._poll: the look, with no system call */
+    PyObject *found = look(NULL, evd);
+    long f = found ? PyLong_AsLong(found) : -3;
+    Py_XDECREF(found);
+    if (f == -3 || (f == -1 && PyErr_Occurred()))
+        goto out;
+    if (f < 0) {  /* C left it to Python */
+        PyObject *arg = PyLong_FromLong(f);
+        PyObject *res = arg ? PyObject_CallMethodObjArgs(evd, s_poll_rest, arg, NULL) : NULL;
+        Py_XDECREF(arg);
+        if (res == NULL)
+            goto out;
+        Py_DECREF(res);
+    }
+    queue = PyObject_GetAttr(evd, s_queue);
+    Py_ssize_t queued = queue ? PyObject_Length(queue) : -1;
+    if (queued < 0)
+        goto out;
+    if (queued >= wanted) {
+        result = take_all(evd, queue);
+        goto out;
+    }
+    PyObject *fut = PyObject_CallMethodObjArgs(loop, s_create_future, NULL);
+    if (fut == NULL)
+        goto out;
+    if (PyObject_SetAttr(evd, s_waiter, fut) < 0 || PyObject_SetAttr(evd, s_threshold, threshold) < 0) {
+        Py_DECREF(fut);
+        goto out;
+    }
+    int napi = 0;
+    if (timeout != Py_None) {
+        PyObject *res = PyObject_CallMethodObjArgs(evd, s_set_deadline, loop, timeout, NULL);
+        napi = res ? 0 : -1;
+        Py_XDECREF(res);
+    }
+    if (napi == 0) {
+        unsigned long long busy_us = 0;
+        int unarmed = attr_true(evd, s_unarmed);
+        if (unarmed < 0 || (!unarmed && attr_ull(evd, s_busy_poll_us, &busy_us) < 0))
+            napi = -1;
+        else if (unarmed || busy_us)
+            napi = napi_add(evd, loop);
+    }
+    if (napi < 0) {  /* as the general path's finally: the EVD is free again */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (PyObject_SetAttr(evd, s_waiter, Py_None) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        Py_DECREF(fut);
+        goto out;
+    }
+    result = fut;
+out:
+    Py_XDECREF(queue);
+    Py_DECREF(loop);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(event_cls, dto_completion, recv_op, recv_imm_op, plain_send_ops, cq_poll_address): the classes and "
@@ -577,10 +737,13 @@ static PyMethodDef methods[] = {
     {"look", look, METH_O,
      "look(evd) -> 1 (an event that notifies came), 0 (none), -1 (Python looks), -2 (Python finishes evd._polled)."},
     {"napi_poll", napi_poll, METH_O,
-     "napi_poll(evd) -> bool: EVD._napi_poll() in one call (the poller's look and hand-over)."},
+     "napi_poll(evd) -> bool: the poller's look at one EVD and its hand-over to the callback or the waiting task."},
     {"sweep", sweep, METH_VARARGS,
      "sweep(hot, idle_turns) -> (found_any, callbacks, rest): the poller's pass over its EVDs; rest is the "
      "EVDs that busy-poll or were idle for idle_turns turns."},
+    {"wait_begin", wait_begin, METH_VARARGS,
+     "wait_begin(evd, threshold, timeout) -> list, Future or None: EVD.wait's common case up to its sleep "
+     "(the events, the waiter to await, or None for Python's general path)."},
     {"queue_common", queue_common, METH_VARARGS,
      "queue_common(evd, wcs_address, count, qpn_refs, queue) -> (taken, notified): turn the leading common-case "
      "completions into events appended to queue; the rest is left to Python."},
@@ -611,6 +774,11 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_overflow_reported, "_overflow_reported"); INTERN(s_done, "done"); INTERN(s_set_result, "set_result");
     INTERN(s_clear, "clear"); INTERN(s_napi_resume, "_napi_resume"); INTERN(s_napi_failed, "_napi_failed");
     INTERN(s_callback_raised, "_callback_raised"); INTERN(s_polling_the_cq, "polling the CQ");
+    INTERN(s_attached_loop, "_attached_loop"); INTERN(s_sharers, "_sharers");
+    INTERN(s_pending_error, "_pending_error"); INTERN(s_armed_solicited, "_armed_solicited");
+    INTERN(s_unarmed, "_unarmed"); INTERN(s_poller, "_poller"); INTERN(s_loop, "_loop"); INTERN(s_hot, "_hot");
+    INTERN(s_scheduled, "_scheduled"); INTERN(s_create_future, "create_future");
+    INTERN(s_set_deadline, "_set_deadline"); INTERN(s_napi_add, "_napi_add"); INTERN(s_poll_rest, "_poll_rest");
     INTERN(k_notify, "notify"); INTERN(success, "IBV_WC_SUCCESS");
     if ((one = PyLong_FromLong(1)) == NULL)
         return NULL;

@@ -21,6 +21,8 @@
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
 
+#include "pyattrs.h"
+
 /* set once by configure() */
 static PyObject *segment_type, *flags_type, *send_bits, *op_send, *state_connected, *state_disconnected,
                 *state_error;
@@ -56,28 +58,6 @@ static PyObject *one_segment(PyObject *segments)
     return (PyObject *)Py_TYPE(segments) == segment_type ? segments : NULL;
 }
 
-/* attribute ``name`` of ``obj`` as an unsigned 64-bit value; -1 with an exception set on error */
-static int get_u64(PyObject *obj, PyObject *name, unsigned long long *out)
-{
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL)
-        return -1;
-    *out = PyLong_AsUnsignedLongLong(value);
-    Py_DECREF(value);
-    return *out == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
-}
-
-/* attribute ``name`` of ``obj`` is ``expected`` (1), is not (0), or an error (-1) */
-static int attr_is(PyObject *obj, PyObject *name, PyObject *expected)
-{
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL)
-        return -1;
-    int same = value == expected;
-    Py_DECREF(value);
-    return same;
-}
-
 /* What every hot post checks: the EP is open, the segment's LMR is open and of the EP's PZ.
  * Fills the LMR (a new reference) and the scatter/gather element.  1: go on; 0: not the hot path. */
 static int check_segment(PyObject *ep, PyObject *seg, PyObject **lmr, struct ibv_sge *sge)
@@ -94,8 +74,8 @@ static int check_segment(PyObject *ep, PyObject *seg, PyObject **lmr, struct ibv
     Py_XDECREF(pz);
     if (ok == 1)
         ok = attr_is(*lmr, s_closed, Py_False);
-    if (ok == 1 && (get_u64(*lmr, s_address, &address) < 0 || get_u64(seg, s_offset, &offset) < 0
-                    || get_u64(seg, s_length, &length) < 0 || get_u64(*lmr, s_lkey, &lkey) < 0))
+    if (ok == 1 && (attr_ull(*lmr, s_address, &address) < 0 || attr_ull(seg, s_offset, &offset) < 0
+                    || attr_ull(seg, s_length, &length) < 0 || attr_ull(*lmr, s_lkey, &lkey) < 0))
         ok = -1;
     if (ok == 1 && length > UINT32_MAX)
         ok = 0;  /* more than one scatter/gather element holds: the general path says so */
@@ -244,7 +224,7 @@ static PyObject *post_send(PyObject *self, PyObject *args)
         return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
     }
     long long id = -1;
-    if (send_flags >= 0 && quiet >= 0 && get_u64(ep, s_max_inline, &max_inline) == 0)
+    if (send_flags >= 0 && quiet >= 0 && attr_ull(ep, s_max_inline, &max_inline) == 0)
         id = next_id(ep);
     unsigned long long wr_id = (unsigned long long)id * 2;
     if (id >= 0) {

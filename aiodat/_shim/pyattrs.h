@@ -1,0 +1,39 @@
+/* aiodat/_shim/pyattrs.h: reading a Python object's attributes in the hot-path modules
+ * (completions.c, posts.c), on the limited API.  Each returns -1 with the exception set on error. */
+#ifndef AIODAT_PYATTRS_H
+#define AIODAT_PYATTRS_H
+
+#include <Python.h>
+
+/* attribute ``name`` of ``obj`` as a C integer: 0, or -1 */
+static inline int attr_ull(PyObject *obj, PyObject *name, unsigned long long *out)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    *out = PyLong_AsUnsignedLongLong(value);
+    Py_DECREF(value);
+    return *out == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* attribute ``name`` of ``obj`` is true (1), false (0), or an error (-1) */
+static inline int attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    int truth = value ? PyObject_IsTrue(value) : -1;
+    Py_XDECREF(value);
+    return truth;
+}
+
+/* attribute ``name`` of ``obj`` is ``expected`` (1), is not (0), or an error (-1) */
+static inline int attr_is(PyObject *obj, PyObject *name, PyObject *expected)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int same = value == expected;
+    Py_DECREF(value);
+    return same;
+}
+
+#endif
