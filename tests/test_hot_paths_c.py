@@ -330,3 +330,38 @@ async def test_the_pollers_look_and_hand_over_are_c(ep_pair: Any, monkeypatch: p
         assert "_poll" not in python, python
     # (Python hands over only around the odd arm: far fewer times than the 2 x 30 messages)
     assert len(python) < rounds - warmup, python
+
+
+@pytest.mark.rxe
+async def test_a_wait_that_fails_before_it_sleeps_leaves_the_evd_free(ep_pair: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait's common case is C (_completions.wait_begin).  If it fails after making the waiter
+    (here: setting the timeout's timer), the EVD is left as the Python path's ``finally`` leaves
+    it: no waiter and no deadline, so the next wait, with or without a timeout, works."""
+    pair = ep_pair
+    evd = pair.server.recv_evd
+    pair.server.post_recv(pair.server_lmr[0:64], "r1")
+    pair.client.post_send(pair.client_lmr[0:8], None, CompletionFlags.SUPPRESS)
+    (ev,) = await evd.wait(timeout=10)  # (this loop now watches the EVD: later waits take C's path)
+    assert ev.cookie == "r1"
+
+    def no_timer(self: EVD, loop: Any, timeout: float) -> None:
+        self._deadline = loop.time() + timeout
+        raise RuntimeError("injected: the timer could not be set")
+
+    def python_path(self: EVD) -> bool:
+        raise AssertionError("the wait took Python's general path")
+
+    monkeypatch.setattr(EVD, "_set_deadline", no_timer)
+    monkeypatch.setattr(EVD, "_poll", python_path)
+    with pytest.raises(RuntimeError, match="injected"):
+        await evd.wait(timeout=0.05)
+    assert evd._waiter is None and evd._deadline is None
+    monkeypatch.undo()
+    pair.server.post_recv(pair.server_lmr[0:64], "r2")
+    waiter = asyncio.ensure_future(evd.wait())  # no timeout: nothing left over may expire it
+    await asyncio.sleep(0.2)
+    assert not waiter.done()
+    pair.client.post_send(pair.client_lmr[0:8], None, CompletionFlags.SUPPRESS)
+    (ev,) = await asyncio.wait_for(waiter, 10)
+    assert ev.cookie == "r2"

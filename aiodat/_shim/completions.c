@@ -47,7 +47,8 @@ static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited
                 *s_busy_until, *s_overflow_reported, *s_done, *s_set_result, *s_clear, *s_napi_resume,
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
 static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicited, *s_unarmed, *s_poller,
-                *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest;
+                *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest,
+                *s_deadline;
 static PyObject *get_running_loop;  /* asyncio.events._get_running_loop: the running loop, or None */
 static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
 static PyObject *k_type, *k_evd, *k_ep, *k_cookie, *k_status, *k_length, *k_operation, *k_imm,
@@ -696,12 +697,9 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
     PyObject *fut = PyObject_CallMethodObjArgs(loop, s_create_future, NULL);
     if (fut == NULL)
         goto out;
-    if (PyObject_SetAttr(evd, s_waiter, fut) < 0 || PyObject_SetAttr(evd, s_threshold, threshold) < 0) {
-        Py_DECREF(fut);
-        goto out;
-    }
-    int napi = 0;
-    if (timeout != Py_None) {
+    int napi = PyObject_SetAttr(evd, s_waiter, fut) < 0 || PyObject_SetAttr(evd, s_threshold, threshold) < 0
+               ? -1 : 0;
+    if (napi == 0 && timeout != Py_None) {
         PyObject *res = PyObject_CallMethodObjArgs(evd, s_set_deadline, loop, timeout, NULL);
         napi = res ? 0 : -1;
         Py_XDECREF(res);
@@ -714,10 +712,10 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
         else if (unarmed || busy_us)
             napi = napi_add(evd, loop);
     }
-    if (napi < 0) {  /* as the general path's finally: the EVD is free again */
+    if (napi < 0) {  /* as the general path's finally: the EVD is free again, with no deadline */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        if (PyObject_SetAttr(evd, s_waiter, Py_None) < 0)
+        if (PyObject_SetAttr(evd, s_waiter, Py_None) < 0 || PyObject_SetAttr(evd, s_deadline, Py_None) < 0)
             PyErr_Clear();
         PyErr_Restore(type, value, tb);
         Py_DECREF(fut);
@@ -779,6 +777,7 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_unarmed, "_unarmed"); INTERN(s_poller, "_poller"); INTERN(s_loop, "_loop"); INTERN(s_hot, "_hot");
     INTERN(s_scheduled, "_scheduled"); INTERN(s_create_future, "create_future");
     INTERN(s_set_deadline, "_set_deadline"); INTERN(s_napi_add, "_napi_add"); INTERN(s_poll_rest, "_poll_rest");
+    INTERN(s_deadline, "_deadline");
     INTERN(k_notify, "notify"); INTERN(success, "IBV_WC_SUCCESS");
     if ((one = PyLong_FromLong(1)) == NULL)
         return NULL;
