@@ -439,7 +439,8 @@ class EVD(Handle):
         return self._poll_rest(found)
 
     def _poll_rest(self, found: int) -> bool:
-        """_poll after C's look left the work to Python (``found``: -1 or -2, see _completions.look)."""
+        """_poll after C's look left the work to Python (``found``: -1 or -2, see _completions.look);
+        also called from C (_completions: the poller's look and a wait's)."""
         if found == -1:  # not the common case: nothing was polled
             if self._closed:
                 return False
@@ -562,17 +563,6 @@ class EVD(Handle):
             return False
         try:
             notified = self._drain_cq(rearm=False, spin_us=spin_us, arm_if_unarmed=False)
-        except Exception as exc:
-            self._napi_failed(exc, "polling the CQ")
-            return False
-        self._hand_over(notified)
-        return notified
-
-    def _napi_resume(self, found: int) -> bool:
-        """The poller's look (_completions.napi_poll) when C left it to Python (``found``: -1 or
-        -2, as _completions.look returns it): finish it and hand over.  Never raises."""
-        try:
-            notified = self._poll_rest(found)
         except Exception as exc:
             self._napi_failed(exc, "polling the CQ")
             return False

@@ -21,7 +21,7 @@ no system call and no wake-up between the two sides.
 
 The poller is duck-typed over the EVD (evd.py is the layer above).  Its looks are
 ``_completions.napi_poll(evd)`` and ``_completions.sweep`` (aiodat/_shim/completions.c), C
-that calls the EVD's own Python methods for what is not the common case (``_napi_resume``,
+that calls the EVD's own Python methods for what is not the common case (``_poll_rest``,
 ``_napi_failed``, ``_callback_raised``).  It calls ``_napi_spin(spin_us)`` to spin and
 ``_napi_arm()`` (True: keep polling), which never raise, and reads ``_closed``,
 ``_callback``, ``busy_poll_us`` and ``_busy_until``.

@@ -266,12 +266,12 @@ async def test_the_pollers_look_and_hand_over_are_c(ep_pair: Any, monkeypatch: p
     """Once a one-loop ping-pong has settled into polling, the loop's poller finds each message and
     wakes the waiting task, or calls the callback, in C (_completions.sweep and napi_poll), and each
     wait's look and hand-over to the poller are C too (_completions.wait_begin): C never leaves a
-    look to Python (_napi_resume), a wait never runs EVD._poll, and Python's hand-over
+    look to Python (_poll_rest), a wait never runs EVD._poll, and Python's hand-over
     (_hand_over, _deliver, _wake, _napi_add) runs only around the odd arm."""
     pair = ep_pair
     recv = {pair.client.recv_evd, pair.server.recv_evd}
     python: List[str] = []
-    for name in ("_napi_resume", "_hand_over", "_deliver", "_wake", "_poll", "_napi_add"):
+    for name in ("_poll_rest", "_hand_over", "_deliver", "_wake", "_poll", "_napi_add"):
         def spy(self: EVD, *args: Any, _name: str = name, _real: Any = getattr(EVD, name)) -> Any:
             if self in recv:
                 python.append(_name)
@@ -325,7 +325,7 @@ async def test_the_pollers_look_and_hand_over_are_c(ep_pair: Any, monkeypatch: p
         assert seen == list(range(rounds))
         server.recv_evd.set_callback(None)
         client.recv_evd.set_callback(None)
-    assert "_napi_resume" not in python, python
+    assert "_poll_rest" not in python, python
     if mode == "wait":
         assert "_poll" not in python, python
     # (Python hands over only around the odd arm: far fewer times than the 2 x 30 messages)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import List
+from collections import deque
+from typing import Any, Deque, List
 
 from aiodat import poller as P
 
@@ -25,10 +26,13 @@ class FakeEVD:
         self.calls: List[str] = []
 
     #: the poller's looks are C (_completions.napi_poll and sweep), and C's look hands an EVD
-    #: with a backlog to its Python _napi_resume: that is where this stand-in answers
+    #: with a backlog to its Python _poll_rest: that is where this stand-in answers; C's
+    #: hand-over then finds nothing queued and no task waiting
     _backlog = ["scripted"]
+    _queue: Deque[Any] = deque()
+    _waiter = None
 
-    def _napi_resume(self, found: int) -> bool:
+    def _poll_rest(self, found: int) -> bool:
         self.calls.append("poll")
         return self.finds.pop(0) if self.finds else False
 

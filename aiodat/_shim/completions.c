@@ -44,7 +44,7 @@ static PyObject *one;
 static PyObject *s_closed, *s_backlog, *s_awaited, *s_cq_address, *s_wcs_address, *s_qlen, *s_queue,
                 *s_qpn_refs, *s_polled;
 static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited_hit, *s_busy_poll_us,
-                *s_busy_until, *s_overflow_reported, *s_done, *s_set_result, *s_clear, *s_napi_resume,
+                *s_busy_until, *s_overflow_reported, *s_done, *s_set_result, *s_clear,
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
 static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicited, *s_unarmed, *s_poller,
                 *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest,
@@ -453,30 +453,38 @@ static int hand_over(PyObject *evd, int notified)
     return rc;
 }
 
-/* The poller's look at an open EVD: 1 (an event that notifies came), 0, or -1 with an
- * exception that is not an Exception (anything else went to the EVD, as in Python). */
-static int napi_poll_evd(PyObject *evd)
+/* EVD._poll in one call: C's look, and Python's _poll_rest for what the look left to it.
+ * 1 (an event that notifies came), 0, or -1 with an exception set. */
+static int poll_evd(PyObject *evd)
 {
     PyObject *found = look(NULL, evd);
-    long f = found ? PyLong_AsLong(found) : -3;
+    long f = found ? PyLong_AsLong(found) : -1;
     Py_XDECREF(found);
-    if (f == -3 || (f == -1 && PyErr_Occurred()))
+    if (f == -1 && PyErr_Occurred())
+        return -1;
+    if (f >= 0)
+        return f == 1;
+    PyObject *arg = PyLong_FromLong(f);  /* not the common case: Python finishes the look */
+    PyObject *res = arg ? PyObject_CallMethodObjArgs(evd, s_poll_rest, arg, NULL) : NULL;
+    Py_XDECREF(arg);
+    int truth = res ? PyObject_IsTrue(res) : -1;
+    Py_XDECREF(res);
+    return truth;
+}
+
+/* The poller's look at an open EVD and its hand-over (EVD._napi_spin's, with no spin): 1 (an
+ * event that notifies came), 0, or -1 with an exception that is not an Exception (any other
+ * failure went to the EVD's _napi_failed, as in Python). */
+static int napi_poll_evd(PyObject *evd)
+{
+    int notified = poll_evd(evd);
+    if (notified < 0 || hand_over(evd, notified) < 0)
         return hand_exception(evd, s_napi_failed, NULL) < 0 ? -1 : 0;
-    if (f < 0) {  /* not the common case: Python finishes the look and hands over */
-        PyObject *arg = PyLong_FromLong(f);
-        PyObject *res = arg ? PyObject_CallMethodObjArgs(evd, s_napi_resume, arg, NULL) : NULL;
-        Py_XDECREF(arg);
-        int truth = res ? PyObject_IsTrue(res) : -1;
-        Py_XDECREF(res);
-        return truth;
-    }
-    if (hand_over(evd, f == 1) < 0)
-        return hand_exception(evd, s_napi_failed, NULL) < 0 ? -1 : 0;
-    return f == 1;
+    return notified;
 }
 
 /* napi_poll(evd) -> bool: the poller's look at one EVD and its hand-over, in one call; what is not
- * the common case goes to the EVD's Python (_napi_resume, _napi_failed, _callback_raised). */
+ * the common case goes to the EVD's Python (_poll_rest, _napi_failed, _callback_raised). */
 static PyObject *napi_poll(PyObject *self, PyObject *evd)
 {
     int closed = attr_true(evd, s_closed);
@@ -563,20 +571,11 @@ out:
 }
 
 
-/* 1 when the attribute ``name`` of ``obj`` is None, 0 when not, -1 on error */
-static int attr_none(PyObject *obj, PyObject *name)
-{
-    return attr_is(obj, name, Py_None);
-}
-
 /* A wait is about to sleep on an EVD that is unarmed or busy-polls: EVD._napi_add, which hands it
  * to its loop's poller.  Done here when the poller already holds it and has its turn scheduled
  * (a ping-pong's every wait); anything else is the Python method's. */
-static int napi_add(PyObject *evd, PyObject *loop)
+static int napi_add(PyObject *evd, PyObject *loop, unsigned long long busy_us)
 {
-    unsigned long long busy_us;
-    if (attr_ull(evd, s_busy_poll_us, &busy_us) < 0)
-        return -1;
     int held = 0;
     PyObject *poller = busy_us ? NULL : PyObject_GetAttr(evd, s_poller);
     if (poller != NULL && poller != Py_None) {
@@ -612,8 +611,8 @@ static int can_wait_here(PyObject *evd, long threshold, PyObject *timeout, PyObj
         if (!(seconds >= 0))
             return 0;
     }
-    int ok = attr_true(evd, s_closed) == 0 && attr_none(evd, s_callback) == 1
-             && attr_none(evd, s_pending_error) == 1 && attr_true(evd, s_armed_solicited) == 0
+    int ok = attr_true(evd, s_closed) == 0 && attr_is(evd, s_callback, Py_None) == 1
+             && attr_is(evd, s_pending_error, Py_None) == 1 && attr_true(evd, s_armed_solicited) == 0
              && attr_true(evd, s_solicited) == 0 && attr_true(evd, s_sharers) == 0
              && attr_is(evd, s_attached_loop, loop) == 1;
     if (!ok)
@@ -672,20 +671,8 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
         }
         goto out;
     }
-    /* EVD._poll: the look, with no system call */
-    PyObject *found = look(NULL, evd);
-    long f = found ? PyLong_AsLong(found) : -3;
-    Py_XDECREF(found);
-    if (f == -3 || (f == -1 && PyErr_Occurred()))
+    if (poll_evd(evd) < 0)  /* the look, with no system call */
         goto out;
-    if (f < 0) {  /* C left it to Python */
-        PyObject *arg = PyLong_FromLong(f);
-        PyObject *res = arg ? PyObject_CallMethodObjArgs(evd, s_poll_rest, arg, NULL) : NULL;
-        Py_XDECREF(arg);
-        if (res == NULL)
-            goto out;
-        Py_DECREF(res);
-    }
     queue = PyObject_GetAttr(evd, s_queue);
     Py_ssize_t queued = queue ? PyObject_Length(queue) : -1;
     if (queued < 0)
@@ -705,12 +692,12 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
         Py_XDECREF(res);
     }
     if (napi == 0) {
-        unsigned long long busy_us = 0;
+        unsigned long long busy_us;
         int unarmed = attr_true(evd, s_unarmed);
-        if (unarmed < 0 || (!unarmed && attr_ull(evd, s_busy_poll_us, &busy_us) < 0))
+        if (unarmed < 0 || attr_ull(evd, s_busy_poll_us, &busy_us) < 0)
             napi = -1;
         else if (unarmed || busy_us)
-            napi = napi_add(evd, loop);
+            napi = napi_add(evd, loop, busy_us);
     }
     if (napi < 0) {  /* as the general path's finally: the EVD is free again, with no deadline */
         PyObject *type, *value, *tb;
@@ -770,7 +757,7 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_solicited, "_solicited"); INTERN(s_solicited_hit, "_solicited_hit");
     INTERN(s_busy_poll_us, "busy_poll_us"); INTERN(s_busy_until, "_busy_until");
     INTERN(s_overflow_reported, "_overflow_reported"); INTERN(s_done, "done"); INTERN(s_set_result, "set_result");
-    INTERN(s_clear, "clear"); INTERN(s_napi_resume, "_napi_resume"); INTERN(s_napi_failed, "_napi_failed");
+    INTERN(s_clear, "clear"); INTERN(s_napi_failed, "_napi_failed");
     INTERN(s_callback_raised, "_callback_raised"); INTERN(s_polling_the_cq, "polling the CQ");
     INTERN(s_attached_loop, "_attached_loop"); INTERN(s_sharers, "_sharers");
     INTERN(s_pending_error, "_pending_error"); INTERN(s_armed_solicited, "_armed_solicited");
