@@ -280,7 +280,7 @@ class EP(Posting, Handle):
         return EPParam(ia=self._ia, pz=self._pz, state=self._conn.state, attrs=self.attrs, qp_num=self.qp_num,
                        local_address=local, remote_address=remote, recv_evd=self.recv_evd,
                        request_evd=self.request_evd, connect_evd=self.connect_evd, srq=self._srq,
-                       outstanding_requests=len(self._send_q), outstanding_recvs=len(self._recv_q),
+                       outstanding_requests=self._sends_outstanding(), outstanding_recvs=len(self._recv_q),
                        retry_count=retry_count, ack_timeout=ack_timeout)
 
     def set_watermark(self, soft_high_watermark: Optional[int] = None,
@@ -421,15 +421,6 @@ class EP(Posting, Handle):
         ibv_destroy_qp): give each RMR a fresh, unbound window before the QP goes."""
         for rmr in list(self._windows):
             rmr._qp_gone(self)
-
-    def _retire_all(self) -> None:
-        for entry in self._send_q:
-            self._track(entry[3], -1)
-        for entry in self._recv_q:
-            self._track(entry[2], -1)
-        self._send_q.clear()
-        self._recv_q.clear()
-        self._quiet.clear()
 
     def free(self) -> None:
         """Free the endpoint (dat_ep_free): an open connection is dropped abruptly first."""

@@ -31,7 +31,7 @@ from aiodat.errors import (
 )
 from aiodat.evd import DTOOp
 from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments
-from aiodat.wr import DrainMarker, WorkRequests, all_same
+from aiodat.wr import DrainMarker, SendRun, WorkRequests, all_same
 
 if TYPE_CHECKING:
     from aiodat.ia import IA
@@ -202,9 +202,9 @@ class Posting(WorkRequests):
         n = len(cookies)
         if n == 0:
             return 0
-        batch = self._checked(inputs, cookies, self.attrs.max_recv_iov, "post_recv_batch")
-        if all_same(inputs):  # one scatter list shared by every receive
-            first = batch[0][0]
+        segs_column, same = self._checked(inputs, self.attrs.max_recv_iov, "post_recv_batch")
+        if same:  # one scatter list shared by every receive
+            first = segs_column[0]
             sges = ffi.new("struct aiodat_sge[]", max(1, len(first)))
             self._fill_sges(sges, 0, first)
             first_id = self._take_ids(n) * 2 + 1
@@ -219,19 +219,19 @@ class Posting(WorkRequests):
             return posted
         id_gen = self._ids
         wr_ids = [next(id_gen) * 2 + 1 for _ in range(n)]
-        sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
+        sges = ffi.new("struct aiodat_sge[]", max(1, sum(map(len, segs_column))))
         start_list, start = [], 0
-        for segs, _ in batch:
+        for segs in segs_column:
             self._fill_sges(sges, start, segs)
             start_list.append(start)
             start += len(segs)
         starts = ffi.new("int[]", start_list)
-        counts = ffi.new("int[]", [len(segs) for segs, _ in batch])
+        counts = ffi.new("int[]", [len(segs) for segs in segs_column])
         ids = ffi.new("uint64_t[]", wr_ids)
         err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, n, sges, self._posted)
         posted = self._posted[0]
-        self._recv_q.extend([(wr_ids[i], batch[i][1], batch[i][0]) for i in range(posted)])
-        for segs, _ in batch[:posted]:
+        self._recv_q.extend(zip(wr_ids[:posted], cookies, segs_column))
+        for segs in segs_column[:posted]:
             for seg in segs:
                 seg.lmr._inflight += 1
         if err:
@@ -239,24 +239,25 @@ class Posting(WorkRequests):
                                    self.attrs.max_recv_dtos)
         return posted
 
-    def _checked(self, inputs: Sequence[Segments], cookies: Sequence[Any], limit: int,
-                 what: str) -> List[Tuple[Tuple[Segment, ...], Any]]:
-        """A batch's (segments, cookie) pairs with every item's segments checked; the same segments
-        object on consecutive items is checked once, and yields one tuple (see _post_many)."""
+    def _checked(self, inputs: Sequence[Segments], limit: int,
+                 what: str) -> Tuple[List[Tuple[Segment, ...]], bool]:
+        """A batch's segments column, every item's checked, and whether every item gave the very
+        same segments object (then the column repeats one tuple: the batch fast paths).  The same
+        object on consecutive items is checked once, and yields one tuple."""
         if inputs and all_same(inputs):  # a stream of one buffer: check it once, no step per item
             segs = as_segments(inputs[0])
             self._check_post(segs, limit, what)
-            return list(zip(repeat(segs), cookies))
-        batch = []
-        last_in: Any = batch  # a sentinel no item is
+            return [segs] * len(inputs), True
+        column = []
+        last_in: Any = column  # a sentinel no item is
         checked: Tuple[Segment, ...] = ()
-        for segs, cookie in zip(inputs, cookies):
+        for segs in inputs:
             if segs is not last_in:  # the same segments again: checked already
                 checked = as_segments(segs)
                 self._check_post(checked, limit, what)
                 last_in = segs
-            batch.append((checked, cookie))
-        return batch
+            column.append(checked)
+        return column, False
 
     def _inline_bit(self, opcode: int, segs: Tuple[Segment, ...]) -> int:
         """IBV_SEND_INLINE for a send or RDMA write small enough to go inline, else 0."""
@@ -301,7 +302,7 @@ class Posting(WorkRequests):
         self._fill_sges(self._sges, 0, segs)
         err = lib.aiodat_post_send(self._qp, wr, 1, self._sges, self._posted)
         if err:
-            raise self._post_error(err, f"post {op.value}", len(self._send_q), self.attrs.max_request_dtos)
+            raise self._post_error(err, f"post {op.value}", self._sends_outstanding(), self.attrs.max_request_dtos)
         self._send_q.append((wr_id, cookie, op, segs, target))
         self._track(segs, 1)
         if quiet:
@@ -316,7 +317,7 @@ class Posting(WorkRequests):
             if not err:
                 return
             if err > 0:
-                raise self._post_error(err, "post send", len(self._send_q), self.attrs.max_request_dtos)
+                raise self._post_error(err, "post send", self._sends_outstanding(), self.attrs.max_request_dtos)
         segs = as_segments(segments)
         self._check_post(segs, self.attrs.max_request_iov, "post_send")
         if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
@@ -333,8 +334,8 @@ class Posting(WorkRequests):
         last_flags=DEFAULT`` asks for one completion per batch, which also retires the others.
         """
         inputs, cookies = _columns(items, 2, "post_send_batch", "(segments, cookie) pairs")
-        batch = self._checked(inputs, cookies, self.attrs.max_request_iov, "post_send_batch")
-        return self._post_many(DTOOp.SEND, WR_SEND, batch, flags, last_flags)
+        segs_column, same = self._checked(inputs, self.attrs.max_request_iov, "post_send_batch")
+        return self._post_many(DTOOp.SEND, WR_SEND, segs_column, cookies, same, flags, last_flags)
 
     # -- RDMA and atomics ---------------------------------------------------------
     def _check_remote(self, remote: Any, segs: Tuple[Segment, ...], what: str) -> None:
@@ -444,8 +445,10 @@ class Posting(WorkRequests):
         is posted.  Returns how many were posted (all of them, or QueueFull is
         raised saying how many went).  ``last_flags`` as in :meth:`post_send_batch`.
         """
-        batch, remotes = self._remote_batch(items, self.attrs.max_request_iov, "post_rdma_write_batch")
-        return self._post_many(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, batch, flags, last_flags, remotes)
+        segs_column, cookies, remotes, same = self._remote_batch(items, self.attrs.max_request_iov,
+                                                                 "post_rdma_write_batch")
+        return self._post_many(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, segs_column, cookies, same, flags, last_flags,
+                               remotes)
 
     def post_rdma_read_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]],
                              flags: CompletionFlags = CompletionFlags.DEFAULT,
@@ -455,16 +458,21 @@ class Posting(WorkRequests):
         ``last_flags`` as in :meth:`post_send_batch`."""
         if self.attrs.max_rdma_read_out == 0:
             raise InvalidParameter("post_rdma_read_batch: this EP was created with EPAttr.max_rdma_read_out=0")
-        batch, remotes = self._remote_batch(items, self._read_iov_limit(), "post_rdma_read_batch")
-        return self._post_many(DTOOp.RDMA_READ, WR_RDMA_READ, batch, flags, last_flags, remotes)
+        segs_column, cookies, remotes, same = self._remote_batch(items, self._read_iov_limit(), "post_rdma_read_batch")
+        return self._post_many(DTOOp.RDMA_READ, WR_RDMA_READ, segs_column, cookies, same, flags, last_flags,
+                               remotes)
 
-    def _remote_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]], limit: int,
-                      what: str) -> Tuple[List[Tuple[Tuple[Segment, ...], Any]], List["RemoteRegion"]]:
-        batch: List[Tuple[Tuple[Segment, ...], Any]] = []
+    def _remote_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]], limit: int, what: str
+                      ) -> Tuple[List[Tuple[Segment, ...]], List[Any], List["RemoteRegion"], bool]:
+        """The checked columns of a batch of (local_segments, remote, cookie) items, and whether
+        every item gave the very same local segments and remote (the batch fast path)."""
+        segs_column: List[Tuple[Segment, ...]] = []
+        cookies: List[Any] = []
         remotes: List["RemoteRegion"] = []
-        last_local: Any = batch  # sentinels no item is
-        last_remote: Any = batch
+        last_local: Any = segs_column  # sentinels no item is
+        last_remote: Any = segs_column
         segs: Tuple[Segment, ...] = ()
+        changes = 0
         for item in items:
             try:
                 local, remote, cookie = item
@@ -475,29 +483,31 @@ class Posting(WorkRequests):
                 self._check_post(segs, limit, what)
                 self._check_remote(remote, segs, what)
                 last_local, last_remote = local, remote
-            batch.append((segs, cookie))
+                changes += 1
+            segs_column.append(segs)
+            cookies.append(cookie)
             remotes.append(remote)
-        return batch, remotes
+        return segs_column, cookies, remotes, changes == 1
 
-    def _post_many(self, op: DTOOp, opcode: int, batch: List[Tuple[Tuple[Segment, ...], Any]],
-                   flags: CompletionFlags, last_flags: Optional[CompletionFlags] = None,
+    def _post_many(self, op: DTOOp, opcode: int, segs_column: Sequence[Tuple[Segment, ...]], cookies: Sequence[Any],
+                   same: bool, flags: CompletionFlags, last_flags: Optional[CompletionFlags] = None,
                    remotes: Optional[Sequence["RemoteRegion"]] = None) -> int:
+        """Post a checked batch; ``same``: every request has the very same segments (and remote)."""
         bits = (_flag_bits("flags", flags), _flag_bits("last_flags", flags if last_flags is None else last_flags))
         if self._conn.state is not EPState.CONNECTED:
             raise InvalidState(f"cannot post on an EP in state {self._conn.state.value} (connect it first)")
-        n = len(batch)
+        n = len(cookies)
         if n == 0:
             return 0
-        segs_column, cookies = zip(*batch)
-        if n > 1 and all_same(segs_column) and (remotes is None or all_same(remotes)):
+        if n > 1 and same:
             return self._post_same(op, opcode, segs_column[0], cookies, bits,
                                    remotes[0] if remotes is not None else None)
         wrs = ffi.new("struct aiodat_send_wr[]", n)
-        sges = ffi.new("struct aiodat_sge[]", max(1, sum(len(s) for s, _ in batch)))
+        sges = ffi.new("struct aiodat_sge[]", max(1, sum(map(len, segs_column))))
         (send_flags, quiet), (last_send_flags, last_quiet) = bits
         entries = []
         start = 0
-        for i, (segs, cookie) in enumerate(batch):
+        for i, (segs, cookie) in enumerate(zip(segs_column, cookies)):
             wr = wrs[i]
             wr_id = next(self._ids) * 2
             wr.wr_id, wr.opcode = wr_id, opcode
@@ -517,13 +527,15 @@ class Posting(WorkRequests):
                 self._quiet.add(entry[0])
         if err:
             raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
-                                   len(self._send_q), self.attrs.max_request_dtos)
+                                   self._sends_outstanding(), self.attrs.max_request_dtos)
         return posted
 
     def _post_same(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookies: Sequence[Any],
                    bits: Tuple[Tuple[int, bool], Tuple[int, bool]], remote: Optional["RemoteRegion"]) -> int:
         """The batch fast path: n requests on the same segments (and remote): one scatter/gather
-        list, the request written once and copied n times in C, only the wr_ids set one by one."""
+        list, the request written once and copied n times in C, only the wr_ids set one by one.
+        When the requests before the last are suppressed, the batch is one send-queue entry (a
+        wr.SendRun), which its last completion retires whole."""
         n = len(cookies)
         sges = ffi.new("struct aiodat_sge[]", max(1, len(segs)))
         self._fill_sges(sges, 0, segs)
@@ -539,7 +551,11 @@ class Posting(WorkRequests):
         err = lib.aiodat_post_send_same(self._qp, wr, last_send_flags, sges, first, 2, n, self._posted)
         posted = self._posted[0]
         wr_ids = range(first, first + 2 * posted, 2)
-        self._send_q.extend(zip(wr_ids, cookies, repeat(op), repeat(segs), repeat(None)))
+        if posted > 1 and not send_flags & SEND_SIGNALED:
+            cookies = cookies if type(cookies) is tuple and posted == n else tuple(cookies[:posted])
+            self._send_q.append((first, cookies, op, segs, SendRun(first, wr_ids[-1])))
+        else:
+            self._send_q.extend(zip(wr_ids, cookies, repeat(op), repeat(segs), repeat(None)))
         for seg in segs:
             seg.lmr._inflight += posted
         if quiet:
@@ -548,7 +564,7 @@ class Posting(WorkRequests):
             self._quiet.add(wr_ids[-1])
         if err:
             raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
-                                   len(self._send_q), self.attrs.max_request_dtos)
+                                   self._sends_outstanding(), self.attrs.max_request_dtos)
         return posted
 
     # -- memory windows (called by memory.py) --------------------------------------

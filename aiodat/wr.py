@@ -7,7 +7,10 @@ back through the EVD (evd.py calls :meth:`WorkRequests._completion_event`)
 finds it again, so the event carries the cookie, and the LMRs cannot be freed
 while the hardware may still touch them (``lmr._inflight``).  Requests posted
 without a completion of their own (suppressed) are retired when a later
-request of the same send queue completes, as the send queue is ordered.
+request of the same send queue completes, as the send queue is ordered.  A batch
+of requests on the same segments whose requests before the last are suppressed is
+one entry, a run (:class:`SendRun`): its last request's completion, the one that
+normally comes, retires it whole, with no step per request.
 
 The common case of :meth:`WorkRequests._completion_event` (a success that is
 the oldest entry of its queue, no UNSIGNALLED requests outstanding, no internal
@@ -24,7 +27,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import Counter, deque
-from itertools import chain, repeat, starmap
+from itertools import chain, compress, repeat, starmap
 from typing import TYPE_CHECKING, Any, Callable, Deque, Optional, Tuple
 
 from aiodat.epattr import EPRecvInfo
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
 WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 _WC_WR_FLUSH_ERR = 5
 _RECV, _RECV_IMM = DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM
-_WR_ID, _SEGS = operator.itemgetter(0), operator.itemgetter(3)  # of a send queue entry
+_WR_ID, _SEGS, _TARGET = operator.itemgetter(0), operator.itemgetter(3), operator.itemgetter(4)  # of a send entry
 _LMR = operator.attrgetter("lmr")  # of a Segment
 
 
@@ -56,6 +59,26 @@ def _entries_before(q: Deque[Tuple[Any, ...]], wr_id: int) -> int:
 def all_same(column: Any) -> bool:
     """True when every entry of a non-empty sequence is the very object of the first (checked in C)."""
     return all(map(operator.is_, column, repeat(column[0])))
+
+
+class SendRun:
+    """The ``target`` of a send-queue entry that stands for a batch of requests on the same
+    segments, all but the last suppressed (post.py's ``_post_same``): wr_ids ``base``,
+    ``base + 2``, ... ``last``, their cookies in order in the entry's cookie slot.  The entry's
+    wr_id is the oldest request still pending: a completion inside the run (an error or a flush
+    of a suppressed request) moves it on."""
+
+    __slots__ = ("base", "last")
+
+    def __init__(self, base: int, last: int) -> None:
+        self.base, self.last = base, last
+
+    def size(self, first: int) -> int:
+        """How many requests the entry whose wr_id is ``first`` still stands for."""
+        return (self.last - first) // 2 + 1
+
+
+_IS_RUN = SendRun.__instancecheck__  # (a C-level test, for map)
 
 
 class DrainMarker:
@@ -181,21 +204,66 @@ class WorkRequests:
         before it, posted without a completion of their own, finished before it: they are retired
         in bulk, with no Python step per entry (one per distinct LMR, none for one buffer)."""
         q = self._send_q
-        if q and q[0][0] == wr_id:
+        if not q:
+            return None
+        head = q[0]
+        if head[0] == wr_id and type(head[4]) is not SendRun:  # the oldest request
             return q.popleft()
-        n = _entries_before(q, wr_id)
-        retired = list(starmap(q.popleft, repeat((), n)))  # n pops, in C
-        if retired:
-            # the LMR of every segment of every retired entry, gathered in C
-            lmrs = list(map(_LMR, chain.from_iterable(map(_SEGS, retired))))
-            if lmrs and all_same(lmrs):  # the usual case: one buffer
-                lmrs[0]._inflight -= len(lmrs)
-            else:
-                for lmr, count in Counter(lmrs).items():
-                    lmr._inflight -= count
+        if type(head[4]) is SendRun and head[0] <= wr_id <= head[4].last:  # a batch's completion
+            return self._take_from_run(head, wr_id)
+        held = _entries_before(q, wr_id + 1)  # the entries posted at or before wr_id
+        if not held:
+            return None
+        newest = q[held - 1]
+        inside = newest[0] == wr_id or (type(newest[4]) is SendRun and wr_id <= newest[4].last)
+        self._retire(held - 1 if inside else held)
+        if not inside:
+            return None
+        head = q[0]
+        return self._take_from_run(head, wr_id) if type(head[4]) is SendRun else q.popleft()
+
+    def _take_from_run(self, head: Tuple[Any, ...], wr_id: int) -> Tuple[Any, ...]:
+        """The entry of ``wr_id``, which the run at the head of the send queue holds; the run's
+        requests before it completed (suppressed) and are retired, those after it stay."""
+        first, cookies, op, segs, run = head
+        q = self._send_q
+        if wr_id == run.last:
+            q.popleft()
+        else:
+            q[0] = (wr_id + 2, cookies, op, segs, run)
+        done = (wr_id - first) // 2  # suppressed requests before wr_id
+        if done:
+            for seg in segs:
+                seg.lmr._inflight -= done
             if self._quiet:
-                self._quiet.difference_update(map(_WR_ID, retired))
-        return q.popleft() if q and q[0][0] == wr_id else None
+                self._quiet.difference_update(range(first, wr_id, 2))
+        return (wr_id, cookies[(wr_id - run.base) // 2], op, segs, None)
+
+    def _retire(self, n: int) -> None:
+        """Retire the ``n`` oldest entries of the send queue (they completed without a completion
+        of their own): release their LMRs and forget their UNSIGNALLED marks."""
+        q = self._send_q
+        retired = list(starmap(q.popleft, repeat((), n)))  # n pops, in C
+        if not retired:
+            return
+        # the LMR of every segment of every retired entry, gathered in C
+        lmrs = list(map(_LMR, chain.from_iterable(map(_SEGS, retired))))
+        runs = list(compress(retired, map(_IS_RUN, map(_TARGET, retired))))
+        for first, _, _, segs, run in runs:  # a run's other requests
+            lmrs += map(_LMR, segs * (run.size(first) - 1))
+        if lmrs and all_same(lmrs):  # the usual case: one buffer
+            lmrs[0]._inflight -= len(lmrs)
+        else:
+            for lmr, count in Counter(lmrs).items():
+                lmr._inflight -= count
+        if self._quiet:
+            self._quiet.difference_update(map(_WR_ID, retired))
+            for first, _, _, _, run in runs:
+                self._quiet.difference_update(range(first, run.last + 1, 2))
+
+    def _sends_outstanding(self) -> int:
+        """How many requests the send queue holds (a run entry stands for several)."""
+        return sum(e[4].size(e[0]) if type(e[4]) is SendRun else 1 for e in self._send_q)
 
     def _pop_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
         q = self._recv_q
@@ -225,12 +293,10 @@ class WorkRequests:
     def _retire_all(self) -> None:
         """Forget every posted request (the QP was reset or destroyed): release their LMRs."""
         for entry in self._send_q:
-            self._track(entry[3], -1)
-            if type(entry[4]) is DrainMarker:
-                entry[4].completed("IBV_WC_WR_FLUSH_ERR")
+            run = entry[4]
+            self._track(entry[3], -(run.size(entry[0]) if type(run) is SendRun else 1))
         for entry in self._recv_q:
             self._track(entry[2], -1)
         self._send_q.clear()
         self._recv_q.clear()
         self._quiet.clear()
-

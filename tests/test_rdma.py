@@ -362,6 +362,32 @@ async def test_batch_of_one_buffer_signals_only_the_last(ia: Any) -> None:
     p.client_lmr.free()  # nothing of it is in flight any more
 
 
+async def test_a_failure_inside_a_batch_gives_each_request_its_event(ia: Any) -> None:
+    """A batch on one segment with all but the last suppressed is one send-queue entry (wr.SendRun).
+    Retired whole by a later request's completion; and when its first write fails (a wrong rkey)
+    and the other 7 are flushed, each comes back with its own cookie, in order; nothing stays in flight."""
+    p = await make_ep_pair(ia, 4096, EPAttr(max_request_dtos=64))
+    seg, good = p.client_lmr[0:64], p.server_lmr.remote()
+    suppress = CompletionFlags.SUPPRESS
+    assert p.client.post_rdma_write_batch([(seg, good, i) for i in range(8)], suppress, suppress) == 8
+    p.client.post_rdma_write(seg, good, "after")
+    assert p.client.query().outstanding_requests == 9
+    ev = (await one(p.client.request_evd)).raise_for_status()
+    assert ev.cookie == "after" and p.client.query().outstanding_requests == 0
+    bad = aiodat.RemoteRegion(good.address, good.length, good.rmr_context ^ 0x5A5A00)
+    assert p.client.post_rdma_write_batch([(seg, bad, i) for i in range(8)], suppress,
+                                          CompletionFlags.DEFAULT) == 8
+    assert p.client.query().outstanding_requests == 8
+    events: list = []
+    while len(events) < 8:
+        events += await p.client.request_evd.wait(timeout=T)
+    assert [e.cookie for e in events] == list(range(8))
+    assert events[0].status == "IBV_WC_REM_ACCESS_ERR"
+    assert all(e.status == "IBV_WC_WR_FLUSH_ERR" for e in events[1:])
+    assert p.client.query().outstanding_requests == 0
+    p.client_lmr.free()  # nothing of it is in flight any more
+
+
 async def test_lmr_same_buffer_twice_and_sync(ia: Any) -> None:
     p = await make_ep_pair(ia, 4096)
     buf = bytearray(4096)

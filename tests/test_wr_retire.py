@@ -1,12 +1,14 @@
 """The send queue's retirement (aiodat/wr.py) as a state table, host-only: a signalled completion
 takes its own entry and retires the suppressed ones posted before it, releasing their LMRs'
-in-flight counts and their UNSIGNALLED marks.  The real path runs on rxe in tests/test_rdma.py
-(batches of one buffer and of many, then ``lmr.free()``, which refuses while anything is in flight)."""
+in-flight counts and their UNSIGNALLED marks.  A batch on one buffer with its requests before the last
+suppressed is one entry, a run (wr.SendRun).  The real path runs on rxe in tests/test_rdma.py
+(batches of one buffer and of many, a failure inside a run, then ``lmr.free()``, which refuses while
+anything is in flight)."""
 from __future__ import annotations
 
 from typing import Any, List, Tuple
 
-from aiodat.wr import WorkRequests, _entries_before
+from aiodat.wr import SendRun, WorkRequests, _entries_before
 
 
 class FakeLMR:
@@ -32,6 +34,15 @@ def posted(ep: FakeEP, entries: List[Tuple[int, Tuple[Any, ...]]], quiet: Tuple[
         for seg in segs:
             seg.lmr._inflight += 1
     ep._quiet.update(quiet)
+
+
+def posted_run(ep: FakeEP, first: int, n: int, segs: Tuple[Any, ...]) -> None:
+    """A batch of ``n`` requests on ``segs``, all but the last suppressed, as post.py's _post_same records it."""
+    last = first + 2 * (n - 1)
+    ep._send_q.append((first, tuple(f"cookie{w}" for w in range(first, last + 1, 2)), None, segs,
+                       SendRun(first, last)))
+    for seg in segs:
+        seg.lmr._inflight += n
 
 
 def make_ep() -> FakeEP:
@@ -87,3 +98,68 @@ def test_entries_before() -> None:
     ep = make_ep()
     posted(ep, [(i, ()) for i in (2, 4, 8, 16, 32)])
     assert [_entries_before(ep._send_q, w) for w in (0, 2, 3, 4, 16, 33)] == [0, 0, 1, 1, 3, 5]
+
+
+def test_a_run_is_retired_whole_by_its_last_completion() -> None:
+    lmr = FakeLMR()
+    ep = make_ep()
+    posted_run(ep, 2, 32, (FakeSeg(lmr),))
+    posted_run(ep, 66, 32, (FakeSeg(lmr),))
+    assert len(ep._send_q) == 2 and ep._sends_outstanding() == 64 and lmr._inflight == 64
+    entry = ep._pop_send(64)
+    assert entry is not None and entry[0] == 64 and entry[1] == "cookie64" and entry[4] is None
+    assert [e[0] for e in ep._send_q] == [66] and ep._sends_outstanding() == 32
+    assert lmr._inflight == 33  # the completed request's own count is its caller's to release
+
+
+def test_completions_inside_a_run_take_their_own_cookies() -> None:
+    """An error or a flush completes suppressed requests one by one: each takes its own cookie, the
+    ones before it are retired, the ones after it stay in the run."""
+    a, b = FakeLMR(), FakeLMR()
+    ep = make_ep()
+    posted_run(ep, 10, 6, (FakeSeg(a), FakeSeg(b)))  # 10 .. 20
+    entry = ep._pop_send(14)  # the third request failed
+    assert entry == (14, "cookie14", None, ep._send_q[0][3], None)
+    assert (a._inflight, b._inflight) == (4, 4)  # 10 and 12 retired; 14 is the caller's
+    assert ep._send_q[0][0] == 16 and ep._sends_outstanding() == 3
+    for wr_id in (14, 16, 18, 20):  # the caller releases each taken request; then come the flushes
+        if wr_id != 14:
+            assert ep._pop_send(wr_id)[1] == f"cookie{wr_id}"
+        a._inflight -= 1
+        b._inflight -= 1
+    assert not ep._send_q and (a._inflight, b._inflight) == (0, 0)
+
+
+def test_runs_before_a_completion_are_retired_in_bulk() -> None:
+    a, b = FakeLMR(), FakeLMR()
+    ep = make_ep()
+    posted_run(ep, 2, 4, (FakeSeg(a),))  # 2 .. 8, the last suppressed too
+    posted(ep, [(10, (FakeSeg(b),))], quiet=(10,))
+    posted_run(ep, 12, 3, (FakeSeg(b), FakeSeg(a)))  # 12 .. 16
+    posted(ep, [(18, (FakeSeg(a),)), (20, (FakeSeg(a),))])
+    ep._quiet.add(16)
+    assert ep._pop_send(18)[0] == 18
+    assert (a._inflight, b._inflight) == (1 + 1, 0)  # 18 is the caller's, 20 is still posted
+    assert [e[0] for e in ep._send_q] == [20] and not ep._quiet
+
+
+def test_a_wr_id_inside_a_later_run() -> None:
+    lmr = FakeLMR()
+    ep = make_ep()
+    posted(ep, [(2, (FakeSeg(lmr),))])
+    posted_run(ep, 4, 5, (FakeSeg(lmr),))  # 4 .. 12
+    posted(ep, [(14, (FakeSeg(lmr),))])
+    assert ep._pop_send(8)[1] == "cookie8"  # 2, 4 and 6 retired
+    assert lmr._inflight == 7 - 3 and ep._sends_outstanding() == 3  # 10, 12, 14 (8 is the caller's)
+    assert ep._pop_send(13) is None  # not posted: what came before it is retired
+    assert [e[0] for e in ep._send_q] == [14] and lmr._inflight == 2
+
+
+def test_retire_all_releases_every_request_of_a_run() -> None:
+    lmr = FakeLMR()
+    ep = make_ep()
+    posted_run(ep, 2, 16, (FakeSeg(lmr), FakeSeg(lmr)))
+    posted(ep, [(40, (FakeSeg(lmr),))])
+    assert lmr._inflight == 33
+    ep._retire_all()
+    assert lmr._inflight == 0 and not ep._send_q and ep._sends_outstanding() == 0
