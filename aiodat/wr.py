@@ -13,10 +13,11 @@ one entry, a run (:class:`SendRun`): its last request's completion, the one that
 normally comes, retires it whole, with no step per request.
 
 The common case of :meth:`WorkRequests._completion_event` (a success that is
-the oldest entry of its queue, no UNSIGNALLED requests outstanding, no internal
-target) is also written in C, in aiodat/_shim/completions.c, which reads
-``_recv_q``, ``_send_q``, ``_quiet`` and ``_ud`` and the entries' layout: a change
-here must be made there too (tests/test_hot_paths_c.py compares the two).
+the oldest entry of its queue, or the last request of the run at its head, no
+UNSIGNALLED requests outstanding, no internal target) is also written in C, in
+aiodat/_shim/completions.c, which reads ``_recv_q``, ``_send_q``, ``_quiet``,
+``_ud``, the entries' layout and :class:`SendRun`: a change here must be made there too
+(tests/test_hot_paths_c.py compares the two).
 
 :class:`WorkRequests` is a mixin of :class:`aiodat.EP`; it owns the attributes
 set by :meth:`WorkRequests._init_tracking` and reads the EP's ``_srq``, ``_rc``,
@@ -30,6 +31,7 @@ from collections import Counter, deque
 from itertools import chain, compress, repeat, starmap
 from typing import TYPE_CHECKING, Any, Callable, Deque, Optional, Tuple
 
+from aiodat._shim import _completions
 from aiodat.epattr import EPRecvInfo
 from aiodat.evd import DTOCompletionEvent, DTOOp
 from aiodat.memory import Segment
@@ -79,6 +81,7 @@ class SendRun:
 
 
 _IS_RUN = SendRun.__instancecheck__  # (a C-level test, for map)
+_completions.configure_send_run(SendRun)  # a run's last completion takes the C path (completions.c)
 
 
 class DrainMarker:

@@ -20,7 +20,7 @@ from aiodat import CompletionFlags, DTOOp, QueueFull
 from aiodat._lib import ffi
 from aiodat._shim import _completions
 from aiodat.evd import EVD
-from aiodat.wr import DrainMarker, WorkRequests
+from aiodat.wr import DrainMarker, SendRun, WorkRequests
 
 IBV_WC_SEND, IBV_WC_RDMA_WRITE, IBV_WC_RECV, IBV_WC_RECV_RDMA_WITH_IMM = 0, 1, 128, 129
 
@@ -130,7 +130,28 @@ def test_receives_and_sends_give_the_python_events() -> None:
         c_queue[0].cookie = "x"  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("case", ["error", "suppressed before", "unsignalled", "drain marker", "rdma read", "srq"])
+@pytest.mark.parametrize("first", [10, 12])
+def test_a_runs_last_completion_gives_the_python_event(first: int) -> None:
+    """A batch recorded as one entry (wr.SendRun, wr_ids 10..16; at 12 after a completion inside
+    it): its last completion takes the whole entry in C, as wr.py's _take_from_run does."""
+    c_world, py_world = world()
+    for ep, lmr in ((c_world[0], c_world[2]), (py_world[0], py_world[2])):
+        ep._send_q.clear()
+        ep._send_q.append((first, ("c10", "c12", "c14", "c16"), DTOOp.RDMA_WRITE, (Seg(lmr, 8),), SendRun(10, 16)))
+        ep._send_q.append((18, "after", DTOOp.SEND, (Seg(lmr, 8),), None))
+        lmr._inflight = 100
+    rows = [(16, 0, IBV_WC_RDMA_WRITE, 0, 7, None, 0, 0)]
+    taken, notified, c_queue = run_c(rows, c_world[4], object())
+    py_queue = python_events(rows, py_world[4], object())
+    assert (taken, notified) == (1, True) and len(c_queue) == len(py_queue) == 1
+    events_equal_ignoring_world(c_queue[0], py_queue[0])
+    assert c_queue[0].cookie == "c16" and c_queue[0].transferred_length == 8
+    assert c_world[2]._inflight == py_world[2]._inflight == 100 - (16 - first) // 2 - 1
+    assert [e[0] for e in c_world[0]._send_q] == [e[0] for e in py_world[0]._send_q] == [18]
+
+
+@pytest.mark.parametrize("case", ["error", "suppressed before", "unsignalled", "drain marker", "rdma read", "srq",
+                                  "inside a run"])
 def test_c_stops_changing_nothing_where_python_must_decide(case: str) -> None:
     c_world, py_world = world()
     rows = [(1, 0, IBV_WC_RECV, 64, 7, None, 0, 0)]
@@ -143,7 +164,9 @@ def test_c_stops_changing_nothing_where_python_must_decide(case: str) -> None:
             ep._send_q[0] = (0, "c", DTOOp.RDMA_READ, (Seg(lmr, 8),), None)
         elif case == "srq":
             ep._recv_q.clear()
-    second = {"error": (3, 12, IBV_WC_RECV, 0, 7, None, 0, 1), "suppressed before": (2, 0, IBV_WC_SEND, 0, 7, None, 0, 0),
+        elif case == "inside a run":
+            ep._send_q[0] = (0, ("a", "b", "c"), DTOOp.SEND, (Seg(lmr, 8),), SendRun(0, 4))
+    second = {"inside a run": (2, 0, IBV_WC_SEND, 0, 7, None, 0, 0),"error": (3, 12, IBV_WC_RECV, 0, 7, None, 0, 1), "suppressed before": (2, 0, IBV_WC_SEND, 0, 7, None, 0, 0),
               "unsignalled": (3, 0, IBV_WC_RECV, 0, 7, None, 0, 0), "drain marker": (0, 0, IBV_WC_RDMA_WRITE, 0, 7, None, 0, 0),
               "rdma read": (0, 0, 2, 8, 7, None, 0, 0), "srq": (1, 0, IBV_WC_RECV, 0, 7, None, 0, 0)}[case]
     if case in ("unsignalled", "srq"):

@@ -38,6 +38,8 @@
 /* set once by configure(): the event class and the values an event carries */
 static PyObject *event_cls, *dto_completion, *op_recv, *op_recv_imm, *plain_send_ops, *success;
 static allocfunc event_alloc;
+/* wr.SendRun, set by configure_send_run(): a batch's one send-queue entry; NULL: runs are Python's */
+static PyObject *send_run_cls;
 /* the shim's aiodat_cq_poll (the cffi module), whose address configure() is given */
 static int (*poll_fn)(struct ibv_cq *cq, struct aiodat_wc *out, int max);
 static PyObject *one;
@@ -50,6 +52,7 @@ static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicit
                 *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest,
                 *s_deadline;
 static PyObject *get_running_loop;  /* asyncio.events._get_running_loop: the running loop, or None */
+static PyObject *s_base, *s_last;
 static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
 static PyObject *k_type, *k_evd, *k_ep, *k_cookie, *k_status, *k_length, *k_operation, *k_imm,
                 *k_vendor_err, *k_src_qp, *k_notify;
@@ -96,13 +99,13 @@ static long long segments_length(PyObject *segs)
     return total;
 }
 
-/* lmr._inflight -= 1 for each segment: they are the hardware's no more. */
-static int release_segments(PyObject *segs)
+/* lmr._inflight -= requests for each segment: they are the hardware's no more. */
+static int release_segments(PyObject *segs, PyObject *requests)
 {
     for (Py_ssize_t k = 0; k < PyTuple_Size(segs); k++) {
         PyObject *lmr = PyObject_GetAttr(PyTuple_GetItem(segs, k), s_lmr);
         PyObject *count = lmr ? PyObject_GetAttr(lmr, s_inflight) : NULL;
-        PyObject *less = count ? PyNumber_Subtract(count, one) : NULL;
+        PyObject *less = count ? PyNumber_Subtract(count, requests) : NULL;
         int err = less == NULL || PyObject_SetAttr(lmr, s_inflight, less) < 0;
         Py_XDECREF(less); Py_XDECREF(count); Py_XDECREF(lmr);
         if (err)
@@ -140,7 +143,8 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
 {
     int recv = (int)(wc->wr_id & 1);
     int taken = 0;
-    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL, *imm = NULL, *src = NULL;
+    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL, *imm = NULL, *src = NULL,
+             *requests = NULL;
     q = PyObject_GetAttr(ep, recv ? s_recv_q : s_send_q);
     quiet = q ? PyObject_GetAttr(ep, s_quiet) : NULL;
     if (quiet == NULL)
@@ -151,12 +155,26 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     if (head == NULL || !PyTuple_Check(head))
         goto error;
     wr_id = PyTuple_GetItem(head, 0);
-    if (wr_id == NULL || PyLong_AsUnsignedLongLong(wr_id) != wc->wr_id) {
-        if (PyErr_Occurred())
+    PyObject *cookie = PyTuple_GetItem(head, 1);
+    unsigned long long first = wr_id ? PyLong_AsUnsignedLongLong(wr_id) : (unsigned long long)-1;
+    if (PyErr_Occurred())
+        goto error;
+    PyObject *target = !recv && PyTuple_Size(head) == 5 ? PyTuple_GetItem(head, 4) : NULL;
+    if (target != NULL && send_run_cls != NULL && (PyObject *)Py_TYPE(target) == send_run_cls) {
+        /* a run (wr.SendRun): a batch's last completion takes the whole entry; wr.py's _take_from_run */
+        unsigned long long base, last;
+        if (attr_ull(target, s_base, &base) < 0 || attr_ull(target, s_last, &last) < 0 || !PyTuple_Check(cookie))
             goto error;
+        if (wc->wr_id != last || first > last || last < base
+            || (last - base) / 2 >= (unsigned long long)PyTuple_Size(cookie))
+            goto done;  /* a completion inside the run: an error or a flush, wr.py's */
+        cookie = PyTuple_GetItem(cookie, (Py_ssize_t)((last - base) / 2));
+        requests = PyLong_FromUnsignedLongLong((last - first) / 2 + 1);
+        if (requests == NULL)
+            goto error;
+    } else if (first != wc->wr_id) {
         goto done;  /* not the oldest request (suppressed sends before it, or out of order) */
     }
-    PyObject *cookie = PyTuple_GetItem(head, 1);
     PyObject *op, *segs;
     if (recv) {
         if (PyTuple_Size(head) != 3)
@@ -168,7 +186,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
             goto error;
         op = PyTuple_GetItem(head, 2);
         segs = PyTuple_GetItem(head, 3);
-        if (PyTuple_GetItem(head, 4) != Py_None)
+        if (requests == NULL && PyTuple_GetItem(head, 4) != Py_None)
             goto done;  /* a drain marker or a window bind: wr.py's business */
         int plain = PySet_Contains(plain_send_ops, op);
         if (plain <= 0) {
@@ -201,7 +219,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     if (*out == NULL)
         goto error;
     popped = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
-    if (popped == NULL || release_segments(segs) < 0) {
+    if (popped == NULL || release_segments(segs, requests ? requests : one) < 0) {
         /* (a deque's popleft and an int's decrement do not fail on real objects) */
         Py_CLEAR(*out);
         goto error;
@@ -212,6 +230,7 @@ error:
     taken = -1;
 done:
     Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(popped); Py_XDECREF(imm); Py_XDECREF(src);
+    Py_XDECREF(requests);
     return taken;
 }
 
@@ -715,10 +734,26 @@ out:
     return result;
 }
 
+/* configure_send_run(cls): wr.SendRun, so that a batch's last completion takes the C path too */
+static PyObject *configure_send_run(PyObject *self, PyObject *cls)
+{
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "configure_send_run(wr.SendRun)");
+        return NULL;
+    }
+    PyObject *before = send_run_cls;
+    Py_INCREF(cls);
+    send_run_cls = cls;
+    Py_XDECREF(before);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(event_cls, dto_completion, recv_op, recv_imm_op, plain_send_ops, cq_poll_address): the classes and "
      "values events carry, and the shim's poll."},
+    {"configure_send_run", configure_send_run, METH_O,
+     "configure_send_run(cls): the class of a batch's one send-queue entry (wr.SendRun)."},
     {"look", look, METH_O,
      "look(evd) -> 1 (an event that notifies came), 0 (none), -1 (Python looks), -2 (Python finishes evd._polled)."},
     {"napi_poll", napi_poll, METH_O,
@@ -746,7 +781,7 @@ PyMODINIT_FUNC PyInit__completions(void)
 {
     INTERN(s_recv_q, "_recv_q"); INTERN(s_send_q, "_send_q"); INTERN(s_quiet, "_quiet"); INTERN(s_ud, "_ud");
     INTERN(s_lmr, "lmr"); INTERN(s_inflight, "_inflight"); INTERN(s_length, "length");
-    INTERN(s_popleft, "popleft"); INTERN(s_append, "append");
+    INTERN(s_popleft, "popleft"); INTERN(s_append, "append"); INTERN(s_base, "base"); INTERN(s_last, "last");
     INTERN(s_closed, "_closed"); INTERN(s_backlog, "_backlog"); INTERN(s_awaited, "_awaited");
     INTERN(s_cq_address, "_cq_address"); INTERN(s_wcs_address, "_wcs_address"); INTERN(s_qlen, "_qlen");
     INTERN(s_queue, "_queue"); INTERN(s_qpn_refs, "_qpn_refs"); INTERN(s_polled, "_polled"); INTERN(s_dict, "__dict__");
