@@ -38,6 +38,8 @@
 /* set once by configure(): the event class and the values an event carries */
 static PyObject *event_cls, *dto_completion, *op_recv, *op_recv_imm, *plain_send_ops, *success;
 static allocfunc event_alloc;
+/* an event's __dict__ with its constant fields filled in, copied per event (configure() makes it) */
+static PyObject *event_template;
 /* wr.SendRun, set by configure_send_run(): a batch's one send-queue entry; NULL: runs are Python's */
 static PyObject *send_run_cls;
 /* the shim's aiodat_cq_poll (the cffi module), whose address configure() is given */
@@ -77,6 +79,19 @@ static PyObject *configure(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "the event class has no tp_alloc");
         return NULL;
     }
+    /* the keys in DTOCompletionEvent._completed's order; a copy of a dict this size is one memcpy */
+    PyObject *template = PyDict_New(), *zero = PyLong_FromLong(0);
+    PyObject *const pairs[][2] = {{k_type, dto}, {k_evd, Py_None}, {k_ep, Py_None}, {k_cookie, Py_None},
+                                  {k_status, success}, {k_length, zero}, {k_operation, Py_None},
+                                  {k_imm, Py_None}, {k_vendor_err, zero}, {k_src_qp, Py_None},
+                                  {k_notify, Py_True}};
+    for (size_t i = 0; template != NULL && i < sizeof(pairs) / sizeof(pairs[0]); i++)
+        if (zero == NULL || PyDict_SetItem(template, pairs[i][0], pairs[i][1]) < 0)
+            Py_CLEAR(template);
+    Py_XDECREF(zero);
+    if (template == NULL)
+        return NULL;
+    event_template = template;
     event_alloc = alloc;
     Py_INCREF(cls); Py_INCREF(dto); Py_INCREF(recv); Py_INCREF(recv_imm); Py_INCREF(sends);
     event_cls = cls; dto_completion = dto; op_recv = recv; op_recv_imm = recv_imm; plain_send_ops = sends;
@@ -114,22 +129,22 @@ static int release_segments(PyObject *segs, PyObject *requests)
     return 0;
 }
 
-/* a DTOCompletionEvent made as DTOCompletionEvent._completed makes it: no __init__, one __dict__ */
+/* a DTOCompletionEvent made as DTOCompletionEvent._completed makes it: no __init__, one __dict__
+ * (a copy of the template, with only the fields that vary set) */
 static PyObject *make_event(PyObject *evd, PyObject *ep, PyObject *cookie, long long length, PyObject *op,
                             PyObject *imm, uint32_t vendor_err, PyObject *src_qp)
 {
-    PyObject *d = PyDict_New(), *ev = NULL, *len = NULL, *verr = NULL;
+    PyObject *d = PyDict_Copy(event_template), *ev = NULL, *len = NULL, *verr = NULL;
     if (d == NULL)
         return NULL;
     len = PyLong_FromLongLong(length);
-    verr = PyLong_FromUnsignedLong(vendor_err);
-    if (len && verr
-        && !PyDict_SetItem(d, k_type, dto_completion) && !PyDict_SetItem(d, k_evd, evd)
-        && !PyDict_SetItem(d, k_ep, ep) && !PyDict_SetItem(d, k_cookie, cookie)
-        && !PyDict_SetItem(d, k_status, success) && !PyDict_SetItem(d, k_length, len)
-        && !PyDict_SetItem(d, k_operation, op) && !PyDict_SetItem(d, k_imm, imm)
-        && !PyDict_SetItem(d, k_vendor_err, verr) && !PyDict_SetItem(d, k_src_qp, src_qp)
-        && !PyDict_SetItem(d, k_notify, Py_True)) {
+    verr = vendor_err ? PyLong_FromUnsignedLong(vendor_err) : NULL;
+    if (len && (verr || !vendor_err)
+        && !PyDict_SetItem(d, k_evd, evd) && !PyDict_SetItem(d, k_ep, ep) && !PyDict_SetItem(d, k_cookie, cookie)
+        && !PyDict_SetItem(d, k_length, len) && !PyDict_SetItem(d, k_operation, op)
+        && (imm == Py_None || !PyDict_SetItem(d, k_imm, imm))
+        && (verr == NULL || !PyDict_SetItem(d, k_vendor_err, verr))
+        && (src_qp == Py_None || !PyDict_SetItem(d, k_src_qp, src_qp))) {
         ev = event_alloc((PyTypeObject *)event_cls, 0);
         if (ev && PyObject_GenericSetAttr(ev, s_dict, d) < 0)
             Py_CLEAR(ev);
