@@ -166,9 +166,13 @@ def test_c_stops_changing_nothing_where_python_must_decide(case: str) -> None:
             ep._recv_q.clear()
         elif case == "inside a run":
             ep._send_q[0] = (0, ("a", "b", "c"), DTOOp.SEND, (Seg(lmr, 8),), SendRun(0, 4))
-    second = {"inside a run": (2, 0, IBV_WC_SEND, 0, 7, None, 0, 0),"error": (3, 12, IBV_WC_RECV, 0, 7, None, 0, 1), "suppressed before": (2, 0, IBV_WC_SEND, 0, 7, None, 0, 0),
-              "unsignalled": (3, 0, IBV_WC_RECV, 0, 7, None, 0, 0), "drain marker": (0, 0, IBV_WC_RDMA_WRITE, 0, 7, None, 0, 0),
-              "rdma read": (0, 0, 2, 8, 7, None, 0, 0), "srq": (1, 0, IBV_WC_RECV, 0, 7, None, 0, 0)}[case]
+    second = {"error": (3, 12, IBV_WC_RECV, 0, 7, None, 0, 1),
+              "suppressed before": (2, 0, IBV_WC_SEND, 0, 7, None, 0, 0),
+              "unsignalled": (3, 0, IBV_WC_RECV, 0, 7, None, 0, 0),
+              "drain marker": (0, 0, IBV_WC_RDMA_WRITE, 0, 7, None, 0, 0),
+              "rdma read": (0, 0, 2, 8, 7, None, 0, 0),
+              "srq": (1, 0, IBV_WC_RECV, 0, 7, None, 0, 0),
+              "inside a run": (2, 0, IBV_WC_SEND, 0, 7, None, 0, 0)}[case]  # not the run's last
     if case in ("unsignalled", "srq"):
         rows = [second]  # C takes nothing at all
     else:
