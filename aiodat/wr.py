@@ -205,7 +205,8 @@ class WorkRequests:
     def _pop_send(self, wr_id: int) -> Any:
         """Take the entry of ``wr_id`` off the send queue (None if it is not there).  The entries
         before it, posted without a completion of their own, finished before it: they are retired
-        in bulk, with no Python step per entry (one per distinct LMR, none for one buffer)."""
+        in bulk, with no Python step per entry (one per run and per distinct LMR, none for plain
+        entries on one buffer)."""
         q = self._send_q
         if not q:
             return None

@@ -201,7 +201,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
             goto error;
         op = PyTuple_GetItem(head, 2);
         segs = PyTuple_GetItem(head, 3);
-        if (requests == NULL && PyTuple_GetItem(head, 4) != Py_None)
+        if (requests == NULL && target != Py_None)
             goto done;  /* a drain marker or a window bind: wr.py's business */
         int plain = PySet_Contains(plain_send_ops, op);
         if (plain <= 0) {
