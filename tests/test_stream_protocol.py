@@ -4,7 +4,9 @@ StreamCore is sans-IO: these tests drive two cores against each other through
 a simulated wire (receive slots that must be posted before a send lands, an
 RDMA-writable window, in-order send completions) and check what the protocol
 promises: the sender never exceeds the receiver's posted slots, credits come
-back, the window is used and released, bytes arrive whole and in order, EOF
+back, the window is used as a ring and released (a window write never lands on
+bytes not yet read, nor reuses staged bytes the device may still read), bytes
+arrive whole and in order, EOF
 comes last, and malformed input is refused with a clear error.
 """
 from __future__ import annotations
@@ -18,12 +20,15 @@ import pytest
 from aiodat.errors import ConnectionBroken, InvalidParameter, ModelNotSupported
 from aiodat.streams.protocol import (
     FLAG_RELEASE,
+    FLAG_WRAP,
     HEADER,
+    MAX_WINDOWS,
     MSG_CREDIT,
     MSG_DATA,
     MSG_EOF,
     MSG_WINDOW,
     PARAMS,
+    VERSION,
     Header,
     Message,
     PeerParams,
@@ -55,6 +60,8 @@ class Side:
         self.slots = [bytearray(cfg.buffer_size) for _ in range(cfg.slots)]
         self.posted: Deque[int] = deque(range(cfg.slots))  # receives are consumed in posting order
         self.window = bytearray(cfg.window_size)
+        self.unread: Deque[Tuple[int, int]] = deque()  # window parts written into ours and not yet read
+        self.staged: Deque[Tuple[int, int]] = deque()  # our staging parts the device may still read
         self.arrived: Deque[Tuple[int, int]] = deque()  # receive completions not yet processed
         self.send_queue: List[Tuple[Tuple[str, int], bool]] = []  # (cookie, signalled) in posting order
         self.got = bytearray()
@@ -70,7 +77,14 @@ def transmit(a: Side, b: Side, limit: int = 10 ** 9) -> int:
         if send is None:
             break
         if send.window_write:
-            a.core.copy_pending(memoryview(b.window), send.length)  # the RDMA write
+            part = (send.offset, send.offset + send.length)
+            overlaps = [p for p in list(b.unread) + list(a.staged) if p[0] < part[1] and part[0] < p[1]]
+            assert not overlaps, f"window write {part} over {overlaps} (unread by the peer or still staged)"
+            assert len(a.staged) < MAX_WINDOWS + 1
+            assert bool(send.header[1] & FLAG_WRAP) == (send.offset == 0)
+            a.core.copy_pending(memoryview(b.window)[part[0]:part[1]], send.length)  # the RDMA write
+            b.unread.append(part)
+            a.staged.append(part)
             a.send_queue.append((("w", 0), False))
         wire = bytearray(send.wire_length)
         wire[:HEADER.size] = send.header
@@ -95,6 +109,9 @@ def complete_sends(a: Side) -> None:
             a.core.on_send_complete(cookie)
     # everything posted before the last signalled send is done; keep the tail
     last = max((i for i, (_, s) in enumerate(a.send_queue) if s), default=-1)
+    for cookie, _ in a.send_queue[:last + 1]:
+        if cookie == ("w", 0):
+            a.staged.popleft()  # the write completed: the device is done with its staged bytes
     del a.send_queue[:last + 1]
 
 
@@ -102,7 +119,10 @@ def deliver(b: Side, message: Message) -> None:
     if message.type == MSG_DATA:
         b.got += b.slots[message.slot][HEADER.size:HEADER.size + message.length]
     elif message.type == MSG_WINDOW:
-        b.got += b.window[:message.length]
+        part = (message.offset, message.offset + message.length)
+        assert b.unread and b.unread[0] == part, f"WINDOW read at {part}, written {list(b.unread)}"
+        b.got += b.window[part[0]:part[1]]
+        b.unread.popleft()
     elif message.type == MSG_EOF:
         assert not b.eof, "EOF delivered twice"
         b.eof = True
@@ -177,7 +197,7 @@ def test_params_round_trip_with_and_without_window() -> None:
     win = WindowDesc(0x7F00_1234_5000, 65536, 0xABCD)
     data = encode_params(cfg, win)
     assert len(data) == PARAMS.size + 20 == 30
-    assert data[:2] == b"AS" and data[2] == 1
+    assert data[:2] == b"AS" and data[2] == VERSION == 2
     assert parse_params(data) == PeerParams(8, 4096, win)
     # the CM pads private data with zeros: ignored
     assert parse_params(data + bytes(26)) == PeerParams(8, 4096, win)
@@ -189,10 +209,11 @@ def test_params_round_trip_with_and_without_window() -> None:
 @pytest.mark.parametrize("data,match", [
     (b"AS\x01", "3 bytes, expected 10"),
     (PARAMS.pack(b"XX", 1, 0, 16, 16384), "magic b'XX'"),
-    (PARAMS.pack(b"AS", 2, 0, 16, 16384), "protocol version 1 .*version 2"),
-    (PARAMS.pack(b"AS", 1, 0, 0, 16384), "credits 0"),
-    (PARAMS.pack(b"AS", 1, 0, 16, 8), "slot 8"),
-    (PARAMS.pack(b"AS", 1, 1, 16, 16384) + bytes(5), "announce a window but are only 15 bytes"),
+    (PARAMS.pack(b"AS", 3, 0, 16, 16384), "protocol version 2 .*version 3"),
+    (PARAMS.pack(b"AS", 1, 0, 16, 16384), "protocol version 2 .*version 1"),  # one window at a time
+    (PARAMS.pack(b"AS", 2, 0, 0, 16384), "credits 0"),
+    (PARAMS.pack(b"AS", 2, 0, 16, 8), "slot 8"),
+    (PARAMS.pack(b"AS", 2, 1, 16, 16384) + bytes(5), "announce a window but are only 15 bytes"),
 ])
 def test_bad_params_are_refused(data: bytes, match: str) -> None:
     with pytest.raises(InvalidParameter, match=match):
@@ -279,14 +300,71 @@ def test_large_writes_use_the_window_once_until_released() -> None:
     assert send is not None and send.release and send.header[1] & FLAG_RELEASE
     transmit(b, a)
     process(a)
+    assert not a.core.window_free  # released, but the device may still read the staged bytes
+    complete_sends(a)  # ... until the write completed
     assert a.core.window_free
-    complete_sends(a)  # the staging buffer is free once the write completed
     for _ in range(200):
         transmit(a, b), process(b), transmit(b, a), process(a), complete_sends(a), complete_sends(b)
     assert bytes(b.got) == data and a.core.buffered == 0
     assert a.types_sent.count(MSG_WINDOW) >= 2
     assert a.core.stats["window_writes"] == a.types_sent.count(MSG_WINDOW)
     assert a.core.stats["bytes_sent"] == b.core.stats["bytes_received"] == len(data)
+
+
+def test_two_window_writes_in_flight_fill_the_window_as_a_ring() -> None:
+    """The reader copies one window write out while the next is written: two in flight, each after
+    the one before, one release per write read (two in one header), and a write that no longer fits
+    before the end starts over at 0 (FLAG_WRAP) once the oldest write there is released and completed."""
+    a, b = pair(buffer_size=4096, recv_depth=8, window_size=65536, rdma_threshold=16384)
+    data = random.Random(2).randbytes(90_000)
+
+    def window_write(expected: tuple) -> None:
+        send = a.core.next_send()
+        assert send is not None and send.type == MSG_WINDOW and (send.offset, send.length) == expected
+        assert bool(send.header[1] & FLAG_WRAP) == (send.offset == 0)
+        assert transmit(a, b) == 1
+
+    def release(count: int) -> None:
+        send = b.core.next_send()
+        assert send is not None and send.type == MSG_CREDIT and send.release == count
+        assert send.header[1] & 0x03 == count
+        transmit(b, a)
+        process(a)
+
+    a.core.write(data[:20_000])
+    window_write((0, 20_000))
+    a.core.write(data[20_000:40_000])
+    window_write((20_000, 20_000))
+    a.core.write(data[40_000:60_000])
+    assert a.core.windows_in_flight == MAX_WINDOWS == 2
+    assert a.core.next_send() is None  # 25 536 bytes free, but two writes in flight
+    process(b, limit=1)  # the reader took the first write out
+    release(1)
+    assert a.core.next_send() is None  # released, but not completed: the device may read the staged bytes
+    complete_sends(a)
+    assert a.core.windows_in_flight == 1
+    window_write((40_000, 20_000))
+    process(b, limit=1)  # the second write read: the oldest in flight is now at 40 000
+    release(1)
+    complete_sends(a)
+    a.core.write(data[60_000:])
+    window_write((0, 30_000))  # 5 536 bytes left before the end: from 0 up to the oldest write
+    process(b)  # the third and fourth writes read
+    release(2)
+    complete_sends(a)
+    assert a.core.window_free and bytes(b.got) == data and a.core.stats["window_writes"] == 4
+
+
+def test_window_protocol_errors_are_named() -> None:
+    a, b = pair(buffer_size=4096, recv_depth=8, window_size=65536, rdma_threshold=16384)
+    with pytest.raises(StreamProtocolError, match="released 1 window writes while 0 were unreleased"):
+        a.core.on_received(0, encode_header(MSG_CREDIT, FLAG_RELEASE, 0, 0), 8)
+    with pytest.raises(StreamProtocolError, match="the WRAP flag on a DATA message"):
+        a.core.on_received(0, encode_header(MSG_DATA, FLAG_WRAP, 0, 0), 8)
+    assert a.core.on_received(0, encode_header(MSG_WINDOW, FLAG_WRAP, 0, 60_000), 8) is not None
+    # without FLAG_WRAP a write follows the previous one: 60 000 + 10 000 is past the end
+    with pytest.raises(StreamProtocolError, match="WINDOW of 10000 bytes at offset 60000 into a window of 65536"):
+        a.core.on_received(1, encode_header(MSG_WINDOW, 0, 0, 10_000), 8)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -349,19 +427,19 @@ def test_window_length_is_the_smaller_of_the_two_and_zero_disables_it() -> None:
 def test_window_message_into_no_window_is_refused() -> None:
     cfg = StreamConfig(window_size=0)
     core = StreamCore(cfg, PeerParams(16, 16384, None))
-    with pytest.raises(StreamProtocolError, match="WINDOW of 100 bytes into a window of 0"):
+    with pytest.raises(StreamProtocolError, match="WINDOW of 100 bytes at offset 0 into a window of 0"):
         core.on_received(0, encode_header(MSG_WINDOW, 0, 0, 100), 8)
 
 
 def test_send_completions_free_every_earlier_slot_and_signal_sparingly() -> None:
-    a, b = pair(recv_depth=16, window_size=0, buffer_size=64)  # 20 slots, one send in 5 signalled
-    a.core.write(bytes(56 * 16))
-    assert transmit(a, b) == 16
+    a, b = pair(recv_depth=20, window_size=0, buffer_size=64)  # 25 slots: one send in 19 signalled
+    a.core.write(bytes(56 * 20))
+    assert transmit(a, b) == 20
     signalled = [s for _, s in a.send_queue]
     assert 0 < sum(signalled) < len(signalled)  # most sends are unsignalled
-    assert a.core.free_send_slots == a.cfg.slots - 16
+    assert a.core.free_send_slots == a.cfg.slots - 20
     complete_sends(a)
-    freed = a.cfg.slots - 16 + (max(i for i, s in enumerate(signalled) if s) + 1)
+    freed = a.cfg.slots - 20 + (max(i for i, s in enumerate(signalled) if s) + 1)
     assert a.core.free_send_slots == freed
     a.core.on_send_complete(("s", 999))  # a stray completion changes nothing
     assert a.core.free_send_slots == freed

@@ -37,8 +37,8 @@ from aiodat.poller import MAX_BUSY_POLL_US
 
 __all__ = [
     "HEADER", "PARAMS", "WINDOW_DESC", "MAGIC", "VERSION", "PARAM_WINDOW", "MSG_DATA", "MSG_WINDOW", "MSG_CREDIT",
-    "MSG_EOF", "FLAG_RELEASE", "DEFAULT_LIMIT", "StreamConfig", "PeerParams", "WindowDesc", "StreamProtocolError",
-    "Header", "Send", "Message", "StreamCore", "encode_params", "parse_params", "encode_header", "decode_header",
+    "MSG_EOF", "FLAG_RELEASE", "RELEASE_MASK", "FLAG_WRAP", "MAX_WINDOWS", "DEFAULT_LIMIT", "StreamConfig",
+    "PeerParams", "WindowDesc", "StreamProtocolError", "Header", "Send", "Message", "StreamCore", "encode_params", "parse_params", "encode_header", "decode_header",
     "split_kwds",
 ]
 
@@ -55,16 +55,24 @@ WINDOW_DESC = struct.Struct("!QQI")
 _HEADER_SIZE = HEADER.size
 _unpack_header = HEADER.unpack_from
 MAGIC = b"AS"
-VERSION = 1
+VERSION = 2  # 2: up to MAX_WINDOWS window writes in flight, placed in the window as a ring
 PARAM_WINDOW = 0x01
 
 MSG_DATA = 1  #: payload follows the header in the same send
-MSG_WINDOW = 2  #: ``length`` bytes were RDMA-written at the start of the receiver's window
+MSG_WINDOW = 2  #: ``length`` bytes were RDMA-written into the receiver's window (where: FLAG_WRAP)
 MSG_CREDIT = 3  #: credits (and/or the RELEASE flag) only; consumes no credit
 MSG_EOF = 4  #: the sender will send no more data (write_eof / close)
-FLAG_RELEASE = 0x01  #: the sender has consumed the receiver's last WINDOW write: the window is free again
+#: flags bits 0-1: how many of the receiver's WINDOW writes, oldest first, the sender has consumed
+#: (their part of the window may be written again); FLAG_RELEASE is one
+RELEASE_MASK = 0x03
+FLAG_RELEASE = 0x01
+#: on a WINDOW: its bytes start at offset 0 of the window; without it they follow the previous WINDOW's
+FLAG_WRAP = 0x04
+#: window writes a sender may have in flight (written and not yet both released and completed): two
+#: let the receiver copy one out while the next is written, as a socket's buffer does
+MAX_WINDOWS = 2
 _MSG_NAMES = {MSG_DATA: "DATA", MSG_WINDOW: "WINDOW", MSG_CREDIT: "CREDIT", MSG_EOF: "EOF"}
-_KNOWN_FLAGS = FLAG_RELEASE
+_KNOWN_FLAGS = RELEASE_MASK | FLAG_WRAP
 
 #: bytes objects written whole from this size on are kept by reference until sent, not copied
 _KEEP_FROM = 16384
@@ -122,8 +130,9 @@ class StreamConfig:
 
     @property
     def extra_slots(self) -> int:
-        """Receive slots beyond the credits, for CREDIT messages (which need no credit)."""
-        return self.recv_depth // self.credit_threshold + 2
+        """Receive slots beyond the credits, for CREDIT messages (which need no credit): those the owed
+        credits trigger, one per window write in flight for its release, and one spare."""
+        return self.recv_depth // self.credit_threshold + MAX_WINDOWS + 1
 
     @property
     def slots(self) -> int:
@@ -243,6 +252,8 @@ def decode_header(data: Any, received: Optional[int] = None) -> Header:
     if flags & ~_KNOWN_FLAGS:
         raise StreamProtocolError(f"stream protocol error: unknown flags {flags:#04x} on a "
                                   f"{_MSG_NAMES[mtype]} message")
+    if flags & FLAG_WRAP and mtype != MSG_WINDOW:
+        raise StreamProtocolError(f"stream protocol error: the WRAP flag on a {_MSG_NAMES[mtype]} message")
     if mtype == MSG_DATA and length > size - HEADER.size:
         raise StreamProtocolError(f"stream protocol error: DATA says {length} payload bytes but the "
                                   f"message is {size} bytes")
@@ -258,10 +269,11 @@ class Send(NamedTuple):
     """One send to post now (from :meth:`StreamCore.next_send`).
 
     Fill send slot ``slot`` with ``header`` and, for DATA, the first ``length``
-    pending bytes (:meth:`StreamCore.copy_pending`); for WINDOW, first RDMA-write
-    the first ``length`` pending bytes to the start of the peer's window
-    (cookie :data:`WRITE_COOKIE`, unsignalled: a WINDOW send is always signalled,
-    and its completion covers the write).  Post ``wire_length`` bytes of the slot with
+    pending bytes (:meth:`StreamCore.copy_pending`); for WINDOW, first copy the
+    first ``length`` pending bytes to ``offset`` in the staging buffer and
+    RDMA-write them to ``offset`` in the peer's window (cookie
+    :data:`WRITE_COOKIE`, unsignalled: a WINDOW send is always signalled, and
+    its completion covers the write).  Post ``wire_length`` bytes of the slot with
     ``cookie``, signalled or not, then call :meth:`StreamCore.sent`.
     (A NamedTuple, not a dataclass: one is made per message, and a tuple is the
     cheapest immutable record Python has.)
@@ -272,9 +284,10 @@ class Send(NamedTuple):
     header: bytes
     length: int
     credits: int  #: credits returned to the peer in this header
-    release: bool  #: carries RELEASE
+    release: int  #: the peer's window writes this header releases (0 to 3)
     signalled: bool
     takes_credit: bool
+    offset: int = 0  #: WINDOW: where in the peer's window (and in our staging buffer) the bytes go
 
     @property
     def cookie(self) -> Tuple[str, int]:
@@ -296,7 +309,7 @@ class Message(NamedTuple):
     """A received message (from :meth:`StreamCore.on_received` / :meth:`StreamCore.next_held`).
 
     DATA: the payload is the ``length`` bytes after the header in receive slot
-    ``slot``; WINDOW: the first ``length`` bytes of our window; EOF: the end of
+    ``slot``; WINDOW: the ``length`` bytes at ``offset`` in our window; EOF: the end of
     the peer's data; CREDIT: nothing to hand over.  In every case the slot is
     re-posted afterwards and :meth:`StreamCore.consumed` called.
     """
@@ -304,6 +317,7 @@ class Message(NamedTuple):
     type: int
     slot: int
     length: int
+    offset: int = 0  #: WINDOW: where in our window the bytes are
 
 
 class StreamCore:
@@ -323,10 +337,17 @@ class StreamCore:
         self._threshold = cfg.credit_threshold
         # the staging buffer is our own window_size: we write at most that much at once
         self.window_length = min(peer.window.length, cfg.window_size) if peer.window is not None else 0
-        self._window_free = True  # may we RDMA-write into the peer's window?
-        self._staging_busy = False
+        # Our window writes in flight, oldest first, as [offset, end]: the peer's window is a ring,
+        # and our staging buffer mirrors it (a write is staged at the offset it lands at).  One is
+        # retired, its part free again, once the peer released it (it copied the bytes out) and its
+        # WINDOW send completed (the device no longer reads the staged bytes); both come in order.
+        self._windows: Deque[List[int]] = collections.deque()
+        self._windows_released = 0  # of the oldest in flight, how many the peer released
+        self._windows_completed = 0  # ... and how many completed
+        self._window_head = 0  # where the next window write goes when it fits before the end
         self._owed = 0  # credits to return to the peer
-        self._release_pending = False  # tell the peer its window write has been consumed
+        self._release_pending = 0  # the peer's window writes we consumed and have not yet released
+        self._window_next = 0  # where the peer's next window write lands unless it says FLAG_WRAP
         self._free_slots: List[int] = list(range(self.nslots - 1, -1, -1))
         self._send_cookies = [("s", i) for i in range(self.nslots)]  # made once, not per send
         # requests on the send queue in posting order; most sends are unsignalled, and one
@@ -378,8 +399,13 @@ class StreamCore:
 
     @property
     def window_free(self) -> bool:
-        """Whether the peer's window may be written (no WINDOW message of ours is unreleased)."""
-        return self._window_free
+        """Whether the peer's window is all free (no window write of ours is in flight)."""
+        return not self._windows
+
+    @property
+    def windows_in_flight(self) -> int:
+        """Our window writes not yet both released by the peer and completed (at most MAX_WINDOWS)."""
+        return len(self._windows)
 
     @property
     def reading(self) -> bool:
@@ -436,8 +462,9 @@ class StreamCore:
 
         Order of preference: pending bytes (needs a credit; by window write
         when at least ``rdma_threshold`` bytes are pending and the peer's
-        window is at least that large -- waiting while the window or the
-        staging buffer is busy -- else by DATA), then EOF once the buffer is
+        window is at least that large -- waiting while fewer than that many
+        bytes of the window are free in one piece, or MAX_WINDOWS writes are in
+        flight -- else by DATA), then EOF once the buffer is
         empty (needs a credit), then a CREDIT message when a RELEASE is due or
         ``credit_threshold`` credits are owed (needs no credit).
         """
@@ -447,8 +474,9 @@ class StreamCore:
         if pending and self._credits > 0:
             if not self._bulk(pending):
                 return self._plan(MSG_DATA, min(pending, self._payload_max), True)
-            if self._window_free and not self._staging_busy:
-                return self._plan(MSG_WINDOW, min(pending, self.window_length), True)
+            place = self._window_place(pending)
+            if place is not None:
+                return self._plan(MSG_WINDOW, place[1], True, place[0])
             # Bulk bytes wait for the window rather than leave in slot-sized DATA sends: one large
             # RDMA write costs the device far less per byte than many sends, and the writer fills
             # the buffer again meanwhile (docs/streams.md, "Large writes").
@@ -463,18 +491,43 @@ class StreamCore:
         that large (a smaller one would only slow them down)."""
         return pending >= self.cfg.rdma_threshold and self.window_length >= self.cfg.rdma_threshold
 
-    def _plan(self, mtype: int, length: int, takes_credit: bool) -> Send:
+    def _window_place(self, pending: int) -> Optional[Tuple[int, int]]:
+        """(offset, length) of the next window write of ``pending`` bytes, or None while it must wait.
+
+        The free part of the ring is after the newest write in flight up to the window's end, then
+        from offset 0 up to the oldest; a write takes one of them whole or in part, when at least
+        ``rdma_threshold`` bytes (or all pending ones) fit, the end first.
+        """
+        windows = self._windows
+        length = self.window_length
+        if not windows:
+            return 0, min(pending, length)  # all free: start over at 0, where the most fits
+        if len(windows) >= MAX_WINDOWS:
+            return None
+        least = min(pending, self.cfg.rdma_threshold)
+        head, tail = self._window_head, windows[0][0]
+        if head > tail:  # in use: [tail, head)
+            if length - head >= least:
+                return head, min(pending, length - head)
+            if tail >= least:
+                return 0, min(pending, tail)
+        elif tail - head >= least:  # wrapped, in use: [tail, end) and [0, head)
+            return head, min(pending, tail - head)
+        return None
+
+    def _plan(self, mtype: int, length: int, takes_credit: bool, offset: int = 0) -> Send:
         slot = self._free_slots[-1]
         credits = min(self._owed, 0xFFFF)
-        release = self._release_pending
+        release = min(self._release_pending, RELEASE_MASK)
         # signal when the free slots run short (one send in nslots - nslots//4 when they go one by
         # one), every WINDOW (its completion, which covers the unsignalled RDMA write before it,
         # frees the staging buffer for the next one), and everything from EOF on (so the last sends
         # before a close complete)
         signalled = (self._unsignalled >= self._signal_every or len(self._free_slots) - 1 < self._low_slots
                      or mtype == MSG_WINDOW or mtype == MSG_EOF or self.eof_sent)
-        header = HEADER.pack(mtype, FLAG_RELEASE if release else 0, credits, length)
-        return Send(mtype, slot, header, length, credits, release, signalled, takes_credit)
+        flags = release | FLAG_WRAP if mtype == MSG_WINDOW and offset == 0 else release
+        header = HEADER.pack(mtype, flags, credits, length)
+        return Send(mtype, slot, header, length, credits, release, signalled, takes_credit, offset)
 
     def copy_pending(self, dest: memoryview, length: int) -> None:
         """Copy the first ``length`` pending bytes into ``dest`` (registered memory)."""
@@ -505,8 +558,9 @@ class StreamCore:
             self.stats["data_msgs"] += 1
         elif mtype == MSG_WINDOW:
             self._posted.append(WRITE_COOKIE)
-            self._staging_busy = True
-            self._window_free = False
+            end = send.offset + send.length
+            self._windows.append([send.offset, end])
+            self._window_head = end
             self.stats["window_writes"] += 1
         elif mtype == MSG_CREDIT:
             self.stats["credit_msgs"] += 1
@@ -515,8 +569,7 @@ class StreamCore:
         self._posted.append(self._send_cookies[slot])
         self._unsignalled = 0 if send.signalled else self._unsignalled + 1
         self._owed -= send.credits
-        if send.release:
-            self._release_pending = False
+        self._release_pending -= send.release
         if send.takes_credit:
             self._credits -= 1
         if mtype == MSG_DATA or mtype == MSG_WINDOW:
@@ -555,11 +608,19 @@ class StreamCore:
         while posted:
             done = posted.popleft()
             if done == WRITE_COOKIE:
-                self._staging_busy = False
+                self._windows_completed += 1
+                self._retire_windows()
             else:
                 self._free_slots.append(done[1])
             if done == cookie:
                 break
+
+    def _retire_windows(self) -> None:
+        """Free the oldest window writes that are both released and completed."""
+        while self._windows_released and self._windows_completed:
+            self._windows.popleft()
+            self._windows_released -= 1
+            self._windows_completed -= 1
 
     # -- the reader's side ---------------------------------------------------------------------
     def on_received(self, slot: int, header: Any, length: int) -> Optional[Message]:
@@ -583,16 +644,28 @@ class StreamCore:
         if self._credits + credits > self.peer.credits:
             raise StreamProtocolError(f"stream protocol error: the peer returned {credits} credits while we "
                                       f"hold {self._credits} of the {self.peer.credits} it granted")
-        if mtype == MSG_WINDOW and (self.cfg.window_size == 0 or plen > self.cfg.window_size):
-            raise StreamProtocolError(f"stream protocol error: WINDOW of {plen} bytes into a window of "
-                                      f"{self.cfg.window_size}")
+        offset = released = 0
+        if mtype != MSG_DATA or flags:  # (a DATA message mostly carries neither)
+            if mtype == MSG_WINDOW:
+                offset = 0 if flags & FLAG_WRAP else self._window_next
+                if offset + plen > self.cfg.window_size:
+                    raise StreamProtocolError(f"stream protocol error: WINDOW of {plen} bytes at offset {offset} "
+                                              f"into a window of {self.cfg.window_size}")
+            released = flags & RELEASE_MASK
+            unreleased = len(self._windows) - self._windows_released
+            if released > unreleased:
+                raise StreamProtocolError(f"stream protocol error: the peer released {released} window writes "
+                                          f"while {unreleased} were unreleased")
         if self.eof_received and mtype != MSG_CREDIT:
             raise StreamProtocolError(f"stream protocol error: {_MSG_NAMES[mtype]} after EOF")
         self._recv_posted[slot] = False
         self._credits += credits
-        if flags & FLAG_RELEASE:
-            self._window_free = True
-        message = Message(mtype, slot, plen)
+        if released:
+            self._windows_released += released
+            self._retire_windows()
+        if mtype == MSG_WINDOW:
+            self._window_next = offset + plen
+        message = Message(mtype, slot, plen, offset)
         if mtype == MSG_EOF:
             self.eof_received = True  # even when held: nothing may follow it on the wire
         if mtype == MSG_CREDIT:
@@ -614,7 +687,7 @@ class StreamCore:
         if message.type != MSG_CREDIT:
             self._owed += 1
         if message.type == MSG_WINDOW:
-            self._release_pending = True
+            self._release_pending += 1
         if message.type in (MSG_DATA, MSG_WINDOW):
             self.stats["bytes_received"] += message.length
         return message.slot
@@ -647,5 +720,5 @@ class StreamCore:
 
     def __repr__(self) -> str:
         return (f"<StreamCore credits={self._credits} owed={self._owed} buffered={self._pending} "
-                f"free_slots={len(self._free_slots)} window_free={self._window_free}>")
+                f"free_slots={len(self._free_slots)} windows_in_flight={len(self._windows)}>")
 

@@ -340,10 +340,11 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                         wire = _HEADER_SIZE + n
                     else:
                         if send.type == MSG_WINDOW:
-                            staging = res.staging_base
+                            at = send.offset  # the staging buffer mirrors the peer's window
+                            staging = res.staging_base + at
                             core.copy_pending(view[staging:staging + n], n)
                             # unsignalled: the WINDOW send after it is signalled and covers it
-                            res.ep.post_rdma_write(res.lmr[staging:staging + n], self._peer_window[0:n],
+                            res.ep.post_rdma_write(res.lmr[staging:staging + n], self._peer_window[at:at + n],
                                                    WRITE_COOKIE, suppress)
                         wire = _HEADER_SIZE
                     seg = segs[slot]
@@ -471,7 +472,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             base = message.slot * self._size + _HEADER_SIZE
             self._data(res.view[base:base + message.length])
         elif message.type == MSG_WINDOW:
-            self._data(res.window_view[0:message.length])
+            self._data(res.window_view[message.offset:message.offset + message.length])
         elif message.type == MSG_EOF:
             self._eof()
         if self._lost or res.ep.closed:
