@@ -164,6 +164,41 @@ async def test_readexactly_10mib_odd_chunks(rdma_host: str) -> None:
 
 
 @pytest.mark.rxe
+async def test_a_slow_reader_has_two_window_writes_in_flight_and_the_ring_wraps(rdma_host: str) -> None:
+    """The window is a ring with two writes in flight: a reader that takes its bytes slowly holds one
+    window write while the next lands after it, and later ones wrap to offset 0; every byte arrives
+    in order."""
+    total = 3 * 1024 * 1024
+    payload = random.Random(11).randbytes(total)
+    digest = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        h, got = hashlib.sha256(), 0
+        while got < total:
+            chunk = await reader.read(50_000)  # a third of what the writer's buffer holds...
+            h.update(chunk)
+            got += len(chunk)
+            await asyncio.sleep(0.002)  # ... and a pause: StreamReader pauses reading, writes are held
+        digest.set_result(h.hexdigest())
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_host, 0, window_size=262144)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await aiodat.open_connection(rdma_host, port, window_size=262144)
+    for offset in range(0, total, 65536):
+        writer.write(payload[offset:offset + 65536])
+        await writer.drain()
+    assert await asyncio.wait_for(digest, 300) == hashlib.sha256(payload).hexdigest()
+    stats = writer.transport.stats
+    assert stats["bytes_sent"] == total
+    assert stats["window_writes_overlapped"] > 0 and stats["window_wraps"] > 0, stats
+    writer.close()
+    await writer.wait_closed()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.rxe
 async def test_backpressure_slow_reader(rdma_host: str) -> None:
     """A writer that outruns its reader: drain() blocks, then every byte arrives in order."""
     sink = Sink()

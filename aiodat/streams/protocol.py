@@ -372,9 +372,10 @@ class StreamCore:
         self._reading = True
         self._held: Deque[Message] = collections.deque()
         self._recv_posted = [True] * self.nslots
-        #: messages and bytes moved (the transport's ``stats``): sends, window writes, credit messages
-        self.stats: Dict[str, int] = {"data_msgs": 0, "window_writes": 0, "credit_msgs": 0, "bytes_sent": 0,
-                                      "bytes_received": 0}
+        #: messages and bytes moved (the transport's ``stats``): sends, window writes (and of them, those
+        #: made while another was in flight, and those that wrapped to offset 0 before one), credit messages
+        self.stats: Dict[str, int] = {"data_msgs": 0, "window_writes": 0, "window_writes_overlapped": 0,
+                                      "window_wraps": 0, "credit_msgs": 0, "bytes_sent": 0, "bytes_received": 0}
 
     # -- introspection -----------------------------------------------------------------------
     @property
@@ -559,6 +560,10 @@ class StreamCore:
         elif mtype == MSG_WINDOW:
             self._posted.append(WRITE_COOKIE)
             end = send.offset + send.length
+            if self._windows:
+                self.stats["window_writes_overlapped"] += 1
+                if not send.offset:
+                    self.stats["window_wraps"] += 1
             self._windows.append([send.offset, end])
             self._window_head = end
             self.stats["window_writes"] += 1

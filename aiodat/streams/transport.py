@@ -21,6 +21,7 @@ from aiodat.streams.pool import IARef
 from aiodat.streams.protocol import (
     DEFAULT_LIMIT,
     HEADER,
+    MAX_WINDOWS,
     MSG_DATA,
     MSG_EOF,
     MSG_WINDOW,
@@ -69,7 +70,8 @@ class Resources:
                 self.window_view = self.window_lmr.memoryview()
             self.evd = ia.create_evd(self.nrecv + self.nsend + 16, EvdFlags.DTO | EvdFlags.CONNECTION,
                                      busy_poll_us=cfg.busy_poll_us)
-            attrs = EPAttr(max_recv_dtos=self.nrecv, max_request_dtos=self.nsend + 2)
+            # the send slots, the window writes in flight, and one spare (a foreign write, docs/streams.md)
+            attrs = EPAttr(max_recv_dtos=self.nrecv, max_request_dtos=self.nsend + MAX_WINDOWS + 1)
             self.ep = ia.create_ep(self.pz, recv_evd=self.evd, request_evd=self.evd, connect_evd=self.evd,
                                    attrs=attrs)
             self.recv_segs = [Segment(self.lmr, i * size, size) for i in range(self.nrecv)]
