@@ -70,7 +70,10 @@ def test_bench_streams_with_rstream(rdma_device: Any, request: Any, capsys: Any,
         figure = data["figures"][key]
         assert figure["errors"] is None and 0 < figure["median"] < math.inf, (key, figure)
     assert all(r["median"] and r["median"] > 0 for r in data["ratios"]), data["ratios"]
-    assert len(data["ratios"]) == 8  # aiodat and aiodat busy poll, each against rstream and TCP, both figures
+    # aiodat and aiodat busy poll, each against rstream and TCP, both figures; then TCP against rstream
+    assert len(data["ratios"]) == 10
+    assert [r["label"] for r in data["ratios"][-2:]] == ["asyncio TCP / rstream throughput (reference)",
+                                                          "asyncio TCP / rstream round trip (reference)"]
 
 
 @pytest.mark.hosts2

@@ -247,6 +247,10 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
             if mine in tput:
                 report.compare(f"{mine}_mb_s", f"{peer}_mb_s", f"{mine_label} / {peer_label} throughput")
                 report.compare(f"{mine}_rtt", f"{peer}_rtt", f"{mine_label} / {peer_label} round trip")
+    if "rstream" in tput:
+        # what asyncio's own streams cost against rstream: a reference for any asyncio stream's round trip
+        report.compare("tcp_mb_s", "rstream_mb_s", "asyncio TCP / rstream throughput (reference)")
+        report.compare("tcp_rtt", "rstream_rtt", "asyncio TCP / rstream round trip (reference)")
 
     import aiodat
 
