@@ -157,10 +157,7 @@ async def test_readexactly_10mib_odd_chunks(rdma_host: str) -> None:
     stats = writer.transport.stats
     assert stats["bytes_sent"] == total
     assert stats["data_msgs"] > 0 and stats["window_writes"] > 0, stats
-    writer.close()
-    await writer.wait_closed()
-    server.close()
-    await server.wait_closed()
+    await _close(writer, server)
 
 
 @pytest.mark.rxe
@@ -192,6 +189,10 @@ async def test_a_slow_reader_has_two_window_writes_in_flight_and_the_ring_wraps(
     stats = writer.transport.stats
     assert stats["bytes_sent"] == total
     assert stats["window_writes_overlapped"] > 0 and stats["window_wraps"] > 0, stats
+    await _close(writer, server)
+
+
+async def _close(writer: asyncio.StreamWriter, server: Any) -> None:
     writer.close()
     await writer.wait_closed()
     server.close()

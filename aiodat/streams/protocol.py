@@ -38,8 +38,8 @@ from aiodat.poller import MAX_BUSY_POLL_US
 __all__ = [
     "HEADER", "PARAMS", "WINDOW_DESC", "MAGIC", "VERSION", "PARAM_WINDOW", "MSG_DATA", "MSG_WINDOW", "MSG_CREDIT",
     "MSG_EOF", "FLAG_RELEASE", "RELEASE_MASK", "FLAG_WRAP", "MAX_WINDOWS", "DEFAULT_LIMIT", "StreamConfig",
-    "PeerParams", "WindowDesc", "StreamProtocolError", "Header", "Send", "Message", "StreamCore", "encode_params", "parse_params", "encode_header", "decode_header",
-    "split_kwds",
+    "PeerParams", "WindowDesc", "StreamProtocolError", "Header", "Send", "Message", "StreamCore", "encode_params",
+    "parse_params", "encode_header", "decode_header", "split_kwds",
 ]
 
 #: asyncio's default StreamReader limit
@@ -60,7 +60,7 @@ PARAM_WINDOW = 0x01
 
 MSG_DATA = 1  #: payload follows the header in the same send
 MSG_WINDOW = 2  #: ``length`` bytes were RDMA-written into the receiver's window (where: FLAG_WRAP)
-MSG_CREDIT = 3  #: credits (and/or the RELEASE flag) only; consumes no credit
+MSG_CREDIT = 3  #: credits (and/or a RELEASE count) only; consumes no credit
 MSG_EOF = 4  #: the sender will send no more data (write_eof / close)
 #: flags bits 0-1: how many of the receiver's WINDOW writes, oldest first, the sender has consumed
 #: (their part of the window may be written again); FLAG_RELEASE is one
@@ -522,7 +522,7 @@ class StreamCore:
         release = min(self._release_pending, RELEASE_MASK)
         # signal when the free slots run short (one send in nslots - nslots//4 when they go one by
         # one), every WINDOW (its completion, which covers the unsignalled RDMA write before it,
-        # frees the staging buffer for the next one), and everything from EOF on (so the last sends
+        # frees that write's part of the staging buffer), and everything from EOF on (so the last sends
         # before a close complete)
         signalled = (self._unsignalled >= self._signal_every or len(self._free_slots) - 1 < self._low_slots
                      or mtype == MSG_WINDOW or mtype == MSG_EOF or self.eof_sent)
