@@ -16,9 +16,11 @@ if [ "${AIODAT_SKIP_WHEEL:-0}" != 1 ]; then
 fi
 
 echo "== device tests on rxe: asyncio, then uvloop (one guest boot)"
+# a test still running after 300 s prints every thread's stack into this log: a stall of the device
+# run, idle guest and no test finishing, was seen twice (2026-11-25) and its cause is not known
 .venv/bin/aiodat rxe run --timeout "${AIODAT_TEST_TIMEOUT:-3600}" -- env AIODAT_REQUIRE_DEVICE=1 sh -c '
-  .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider --aiodat-loop asyncio "$@" &&
-  .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider --aiodat-loop uvloop "$@"' sh "$@"
+  .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider -o faulthandler_timeout=300 --aiodat-loop asyncio "$@" &&
+  .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider -o faulthandler_timeout=300 --aiodat-loop uvloop "$@"' sh "$@"
 
 if [ "${AIODAT_SKIP_FAULTS:-0}" != 1 ]; then
   echo "== two-host tests (two guests joined by a virtio link): faults, Dask and streams between hosts, asyncio, then uvloop"

@@ -78,6 +78,25 @@ def test_unusable_perftest_figure_is_an_error() -> None:
     assert _usable(res, "t_typical[usec]").error == "ib_send_bw printed t_typical[usec] = None"
 
 
+def test_a_hung_perftest_pair_is_killed_and_run_once_more() -> None:
+    """A pair whose tools never finish (as perftest under TCG now and then) takes half the budget,
+    is killed, and runs once more in what is left: never the whole budget on a hang, never longer."""
+    import re
+    import sys
+    import time
+
+    from aiodat.bench.perftest import run_perftest_pair
+
+    hang = (sys.executable, "-c", "import time; time.sleep(60)")  # both "tools" block, as a hung pair
+    start = time.monotonic()
+    res = run_perftest_pair("true", [], device="rxe0", address="192.0.2.1", timeout=4.0, start_delay=0.1,
+                            prefix=hang)
+    elapsed = time.monotonic() - start
+    assert re.fullmatch(r"true client did not finish within [\d.]+ s \(and before that, once: "
+                        r"true client did not finish within 2 s\)", res.error or ""), res.error
+    assert 3.5 < elapsed < 6.0, elapsed
+
+
 def test_bad_arguments_are_refused(capsys: Any) -> None:
     assert main(["bench", "latency", "--repeat", "0"]) == 2
     assert main(["bench", "latency", "--busy-poll-us", "-1"]) == 2

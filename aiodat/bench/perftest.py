@@ -77,8 +77,9 @@ def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: s
     Both processes get ``-d device -R -F -p PORT`` plus ``args``; the client
     connects to ``address`` and is retried while the server is not yet
     listening.  A pair whose client fails once the server has exited (under
-    TCG perftest's own connection or completion now and then fails) is run
-    once more, on a new port; so is one that printed 0, nothing or a
+    TCG perftest's own connection or completion now and then fails), or that
+    has not finished within half of ``timeout``, is run once more, on a new
+    port; so is one that printed 0, nothing or a
     non-finite number in the column ``figure`` (e.g. "MsgRate[Mpps]") when
     one is named, as its cycle counter now and then does under TCG.  This
     is the only retry: callers take the result as it comes.  Returns the
@@ -92,7 +93,9 @@ def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: s
         return PerftestResult(tool, tuple(args), None, "",
                               error=f"{tool} not found (install the Debian package perftest)")
     deadline = time.monotonic() + timeout
-    first = _usable(_run_pair_once(path, tool, args, device, address, timeout, start_delay, prefix), figure)
+    # the first attempt gets half the time: a pair that hangs (both tools blocked, as under TCG now
+    # and then) is killed and run again, not left to take the whole budget
+    first = _usable(_run_pair_once(path, tool, args, device, address, timeout / 2, start_delay, prefix), figure)
     left = deadline - time.monotonic()
     if (first.returncode in (0, None) and not first.error) or left <= 0:
         return first
@@ -141,8 +144,8 @@ def _run_pair_once(path: str, tool: str, args: Sequence[str], device: str, addre
                 break
             time.sleep(start_delay)  # the server may not be listening yet
     finally:
-        try:
-            server_out, _ = server.communicate(timeout=max(5.0, deadline - time.monotonic()))
+        try:  # (once the pair ran out of time, the server is not waited for)
+            server_out, _ = server.communicate(timeout=0 if error else max(5.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             server.kill()
             server_out, _ = server.communicate()
