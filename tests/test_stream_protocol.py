@@ -431,6 +431,8 @@ def test_window_message_into_no_window_is_refused() -> None:
     core = StreamCore(cfg, PeerParams(16, 16384, None))
     with pytest.raises(StreamProtocolError, match="WINDOW of 100 bytes at offset 0 into a window of 0"):
         core.on_received(0, encode_header(MSG_WINDOW, 0, 0, 100), 8)
+    with pytest.raises(StreamProtocolError, match="WINDOW of 0 bytes at offset 0 into a window of 0"):
+        core.on_received(0, encode_header(MSG_WINDOW, 0, 0, 0), 8)
 
 
 def test_send_completions_free_every_earlier_slot_and_signal_sparingly() -> None:

@@ -337,11 +337,11 @@ class StreamCore:
         self._threshold = cfg.credit_threshold
         # the staging buffer is our own window_size: we write at most that much at once
         self.window_length = min(peer.window.length, cfg.window_size) if peer.window is not None else 0
-        # Our window writes in flight, oldest first, as [offset, end]: the peer's window is a ring,
+        # The offsets of our window writes in flight, oldest first: the peer's window is a ring,
         # and our staging buffer mirrors it (a write is staged at the offset it lands at).  One is
         # retired, its part free again, once the peer released it (it copied the bytes out) and its
         # WINDOW send completed (the device no longer reads the staged bytes); both come in order.
-        self._windows: Deque[List[int]] = collections.deque()
+        self._windows: Deque[int] = collections.deque()
         self._windows_released = 0  # of the oldest in flight, how many the peer released
         self._windows_completed = 0  # ... and how many completed
         self._window_head = 0  # where the next window write goes when it fits before the end
@@ -506,7 +506,7 @@ class StreamCore:
         if len(windows) >= MAX_WINDOWS:
             return None
         least = min(pending, self.cfg.rdma_threshold)
-        head, tail = self._window_head, windows[0][0]
+        head, tail = self._window_head, windows[0]
         if head > tail:  # in use: [tail, head)
             if length - head >= least:
                 return head, min(pending, length - head)
@@ -559,13 +559,12 @@ class StreamCore:
             self.stats["data_msgs"] += 1
         elif mtype == MSG_WINDOW:
             self._posted.append(WRITE_COOKIE)
-            end = send.offset + send.length
             if self._windows:
                 self.stats["window_writes_overlapped"] += 1
                 if not send.offset:
                     self.stats["window_wraps"] += 1
-            self._windows.append([send.offset, end])
-            self._window_head = end
+            self._windows.append(send.offset)
+            self._window_head = send.offset + send.length
             self.stats["window_writes"] += 1
         elif mtype == MSG_CREDIT:
             self.stats["credit_msgs"] += 1
@@ -653,7 +652,7 @@ class StreamCore:
         if mtype != MSG_DATA or flags:  # (a DATA message mostly carries neither)
             if mtype == MSG_WINDOW:
                 offset = 0 if flags & FLAG_WRAP else self._window_next
-                if offset + plen > self.cfg.window_size:
+                if not self.cfg.window_size or offset + plen > self.cfg.window_size:
                     raise StreamProtocolError(f"stream protocol error: WINDOW of {plen} bytes at offset {offset} "
                                               f"into a window of {self.cfg.window_size}")
             released = flags & RELEASE_MASK
