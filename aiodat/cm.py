@@ -35,7 +35,7 @@ import ipaddress
 import os
 import socket
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, MutableMapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 from aiodat._fdwatch import FdWatch
 from aiodat._handle import Handle, Raw
@@ -195,10 +195,8 @@ class CMChannel:
         if self.channel == ffi.NULL:
             raise error_from_errno(ffi.errno, "creating the rdma_cm event channel (is rdma_ucm loaded?)")
         self._raw = Raw(self.channel, lib.rdma_destroy_event_channel, "rdma_cm event channel")
-        #: cm_id -> its Connection, PSP, CR or datagram resolution; weak, so a dropped owner goes
-        self.owners: "MutableMapping[int, Any]" = weakref.WeakValueDictionary()
-        #: cm_id -> the finalizer that destroys it when its owner is dropped unclosed
-        self._ids: Dict[int, weakref.finalize] = {}
+        #: cm_id -> the weak route to its Connection, PSP, CR or datagram resolution (see _Route)
+        self._routes: Dict[int, _Route] = {}
         self._buf = ffi.new("struct aiodat_cm_event *")
         self._src: Any = None  # the IA's address as a sockaddr, the source of every connect (made once)
         # the loop keeps the channel (its fd) while it watches it, even if the IA is dropped
@@ -220,22 +218,23 @@ class CMChannel:
 
     def own_id(self, owner: Any, cm_id: Any) -> None:
         """Route ``cm_id``'s events to ``owner`` (held weakly); if the owner is dropped unclosed,
-        its finalizer destroys the id.  Passing an id on (a CR's to its EP) moves the finalizer."""
+        the id is destroyed.  Passing an id on (a CR's to its EP) keeps its Raw."""
         key = _key(cm_id)
-        old = self._ids.pop(key, None)
-        detached = old.detach() if old is not None else None
-        raw = detached[2][0] if detached else Raw(cm_id, lib.rdma_destroy_id, "cm_id", self._raw)
-        self.owners[key] = owner
-        self._ids[key] = weakref.finalize(owner, _drop_id, raw, self._ids, key)
+        old = self._routes.get(key)
+        raw = old.raw if old is not None else Raw(cm_id, lib.rdma_destroy_id, "cm_id", self._raw)
+        self._routes[key] = _Route(owner, key, raw, self._routes)
+
+    def owner(self, cm_id: Any) -> Any:
+        """The object ``cm_id``'s events go to, or None (none, or dropped)."""
+        route = self._routes.get(_key(cm_id))
+        return route() if route is not None else None
 
     def destroy_id(self, cm_id: Any) -> None:
         """Forget and destroy a cm_id (any QP must already be detached)."""
         if cm_id != ffi.NULL:
-            key = _key(cm_id)
-            self.owners.pop(key, None)
-            finalizer = self._ids.pop(key, None)
-            if finalizer is not None and finalizer.alive:
-                finalizer()
+            route = self._routes.pop(_key(cm_id), None)
+            if route is not None:
+                route.raw.release()
             else:
                 lib.rdma_destroy_id(cm_id)
 
@@ -260,7 +259,7 @@ class CMChannel:
         plen = ev.private_data_len
         pdata = bytes(ffi.buffer(ev.private_data, plen)) if plen else b""  # raw, as the CM delivered it
         if kind == CONNECT_REQUEST:
-            psp = self.owners.get(_key(ev.listen_id))
+            psp = self.owner(ev.listen_id)
             if isinstance(psp, PSP) and not psp.closed:
                 psp._on_request(ev.id, pdata, ev.responder_resources, ev.initiator_depth)
             elif hasattr(psp, "_on_cm_request") and not psp.closed:  # a datagram PSP (datagram.py)
@@ -272,12 +271,12 @@ class CMChannel:
         if kind == DEVICE_REMOVAL or kind == ADDR_CHANGE:
             etype = EventType.ASYNC_DEVICE_REMOVAL if kind == DEVICE_REMOVAL else EventType.ASYNC_ADDRESS_CHANGE
             evd = self._ia.async_evd
-            obj = self.owners.get(_key(ev.id))
+            obj = self.owner(ev.id)
             if isinstance(obj, Connection):
                 obj = obj.ep
             evd._push(AsyncEvent(etype, evd, obj=obj, reason=_event_name(kind)))
             return
-        owner = self.owners.get(_key(ev.id))
+        owner = self.owner(ev.id)
         if isinstance(owner, Connection):
             _ep_event(owner.ep, kind, ev.status, pdata)
         elif hasattr(owner, "_on_cm_event"):  # UD resolution or multicast join (datagram.py)
@@ -288,7 +287,8 @@ class CMChannel:
     def destroy(self) -> None:
         """Stop watching and destroy the channel (every id is gone by now)."""
         self.watch.detach()
-        for owner in list(self.owners.values()):
+        for route in list(self._routes.values()):
+            owner = route()
             if isinstance(owner, Connection):
                 owner = owner.ep
             if isinstance(owner, Handle):
@@ -298,10 +298,26 @@ class CMChannel:
             self.channel = ffi.NULL
 
 
-def _drop_id(raw: Raw, ids: Dict[int, Any], key: int) -> None:
-    """The finalizer of a cm_id whose owner was dropped (no loop, no channel object needed)."""
-    ids.pop(key, None)
-    raw.release()
+class _Route(weakref.ref):
+    """A cm_id's route to its owner: a weak reference whose callback destroys the id when the
+    owner is dropped unclosed (no loop or channel object needed).  One plain weak reference
+    per id, not a finalizer and a weak dictionary entry: an id is made per connection."""
+
+    __slots__ = ("key", "raw", "routes")
+
+    def __new__(cls, owner: Any, key: int, raw: Raw, routes: Dict[int, "_Route"]) -> "_Route":
+        return super().__new__(cls, owner, _drop_route)
+
+    def __init__(self, owner: Any, key: int, raw: Raw, routes: Dict[int, "_Route"]) -> None:
+        super().__init__(owner, _drop_route)
+        self.key, self.raw, self.routes = key, raw, routes
+
+
+def _drop_route(route: _Route) -> None:
+    """The owner of a route died: destroy its id, unless the id has moved on to another owner."""
+    if route.routes.get(route.key) is route:
+        del route.routes[route.key]
+        route.raw.release()
 
 
 def _event_name(kind: int) -> str:
@@ -432,19 +448,14 @@ def _timed_out(ep: "EP", cm_id: Any, etype: EventType, reason: str) -> None:
     _notify(ep, etype, reason=reason)
 
 
-def _conn_param(ep: "EP", pdata: bytes, responder: int, initiator: int) -> Tuple[Any, Any]:
-    """An rdma_conn_param with the EP's QP number (the QP-less flow) and transport settings."""
-    param = ffi.new("struct rdma_conn_param *")
-    keep = ffi.new("char[]", pdata) if pdata else ffi.NULL
-    param.private_data = keep
-    param.private_data_len = len(pdata)
-    param.responder_resources = responder
-    param.initiator_depth = initiator
-    param.retry_count = ep.attrs.retry_count
-    param.rnr_retry_count = ep.attrs.rnr_retry
-    param.qp_num = ep.qp_num
-    param.srq = 1 if ep.srq is not None else 0
-    return param, keep
+def _send_conn(ep: "EP", cm_id: Any, accept: bool, pdata: bytes, responder: int, initiator: int) -> int:
+    """rdma_connect (or rdma_accept) for the EP's QP (the QP-less flow) with its transport settings,
+    in one C call.  0, or the errno."""
+    a = ep.attrs
+    if lib.aiodat_cm_connect(cm_id, accept, pdata, len(pdata), responder, initiator, a.retry_count,
+                             a.rnr_retry, ep.qp_num, ep.srq is not None):
+        return ffi.errno
+    return 0
 
 
 def _ready_qp(ep: "EP", cm_id: Any, responder: int = -1, initiator: int = -1) -> int:
@@ -463,9 +474,10 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
             _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_resolve_route: errno {ffi.errno}")
         return
     if kind == ROUTE_RESOLVED:
-        param, _keep = _conn_param(ep, ep._conn.pending_private, ep.attrs.max_rdma_read_in, ep.attrs.max_rdma_read_out)
-        if lib.rdma_connect(cm_id, param):
-            _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_connect: errno {ffi.errno}")
+        err = _send_conn(ep, cm_id, False, ep._conn.pending_private, ep.attrs.max_rdma_read_in,
+                         ep.attrs.max_rdma_read_out)
+        if err:
+            _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_connect: errno {err}")
         return
     if kind == CONNECT_RESPONSE:  # the REP: ready the QP, then the RTU (rdma_establish)
         err = _ready_qp(ep, cm_id)
@@ -879,8 +891,7 @@ class CR(Handle):
         if err == errno.EXDEV:
             raise InvalidParameter("accepting on an EP of another device than the request's")
         if not err:
-            param, _keep = _conn_param(ep, pdata, responder, initiator)
-            err = ffi.errno if lib.rdma_accept(self._cm_id, param) else 0
+            err = _send_conn(ep, self._cm_id, True, pdata, responder, initiator)
         if err:
             ep._conn.state = EPState.DISCONNECTED
             raise error_from_errno(err, "accepting the connection (rdma_accept)")

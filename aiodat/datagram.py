@@ -45,7 +45,7 @@ from aiodat._lib import ffi, lib
 from aiodat.cm import (
     Listener,
     _check_family,
-    _conn_param,
+    _send_conn,
     _family,
     _private,
     _sockaddr,
@@ -168,10 +168,9 @@ class _Resolver(_Resolution):
                 self.fail(Unreachable(f"{self.what}: rdma_resolve_route failed (errno {ffi.errno})"))
             return
         if kind == _ROUTE_RESOLVED:
-            param, keep = _conn_param(self.ep, self.pdata, 0, 0)
-            param.qp_num = self.ep.qp_num
-            if lib.rdma_connect(self.cm_id, param):
-                self.fail(Unreachable(f"{self.what}: rdma_connect (SIDR REQ) failed (errno {ffi.errno})"))
+            err = _send_conn(self.ep, self.cm_id, False, self.pdata, 0, 0)
+            if err:
+                self.fail(Unreachable(f"{self.what}: rdma_connect (SIDR REQ) failed (errno {err})"))
             return
         if kind == _ESTABLISHED:
             # the AH goes on the EP's PD (librdmacm's id->pd is its own, and a QP may only
@@ -264,9 +263,7 @@ class DatagramPSP(Listener):
             lib.rdma_reject(cm_id, ffi.NULL, 0)
             lib.rdma_destroy_id(cm_id)
             return
-        param, keep = _conn_param(self.ep, self._pdata, 0, 0)
-        param.qp_num = self.ep.qp_num
-        err = lib.rdma_accept(cm_id, param)
+        err = _send_conn(self.ep, cm_id, True, self._pdata, 0, 0)
         if not err:
             self.requests += 1
             self.peers.append((cm_addresses(cm_id)[1], pdata))

@@ -152,67 +152,31 @@ class EP(Posting, Handle):
         return evd
 
     def _create_qp(self) -> Any:
+        """The EP's QP, made and taken to INIT (UD: to RTS) in one C call (shim.c, aiodat_create_qp)."""
         a = self.attrs
-        init = ffi.new("struct ibv_qp_init_attr *")
-        init.send_cq = self.request_evd._cq
-        init.recv_cq = self.recv_evd._cq
-        init.srq = self._srq._srq if self._srq is not None else ffi.NULL
-        init.cap.max_send_wr = a.max_request_dtos
-        init.cap.max_recv_wr = 0 if self._srq is not None else a.max_recv_dtos
-        init.cap.max_send_sge = a.max_request_iov
-        init.cap.max_recv_sge = 0 if self._srq is not None else a.max_recv_iov
-        init.cap.max_inline_data = DEFAULT_INLINE_DATA if a.max_inline_data is None else a.max_inline_data
-        init.qp_type = lib.IBV_QPT_UD if a.service_type is ServiceType.UD else lib.IBV_QPT_RC
-        init.sq_sig_all = 0
-        qp = lib.ibv_create_qp(self._pz._pd, init)
-        if qp == ffi.NULL and a.max_inline_data is None:  # a device without (that much) inline data
-            init.cap.max_inline_data = 0
-            qp = lib.ibv_create_qp(self._pz._pd, init)
-        #: the bytes a send or RDMA write may have to go inline: what the device granted (it may
-        #: round up), but never more than an explicit EPAttr.max_inline_data
-        self.max_inline: int = init.cap.max_inline_data if a.max_inline_data is None else min(
-            init.cap.max_inline_data, a.max_inline_data)
+        srq = self._srq
+        ud = a.service_type is ServiceType.UD
+        out = ffi.new("int[2]")  # the inline size granted; which step failed
+        qp = lib.aiodat_create_qp(self._pz._pd, self.request_evd._cq, self.recv_evd._cq,
+                                  srq._srq if srq is not None else ffi.NULL, a.max_request_dtos, a.max_recv_dtos,
+                                  a.max_request_iov, a.max_recv_iov,
+                                  -1 if a.max_inline_data is None else a.max_inline_data, DEFAULT_INLINE_DATA,
+                                  ud, self._ia.port, out)
         if qp == ffi.NULL:
             err = ffi.errno
             self._destroy_own_evds()
             self._closed = True
             self._pz._children.pop(self, None)
-            raise error_from_errno(err, f"creating the queue pair ({a})")
-        # Move to INIT now so receives can be posted before connecting (as DAT allows);
-        # rdma_cm takes the QP on through RTR and RTS when the connection forms.
-        attr = ffi.new("struct ibv_qp_attr *")
-        attr.qp_state = lib.IBV_QPS_INIT
-        attr.pkey_index = 0
-        attr.port_num = self._ia.port
-        mask = lib.IBV_QP_STATE | lib.IBV_QP_PKEY_INDEX | lib.IBV_QP_PORT
-        if a.service_type is ServiceType.UD:
-            attr.qkey = lib.RDMA_UDP_QKEY
-            mask |= lib.IBV_QP_QKEY
-        else:
-            attr.qp_access_flags = (lib.IBV_ACCESS_REMOTE_WRITE | lib.IBV_ACCESS_REMOTE_READ
-                                    | lib.IBV_ACCESS_REMOTE_ATOMIC)
-            mask |= lib.IBV_QP_ACCESS_FLAGS
-        err = lib.ibv_modify_qp(qp, attr, mask)
-        if not err and a.service_type is ServiceType.UD:
-            # A UD QP needs no connection: take it on to RTS now (as librdmacm's
-            # ucma_init_ud_qp does), so it can send as soon as it has an address handle.
-            attr = ffi.new("struct ibv_qp_attr *")
-            attr.qp_state = lib.IBV_QPS_RTR
-            err = lib.ibv_modify_qp(qp, attr, lib.IBV_QP_STATE)
-            if not err:
-                attr.qp_state = lib.IBV_QPS_RTS
-                attr.sq_psn = 0
-                err = lib.ibv_modify_qp(qp, attr, lib.IBV_QP_STATE | lib.IBV_QP_SQ_PSN)
-        if err:
-            lib.ibv_destroy_qp(qp)
-            self._destroy_own_evds()
-            self._closed = True
-            self._pz._children.pop(self, None)
-            raise error_from_errno(err, "moving the new queue pair to INIT" if a.service_type is ServiceType.RC
-                                   else "moving the new UD queue pair to RTS")
+            if out[1] == 0:
+                raise error_from_errno(err, f"creating the queue pair ({a})")
+            raise error_from_errno(err, "moving the new UD queue pair to RTS" if ud
+                                   else "moving the new queue pair to INIT")
+        #: the bytes a send or RDMA write may have to go inline: what the device granted (it may
+        #: round up), but never more than an explicit EPAttr.max_inline_data
+        self.max_inline: int = out[0] if a.max_inline_data is None else min(out[0], a.max_inline_data)
         # the QP goes before its CQs, SRQ and PD, also when all are dropped together
         self._raw = Raw(qp, lib.ibv_destroy_qp, "QP", self._pz._raw, self.request_evd._raw_cq,
-                        self.recv_evd._raw_cq, *((self._srq._raw,) if self._srq is not None else ()))
+                        self.recv_evd._raw_cq, *((srq._raw,) if srq is not None else ()))
         return qp
 
     # -- state -------------------------------------------------------------

@@ -13,6 +13,7 @@ connection's state (``_conn.state``, written only by cm.py).
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
@@ -133,11 +134,26 @@ class Posting(WorkRequests):
     max_inline: int
 
     def _init_posting(self) -> None:
-        self._wr = ffi.new("struct aiodat_send_wr *")
-        self._sges = ffi.new("struct aiodat_sge[]", 32)
-        self._posted = ffi.new("int *")
-        self._recv_wr = (ffi.new("uint64_t[1]"), ffi.new("int[1]"), ffi.new("int[1]"))
         self._windows: set = set()  # RMRs bound through this QP (memory.py registers them here)
+
+    # The general post paths' C structures: made on an EP's first such post and kept (no
+    # allocation per post), not with the EP: an EP is made per connection, and many never
+    # post through these paths (the one-segment fast paths pass plain ints).
+    @functools.cached_property
+    def _wr(self) -> Any:
+        return ffi.new("struct aiodat_send_wr *")
+
+    @functools.cached_property
+    def _sges(self) -> Any:
+        return ffi.new("struct aiodat_sge[]", 32)
+
+    @functools.cached_property
+    def _posted(self) -> Any:
+        return ffi.new("int *")
+
+    @functools.cached_property
+    def _recv_wr(self) -> Tuple[Any, Any, Any]:
+        return ffi.new("uint64_t[1]"), ffi.new("int[1]"), ffi.new("int[1]")
 
     def _check_post(self, segs: Tuple[Segment, ...], limit: int, what: str) -> None:
         self._check()

@@ -523,6 +523,96 @@ fail:
     return err;
 }
 
+/* Create an EP's QP and take it to INIT (RC: remote write, read and atomic allowed), so receives
+ * can be posted before it connects, as DAT allows (rdma_cm takes it on to RTR and RTS when the
+ * connection forms); a UD QP goes on to RTS with rdma_cm's UDP Q_Key, as librdmacm's
+ * ucma_init_ud_qp does.  One call: an EP is made per connection, and building the attribute
+ * structures in Python cost more than the verbs calls.  max_inline < 0 asks for `default_inline` and, if the device refuses that, for none.
+ * out[0] gets the inline size the device gave.  Returns the QP, or NULL with errno set and
+ * out[1] saying which step failed (0 creating, 1 the state changes: the QP is destroyed then). */
+struct ibv_qp *aiodat_create_qp(struct ibv_pd *pd, struct ibv_cq *send_cq, struct ibv_cq *recv_cq,
+                                struct ibv_srq *srq, int max_send_wr, int max_recv_wr, int max_send_sge,
+                                int max_recv_sge, int max_inline, int default_inline, int ud, int port_num,
+                                int *out)
+{
+    struct ibv_qp_init_attr init;
+    struct ibv_qp_attr attr;
+    struct ibv_qp *qp;
+    int err, mask;
+
+    memset(&init, 0, sizeof(init));
+    init.send_cq = send_cq;
+    init.recv_cq = recv_cq;
+    init.srq = srq;
+    init.cap.max_send_wr = max_send_wr;
+    init.cap.max_recv_wr = srq ? 0 : max_recv_wr;
+    init.cap.max_send_sge = max_send_sge;
+    init.cap.max_recv_sge = srq ? 0 : max_recv_sge;
+    init.cap.max_inline_data = max_inline < 0 ? default_inline : max_inline;
+    init.qp_type = ud ? IBV_QPT_UD : IBV_QPT_RC;
+    init.sq_sig_all = 0;
+    out[1] = 0;
+    qp = ibv_create_qp(pd, &init);
+    if (!qp && max_inline < 0) {  /* a device without (that much) inline data */
+        init.cap.max_inline_data = 0;
+        qp = ibv_create_qp(pd, &init);
+    }
+    if (!qp)
+        return NULL;
+    out[0] = init.cap.max_inline_data;
+
+    out[1] = 1;
+    memset(&attr, 0, sizeof(attr));
+    attr.qp_state = IBV_QPS_INIT;
+    attr.pkey_index = 0;
+    attr.port_num = port_num;
+    mask = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT;
+    if (ud) {
+        attr.qkey = RDMA_UDP_QKEY;
+        mask |= IBV_QP_QKEY;
+    } else {
+        attr.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+        mask |= IBV_QP_ACCESS_FLAGS;
+    }
+    err = ibv_modify_qp(qp, &attr, mask);
+    if (!err && ud) {
+        memset(&attr, 0, sizeof(attr));
+        attr.qp_state = IBV_QPS_RTR;
+        err = ibv_modify_qp(qp, &attr, IBV_QP_STATE);
+        if (!err) {
+            attr.qp_state = IBV_QPS_RTS;
+            attr.sq_psn = 0;
+            err = ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_SQ_PSN);
+        }
+    }
+    if (err) {
+        ibv_destroy_qp(qp);
+        errno = err;
+        return NULL;
+    }
+    return qp;
+}
+
+/* rdma_connect (accept == 0) or rdma_accept with the rdma_conn_param built here: the caller's
+ * private data (sent as given), RDMA read depths, retry counts, and its own QP's number (the
+ * QP-less flow).  Returns what the rdma_cm call returns: 0, or -1 with errno set. */
+int aiodat_cm_connect(struct rdma_cm_id *id, int accept, const char *pdata, int plen, int responder,
+                      int initiator, int retry_count, int rnr_retry_count, uint32_t qp_num, int srq)
+{
+    struct rdma_conn_param param;
+
+    memset(&param, 0, sizeof(param));
+    param.private_data = plen ? pdata : NULL;
+    param.private_data_len = plen;
+    param.responder_resources = responder;
+    param.initiator_depth = initiator;
+    param.retry_count = retry_count;
+    param.rnr_retry_count = rnr_retry_count;
+    param.qp_num = qp_num;
+    param.srq = srq;
+    return accept ? rdma_accept(id, &param) : rdma_connect(id, &param);
+}
+
 /* Attach (or detach) a UD QP to the multicast group of a MULTICAST_JOIN event, as librdmacm
  * does for id->qp: the group's GID and LID are in the event's path. */
 int aiodat_mcast_attach(struct ibv_qp *qp, const struct aiodat_cm_event *ev, int attach)

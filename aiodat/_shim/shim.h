@@ -261,6 +261,12 @@ int aiodat_cm_get_events(struct rdma_event_channel *channel, struct ibv_pd *pd,
                          struct aiodat_cm_event *out, int max);
 struct ibv_ah *aiodat_create_ah(struct ibv_pd *pd, const struct aiodat_cm_event *ev);
 int aiodat_async_get_events(struct ibv_context *context, struct aiodat_async_event *out, int max);
+struct ibv_qp *aiodat_create_qp(struct ibv_pd *pd, struct ibv_cq *send_cq, struct ibv_cq *recv_cq,
+                                struct ibv_srq *srq, int max_send_wr, int max_recv_wr, int max_send_sge,
+                                int max_recv_sge, int max_inline, int default_inline, int ud, int port_num,
+                                int *out);
+int aiodat_cm_connect(struct rdma_cm_id *id, int accept, const char *pdata, int plen, int responder,
+                      int initiator, int retry_count, int rnr_retry_count, uint32_t qp_num, int srq);
 int aiodat_cm_ready_qp(struct rdma_cm_id *id, struct ibv_qp *qp, int resp_res, int init_depth,
                        int min_rnr_timer, int ack_timeout);
 int aiodat_mcast_attach(struct ibv_qp *qp, const struct aiodat_cm_event *ev, int attach);
