@@ -29,7 +29,7 @@ import sys
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable, ClassVar, List, Optional, Set, Tuple
+from typing import Any, Callable, ClassVar, List, MutableMapping, Optional, Set, Tuple
 
 from aiodat._lib import ffi, lib
 from aiodat.errors import InvalidHandle, InvalidState
@@ -164,16 +164,21 @@ class Handle:
     #: True for objects that serve until freed, like a listening socket (PSPs): the parent holds them
     _parent_holds: ClassVar[bool] = False
     _held: Optional[Set["Handle"]] = None  # the children this one holds strongly (see _parent_holds)
+    #: the children: weak, insertion-ordered (a child the program dropped goes; its Raws free it).
+    #: Made with the first child: most objects (every EP and CR) never have one.  Until then this
+    #: empty class-level dict stands in; it is only read (and popped from: a no-op), never written.
+    _children: "MutableMapping[Handle, None]" = {}
 
     def __init__(self, parent: Optional["Handle"]) -> None:
         self._parent = parent
-        # weak, insertion-ordered: a child the program dropped goes (its Raws free it)
-        self._children: "weakref.WeakKeyDictionary[Handle, None]" = weakref.WeakKeyDictionary()
         if sys.flags.dev_mode:  # asyncpg's habit: say where a leaked object came from
             self._created_at = traceback.format_stack()[:-2]
         if parent is not None:
             parent._check()
-            parent._children[self] = None
+            siblings = parent.__dict__.get("_children")
+            if siblings is None:
+                siblings = parent._children = weakref.WeakKeyDictionary()
+            siblings[self] = None
             if self._parent_holds:
                 if parent._held is None:
                     parent._held = set()

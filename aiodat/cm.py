@@ -179,6 +179,14 @@ def _address(sa: Any) -> Optional[Tuple[str, int]]:
     return ffi.string(host).decode(), port[0]
 
 
+def request_addresses(ev: Any) -> Tuple[Optional[Tuple[str, int]], Optional[Tuple[str, int]]]:
+    """(local, remote) (host, port) of a CONNECT_REQUEST event (the shim formatted them as it
+    copied the event out), or Nones where rdma_cm had none."""
+    local, remote = ffi.string(ev.local_host), ffi.string(ev.remote_host)
+    return ((local.decode(), ev.local_port) if local else None,
+            (remote.decode(), ev.remote_port) if remote else None)
+
+
 def cm_addresses(cm_id: Any) -> Tuple[Optional[Tuple[str, int]], Optional[Tuple[str, int]]]:
     """(local, remote) (host, port) of a cm_id, or Nones when it has none."""
     if cm_id == ffi.NULL:
@@ -198,7 +206,10 @@ class CMChannel:
         #: cm_id -> the weak route to its Connection, PSP, CR or datagram resolution (see _Route)
         self._routes: Dict[int, _Route] = {}
         self._buf = ffi.new("struct aiodat_cm_event *")
-        self._src: Any = None  # the IA's address as a sockaddr, the source of every connect (made once)
+        # the IA's address as a sockaddr, the source of every connect (made once), and its storage
+        self._src: Any = None
+        self._src_storage: Any = None
+        self._dsts: Dict[Tuple[str, int], Tuple[Any, Any]] = {}  # numeric peers connected to: their sockaddrs
         # the loop keeps the channel (its fd) while it watches it, even if the IA is dropped
         self.watch = FdWatch(self.channel.fd, self._on_readable, "rdma_cm event channel", keep=self._raw)
 
@@ -211,10 +222,25 @@ class CMChannel:
         return idp[0]
 
     def source(self) -> Any:
-        """The sockaddr connections leave from (the IA's address), or NULL when the IA has none."""
+        """The ``struct sockaddr *`` connections leave from (the IA's address), or NULL when the IA has none."""
         if self._src is None:
-            self._src = _sockaddr(self._ia.address, 0) if self._ia.address else ffi.NULL
+            self._src_storage = _sockaddr(self._ia.address, 0) if self._ia.address else ffi.NULL
+            self._src = ffi.cast("struct sockaddr *", self._src_storage)
         return self._src
+
+    def destination(self, host: str, port: int) -> Any:
+        """``host:port`` as a ``struct sockaddr *``.  A numeric one is kept (its storage with it):
+        a program connects to the same few peers again and again; a name is looked up each time."""
+        key = (host, port)
+        dst = self._dsts.get(key)
+        if dst is None:
+            storage = _sockaddr(host, port)
+            dst = (storage, ffi.cast("struct sockaddr *", storage))
+            if isinstance(host, str) and _is_numeric(host):
+                if len(self._dsts) >= 256:
+                    self._dsts.clear()
+                self._dsts[key] = dst
+        return dst[1]
 
     def own_id(self, owner: Any, cm_id: Any) -> None:
         """Route ``cm_id``'s events to ``owner`` (held weakly); if the owner is dropped unclosed,
@@ -261,7 +287,7 @@ class CMChannel:
         if kind == CONNECT_REQUEST:
             psp = self.owner(ev.listen_id)
             if isinstance(psp, PSP) and not psp.closed:
-                psp._on_request(ev.id, pdata, ev.responder_resources, ev.initiator_depth)
+                psp._on_request(ev.id, pdata, ev.responder_resources, ev.initiator_depth, request_addresses(ev))
             elif hasattr(psp, "_on_cm_request") and not psp.closed:  # a datagram PSP (datagram.py)
                 psp._on_cm_request(ev, pdata)
             else:
@@ -395,14 +421,12 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     pdata = _private(private_data, CONNECT_PRIVATE_DATA_MAX, "connect")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise InvalidParameter(f"timeout must be None or > 0 seconds, got {timeout!r}")
-    dst = _sockaddr(host, port)
     ia = ep._ia
     cm = ia._cm
+    dst = cm.destination(host, port)  # rdma_resolve_addr copies both
     cm_id = cm.create_id(ep._conn, lib.RDMA_PS_TCP)
-    src = cm.source()  # rdma_resolve_addr copies it
     resolve_ms = int(min(timeout, _RESOLVE_MS / 1000) * 1000) if timeout else _RESOLVE_MS
-    if lib.rdma_resolve_addr(cm_id, ffi.cast("struct sockaddr *", src), ffi.cast("struct sockaddr *", dst),
-                             resolve_ms):
+    if lib.rdma_resolve_addr(cm_id, cm.source(), dst, resolve_ms):
         err = ffi.errno
         cm.destroy_id(cm_id)
         raise error_from_errno(err, f"resolving {host}:{port}")
@@ -823,8 +847,9 @@ class PSP(Listener):
         self.cr_evd = cr_evd
         self._listen(ia, addr, port, lib.RDMA_PS_TCP, backlog, "port")
 
-    def _on_request(self, cm_id: Any, pdata: bytes, responder: int, initiator: int) -> None:
-        cr = CR(self, cm_id, pdata, responder, initiator)
+    def _on_request(self, cm_id: Any, pdata: bytes, responder: int, initiator: int,
+                    addresses: Tuple[Optional[Tuple[str, int]], Optional[Tuple[str, int]]]) -> None:
+        cr = CR(self, cm_id, pdata, responder, initiator, addresses)
         self.cr_evd._push(ConnectionRequestEvent(EventType.CONNECTION_REQUEST, self.cr_evd, cr, self))
 
     def query(self) -> Dict[str, Any]:
@@ -838,7 +863,8 @@ class CR(Handle):
 
     _kind = "cr"
 
-    def __init__(self, psp: PSP, cm_id: Any, pdata: bytes, responder: int, initiator: int) -> None:
+    def __init__(self, psp: PSP, cm_id: Any, pdata: bytes, responder: int, initiator: int,
+                 addresses: Tuple[Optional[Tuple[str, int]], Optional[Tuple[str, int]]]) -> None:
         super().__init__(psp)
         self.psp = psp
         self._ia = psp._ia
@@ -848,7 +874,7 @@ class CR(Handle):
         #: the private data the CM delivered with the request, raw from offset 0 (on IB/RoCE
         #: the whole 56-byte field, zero-filled past what the peer sent)
         self.private_data: bytes = pdata
-        local, remote = cm_addresses(cm_id)
+        local, remote = addresses
         #: the peer's (host, port)
         self.remote_address: Optional[Tuple[str, int]] = remote
         #: our (host, port) the request arrived on

@@ -19,7 +19,7 @@ whose EPs complete on one EVD counts its size once there.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterable, Mapping, Optional, Tuple
 
 from aiodat._lib import ffi, lib
 from aiodat.errors import InvalidParameter, error_from_errno
@@ -64,19 +64,20 @@ def fit_cqs(ia: Any, extra: Iterable[Share] = (), override: Optional[Mapping[Has
     let through at once.  A CQ that must grow grows to at least one and a half times its size,
     so N EPs sharing one EVD cost O(log N) exact walks, not N."""
     extra = list(extra)
-    targets: List["EVD"] = []
-    for evd in (evds if evds is not None else (share[0] for share in extra)):
-        if evd not in targets:
-            targets.append(evd)
+    added: Dict["EVD", int] = {}  # (insertion-ordered) each target EVD -> the entries extra adds to it
+    for evd in (evds if evds is not None else ()):
+        added[evd] = 0
+    for share_evd, _key, entries in extra:
+        if evds is None or share_evd in added:
+            added[share_evd] = added.get(share_evd, 0) + entries
     limit = ia._device_attr.max_cqe
-    for evd in targets:
+    for evd, more in added.items():
         have = cq_entries(evd)
         if not have:
             continue
-        added = sum(entries for share_evd, _key, entries in extra if share_evd is evd)
         bound = evd._cq_bound
-        if bound is not None and override is None and bound + added <= have:
-            evd._cq_bound = bound + added
+        if bound is not None and override is None and bound + more <= have:
+            evd._cq_bound = bound + more
             continue
         need = demand(ia, evd, extra, override)
         if need > have:

@@ -45,12 +45,12 @@ from aiodat._lib import ffi, lib
 from aiodat.cm import (
     Listener,
     _check_family,
-    _send_conn,
     _family,
     _private,
+    _send_conn,
     _sockaddr,
-    cm_addresses,
     listen_address,
+    request_addresses,
     resolve_host,
 )
 from aiodat.ep import EP, CompletionFlags, Segments
@@ -266,7 +266,7 @@ class DatagramPSP(Listener):
         err = _send_conn(self.ep, cm_id, True, self._pdata, 0, 0)
         if not err:
             self.requests += 1
-            self.peers.append((cm_addresses(cm_id)[1], pdata))
+            self.peers.append((request_addresses(ev)[1], pdata))
         lib.rdma_destroy_id(cm_id)
 
 

@@ -37,6 +37,7 @@ async def test_resolve_send_receive_with_sender(ia: Any) -> None:
     assert isinstance(ah, AddressHandle)
     assert ah.remote_qpn == server.qp_num and ah.private_data == b"ud-welcome".ljust(136, b"\0")
     assert psp.requests == 1 and psp.peers[0][1] == b"hi".ljust(180, b"\0")
+    assert psp.peers[0][0] is not None and psp.peers[0][0][0] == ia.address  # the requester's (host, port)
 
     # a receive with the GRH in front of the payload
     server.post_recv(slmr[0:1024], cookie="grh")

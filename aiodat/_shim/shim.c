@@ -395,6 +395,14 @@ int aiodat_cm_get_events(struct rdma_event_channel *channel, struct ibv_pd *pd,
             d->srq = ev->param.conn.srq;
             d->qp_num = ev->param.conn.qp_num;
         }
+        if (ev->event == RDMA_CM_EVENT_CONNECT_REQUEST && ev->id) {
+            if (aiodat_sockaddr_str(rdma_get_local_addr(ev->id), d->local_host, sizeof(d->local_host),
+                                    &d->local_port))
+                d->local_host[0] = 0;
+            if (aiodat_sockaddr_str(rdma_get_peer_addr(ev->id), d->remote_host, sizeof(d->remote_host),
+                                    &d->remote_port))
+                d->remote_host[0] = 0;
+        }
         rdma_ack_cm_event(ev);
     }
     return n;

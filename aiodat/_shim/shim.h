@@ -228,6 +228,9 @@ struct aiodat_cm_event {
      * (a struct ibv_ah_attr, opaque) for aiodat_create_ah on the PD the caller chooses. */
     struct ibv_ah *ah; uint32_t ud_qp_num; uint32_t ud_qkey;
     int has_ah_attr; uint8_t ah_attr[64];
+    /* CONNECT_REQUEST: the request's addresses, formatted here (its CR's local and remote
+     * address; "" when rdma_cm has none) */
+    char local_host[64]; char remote_host[64]; uint16_t local_port; uint16_t remote_port;
 };
 
 /* One asynchronous (device) event, copied out and acked. */
