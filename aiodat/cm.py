@@ -567,10 +567,10 @@ def _notify(ep: "EP", etype: EventType, pdata: bytes = b"", reason: str = "") ->
     waiter = ep._conn.waiter
     if waiter is not None and not waiter.done():
         ep._conn.waiter = None
-        waiter.set_result(ConnectionEvent(etype, ep._connect_evd, ep, pdata, reason))
+        waiter.set_result(ConnectionEvent._made(etype, ep._connect_evd, ep, pdata, reason))
     else:
         evd = ep.connect_evd
-        evd._push(ConnectionEvent(etype, evd, ep, pdata, reason))
+        evd._push(ConnectionEvent._made(etype, evd, ep, pdata, reason))
 
 
 def _outcome(ep: "EP", event: ConnectionEvent, what: str) -> bytes:
@@ -850,7 +850,7 @@ class PSP(Listener):
     def _on_request(self, cm_id: Any, pdata: bytes, responder: int, initiator: int,
                     addresses: Tuple[Optional[Tuple[str, int]], Optional[Tuple[str, int]]]) -> None:
         cr = CR(self, cm_id, pdata, responder, initiator, addresses)
-        self.cr_evd._push(ConnectionRequestEvent(EventType.CONNECTION_REQUEST, self.cr_evd, cr, self))
+        self.cr_evd._push(ConnectionRequestEvent._made(self.cr_evd, cr, self))
 
     def query(self) -> Dict[str, Any]:
         """Return the PSP's parameters (dat_psp_query): ia, port, address, cr_evd."""

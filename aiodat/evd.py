@@ -219,6 +219,13 @@ class ConnectionRequestEvent(Event):
     cr: Optional["CR"] = None
     psp: Optional["PSP"] = None
 
+    @classmethod
+    def _made(cls, evd: "EVD", cr: "CR", psp: "PSP") -> "ConnectionRequestEvent":
+        """Build one per request (cm.py) with a single dict, as DTO events are built."""
+        event = _new(cls)
+        _setattr(event, "__dict__", {"type": EventType.CONNECTION_REQUEST, "evd": evd, "cr": cr, "psp": psp})
+        return event
+
 
 @dataclass(frozen=True)
 class ConnectionEvent(Event):
@@ -227,6 +234,15 @@ class ConnectionEvent(Event):
     ep: Optional["EP"] = None
     private_data: bytes = b""
     reason: str = ""
+
+    @classmethod
+    def _made(cls, etype: EventType, evd: Optional["EVD"], ep: "EP", private_data: bytes,
+              reason: str) -> "ConnectionEvent":
+        """Build one per connection step (cm.py) with a single dict, as DTO events are built."""
+        event = _new(cls)
+        _setattr(event, "__dict__", {"type": etype, "evd": evd, "ep": ep, "private_data": private_data,
+                                     "reason": reason})
+        return event
 
 
 @dataclass(frozen=True)

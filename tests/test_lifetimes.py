@@ -179,6 +179,15 @@ async def settle() -> None:
         await asyncio.sleep(SWEEP_SECONDS * 2 + 0.1)
 
 
+async def connect_once(ia: Any) -> None:
+    """Make and close one connection: the first connection of a process makes librdmacm open a
+    context of its own on the device (an fd), which it keeps for the process's life; a test
+    counting fds must not count that."""
+    pair = await make_ep_pair(ia)
+    pair.close()
+    await settle()
+
+
 def unclosed_kinds(caught: List[warnings.WarningMessage]) -> List[str]:
     kinds = []
     for w in caught:
@@ -213,7 +222,7 @@ async def test_dropped_objects_are_released_and_warn(ia: Any, rdma_device: Any, 
 
 
 async def test_a_dropped_connected_pair_is_released(ia: Any, rdma_device: Any, loop_errors: List[dict]) -> None:
-    await settle()
+    await connect_once(ia)
     fds, counts = open_fds(), kernel_counts(rdma_device.name)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -224,6 +233,32 @@ async def test_a_dropped_connected_pair_is_released(ia: Any, rdma_device: Any, l
         await settle()
     assert kernel_counts(rdma_device.name) == counts
     assert open_fds() == fds
+
+
+async def test_a_dropped_connection_request_is_refused_and_released(ia: Any, rdma_device: Any,
+                                                                    loop_errors: List[dict]) -> None:
+    """A CR the program drops unanswered: its cm_id is destroyed (its route to the CR is weak),
+    which refuses the request, so the peer's connect fails instead of hanging; nothing is left."""
+    await connect_once(ia)
+    fds, counts = open_fds(), kernel_counts(rdma_device.name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pz = ia.create_pz()
+        cr_evd = ia.create_evd(4, aiodat.EvdFlags.CR)
+        psp = ia.create_psp_any(cr_evd)
+        client = ia.create_ep(pz)
+        connecting = asyncio.ensure_future(client.connect(ia.address, psp.port, timeout=10))
+        event = await cr_evd.wait_one(timeout=10)
+        assert isinstance(event.cr, aiodat.CR)
+        del event  # the only reference to the CR
+        with pytest.raises(aiodat.ConnectionRejected):
+            await connecting
+        for obj in (client, psp, cr_evd, pz):
+            obj.free()
+        await settle()
+    assert kernel_counts(rdma_device.name) == counts
+    assert open_fds() == fds
+    assert unclosed_kinds(caught) == ["cr"]
 
 
 def test_development_mode_names_where_a_leaked_object_was_made(rdma_device: Any, tmp_path: Any) -> None:
