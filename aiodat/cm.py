@@ -485,9 +485,9 @@ def _send_conn(ep: "EP", cm_id: Any, accept: bool, pdata: bytes, responder: int,
 def _ready_qp(ep: "EP", cm_id: Any, responder: int = -1, initiator: int = -1) -> int:
     """The EP's QP through INIT, RTR and RTS as rdma_cm negotiated it, with the EP's RNR timer
     and ACK timeout (-1: the CM's RDMA read depths).  0, or an errno with the QP in ERR."""
-    a = ep.attrs
+    a, ia = ep.attrs, ep._ia
     return lib.aiodat_cm_ready_qp(cm_id, ep._qp, responder, initiator, a.min_rnr_timer,
-                                  -1 if a.ack_timeout is None else a.ack_timeout)
+                                  -1 if a.ack_timeout is None else a.ack_timeout, ia.port, ia._link_layer)
 
 
 def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:

@@ -233,7 +233,9 @@ class IA(RootHandle):
                 raise ProviderNotFound(
                     f"{device} has {self._device_attr.phys_port_cnt} port(s); there is no port {port}"
                 )
-            gids = _gids(self._context, port, self._port_attr().gid_tbl_len)
+            pattr = self._port_attr()
+            self._link_layer: int = pattr.link_layer  # a port's is fixed; readying each connection needs it
+            gids = _gids(self._context, port, pattr.gid_tbl_len)
             #: every IP address of the port's netdevs (IPoIB on InfiniBand), IPv4 first
             self.addresses: Tuple[str, ...] = tuple(port_addresses(device, port, gids))
             #: the IA's address: PSPs listen on it and connections leave from it

@@ -475,10 +475,17 @@ int aiodat_async_get_events(struct ibv_context *context, struct aiodat_async_eve
  * as librdmacm does for a QP it owns, then apply the caller's choices: responder resources
  * and initiator depth (-1: the CM's), the RNR NAK timer and the ACK timeout (-1: the CM's).
  * The active side calls it on CONNECT_RESPONSE (then rdma_establish), the passive side
- * before rdma_accept.  On failure the QP is left in ERR.  Returns 0 or an errno. */
+ * before rdma_accept.  `port_num` and `link_layer` are the port the QP was taken to INIT on
+ * (aiodat_create_qp) and that port's link layer as the caller knows it (-1: ask the device).
+ * Two system calls librdmacm makes are left out when they change nothing, since a connection
+ * makes them on each side: the INIT to INIT transition when rdma_cm asks for exactly what
+ * aiodat_create_qp set, and the port query when the caller knows the link layer.
+ * On failure the QP is left in ERR.  Returns 0 or an errno. */
 int aiodat_cm_ready_qp(struct rdma_cm_id *id, struct ibv_qp *qp, int resp_res, int init_depth,
-                       int min_rnr_timer, int ack_timeout)
+                       int min_rnr_timer, int ack_timeout, int port_num, int link_layer)
 {
+    const int init_mask = IBV_QP_STATE | IBV_QP_ACCESS_FLAGS | IBV_QP_PKEY_INDEX | IBV_QP_PORT;
+    const int all_remote = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
     struct ibv_qp_attr attr;
     struct ibv_port_attr port;
     int mask, err;
@@ -490,7 +497,9 @@ int aiodat_cm_ready_qp(struct rdma_cm_id *id, struct ibv_qp *qp, int resp_res, i
     attr.qp_state = IBV_QPS_INIT;
     if (rdma_init_qp_attr(id, &attr, &mask))
         return errno ? errno : EINVAL;
-    if ((err = ibv_modify_qp(qp, &attr, mask)))
+    if (!(qp->state == IBV_QPS_INIT && (mask & ~init_mask) == 0 && attr.port_num == port_num &&
+          attr.pkey_index == 0 && attr.qp_access_flags == all_remote) &&
+        (err = ibv_modify_qp(qp, &attr, mask)))
         goto fail;
 
     memset(&attr, 0, sizeof(attr));
@@ -500,7 +509,9 @@ int aiodat_cm_ready_qp(struct rdma_cm_id *id, struct ibv_qp *qp, int resp_res, i
         goto fail;
     }
     /* librdmacm's work-around for an rdma_ucm bug: bits 21-24 are RoCE-only */
-    if (!ibv_query_port(qp->context, id->port_num, &port) && port.link_layer == IBV_LINK_LAYER_INFINIBAND)
+    if (id->port_num != port_num || link_layer < 0)
+        link_layer = ibv_query_port(qp->context, id->port_num, &port) ? -1 : port.link_layer;
+    if (link_layer == IBV_LINK_LAYER_INFINIBAND)
         mask &= ~0xe00000;
     if (resp_res >= 0)
         attr.max_dest_rd_atomic = resp_res;

@@ -271,7 +271,7 @@ struct ibv_qp *aiodat_create_qp(struct ibv_pd *pd, struct ibv_cq *send_cq, struc
 int aiodat_cm_connect(struct rdma_cm_id *id, int accept, const char *pdata, int plen, int responder,
                       int initiator, int retry_count, int rnr_retry_count, uint32_t qp_num, int srq);
 int aiodat_cm_ready_qp(struct rdma_cm_id *id, struct ibv_qp *qp, int resp_res, int init_depth,
-                       int min_rnr_timer, int ack_timeout);
+                       int min_rnr_timer, int ack_timeout, int port_num, int link_layer);
 int aiodat_mcast_attach(struct ibv_qp *qp, const struct aiodat_cm_event *ev, int attach);
 int aiodat_sockaddr(const char *host, uint16_t port, struct sockaddr_storage *out);
 int aiodat_sockaddr_str(const struct sockaddr *addr, char *host, int host_len, uint16_t *port);
