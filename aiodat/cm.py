@@ -231,12 +231,12 @@ class CMChannel:
     def destination(self, host: str, port: int) -> Any:
         """``host:port`` as a ``struct sockaddr *``.  A numeric one is kept (its storage with it):
         a program connects to the same few peers again and again; a name is looked up each time."""
-        key = (host, port)
-        dst = self._dsts.get(key)
+        key = (host, port) if type(host) is str and type(port) is int else None  # (else _sockaddr says why not)
+        dst = self._dsts.get(key) if key is not None else None
         if dst is None:
             storage = _sockaddr(host, port)
             dst = (storage, ffi.cast("struct sockaddr *", storage))
-            if isinstance(host, str) and _is_numeric(host):
+            if key is not None and _is_numeric(host):
                 if len(self._dsts) >= 256:
                     self._dsts.clear()
                 self._dsts[key] = dst

@@ -271,7 +271,8 @@ async def test_connection_misuse(rdma_device: Any) -> None:
         ok, _ = works_or_daterror(client.disconnect_nowait)
         assert not ok
         for bad_host, bad_port in (("not an address", psp.port), (psp.address, -1), (psp.address, 70000),
-                                   (None, psp.port), (psp.address, "port")):
+                                   (None, psp.port), (psp.address, "port"), ([psp.address], psp.port),
+                                   (psp.address, [psp.port]), (psp.address, True)):
             ok, _ = works_or_daterror(client.connect_nowait, bad_host, bad_port)
             assert not ok
         # reject, then misuse that CR

@@ -546,8 +546,9 @@ fail:
  * can be posted before it connects, as DAT allows (rdma_cm takes it on to RTR and RTS when the
  * connection forms); a UD QP goes on to RTS with rdma_cm's UDP Q_Key, as librdmacm's
  * ucma_init_ud_qp does.  One call: an EP is made per connection, and building the attribute
- * structures in Python cost more than the verbs calls.  max_inline < 0 asks for `default_inline` and, if the device refuses that, for none.
- * out[0] gets the inline size the device gave.  Returns the QP, or NULL with errno set and
+ * structures in Python cost more than the verbs calls.  max_inline < 0 asks for
+ * `default_inline` and, if the device refuses that, for none; out[0] gets the inline size the
+ * device gave.  Returns the QP, or NULL with errno set and
  * out[1] saying which step failed (0 creating, 1 the state changes: the QP is destroyed then). */
 struct ibv_qp *aiodat_create_qp(struct ibv_pd *pd, struct ibv_cq *send_cq, struct ibv_cq *recv_cq,
                                 struct ibv_srq *srq, int max_send_wr, int max_recv_wr, int max_send_sge,
