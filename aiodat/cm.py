@@ -206,10 +206,7 @@ class CMChannel:
         #: cm_id -> the weak route to its Connection, PSP, CR or datagram resolution (see _Route)
         self._routes: Dict[int, _Route] = {}
         self._buf = ffi.new("struct aiodat_cm_event *")
-        # the IA's address as a sockaddr, the source of every connect (made once), and its storage
-        self._src: Any = None
-        self._src_storage: Any = None
-        self._dsts: Dict[Tuple[str, int], Tuple[Any, Any]] = {}  # numeric peers connected to: their sockaddrs
+        self._sockaddrs: Dict[Tuple[str, int], Tuple[Any, Any]] = {}  # numeric addresses used: their sockaddrs
         # the loop keeps the channel (its fd) while it watches it, even if the IA is dropped
         self.watch = FdWatch(self.channel.fd, self._on_readable, "rdma_cm event channel", keep=self._raw)
 
@@ -223,24 +220,22 @@ class CMChannel:
 
     def source(self) -> Any:
         """The ``struct sockaddr *`` connections leave from (the IA's address), or NULL when the IA has none."""
-        if self._src is None:
-            self._src_storage = _sockaddr(self._ia.address, 0) if self._ia.address else ffi.NULL
-            self._src = ffi.cast("struct sockaddr *", self._src_storage)
-        return self._src
+        return self.sockaddr(self._ia.address, 0) if self._ia.address else ffi.NULL
 
-    def destination(self, host: str, port: int) -> Any:
-        """``host:port`` as a ``struct sockaddr *``.  A numeric one is kept (its storage with it):
-        a program connects to the same few peers again and again; a name is looked up each time."""
+    def sockaddr(self, host: str, port: int) -> Any:
+        """``host:port`` as a ``struct sockaddr *`` (rdma_cm copies it).  A numeric one is kept (its
+        storage with it): a program connects to the same few peers again and again; a name is
+        looked up each time."""
         key = (host, port) if type(host) is str and type(port) is int else None  # (else _sockaddr says why not)
-        dst = self._dsts.get(key) if key is not None else None
-        if dst is None:
+        kept = self._sockaddrs.get(key) if key is not None else None
+        if kept is None:
             storage = _sockaddr(host, port)
-            dst = (storage, ffi.cast("struct sockaddr *", storage))
+            kept = (storage, ffi.cast("struct sockaddr *", storage))
             if key is not None and _is_numeric(host):
-                if len(self._dsts) >= 256:
-                    self._dsts.clear()
-                self._dsts[key] = dst
-        return dst[1]
+                if len(self._sockaddrs) >= 256:
+                    self._sockaddrs.clear()
+                self._sockaddrs[key] = kept
+        return kept[1]
 
     def own_id(self, owner: Any, cm_id: Any) -> None:
         """Route ``cm_id``'s events to ``owner`` (held weakly); if the owner is dropped unclosed,
@@ -423,7 +418,7 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
         raise InvalidParameter(f"timeout must be None or > 0 seconds, got {timeout!r}")
     ia = ep._ia
     cm = ia._cm
-    dst = cm.destination(host, port)  # rdma_resolve_addr copies both
+    dst = cm.sockaddr(host, port)
     cm_id = cm.create_id(ep._conn, lib.RDMA_PS_TCP)
     resolve_ms = int(min(timeout, _RESOLVE_MS / 1000) * 1000) if timeout else _RESOLVE_MS
     if lib.rdma_resolve_addr(cm_id, cm.source(), dst, resolve_ms):

@@ -219,15 +219,13 @@ async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes =
     pdata = _private(private_data, RESOLVE_PRIVATE_DATA_MAX, "resolve_datagram")
     host = await resolve_host(host, _family(ep._ia.address or ""))
     _check_family(ep._ia, host)
-    dst = _sockaddr(host, port)
     ia = ep._ia
+    dst = ia._cm.sockaddr(host, port)
     fut: "asyncio.Future[AddressHandle]" = asyncio.get_running_loop().create_future()
     res = _Resolver(ep, fut, f"resolve_datagram {host}:{port}")
     res.pdata = pdata
     res.address = (host, port)  # type: ignore[attr-defined]
-    src = _sockaddr(ia.address, 0) if ia.address else ffi.NULL
-    if lib.rdma_resolve_addr(res.cm_id, ffi.cast("struct sockaddr *", src), ffi.cast("struct sockaddr *", dst),
-                             _RESOLVE_MS):
+    if lib.rdma_resolve_addr(res.cm_id, ia._cm.source(), dst, _RESOLVE_MS):
         err = ffi.errno
         res.destroy()
         raise error_from_errno(err, f"resolving {host}:{port}")
@@ -362,9 +360,8 @@ async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) 
     joiner = _Joiner(ep, fut, f"join_multicast {group}")
     joiner.group = mg  # type: ignore[attr-defined]
     mg._joiner = joiner
-    src = _sockaddr(ia.address, 0) if ia.address else ffi.NULL
-    if lib.rdma_resolve_addr(joiner.cm_id, ffi.cast("struct sockaddr *", src),
-                             ffi.cast("struct sockaddr *", mg._sockaddr), _RESOLVE_MS):
+    if lib.rdma_resolve_addr(joiner.cm_id, ia._cm.source(), ffi.cast("struct sockaddr *", mg._sockaddr),
+                             _RESOLVE_MS):
         err = ffi.errno
         mg.close()
         raise error_from_errno(err, f"resolving multicast group {group}")
