@@ -308,6 +308,8 @@ class EVD(Handle):
         self._sharers: List["IA"] = []
         self._queue: Deque[Event] = deque()
         self._waiter: Optional["asyncio.Future[None]"] = None
+        #: the task of a spinning wait (see wait): cancelling it ends the wait at once
+        self._spinner: Optional["asyncio.Task[Any]"] = None
         self._threshold = 1
         # The waits' timeout timer, kept across waits (see _set_deadline): the current wait's
         # deadline and timeout, the timer and when it fires (None: no timer pending)
@@ -666,6 +668,17 @@ class EVD(Handle):
             ia._pump()
         self._drain_cq()
 
+    def _waited(self) -> bool:
+        """A task waits on this EVD now.  A done waiter is a wait that was cancelled or woken and has
+        not run again yet: the EVD is free the moment task.cancel() cancels its future, or, for a
+        spinning wait (which awaits no future while it spins), the moment its task is cancelled.
+        (C's twin: waiter_gone in _completions.)"""
+        fut = self._waiter
+        if fut is None or fut.done():
+            return False
+        spinner = self._spinner
+        return spinner is None or not spinner.cancelling()
+
     def _take(self, max_events: Optional[int]) -> List[Event]:
         queue = self._queue
         if max_events is None or max_events >= len(queue):
@@ -738,10 +751,16 @@ class EVD(Handle):
                 if type(begun) is list:
                     return begun
                 try:
+                    if self._unarmed and _SPIN_WAITS:
+                        # the CQ is with the loop's poller (completions came lately): yield the turn
+                        # and look again, as the poller would, until it arms the CQ (_completions.Spin)
+                        self._spinner = _task_of(self._attached_loop)
+                        if self._spinner is not None:
+                            await _Spin(self, begun)
                     await begun
                 finally:
                     if self._waiter is begun:  # else a new wait has taken the EVD since this one was cancelled
-                        self._waiter = None
+                        self._waiter = self._spinner = None
                         self._deadline = None
                 return self._take(None)
         if self._closed:
@@ -752,9 +771,7 @@ class EVD(Handle):
             raise InvalidParameter(f"threshold must be between 1 and qlen ({self._qlen}), got {threshold!r}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {timeout!r}")
-        if self._waiter is not None and not self._waiter.done():
-            # (a done waiter is a wait that was cancelled or woken and has not run again yet:
-            # the EVD is free the moment task.cancel() cancels its future)
+        if self._waited():
             raise InvalidState("another task is already waiting on this EVD")
         if self._pending_error is not None:
             self._raise_pending()
@@ -775,7 +792,7 @@ class EVD(Handle):
             if len(self._queue) >= threshold:
                 return self._take(max_events)
             fut: "asyncio.Future[None]" = loop.create_future()
-            self._waiter, self._threshold = fut, threshold
+            self._waiter, self._spinner, self._threshold = fut, None, threshold
             if timeout is not None:
                 self._set_deadline(loop, timeout)
             try:
@@ -793,7 +810,7 @@ class EVD(Handle):
                 await fut
             finally:
                 if self._waiter is fut:  # else a new wait has taken the EVD since this one was cancelled
-                    self._waiter = None
+                    self._waiter = self._spinner = None
                     self._deadline = None  # (its timer stays, for the next wait: see _set_deadline)
             return self._take(max_events)
         finally:
@@ -902,7 +919,7 @@ class EVD(Handle):
         if on_error is not None and (fn is None or not callable(on_error)):
             raise InvalidParameter("on_error must be a callable, given together with a callback"
                                    f" (got on_error={on_error!r} with fn={fn!r})")
-        if self._waiter is not None and not self._waiter.done():
+        if self._waited():
             raise InvalidState("a task is waiting on this EVD: a callback cannot be set while it waits")
         if fn is None:
             self._callback = self._callback_loop = self._on_error = None
@@ -1035,7 +1052,7 @@ class EVD(Handle):
         """Return the EVD's parameters (dat_evd_query)."""
         self._check()
         return EVDParam(ia=self._ia, qlen=self._qlen, streams=self._streams, queued=len(self._queue),
-                        is_async=self._is_async, waiting=self._waiter is not None and not self._waiter.done())
+                        is_async=self._is_async, waiting=self._waited())
 
     def resize(self, qlen: int) -> None:
         """Change the queue length (dat_evd_resize); below the number of queued events raises."""
@@ -1105,6 +1122,16 @@ _completions.configure(DTOCompletionEvent, _DTO_COMPLETION, DTOOp.RECV, DTOOp.RE
                        frozenset({DTOOp.SEND, DTOOp.RDMA_WRITE}),
                        int(ffi.cast("uintptr_t", ffi.addressof(lib, "aiodat_cq_poll"))))
 _queue_common, _look, _wait_begin = _completions.queue_common, _completions.look, _completions.wait_begin
+_Spin = _completions.Spin
+#: a wait on a hot CQ spins (yields its turns) only where a task can say it is being cancelled
+#: (Task.cancelling, Python 3.11): elsewhere it sleeps on its Future at once, as before
+_SPIN_WAITS = hasattr(asyncio.Task, "cancelling")
+try:  # the running task of a loop: asyncio.current_task in C (3.12), or 3.11's own table of them
+    import _asyncio
+
+    _task_of = getattr(_asyncio, "current_task", None) or _asyncio._current_tasks.get
+except (ImportError, AttributeError):
+    _task_of = asyncio.current_task
 _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic

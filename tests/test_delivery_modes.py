@@ -404,6 +404,138 @@ async def test_a_callback_reply_in_one_loop_comes_in_the_same_turn(ia: Any) -> N
         pair.close()
 
 
+spinning_waits = pytest.mark.skipif(not hasattr(asyncio.Task, "cancelling"),
+                                    reason="a wait spins only where Task.cancelling exists (Python 3.11+)")
+
+
+async def hot_recv_evd(pair: Pair) -> Any:
+    """The server's receive EVD right after a wake-up, which leaves its CQ unarmed with the loop's
+    poller (for the poller's idle turns); a receive with the cookie "next" is posted."""
+    b, evd = pair.eps[1], pair.eps[1].recv_evd
+    b.post_recv(pair.lmrs[1][0:8], cookie="warm")
+    waiter = asyncio.ensure_future(evd.wait(timeout=T))
+    await asyncio.sleep(0)  # it sleeps, its CQ armed; the completion wakes it through the channel
+    pair.eps[0].post_send(put(pair.lmrs[0], b"warm"))
+    (ev,) = await waiter
+    assert ev.ok and ev.cookie == "warm" and evd._unarmed
+    b.post_recv(pair.lmrs[1][0:8], cookie="next")
+    return evd
+
+
+@spinning_waits
+async def test_an_awaited_ping_pong_in_one_loop_takes_one_turn_per_round_trip(ia: Any) -> None:
+    """A wait on a CQ the poller holds spins: its task yields its turn and looks again itself,
+    with no Future to complete.  So the reply, which rxe completes inside the peer's post, is
+    found by the waiting task later in the same turn, and a round trip takes one turn of the loop
+    (two with a Future per message: the poller finds it, then the woken task runs)."""
+    pair = await Pair(ia).connect()
+    try:
+        (a, b), (la, lb) = pair.eps, pair.lmrs
+        rounds = 60
+        turns = 0
+
+        async def count_turns() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        async def echo() -> None:
+            for i in range(rounds):
+                (ev,) = await b.recv_evd.wait(timeout=T)
+                assert ev.ok, ev
+                if i + 1 < rounds:
+                    b.post_recv(lb[2048:2056])
+                b.post_send(put(lb, b"pong"))
+
+        await ping_pong(pair, 2)  # both CQs are with the poller from here on
+        b.post_recv(lb[2048:2056])
+        task = asyncio.ensure_future(echo())
+        counter = asyncio.ensure_future(count_turns())
+        for i in range(rounds):
+            a.post_recv(la[2048:2056], cookie=i)
+            a.post_send(put(la, b"ping"))
+            (ev,) = await a.recv_evd.wait(timeout=T)
+            assert ev.ok and ev.cookie == i, ev
+        spent = turns
+        await asyncio.wait_for(task, T)
+        counter.cancel()
+        await asyncio.gather(counter, return_exceptions=True)
+        assert spent < 1.5 * rounds, f"{rounds} round trips took {spent} turns of the loop"
+    finally:
+        pair.close()
+
+
+@spinning_waits
+async def test_a_task_cancelled_while_its_wait_spins_frees_the_evd_at_once(
+        ia: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As for a sleeping wait (tests/test_evd.py): after task.cancel() another task may wait on the
+    EVD at once, even before the cancelled one has run again, and nothing is lost."""
+    monkeypatch.setattr(aiodat.poller, "IDLE_TURNS", 1000)  # the CQ stays with the poller throughout
+    pair = await Pair(ia).connect()
+    try:
+        evd = await hot_recv_evd(pair)
+        first = asyncio.ensure_future(evd.wait(timeout=T))
+        await asyncio.sleep(0)
+        assert evd._spinner is first and evd.query().waiting and evd._unarmed
+        with pytest.raises(aiodat.InvalidState):
+            evd.set_callback(lambda events: None)
+        second = asyncio.ensure_future(evd.wait(timeout=T))  # its first step is queued now ...
+        first.cancel()  # ... ahead of the cancelled task's next turn
+        assert not evd.query().waiting
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert evd.query().waiting and not second.done() and evd._spinner is second
+        pair.eps[0].post_send(put(pair.lmrs[0], b"x"))
+        (ev,) = await asyncio.wait_for(second, T)
+        assert ev.ok and ev.cookie == "next"
+        with pytest.raises(asyncio.CancelledError):
+            await first
+    finally:
+        pair.close()
+
+
+@spinning_waits
+async def test_a_spinning_wait_sleeps_once_the_poller_arms_the_cq(ia: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing comes: the wait spins only for the poller's idle turns, then sleeps on its Future
+    (the CQ armed), so a long wait costs no CPU; its timeout still fires, and a late message
+    wakes the next wait."""
+    monkeypatch.setattr(aiodat.poller, "IDLE_TURNS", 10)  # (the default could arm it before the wait)
+    pair = await Pair(ia).connect()
+    try:
+        evd = await hot_recv_evd(pair)
+        assert evd._unarmed
+        cpu, wall = time.process_time(), time.monotonic()
+        with pytest.raises(aiodat.TimeoutExpired):
+            await evd.wait(timeout=0.5)
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+        assert wall >= 0.5 and cpu < 0.5 * wall, f"the wait used {cpu:.3f} s of CPU in {wall:.3f} s"
+        assert not evd._unarmed and evd._spinner is None
+        waiter = asyncio.ensure_future(evd.wait(timeout=T))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        pair.eps[0].post_send(put(pair.lmrs[0], b"late"))
+        (ev,) = await waiter
+        assert ev.ok and ev.cookie == "next"
+    finally:
+        pair.close()
+
+
+@spinning_waits
+async def test_an_evd_freed_under_a_spinning_wait_fails_it(ia: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aiodat.poller, "IDLE_TURNS", 1000)
+    pair = await Pair(ia).connect()
+    try:
+        evd = await hot_recv_evd(pair)
+        waiter = asyncio.ensure_future(evd.wait(timeout=T))
+        await asyncio.sleep(0)
+        assert evd._spinner is waiter and evd._unarmed
+    finally:
+        pair.close()
+    with pytest.raises(aiodat.InvalidHandle):
+        await asyncio.wait_for(waiter, T)
+
+
 async def test_a_busy_polling_ping_pong_in_one_loop_takes_no_interrupts(ia: Any) -> None:
     """Both sides busy-poll in one loop (each yields to the other between turns).  With a
     budget far above a round trip the receive CQs are armed only the first time."""

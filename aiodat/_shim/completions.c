@@ -52,7 +52,7 @@ static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
 static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicited, *s_unarmed, *s_poller,
                 *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest,
-                *s_deadline;
+                *s_deadline, *s_spinner, *s_cancelling;
 static PyObject *get_running_loop;  /* asyncio.events._get_running_loop: the running loop, or None */
 static PyObject *s_base, *s_last;
 static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
@@ -627,6 +627,28 @@ static int napi_add(PyObject *evd, PyObject *loop, unsigned long long busy_us)
     return res ? 0 : -1;
 }
 
+/* The EVD's waiter (not None) no longer waits: 1, it still does: 0, an error: -1 (EVD._waited's
+ * test).  A done waiter is a wait cancelled or woken that has not run again yet; a spinning wait
+ * (spin_look) is gone the moment its task is cancelled, as an awaited Future is cancelled with it. */
+static int waiter_gone(PyObject *evd, PyObject *waiter)
+{
+    PyObject *done = PyObject_CallMethodObjArgs(waiter, s_done, NULL);
+    int gone = done ? PyObject_IsTrue(done) : -1;
+    Py_XDECREF(done);
+    if (gone != 0)
+        return gone;
+    PyObject *spinner = PyObject_GetAttr(evd, s_spinner);
+    if (spinner == NULL)
+        return -1;
+    if (spinner != Py_None) {
+        PyObject *count = PyObject_CallMethodObjArgs(spinner, s_cancelling, NULL);
+        gone = count ? PyObject_IsTrue(count) : -1;
+        Py_XDECREF(count);
+    }
+    Py_DECREF(spinner);
+    return gone;
+}
+
 /* The checks of EVD.wait that let the common case through: 1 (go on), 0 (Python's general path),
  * -1 (an error). */
 static int can_wait_here(PyObject *evd, long threshold, PyObject *timeout, PyObject *loop)
@@ -654,12 +676,7 @@ static int can_wait_here(PyObject *evd, long threshold, PyObject *timeout, PyObj
     PyObject *waiter = PyObject_GetAttr(evd, s_waiter);
     if (waiter == NULL)
         return -1;
-    int free = 1;
-    if (waiter != Py_None) {  /* a done waiter is a wait cancelled or woken that has not run again yet */
-        PyObject *done = PyObject_CallMethodObjArgs(waiter, s_done, NULL);
-        free = done ? PyObject_IsTrue(done) : -1;
-        Py_XDECREF(done);
-    }
+    int free = waiter == Py_None ? 1 : waiter_gone(evd, waiter);
     Py_DECREF(waiter);
     return free;
 }
@@ -718,8 +735,8 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
     PyObject *fut = PyObject_CallMethodObjArgs(loop, s_create_future, NULL);
     if (fut == NULL)
         goto out;
-    int napi = PyObject_SetAttr(evd, s_waiter, fut) < 0 || PyObject_SetAttr(evd, s_threshold, threshold) < 0
-               ? -1 : 0;
+    int napi = PyObject_SetAttr(evd, s_waiter, fut) < 0 || PyObject_SetAttr(evd, s_spinner, Py_None) < 0
+               || PyObject_SetAttr(evd, s_threshold, threshold) < 0 ? -1 : 0;
     if (napi == 0 && timeout != Py_None) {
         PyObject *res = PyObject_CallMethodObjArgs(evd, s_set_deadline, loop, timeout, NULL);
         napi = res ? 0 : -1;
@@ -748,6 +765,106 @@ out:
     Py_DECREF(loop);
     return result;
 }
+
+/* A spinning wait's look, once per turn of the loop (EVD.wait's Spin).  While the EVD's CQ is
+ * unarmed, the loop's poller holds it, so the waiting task yields its turn (a bare yield: no
+ * Future to complete and no wake-up to schedule) and looks itself: after a task that ran before it
+ * in the same turn posted, the peer's completion is already there.  The look and its hand-over
+ * are the poller's (they complete fut when the wait is satisfied); one that found something
+ * renews the poller's count of idle turns, which arms the CQ when nothing comes.  1: not done and
+ * the CQ still unarmed (yield and look again); 0: await fut (done, or sleeping until the channel
+ * wakes it); -1: an error. */
+static int spin_look(PyObject *evd, PyObject *fut)
+{
+    PyObject *done = PyObject_CallMethodObjArgs(fut, s_done, NULL);
+    int stop = done ? PyObject_IsTrue(done) : -1;
+    Py_XDECREF(done);
+    if (stop == 0)
+        stop = attr_true(evd, s_closed);
+    if (stop != 0)
+        return stop < 0 ? -1 : 0;
+    int found = napi_poll_evd(evd);
+    if (found < 0)
+        return -1;
+    if (found) {
+        PyObject *poller = PyObject_GetAttr(evd, s_poller);
+        PyObject *hot = poller && poller != Py_None ? PyObject_GetAttr(poller, s_hot) : NULL;
+        int held = hot != NULL && PyDict_Check(hot) ? PyDict_Contains(hot, evd) : 0;
+        int err = held < 0 || (held == 1 && set_turns(hot, evd, 0) < 0);
+        Py_XDECREF(hot); Py_XDECREF(poller);
+        if (err || PyErr_Occurred())
+            return -1;
+    }
+    done = PyObject_CallMethodObjArgs(fut, s_done, NULL);
+    stop = done ? PyObject_IsTrue(done) : -1;
+    Py_XDECREF(done);
+    if (stop == 0)
+        stop = !attr_true(evd, s_unarmed);  /* (-1 -> 0 with the exception set: checked below) */
+    return PyErr_Occurred() ? -1 : !stop;
+}
+
+/* Spin(evd, fut): ``await`` it to spin (see spin_look): it yields at once (the wait has just
+ * looked), then at each turn looks and yields again, or ends; the wait then awaits fut.  An
+ * iterator in C, so a turn runs no Python frame but the waiting coroutine's. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *evd, *fut;
+    int looked;
+} Spin;
+
+static PyObject *spin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *evd, *fut;
+    if (!PyArg_ParseTuple(args, "OO", &evd, &fut))
+        return NULL;
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    Spin *spin = (Spin *)alloc(type, 0);
+    if (spin == NULL)
+        return NULL;
+    Py_INCREF(evd); Py_INCREF(fut);
+    spin->evd = evd; spin->fut = fut; spin->looked = 0;
+    return (PyObject *)spin;
+}
+
+static void spin_dealloc(PyObject *self)
+{
+    Spin *spin = (Spin *)self;
+    Py_XDECREF(spin->evd); Py_XDECREF(spin->fut);
+    PyTypeObject *type = Py_TYPE(self);
+    freefunc release = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    release(self);
+    Py_DECREF(type);
+}
+
+static PyObject *spin_self(PyObject *self)
+{
+    Py_INCREF(self);
+    return self;
+}
+
+/* next(spin): None (yield the turn) or the end (NULL with no exception: StopIteration) */
+static PyObject *spin_next(PyObject *self)
+{
+    Spin *spin = (Spin *)self;
+    int again = spin->looked ? spin_look(spin->evd, spin->fut) : 1;
+    spin->looked = 1;
+    if (again <= 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyType_Slot spin_slots[] = {
+    {Py_tp_doc, "Spin(evd, fut): await it to yield the loop's turns while the EVD's CQ is with its poller "
+                "and fut is not done, looking at each (EVD.wait)."},
+    {Py_tp_new, spin_new},
+    {Py_tp_dealloc, spin_dealloc},
+    {Py_tp_iter, spin_self},
+    {Py_tp_iternext, spin_next},
+    {Py_am_await, spin_self},
+    {0, NULL},
+};
+
+static PyType_Spec spin_spec = {"aiodat._shim._completions.Spin", sizeof(Spin), 0, Py_TPFLAGS_DEFAULT, spin_slots};
 
 /* configure_send_run(cls): wr.SendRun, so that a batch's last completion takes the C path too */
 static PyObject *configure_send_run(PyObject *self, PyObject *cls)
@@ -814,9 +931,16 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_unarmed, "_unarmed"); INTERN(s_poller, "_poller"); INTERN(s_loop, "_loop"); INTERN(s_hot, "_hot");
     INTERN(s_scheduled, "_scheduled"); INTERN(s_create_future, "create_future");
     INTERN(s_set_deadline, "_set_deadline"); INTERN(s_napi_add, "_napi_add"); INTERN(s_poll_rest, "_poll_rest");
-    INTERN(s_deadline, "_deadline");
+    INTERN(s_deadline, "_deadline"); INTERN(s_spinner, "_spinner"); INTERN(s_cancelling, "cancelling");
     INTERN(k_notify, "notify"); INTERN(success, "IBV_WC_SUCCESS");
     if ((one = PyLong_FromLong(1)) == NULL)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    PyObject *spin_type = mod ? PyType_FromSpec(&spin_spec) : NULL;
+    if (spin_type == NULL || PyModule_AddObject(mod, "Spin", spin_type) < 0) {
+        Py_XDECREF(spin_type);
+        Py_XDECREF(mod);
+        return NULL;
+    }
+    return mod;
 }
