@@ -750,19 +750,14 @@ class EVD(Handle):
             if begun is not None:
                 if type(begun) is list:
                     return begun
+                # the rest in C too (_completions.Spin): on a CQ the loop's poller holds (completions
+                # came lately) the wait yields its turns and looks itself until the poller arms it,
+                # then it sleeps on its Future; at the end it frees the EVD and takes the events
                 try:
-                    if self._unarmed and _SPIN_WAITS:
-                        # the CQ is with the loop's poller (completions came lately): yield the turn
-                        # and look again, as the poller would, until it arms the CQ (_completions.Spin)
-                        self._spinner = _task_of(self._attached_loop)
-                        if self._spinner is not None:
-                            await _Spin(self, begun)
-                    await begun
-                finally:
-                    if self._waiter is begun:  # else a new wait has taken the EVD since this one was cancelled
-                        self._waiter = self._spinner = None
-                        self._deadline = None
-                return self._take(None)
+                    return await begun
+                except BaseException:
+                    begun.abandon()  # the EVD is free again, unless a new wait took it since a cancel
+                    raise
         if self._closed:
             self._check()
         if self._callback is not None:
@@ -1122,16 +1117,24 @@ _completions.configure(DTOCompletionEvent, _DTO_COMPLETION, DTOOp.RECV, DTOOp.RE
                        frozenset({DTOOp.SEND, DTOOp.RDMA_WRITE}),
                        int(ffi.cast("uintptr_t", ffi.addressof(lib, "aiodat_cq_poll"))))
 _queue_common, _look, _wait_begin = _completions.queue_common, _completions.look, _completions.wait_begin
-_Spin = _completions.Spin
-#: a wait on a hot CQ spins (yields its turns) only where a task can say it is being cancelled
-#: (Task.cancelling, Python 3.11): elsewhere it sleeps on its Future at once, as before
-_SPIN_WAITS = hasattr(asyncio.Task, "cancelling")
-try:  # the running task of a loop: asyncio.current_task in C (3.12), or 3.11's own table of them
-    import _asyncio
 
-    _task_of = getattr(_asyncio, "current_task", None) or _asyncio._current_tasks.get
-except (ImportError, AttributeError):
-    _task_of = asyncio.current_task
+
+def _task_getter() -> Optional[Callable[[asyncio.AbstractEventLoop], Optional["asyncio.Task[Any]"]]]:
+    """What a wait on a CQ the loop's poller holds records before it spins: the loop's running task.
+    None (waits never spin, they sleep on their Future at once) where a task cannot say it is
+    being cancelled (Task.cancelling, Python 3.11): a spinning wait awaits no Future that
+    task.cancel() could cancel, and the EVD must be free the moment its task is cancelled."""
+    if not hasattr(asyncio.Task, "cancelling"):
+        return None
+    try:  # asyncio.current_task in C (3.12), or 3.11's own table of running tasks
+        import _asyncio
+
+        return getattr(_asyncio, "current_task", None) or _asyncio._current_tasks.get  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        return asyncio.current_task
+
+
+_completions.configure_waits(_task_getter())
 _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic

@@ -52,7 +52,7 @@ static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
 static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicited, *s_unarmed, *s_poller,
                 *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest,
-                *s_deadline, *s_spinner, *s_cancelling;
+                *s_deadline, *s_spinner, *s_cancelling, *s_future_blocking, *s_result;
 static PyObject *get_running_loop;  /* asyncio.events._get_running_loop: the running loop, or None */
 static PyObject *s_base, *s_last;
 static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
@@ -681,11 +681,186 @@ static int can_wait_here(PyObject *evd, long threshold, PyObject *timeout, PyObj
     return free;
 }
 
-/* wait_begin(evd, threshold, timeout) -> list, Future or None: EVD.wait's common case (no
+/* A spinning wait's look, once per turn of the loop (Spin, below).  While the EVD's CQ is
+ * unarmed, the loop's poller holds it, so the waiting task yields its turn (a bare yield: no
+ * Future to complete and no wake-up to schedule) and looks itself: after a task that ran before it
+ * in the same turn posted, the peer's completion is already there.  The look and its hand-over
+ * are the poller's (they complete fut when the wait is satisfied); one that found something
+ * renews the poller's count of idle turns, which arms the CQ when nothing comes.  1: not done and
+ * the CQ still unarmed (yield and look again); 0: await fut (done, or sleeping until the channel
+ * wakes it); -1: an error. */
+static int spin_look(PyObject *evd, PyObject *fut)
+{
+    PyObject *done = PyObject_CallMethodObjArgs(fut, s_done, NULL);
+    int stop = done ? PyObject_IsTrue(done) : -1;
+    Py_XDECREF(done);
+    if (stop == 0)
+        stop = attr_true(evd, s_closed);
+    if (stop != 0)
+        return stop < 0 ? -1 : 0;
+    int found = napi_poll_evd(evd);
+    if (found < 0)
+        return -1;
+    if (found) {
+        PyObject *poller = PyObject_GetAttr(evd, s_poller);
+        PyObject *hot = poller && poller != Py_None ? PyObject_GetAttr(poller, s_hot) : NULL;
+        int held = hot != NULL && PyDict_Check(hot) ? PyDict_Contains(hot, evd) : 0;
+        int err = held < 0 || (held == 1 && set_turns(hot, evd, 0) < 0);
+        Py_XDECREF(hot); Py_XDECREF(poller);
+        if (err || PyErr_Occurred())
+            return -1;
+    }
+    done = PyObject_CallMethodObjArgs(fut, s_done, NULL);
+    stop = done ? PyObject_IsTrue(done) : -1;
+    Py_XDECREF(done);
+    if (stop == 0)
+        stop = !attr_true(evd, s_unarmed);  /* (-1 -> 0 with the exception set: checked below) */
+    return PyErr_Occurred() ? -1 : !stop;
+}
+
+/* The rest of a wait that wait_begin began: ``await`` it for the events.  It spins first when
+ * wait_begin found the CQ with the poller (see spin_look): it yields the turn at once (the wait
+ * has just looked), then looks at each turn and yields again; then, unless the wait is satisfied,
+ * it yields the Future as the Future's own __await__ does, and the task sleeps on it.  At the end
+ * it frees the EVD for the next wait and returns the events taken (its StopIteration's value); a
+ * failed wait raises the Future's exception, and the wait's Python calls abandon() on any way
+ * out by an exception.  An iterator in C: a turn runs no Python frame but the awaiting one. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *evd, *fut;
+    int state;  /* SPIN_FIRST, SPIN_LOOKING or SPIN_SLEEPING */
+} Spin;
+
+enum { SPIN_FIRST, SPIN_LOOKING, SPIN_SLEEPING };
+
+static PyTypeObject *spin_type;
+static PyObject *task_of;  /* the loop's running task: configure_waits() sets it; NULL: waits never spin */
+
+static PyObject *spin_make(PyObject *evd, PyObject *fut, int state)
+{
+    allocfunc alloc = (allocfunc)PyType_GetSlot(spin_type, Py_tp_alloc);
+    Spin *spin = (Spin *)alloc(spin_type, 0);
+    if (spin == NULL)
+        return NULL;
+    Py_INCREF(evd); Py_INCREF(fut);
+    spin->evd = evd; spin->fut = fut; spin->state = state;
+    return (PyObject *)spin;
+}
+
+static void spin_dealloc(PyObject *self)
+{
+    Spin *spin = (Spin *)self;
+    Py_XDECREF(spin->evd); Py_XDECREF(spin->fut);
+    PyTypeObject *type = Py_TYPE(self);
+    freefunc release = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    release(self);
+    Py_DECREF(type);
+}
+
+static PyObject *spin_self(PyObject *self)
+{
+    Py_INCREF(self);
+    return self;
+}
+
+/* the wait is over: if the EVD's waiter is still this wait's, the EVD is free for the next one */
+static int spin_release(Spin *spin)
+{
+    int mine = attr_is(spin->evd, s_waiter, spin->fut);
+    if (mine != 1)
+        return mine;
+    return PyObject_SetAttr(spin->evd, s_waiter, Py_None) < 0 || PyObject_SetAttr(spin->evd, s_spinner, Py_None) < 0
+           || PyObject_SetAttr(spin->evd, s_deadline, Py_None) < 0 ? -1 : 0;
+}
+
+/* next(spin): None (yield the turn), the Future (sleep on it), or the end: StopIteration(events),
+ * or the Future's exception */
+static PyObject *spin_next(PyObject *self)
+{
+    Spin *spin = (Spin *)self;
+    if (spin->state == SPIN_FIRST) {
+        spin->state = SPIN_LOOKING;
+        Py_RETURN_NONE;
+    }
+    if (spin->state == SPIN_LOOKING) {
+        int again = spin_look(spin->evd, spin->fut);
+        if (again < 0)
+            return NULL;
+        if (again)
+            Py_RETURN_NONE;
+        spin->state = SPIN_SLEEPING;
+    }
+    PyObject *done = PyObject_CallMethodObjArgs(spin->fut, s_done, NULL);
+    int is_done = done ? PyObject_IsTrue(done) : -1;
+    Py_XDECREF(done);
+    if (is_done < 0)
+        return NULL;
+    if (!is_done) {  /* as Future.__await__: the task sleeps on it, then calls next() again */
+        if (PyObject_SetAttr(spin->fut, s_future_blocking, Py_True) < 0)
+            return NULL;
+        Py_INCREF(spin->fut);
+        return spin->fut;
+    }
+    PyObject *result = PyObject_CallMethodObjArgs(spin->fut, s_result, NULL);  /* (raises the wait's failure) */
+    if (result == NULL)
+        return NULL;
+    Py_DECREF(result);
+    if (spin_release(spin) < 0)
+        return NULL;
+    PyObject *queue = PyObject_GetAttr(spin->evd, s_queue);
+    PyObject *events = queue ? take_all(spin->evd, queue) : NULL;
+    Py_XDECREF(queue);
+    PyObject *stop = events ? PyObject_CallFunctionObjArgs(PyExc_StopIteration, events, NULL) : NULL;
+    Py_XDECREF(events);
+    if (stop != NULL) {
+        PyErr_SetObject(PyExc_StopIteration, stop);
+        Py_DECREF(stop);
+    }
+    return NULL;
+}
+
+/* abandon(): the wait ends by an exception (a cancellation, its timeout, the EVD freed): free the
+ * EVD for the next wait, if no new wait has taken it meanwhile; the events stay queued */
+static PyObject *spin_abandon(PyObject *self, PyObject *unused)
+{
+    if (spin_release((Spin *)self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef spin_methods[] = {
+    {"abandon", spin_abandon, METH_NOARGS,
+     "abandon(): the wait ends by an exception: free the EVD for the next wait (if no new wait has taken it)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot spin_slots[] = {
+    {Py_tp_doc, "The rest of an EVD wait begun by wait_begin: await it for the events (EVD.wait)."},
+    {Py_tp_dealloc, spin_dealloc},
+    {Py_tp_iter, spin_self},
+    {Py_tp_iternext, spin_next},
+    {Py_am_await, spin_self},
+    {Py_tp_methods, spin_methods},
+    {0, NULL},
+};
+
+static PyType_Spec spin_spec = {"aiodat._shim._completions.Spin", sizeof(Spin), 0, Py_TPFLAGS_DEFAULT, spin_slots};
+
+/* configure_waits(task_of): the function giving a loop's running task (None: waits never spin) */
+static PyObject *configure_waits(PyObject *self, PyObject *fn)
+{
+    PyObject *before = task_of;
+    task_of = fn == Py_None ? NULL : fn;
+    Py_XINCREF(task_of);
+    Py_XDECREF(before);
+    Py_RETURN_NONE;
+}
+
+/* wait_begin(evd, threshold, timeout) -> list, Spin or None: EVD.wait's common case (no
  * max_events, not solicited, the EVD attached to the running loop, nothing pending) up to its
- * sleep.  A list: the events queued (at least threshold), taken.  A Future: the EVD's new
- * waiter, which the poller or the reader callback completes; the wait awaits it and takes the
- * events.  None: not the common case, and nothing was done (Python's general path decides, and
+ * sleep.  A list: the events queued (at least threshold), taken.  A Spin: the rest of the wait,
+ * to await for the events, with a new Future as the EVD's waiter, which the poller, the reader
+ * callback or the wait's own looks complete.  None: not the common case, and nothing was done (Python's general path decides, and
  * raises what it raises). */
 static PyObject *wait_begin(PyObject *self, PyObject *args)
 {
@@ -742,6 +917,7 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
         napi = res ? 0 : -1;
         Py_XDECREF(res);
     }
+    int state = SPIN_SLEEPING;
     if (napi == 0) {
         unsigned long long busy_us;
         int unarmed = attr_true(evd, s_unarmed);
@@ -749,122 +925,32 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
             napi = -1;
         else if (unarmed || busy_us)
             napi = napi_add(evd, loop, busy_us);
+        if (napi == 0 && unarmed && task_of != NULL) {  /* the CQ is with the poller: spin */
+            PyObject *task = PyObject_CallFunctionObjArgs(task_of, loop, NULL);
+            if (task == NULL || (task != Py_None && PyObject_SetAttr(evd, s_spinner, task) < 0))
+                napi = -1;
+            else if (task != Py_None)
+                state = SPIN_FIRST;
+            Py_XDECREF(task);
+        }
     }
     if (napi < 0) {  /* as the general path's finally: the EVD is free again, with no deadline */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        if (PyObject_SetAttr(evd, s_waiter, Py_None) < 0 || PyObject_SetAttr(evd, s_deadline, Py_None) < 0)
+        if (PyObject_SetAttr(evd, s_waiter, Py_None) < 0 || PyObject_SetAttr(evd, s_deadline, Py_None) < 0
+            || PyObject_SetAttr(evd, s_spinner, Py_None) < 0)
             PyErr_Clear();
         PyErr_Restore(type, value, tb);
         Py_DECREF(fut);
         goto out;
     }
-    result = fut;
+    result = spin_make(evd, fut, state);
+    Py_DECREF(fut);
 out:
     Py_XDECREF(queue);
     Py_DECREF(loop);
     return result;
 }
-
-/* A spinning wait's look, once per turn of the loop (EVD.wait's Spin).  While the EVD's CQ is
- * unarmed, the loop's poller holds it, so the waiting task yields its turn (a bare yield: no
- * Future to complete and no wake-up to schedule) and looks itself: after a task that ran before it
- * in the same turn posted, the peer's completion is already there.  The look and its hand-over
- * are the poller's (they complete fut when the wait is satisfied); one that found something
- * renews the poller's count of idle turns, which arms the CQ when nothing comes.  1: not done and
- * the CQ still unarmed (yield and look again); 0: await fut (done, or sleeping until the channel
- * wakes it); -1: an error. */
-static int spin_look(PyObject *evd, PyObject *fut)
-{
-    PyObject *done = PyObject_CallMethodObjArgs(fut, s_done, NULL);
-    int stop = done ? PyObject_IsTrue(done) : -1;
-    Py_XDECREF(done);
-    if (stop == 0)
-        stop = attr_true(evd, s_closed);
-    if (stop != 0)
-        return stop < 0 ? -1 : 0;
-    int found = napi_poll_evd(evd);
-    if (found < 0)
-        return -1;
-    if (found) {
-        PyObject *poller = PyObject_GetAttr(evd, s_poller);
-        PyObject *hot = poller && poller != Py_None ? PyObject_GetAttr(poller, s_hot) : NULL;
-        int held = hot != NULL && PyDict_Check(hot) ? PyDict_Contains(hot, evd) : 0;
-        int err = held < 0 || (held == 1 && set_turns(hot, evd, 0) < 0);
-        Py_XDECREF(hot); Py_XDECREF(poller);
-        if (err || PyErr_Occurred())
-            return -1;
-    }
-    done = PyObject_CallMethodObjArgs(fut, s_done, NULL);
-    stop = done ? PyObject_IsTrue(done) : -1;
-    Py_XDECREF(done);
-    if (stop == 0)
-        stop = !attr_true(evd, s_unarmed);  /* (-1 -> 0 with the exception set: checked below) */
-    return PyErr_Occurred() ? -1 : !stop;
-}
-
-/* Spin(evd, fut): ``await`` it to spin (see spin_look): it yields at once (the wait has just
- * looked), then at each turn looks and yields again, or ends; the wait then awaits fut.  An
- * iterator in C, so a turn runs no Python frame but the waiting coroutine's. */
-typedef struct {
-    PyObject_HEAD
-    PyObject *evd, *fut;
-    int looked;
-} Spin;
-
-static PyObject *spin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
-{
-    PyObject *evd, *fut;
-    if (!PyArg_ParseTuple(args, "OO", &evd, &fut))
-        return NULL;
-    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
-    Spin *spin = (Spin *)alloc(type, 0);
-    if (spin == NULL)
-        return NULL;
-    Py_INCREF(evd); Py_INCREF(fut);
-    spin->evd = evd; spin->fut = fut; spin->looked = 0;
-    return (PyObject *)spin;
-}
-
-static void spin_dealloc(PyObject *self)
-{
-    Spin *spin = (Spin *)self;
-    Py_XDECREF(spin->evd); Py_XDECREF(spin->fut);
-    PyTypeObject *type = Py_TYPE(self);
-    freefunc release = (freefunc)PyType_GetSlot(type, Py_tp_free);
-    release(self);
-    Py_DECREF(type);
-}
-
-static PyObject *spin_self(PyObject *self)
-{
-    Py_INCREF(self);
-    return self;
-}
-
-/* next(spin): None (yield the turn) or the end (NULL with no exception: StopIteration) */
-static PyObject *spin_next(PyObject *self)
-{
-    Spin *spin = (Spin *)self;
-    int again = spin->looked ? spin_look(spin->evd, spin->fut) : 1;
-    spin->looked = 1;
-    if (again <= 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyType_Slot spin_slots[] = {
-    {Py_tp_doc, "Spin(evd, fut): await it to yield the loop's turns while the EVD's CQ is with its poller "
-                "and fut is not done, looking at each (EVD.wait)."},
-    {Py_tp_new, spin_new},
-    {Py_tp_dealloc, spin_dealloc},
-    {Py_tp_iter, spin_self},
-    {Py_tp_iternext, spin_next},
-    {Py_am_await, spin_self},
-    {0, NULL},
-};
-
-static PyType_Spec spin_spec = {"aiodat._shim._completions.Spin", sizeof(Spin), 0, Py_TPFLAGS_DEFAULT, spin_slots};
 
 /* configure_send_run(cls): wr.SendRun, so that a batch's last completion takes the C path too */
 static PyObject *configure_send_run(PyObject *self, PyObject *cls)
@@ -894,8 +980,11 @@ static PyMethodDef methods[] = {
      "sweep(hot, idle_turns) -> (found_any, callbacks, rest): the poller's pass over its EVDs; rest is the "
      "EVDs that busy-poll or were idle for idle_turns turns."},
     {"wait_begin", wait_begin, METH_VARARGS,
-     "wait_begin(evd, threshold, timeout) -> list, Future or None: EVD.wait's common case up to its sleep "
-     "(the events, the waiter to await, or None for Python's general path)."},
+     "wait_begin(evd, threshold, timeout) -> list, Spin or None: EVD.wait's common case up to its sleep "
+     "(the events, the rest of the wait to await for them, or None for Python's general path)."},
+    {"configure_waits", configure_waits, METH_O,
+     "configure_waits(task_of): task_of(loop) is the loop's running task, which a wait on a CQ the poller "
+     "holds records before it spins; None: waits never spin."},
     {"queue_common", queue_common, METH_VARARGS,
      "queue_common(evd, wcs_address, count, qpn_refs, queue) -> (taken, notified): turn the leading common-case "
      "completions into events appended to queue; the rest is left to Python."},
@@ -932,13 +1021,13 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_scheduled, "_scheduled"); INTERN(s_create_future, "create_future");
     INTERN(s_set_deadline, "_set_deadline"); INTERN(s_napi_add, "_napi_add"); INTERN(s_poll_rest, "_poll_rest");
     INTERN(s_deadline, "_deadline"); INTERN(s_spinner, "_spinner"); INTERN(s_cancelling, "cancelling");
+    INTERN(s_future_blocking, "_asyncio_future_blocking"); INTERN(s_result, "result");
     INTERN(k_notify, "notify"); INTERN(success, "IBV_WC_SUCCESS");
     if ((one = PyLong_FromLong(1)) == NULL)
         return NULL;
     PyObject *mod = PyModule_Create(&module);
-    PyObject *spin_type = mod ? PyType_FromSpec(&spin_spec) : NULL;
-    if (spin_type == NULL || PyModule_AddObject(mod, "Spin", spin_type) < 0) {
-        Py_XDECREF(spin_type);
+    spin_type = mod ? (PyTypeObject *)PyType_FromSpec(&spin_spec) : NULL;
+    if (spin_type == NULL) {
         Py_XDECREF(mod);
         return NULL;
     }
