@@ -747,10 +747,29 @@ static PyObject *spin_make(PyObject *evd, PyObject *fut, int state)
     return (PyObject *)spin;
 }
 
-static void spin_dealloc(PyObject *self)
+/* A sleeping wait is a cycle (the Spin, its Future, the task's wake-up on it, the task, its
+ * coroutine, the Spin): the collector must see through it, or a task left pending with its
+ * loop would never be freed */
+static int spin_traverse(PyObject *self, visitproc visit, void *arg)
 {
     Spin *spin = (Spin *)self;
-    Py_XDECREF(spin->evd); Py_XDECREF(spin->fut);
+    Py_VISIT(spin->evd);
+    Py_VISIT(spin->fut);
+    return 0;
+}
+
+static int spin_clear(PyObject *self)
+{
+    Spin *spin = (Spin *)self;
+    Py_CLEAR(spin->evd);
+    Py_CLEAR(spin->fut);
+    return 0;
+}
+
+static void spin_dealloc(PyObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    spin_clear(self);
     PyTypeObject *type = Py_TYPE(self);
     freefunc release = (freefunc)PyType_GetSlot(type, Py_tp_free);
     release(self);
@@ -766,6 +785,8 @@ static PyObject *spin_self(PyObject *self)
 /* the wait is over: if the EVD's waiter is still this wait's, the EVD is free for the next one */
 static int spin_release(Spin *spin)
 {
+    if (spin->evd == NULL)  /* (cleared by the collector) */
+        return 0;
     int mine = attr_is(spin->evd, s_waiter, spin->fut);
     if (mine != 1)
         return mine;
@@ -778,6 +799,10 @@ static int spin_release(Spin *spin)
 static PyObject *spin_next(PyObject *self)
 {
     Spin *spin = (Spin *)self;
+    if (spin->evd == NULL || spin->fut == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "this EVD wait was cleared by the garbage collector");
+        return NULL;
+    }
     if (spin->state == SPIN_FIRST) {
         spin->state = SPIN_LOOKING;
         Py_RETURN_NONE;
@@ -837,6 +862,8 @@ static PyMethodDef spin_methods[] = {
 static PyType_Slot spin_slots[] = {
     {Py_tp_doc, "The rest of an EVD wait begun by wait_begin: await it for the events (EVD.wait)."},
     {Py_tp_dealloc, spin_dealloc},
+    {Py_tp_traverse, spin_traverse},
+    {Py_tp_clear, spin_clear},
     {Py_tp_iter, spin_self},
     {Py_tp_iternext, spin_next},
     {Py_am_await, spin_self},
@@ -844,7 +871,8 @@ static PyType_Slot spin_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec spin_spec = {"aiodat._shim._completions.Spin", sizeof(Spin), 0, Py_TPFLAGS_DEFAULT, spin_slots};
+static PyType_Spec spin_spec = {"aiodat._shim._completions.Spin", sizeof(Spin), 0,
+                                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, spin_slots};
 
 /* configure_waits(task_of): the function giving a loop's running task (None: waits never spin) */
 static PyObject *configure_waits(PyObject *self, PyObject *fn)
