@@ -19,8 +19,8 @@ one process, rxe completes the peer's receive inside the sender's post, and a
 callback EVD's reply is then found and delivered in the same poller turn, with
 no system call and no wake-up between the two sides.
 
-The poller is duck-typed over the EVD (evd.py is the layer above).  Its looks are
-``_completions.napi_poll(evd)`` and ``_completions.sweep`` (aiodat/_shim/completions.c), C
+The poller is duck-typed over the EVD (evd.py is the layer above).  Its turn is
+``_completions.turn`` and its looks ``_completions.napi_poll(evd)`` (aiodat/_shim/completions.c), C
 that calls the EVD's own Python methods for what is not the common case (``_poll_rest``,
 ``_napi_failed``, ``_callback_raised``).  It calls ``_napi_spin(spin_us)`` to spin and
 ``_napi_arm()`` (True: keep polling), which never raise, and reads ``_closed``,
@@ -33,7 +33,7 @@ import time
 import weakref
 from typing import Any, Dict, List
 
-from ._shim._completions import napi_poll as _napi_poll, sweep as _sweep
+from ._shim._completions import napi_poll as _napi_poll, turn as _turn
 
 #: turns with nothing found before an EVD's CQ is armed (a busy-polling EVD's at the earliest):
 #: three, so that a task woken by its channel (the reader callback in one turn, the task in the
@@ -81,20 +81,24 @@ class Poller:
         self._hot.pop(evd, None)
 
     def _turn(self) -> None:
-        self._scheduled = False
+        # one C call (_completions.turn): the sweep, which looks at every EVD (hands what came to
+        # its callback or waiting task) and counts the idle turns of the rest, then _decide when
+        # there is anything to decide, then the next turn's call_soon
         try:
-            self._poll_all()
+            _turn(self, IDLE_TURNS)
         except BaseException as exc:  # a loop callback: never let it escape (the EVD methods do not raise)
             self._loop.call_exception_handler({"message": "aiodat: the CQ poller failed", "exception": exc})
+            self._schedule_next()
+
+    def _schedule_next(self) -> None:
         if self._hot and not self._scheduled and not self._loop.is_closed():
             self._scheduled = True
             self._loop.call_soon(self._turn)
 
-    def _poll_all(self) -> None:
+    def _decide(self, found_any: bool, callbacks: bool, rest: List[Any]) -> None:
+        """The part of a turn Python decides, after the sweep: the EVDs in ``rest`` busy-poll or
+        were idle for IDLE_TURNS turns; ``callbacks``: a callback ran, so look again this turn."""
         hot = self._hot
-        # one C call looks at every EVD (hands what came to its callback or waiting task) and
-        # counts the idle turns of the rest; Python decides for those it returns
-        found_any, callbacks, rest = _sweep(hot, IDLE_TURNS)
         spinning: List[Any] = []
         for evd in rest:  # they busy-poll, or found nothing for IDLE_TURNS turns
             idle = hot.get(evd)

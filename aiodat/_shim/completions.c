@@ -52,7 +52,8 @@ static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
 static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicited, *s_unarmed, *s_poller,
                 *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest,
-                *s_deadline, *s_spinner, *s_cancelling, *s_future_blocking, *s_result;
+                *s_deadline, *s_spinner, *s_cancelling, *s_future_blocking, *s_result, *s_decide, *s_is_closed,
+                *s_turn, *s_call_soon;
 static PyObject *get_running_loop;  /* asyncio.events._get_running_loop: the running loop, or None */
 static PyObject *s_base, *s_last;
 static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
@@ -605,6 +606,64 @@ out:
 }
 
 
+/* turn(poller, idle_turns): one turn of the loop's poller (Poller._turn): the sweep above, then
+ * Poller._decide for what Python decides (EVDs that busy-poll or were idle for idle_turns turns,
+ * and the looks again after callbacks) only when there is any, then the next turn's call_soon
+ * while the poller holds EVDs.  A turn of a busy ping-pong so runs no Python of the poller. */
+static PyObject *turn(PyObject *self, PyObject *args)
+{
+    PyObject *poller;
+    int idle_turns;
+    if (!PyArg_ParseTuple(args, "Oi", &poller, &idle_turns))
+        return NULL;
+    if (PyObject_SetAttr(poller, s_scheduled, Py_False) < 0)
+        return NULL;
+    PyObject *hot = PyObject_GetAttr(poller, s_hot), *swept = NULL, *result = NULL;
+    if (hot == NULL)
+        return NULL;
+    PyObject *sweep_args = Py_BuildValue("(Oi)", hot, idle_turns);
+    swept = sweep_args ? sweep(NULL, sweep_args) : NULL;
+    Py_XDECREF(sweep_args);
+    if (swept == NULL)
+        goto out;
+    PyObject *callbacks = PyTuple_GetItem(swept, 1), *rest = PyTuple_GetItem(swept, 2);  /* (borrowed) */
+    if (callbacks == NULL || rest == NULL)
+        goto out;
+    if (callbacks == Py_True || PyList_Size(rest) > 0) {
+        PyObject *res = PyObject_CallMethodObjArgs(poller, s_decide, PyTuple_GetItem(swept, 0), callbacks, rest,
+                                                   NULL);
+        if (res == NULL)
+            goto out;
+        Py_DECREF(res);
+    }
+    /* the next turn, while the poller holds EVDs (Poller._schedule_next) */
+    Py_ssize_t held = PyDict_Size(hot);
+    int scheduled = held > 0 ? attr_true(poller, s_scheduled) : 1;
+    if (scheduled < 0)
+        goto out;
+    if (!scheduled) {
+        PyObject *loop = PyObject_GetAttr(poller, s_loop);
+        PyObject *closed = loop ? PyObject_CallMethodObjArgs(loop, s_is_closed, NULL) : NULL;
+        int is_closed = closed ? PyObject_IsTrue(closed) : -1;
+        Py_XDECREF(closed);
+        PyObject *next = is_closed == 0 ? PyObject_GetAttr(poller, s_turn) : NULL;
+        PyObject *handle = NULL;
+        if (next != NULL && PyObject_SetAttr(poller, s_scheduled, Py_True) == 0)
+            handle = PyObject_CallMethodObjArgs(loop, s_call_soon, next, NULL);
+        Py_XDECREF(next);
+        Py_XDECREF(loop);
+        if (is_closed != 1 && handle == NULL)
+            goto out;
+        Py_XDECREF(handle);
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+out:
+    Py_XDECREF(swept);
+    Py_DECREF(hot);
+    return result;
+}
+
 /* A wait is about to sleep on an EVD that is unarmed or busy-polls: EVD._napi_add, which hands it
  * to its loop's poller.  Done here when the poller already holds it and has its turn scheduled
  * (a ping-pong's every wait); anything else is the Python method's. */
@@ -1007,6 +1066,9 @@ static PyMethodDef methods[] = {
     {"sweep", sweep, METH_VARARGS,
      "sweep(hot, idle_turns) -> (found_any, callbacks, rest): the poller's pass over its EVDs; rest is the "
      "EVDs that busy-poll or were idle for idle_turns turns."},
+    {"turn", turn, METH_VARARGS,
+     "turn(poller, idle_turns): one turn of the loop's poller: the sweep, Poller._decide when Python has "
+     "anything to decide, and the next turn's call_soon."},
     {"wait_begin", wait_begin, METH_VARARGS,
      "wait_begin(evd, threshold, timeout) -> list, Spin or None: EVD.wait's common case up to its sleep "
      "(the events, the rest of the wait to await for them, or None for Python's general path)."},
@@ -1050,6 +1112,8 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_set_deadline, "_set_deadline"); INTERN(s_napi_add, "_napi_add"); INTERN(s_poll_rest, "_poll_rest");
     INTERN(s_deadline, "_deadline"); INTERN(s_spinner, "_spinner"); INTERN(s_cancelling, "cancelling");
     INTERN(s_future_blocking, "_asyncio_future_blocking"); INTERN(s_result, "result");
+    INTERN(s_decide, "_decide"); INTERN(s_is_closed, "is_closed"); INTERN(s_turn, "_turn");
+    INTERN(s_call_soon, "call_soon");
     INTERN(k_notify, "notify"); INTERN(success, "IBV_WC_SUCCESS");
     if ((one = PyLong_FromLong(1)) == NULL)
         return NULL;
