@@ -404,6 +404,13 @@ async def test_a_callback_reply_in_one_loop_comes_in_the_same_turn(ia: Any) -> N
         pair.close()
 
 
+async def tick(turns: List[int]) -> None:
+    """Count the loop's turns into turns[0]: a task that yields once per turn, until cancelled."""
+    while True:
+        turns[0] += 1
+        await asyncio.sleep(0)
+
+
 spinning_waits = pytest.mark.skipif(not hasattr(asyncio.Task, "cancelling"),
                                     reason="a wait spins only where Task.cancelling exists (Python 3.11+)")
 
@@ -432,13 +439,7 @@ async def test_an_awaited_ping_pong_in_one_loop_takes_one_turn_per_round_trip(ia
     try:
         (a, b), (la, lb) = pair.eps, pair.lmrs
         rounds = 60
-        turns = 0
-
-        async def count_turns() -> None:
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
+        turns = [0]
 
         async def echo() -> None:
             for i in range(rounds):
@@ -451,13 +452,13 @@ async def test_an_awaited_ping_pong_in_one_loop_takes_one_turn_per_round_trip(ia
         await ping_pong(pair, 2)  # both CQs are with the poller from here on
         b.post_recv(lb[2048:2056])
         task = asyncio.ensure_future(echo())
-        counter = asyncio.ensure_future(count_turns())
+        counter = asyncio.ensure_future(tick(turns))
         for i in range(rounds):
             a.post_recv(la[2048:2056], cookie=i)
             a.post_send(put(la, b"ping"))
             (ev,) = await a.recv_evd.wait(timeout=T)
             assert ev.ok and ev.cookie == i, ev
-        spent = turns
+        spent = turns[0]
         await asyncio.wait_for(task, T)
         counter.cancel()
         await asyncio.gather(counter, return_exceptions=True)
@@ -553,21 +554,14 @@ async def test_a_busy_polling_ping_pong_in_one_loop_takes_no_interrupts(ia: Any)
 async def test_other_tasks_run_while_a_wait_busy_polls(ia: Any) -> None:
     pair = await Pair(ia, busy_poll_us=300_000).connect()
     try:
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.ensure_future(ticker())
+        ticks = [0]
+        task = asyncio.ensure_future(tick(ticks))
         evd = pair.eps[0].recv_evd
         with pytest.raises(aiodat.TimeoutExpired):
             await evd.wait(timeout=0.2)  # nothing comes: it spins, yielding, then times out
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        assert ticks > 10
+        assert ticks[0] > 10
     finally:
         pair.close()
 
