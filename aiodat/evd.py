@@ -576,7 +576,7 @@ class EVD(Handle):
         """The poller's spin on a busy-polling EVD: poll the CQ for up to ``spin_us`` microseconds
         without arming it and hand what came to the callback or the waiting task.  True if a
         completion that notifies came.  Never raises: a failure goes where the reader callback's
-        would.  (The poller's plain look is C: _completions.napi_poll.)"""
+        would.  (The poller's plain look is C: _completions.turn.)"""
         if self._closed:  # (a callback earlier in the poller's turn may have freed it)
             return False
         try:
@@ -967,7 +967,7 @@ class EVD(Handle):
             self._callback_raised(fn, exc)
 
     def _callback_raised(self, fn: Callable[[List[Event]], Any], exc: BaseException) -> None:
-        """The callback ``fn`` raised ``exc`` (here or in _completions.napi_poll's delivery)."""
+        """The callback ``fn`` raised ``exc`` (here or in the C poller's delivery, _completions.turn)."""
         self._callback_failed(exc, f"its callback {fn!r}", own=False)
 
     def _callback_wakeup(self) -> None:

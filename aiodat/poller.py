@@ -20,9 +20,8 @@ callback EVD's reply is then found and delivered in the same poller turn, with
 no system call and no wake-up between the two sides.
 
 The poller is duck-typed over the EVD (evd.py is the layer above).  Its turn is
-``_completions.turn`` and its looks ``_completions.napi_poll(evd)`` (aiodat/_shim/completions.c), C
-that calls the EVD's own Python methods for what is not the common case (``_poll_rest``,
-``_napi_failed``, ``_callback_raised``).  It calls ``_napi_spin(spin_us)`` to spin and
+``_completions.turn`` (aiodat/_shim/completions.c), C that calls the EVD's own Python
+methods for what is not the common case (``_poll_rest``, ``_napi_failed``, ``_callback_raised``).  It calls ``_napi_spin(spin_us)`` to spin and
 ``_napi_arm()`` (True: keep polling), which never raise, and reads ``_closed``,
 ``_callback``, ``busy_poll_us`` and ``_busy_until``.
 """
@@ -33,7 +32,7 @@ import time
 import weakref
 from typing import Any, Dict, List
 
-from ._shim._completions import napi_poll as _napi_poll, turn as _turn
+from ._shim._completions import turn as _turn
 
 #: turns with nothing found before an EVD's CQ is armed (a busy-polling EVD's at the earliest):
 #: three, so that a task woken by its channel (the reader callback in one turn, the task in the
@@ -82,10 +81,12 @@ class Poller:
 
     def _turn(self) -> None:
         # one C call (_completions.turn): the sweep, which looks at every EVD (hands what came to
-        # its callback or waiting task) and counts the idle turns of the rest, then _decide when
-        # there is anything to decide, then the next turn's call_soon
+        # its callback or waiting task) and counts the idle turns of the rest; after callbacks,
+        # up to PASSES looks in this turn (a callback may have posted, and on one device the
+        # peer's completion may be there already: a woken task runs only at the next turn);
+        # then _decide when there is anything to decide, then the next turn's call_soon
         try:
-            _turn(self, IDLE_TURNS)
+            _turn(self, IDLE_TURNS, PASSES)
         except BaseException as exc:  # a loop callback: never let it escape (the EVD methods do not raise)
             self._loop.call_exception_handler({"message": "aiodat: the CQ poller failed", "exception": exc})
             self._schedule_next()
@@ -95,9 +96,9 @@ class Poller:
             self._scheduled = True
             self._loop.call_soon(self._turn)
 
-    def _decide(self, found_any: bool, callbacks: bool, rest: List[Any]) -> None:
+    def _decide(self, found_any: bool, rest: List[Any]) -> None:
         """The part of a turn Python decides, after the sweep: the EVDs in ``rest`` busy-poll or
-        were idle for IDLE_TURNS turns; ``callbacks``: a callback ran, so look again this turn."""
+        were idle for IDLE_TURNS turns; ``found_any``: the sweep found something."""
         hot = self._hot
         spinning: List[Any] = []
         for evd in rest:  # they busy-poll, or found nothing for IDLE_TURNS turns
@@ -115,17 +116,6 @@ class Poller:
             del hot[evd]
             if evd._napi_arm():  # the arm failed: polled on, and tried again
                 hot[evd] = 0
-        if callbacks:
-            # a callback may have posted, and on one device the peer's completion may be there
-            # already: look again this turn (a woken task runs only at the next)
-            for _ in range(PASSES - 1):
-                again = False
-                for evd in list(hot):
-                    if evd._callback is not None and _napi_poll(evd):  # (never polls a freed EVD)
-                        hot[evd] = 0
-                        again = True
-                if not again:
-                    break
         if spinning and not found_any:
             # nothing came this turn and busy pollers wait: spin in C, a slice shared among them
             slice_us = max(1, SPIN_SLICE_US // len(spinning))

@@ -291,7 +291,7 @@ async def test_hot_posts_record_what_the_general_path_records(ep_pair: Any, monk
 async def test_the_pollers_look_and_hand_over_are_c(ep_pair: Any, monkeypatch: pytest.MonkeyPatch,
                                                     mode: str) -> None:
     """Once a one-loop ping-pong has settled into polling, the loop's poller finds each message and
-    wakes the waiting task, or calls the callback, in C (_completions.sweep and napi_poll), and each
+    wakes the waiting task, or calls the callback, in C (_completions.turn), and each
     wait's look and hand-over to the poller are C too (_completions.wait_begin): C never leaves a
     look to Python (_poll_rest), a wait never runs EVD._poll, and Python's hand-over
     (_hand_over, _deliver, _wake, _napi_add) runs only around the odd arm."""

@@ -25,7 +25,7 @@ class FakeEVD:
         self.arm_fails = arm_fails
         self.calls: List[str] = []
 
-    #: the poller's looks are C (_completions.napi_poll and sweep), and C's look hands an EVD
+    #: the poller's looks are C (_completions.turn), and C's look hands an EVD
     #: with a backlog to its Python _poll_rest: that is where this stand-in answers; C's
     #: hand-over then finds nothing queued and no task waiting
     _backlog = ["scripted"]

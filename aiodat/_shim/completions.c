@@ -15,9 +15,10 @@
  * aiodat_cq_poll (its address given to configure(), so the shim's fault
  * injection still applies) and queues the events, in one call from Python.
  *
- * napi_poll() and sweep() are the loop's poller (poller.py) in C: its look at an EVD and
- * the hand-over (the callback's delivery or the waiting task's wake-up), and the poller's pass
- * over its EVDs; whatever is not the common case they hand to the same Python methods.
+ * turn() is the loop's poller (poller.py) in C: its pass over its EVDs (sweep()), its look at
+ * each and the hand-over (the callback's delivery or the waiting task's wake-up); whatever is
+ * not the common case it hands to the same Python methods.  wait_begin() and Spin are a wait's
+ * common case: up to its sleep, its spinning looks and the sleep itself.
  *
  * Built with the limited API (abi3), like the cffi module beside it; it reads
  * the struct aiodat_wc array the cffi module polls into, at the address the
@@ -518,17 +519,6 @@ static int napi_poll_evd(PyObject *evd)
     return notified;
 }
 
-/* napi_poll(evd) -> bool: the poller's look at one EVD and its hand-over, in one call; what is not
- * the common case goes to the EVD's Python (_poll_rest, _napi_failed, _callback_raised). */
-static PyObject *napi_poll(PyObject *self, PyObject *evd)
-{
-    int closed = attr_true(evd, s_closed);
-    if (closed != 0)
-        return closed < 0 ? NULL : PyBool_FromLong(0);  /* (a callback earlier in the turn may have freed it) */
-    int found = napi_poll_evd(evd);
-    return found < 0 ? NULL : PyBool_FromLong(found);
-}
-
 /* hot[evd] = value */
 static int set_turns(PyObject *hot, PyObject *evd, long value)
 {
@@ -606,15 +596,43 @@ out:
 }
 
 
-/* turn(poller, idle_turns): one turn of the loop's poller (Poller._turn): the sweep above, then
- * Poller._decide for what Python decides (EVDs that busy-poll or were idle for idle_turns turns,
- * and the looks again after callbacks) only when there is any, then the next turn's call_soon
- * while the poller holds EVDs.  A turn of a busy ping-pong so runs no Python of the poller. */
+/* After a callback ran in the poller's turn: look again at the EVDs with a callback, up to passes - 1
+ * times while something comes (a callback may have posted, and on one device the peer's completion
+ * may be there already; a woken task runs only at the next turn).  0, or -1 with an exception. */
+static int look_again(PyObject *hot, int passes)
+{
+    for (int pass = 1; pass < passes; pass++) {
+        int again = 0;
+        PyObject *evds = PyDict_Keys(hot);
+        if (evds == NULL)
+            return -1;
+        for (Py_ssize_t i = 0; i < PyList_Size(evds); i++) {
+            PyObject *evd = PyList_GetItem(evds, i);  /* (borrowed: evds holds it) */
+            int plain = attr_is(evd, s_callback, Py_None), closed = plain == 0 ? attr_true(evd, s_closed) : 0;
+            int found = plain == 0 && closed == 0 ? napi_poll_evd(evd) : 0;
+            int still = found > 0 ? PyDict_Contains(hot, evd) : 0;
+            if (plain < 0 || closed < 0 || found < 0 || still < 0 || (still && set_turns(hot, evd, 0) < 0)) {
+                Py_DECREF(evds);
+                return -1;
+            }
+            again |= found;
+        }
+        Py_DECREF(evds);
+        if (!again)
+            break;
+    }
+    return 0;
+}
+
+/* turn(poller, idle_turns, passes): one turn of the loop's poller (Poller._turn): the sweep above,
+ * the looks again after callbacks, then Poller._decide for the EVDs whose fate Python decides
+ * (those that busy-poll or were idle for idle_turns turns) only when there are any, then the next
+ * turn's call_soon while the poller holds EVDs.  A busy turn so runs no Python of the poller. */
 static PyObject *turn(PyObject *self, PyObject *args)
 {
     PyObject *poller;
-    int idle_turns;
-    if (!PyArg_ParseTuple(args, "Oi", &poller, &idle_turns))
+    int idle_turns, passes;
+    if (!PyArg_ParseTuple(args, "Oii", &poller, &idle_turns, &passes))
         return NULL;
     if (PyObject_SetAttr(poller, s_scheduled, Py_False) < 0)
         return NULL;
@@ -629,9 +647,10 @@ static PyObject *turn(PyObject *self, PyObject *args)
     PyObject *callbacks = PyTuple_GetItem(swept, 1), *rest = PyTuple_GetItem(swept, 2);  /* (borrowed) */
     if (callbacks == NULL || rest == NULL)
         goto out;
-    if (callbacks == Py_True || PyList_Size(rest) > 0) {
-        PyObject *res = PyObject_CallMethodObjArgs(poller, s_decide, PyTuple_GetItem(swept, 0), callbacks, rest,
-                                                   NULL);
+    if (callbacks == Py_True && look_again(hot, passes) < 0)
+        goto out;
+    if (PyList_Size(rest) > 0) {
+        PyObject *res = PyObject_CallMethodObjArgs(poller, s_decide, PyTuple_GetItem(swept, 0), rest, NULL);
         if (res == NULL)
             goto out;
         Py_DECREF(res);
@@ -1061,14 +1080,12 @@ static PyMethodDef methods[] = {
      "configure_send_run(cls): the class of a batch's one send-queue entry (wr.SendRun)."},
     {"look", look, METH_O,
      "look(evd) -> 1 (an event that notifies came), 0 (none), -1 (Python looks), -2 (Python finishes evd._polled)."},
-    {"napi_poll", napi_poll, METH_O,
-     "napi_poll(evd) -> bool: the poller's look at one EVD and its hand-over to the callback or the waiting task."},
     {"sweep", sweep, METH_VARARGS,
      "sweep(hot, idle_turns) -> (found_any, callbacks, rest): the poller's pass over its EVDs; rest is the "
      "EVDs that busy-poll or were idle for idle_turns turns."},
     {"turn", turn, METH_VARARGS,
-     "turn(poller, idle_turns): one turn of the loop's poller: the sweep, Poller._decide when Python has "
-     "anything to decide, and the next turn's call_soon."},
+     "turn(poller, idle_turns, passes): one turn of the loop's poller: the sweep, the looks again after "
+     "callbacks, Poller._decide when Python has anything to decide, and the next turn's call_soon."},
     {"wait_begin", wait_begin, METH_VARARGS,
      "wait_begin(evd, threshold, timeout) -> list, Spin or None: EVD.wait's common case up to its sleep "
      "(the events, the rest of the wait to await for them, or None for Python's general path)."},
