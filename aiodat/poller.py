@@ -21,9 +21,11 @@ no system call and no wake-up between the two sides.
 
 The poller is duck-typed over the EVD (evd.py is the layer above).  Its turn is
 ``_completions.turn`` (aiodat/_shim/completions.c), C that calls the EVD's own Python
-methods for what is not the common case (``_poll_rest``, ``_napi_failed``, ``_callback_raised``).  It calls ``_napi_spin(spin_us)`` to spin and
-``_napi_arm()`` (True: keep polling), which never raise, and reads ``_closed``,
-``_callback``, ``busy_poll_us`` and ``_busy_until``.
+methods for what is not the common case (``_poll_rest``, ``_napi_failed``,
+``_callback_raised``) and the poller's ``_decide`` for the EVDs that busy-poll or go to
+sleep.  It calls ``_napi_spin(spin_us)`` to spin and ``_napi_arm()`` (True: keep polling),
+which never raise, and reads ``_closed``, ``_callback``, ``busy_poll_us`` and
+``_busy_until``.
 """
 from __future__ import annotations
 
