@@ -1040,17 +1040,15 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
             Py_XDECREF(task);
         }
     }
-    if (napi < 0) {  /* as the general path's finally: the EVD is free again, with no deadline */
+    result = napi == 0 ? spin_make(evd, fut, state) : NULL;
+    if (result == NULL) {  /* as the general path's finally: the EVD is free again, with no deadline */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         if (PyObject_SetAttr(evd, s_waiter, Py_None) < 0 || PyObject_SetAttr(evd, s_deadline, Py_None) < 0
             || PyObject_SetAttr(evd, s_spinner, Py_None) < 0)
             PyErr_Clear();
         PyErr_Restore(type, value, tb);
-        Py_DECREF(fut);
-        goto out;
     }
-    result = spin_make(evd, fut, state);
     Py_DECREF(fut);
 out:
     Py_XDECREF(queue);
