@@ -432,7 +432,7 @@ async def hot_recv_evd(pair: Pair) -> Any:
 @spinning_waits
 async def test_an_awaited_ping_pong_in_one_loop_takes_one_turn_per_round_trip(ia: Any) -> None:
     """A wait on a CQ the poller holds spins: its task yields its turn and looks again itself,
-    with no Future to complete.  So the reply, which rxe completes inside the peer's post, is
+    with no wake-up through its Future.  So the reply, which rxe completes inside the peer's post, is
     found by the waiting task later in the same turn, and a round trip takes one turn of the loop
     (two with a Future per message: the poller finds it, then the woken task runs)."""
     pair = await Pair(ia).connect()
