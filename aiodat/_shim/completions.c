@@ -966,8 +966,8 @@ static PyObject *configure_waits(PyObject *self, PyObject *fn)
  * max_events, not solicited, the EVD attached to the running loop, nothing pending) up to its
  * sleep.  A list: the events queued (at least threshold), taken.  A Spin: the rest of the wait,
  * to await for the events, with a new Future as the EVD's waiter, which the poller, the reader
- * callback or the wait's own looks complete.  None: not the common case, and nothing was done (Python's general path decides, and
- * raises what it raises). */
+ * callback or the wait's own looks complete.  None: not the common case, and nothing was done
+ * (Python's general path decides, and raises what it raises). */
 static PyObject *wait_begin(PyObject *self, PyObject *args)
 {
     PyObject *evd, *threshold, *timeout;
