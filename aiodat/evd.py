@@ -327,9 +327,10 @@ class EVD(Handle):
         self._cq: Any = ffi.NULL
         self._watch: Optional[FdWatch] = None
         self._wcs: Any = None
-        # what _completions.look reads: the CQ's and the completion array's addresses (0: none),
-        # the IA's table of EPs by QP number, and where it leaves a poll it did not finish
-        self._cq_address = self._wcs_address = 0
+        # what _completions reads: the addresses (0: none) of the CQ, the completion array, the
+        # channel and the drain's status, the IA's table of EPs by QP number, and where it leaves
+        # a poll it did not finish
+        self._cq_address = self._wcs_address = self._channel_address = self._status_address = 0
         self._qpn_refs = ia._qpn_owner.data  # (WeakValueDictionary's own dict of weak references)
         self._polled: Tuple[int, int, int] = (0, 0, 0)
         #: completions polled from the CQ whose events could not be made yet (a failure halfway)
@@ -369,6 +370,8 @@ class EVD(Handle):
         self._wcs_address = int(ffi.cast("uintptr_t", self._wcs))
         self._cq_address = int(ffi.cast("uintptr_t", self._cq))
         self._status = ffi.new("int[2]")  # channel events read, arm errno (aiodat_cq_drain)
+        self._status_address = int(ffi.cast("uintptr_t", self._status))
+        self._channel_address = int(ffi.cast("uintptr_t", self._channel))
         ia._cq_owner[int(ffi.cast("uintptr_t", self._cq))] = self
         if lib.ibv_req_notify_cq(self._cq, 0):
             self._fail(error_from_errno(ffi.errno, "arming the CQ"))
@@ -539,8 +542,14 @@ class EVD(Handle):
         return notified
 
     def _on_readable(self) -> None:
-        """The loop's reader callback for the completion channel.  Never raises into the loop:
-        a failure goes to the waiting task, or to the next wait or dequeue if none waits."""
+        """The loop's reader callback for the completion channel: one C call (_completions.wakeup)
+        that reads the channel's event, drains the CQ, delivers or wakes, and hands the unarmed CQ
+        to the loop's poller; what is not its common case it leaves to _woken."""
+        _wakeup(self)
+
+    def _woken(self) -> None:
+        """The reader callback in Python (see _on_readable).  Never raises into the loop: a
+        failure goes to the waiting task, or to the next wait or dequeue if none waits."""
         if self._closed:
             return
         if self._callback is not None:
@@ -589,6 +598,7 @@ class EVD(Handle):
 
     def _napi_arm(self) -> bool:
         """The poller is done with this EVD: arm its CQ, then look once more (what raced the arm).
+        (The turn's common case is C: _completions' napi_arm, which calls this for the rest.)
         A failed arm is tried again after the poller's next turns (True: keep polling); when
         that fails too, it goes to the callback's on_error or the waiting task, and a later wait
         or wake-up tries again."""
@@ -598,6 +608,11 @@ class EVD(Handle):
             self._hand_over(self._drain_cq(rearm=False))
         except Exception as exc:
             self._napi_failed(exc, "polling the CQ")
+        return self._napi_arm_retry()
+
+    def _napi_arm_retry(self) -> bool:
+        """After the poller's arm (here or in C: _completions.turn): True to keep polling and try
+        the arm again."""
         if not self._unarmed:
             self._arm_retried = False
             return False
@@ -1086,7 +1101,7 @@ class EVD(Handle):
             self._ia._cq_owner.pop(int(ffi.cast("uintptr_t", self._cq)), None)
             # ack every event the channel still holds, then destroy CQ before channel
             lib.aiodat_cq_drain(self._channel, self._cq, -1, self._wcs, 0, self._status)
-            self._cq_address = 0
+            self._cq_address = self._channel_address = 0
             self._raw_cq.release()
             self._cq = ffi.NULL
         if self._channel != ffi.NULL:
@@ -1115,8 +1130,10 @@ _DTO_COMPLETION = EventType.DTO_COMPLETION
 # write has the length of its segments, which it sums itself
 _completions.configure(DTOCompletionEvent, _DTO_COMPLETION, DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM,
                        frozenset({DTOOp.SEND, DTOOp.RDMA_WRITE}),
-                       int(ffi.cast("uintptr_t", ffi.addressof(lib, "aiodat_cq_poll"))))
+                       int(ffi.cast("uintptr_t", ffi.addressof(lib, "aiodat_cq_poll"))),
+                       int(ffi.cast("uintptr_t", ffi.addressof(lib, "aiodat_cq_drain"))))
 _queue_common, _look, _wait_begin = _completions.queue_common, _completions.look, _completions.wait_begin
+_wakeup = _completions.wakeup
 
 
 def _task_getter() -> Optional[Callable[[asyncio.AbstractEventLoop], Optional["asyncio.Task[Any]"]]]:
@@ -1138,7 +1155,8 @@ _completions.configure_waits(_task_getter())
 _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic
-#: how many times a callback EVD's wake-up looks at the CQ again after delivering
+#: how many times a callback EVD's wake-up looks at the CQ again after delivering (completions.c's
+#: CALLBACK_ROUNDS, its common case)
 _CALLBACK_ROUNDS = 8
 
 

@@ -20,12 +20,13 @@ callback EVD's reply is then found and delivered in the same poller turn, with
 no system call and no wake-up between the two sides.
 
 The poller is duck-typed over the EVD (evd.py is the layer above).  Its turn is
-``_completions.turn`` (aiodat/_shim/completions.c), C that calls the EVD's own Python
-methods for what is not the common case (``_poll_rest``, ``_napi_failed``,
-``_callback_raised``) and the poller's ``_decide`` for the EVDs that busy-poll or go to
-sleep.  It calls ``_napi_spin(spin_us)`` to spin and ``_napi_arm()`` (True: keep polling),
-which never raise, and reads ``_closed``, ``_callback``, ``busy_poll_us`` and
-``_busy_until``.
+``_completions.turn`` (aiodat/_shim/completions.c), C that arms the EVDs that go to sleep and
+calls the EVD's own Python methods for what is not the common case (``_poll_rest``,
+``_napi_arm``, ``_napi_arm_retry``, ``_napi_failed``, ``_callback_raised``) and the poller's
+``_decide`` for the EVDs that busy-poll.  ``_decide`` calls ``_napi_spin(spin_us)`` to spin and
+``_napi_arm()`` (True: keep polling), which never raise, and reads ``_closed``, ``_callback``,
+``busy_poll_us`` and ``_busy_until``.  A channel's wake-up hands its EVD to the poller in C
+too (``_completions.wakeup``); ``add`` is the Python path of that.
 """
 from __future__ import annotations
 
@@ -99,8 +100,8 @@ class Poller:
             self._loop.call_soon(self._turn)
 
     def _decide(self, found_any: bool, rest: List[Any]) -> None:
-        """The part of a turn Python decides, after the sweep: the EVDs in ``rest`` busy-poll or
-        were idle for IDLE_TURNS turns; ``found_any``: the sweep found something."""
+        """The part of a turn Python decides, after the sweep: the EVDs in ``rest`` busy-poll (the
+        turn arms the others itself); ``found_any``: the sweep found something."""
         hot = self._hot
         spinning: List[Any] = []
         for evd in rest:  # they busy-poll, or found nothing for IDLE_TURNS turns

@@ -158,12 +158,15 @@ def _opcode_tracer(frame: Any, event: str, arg: Any) -> Any:
     """sys.settrace's function for ``--bytecodes``: count every bytecode executed (new frames only)."""
     frame.f_trace_opcodes = True
 
-    where = "bc:" + _area(frame.f_code.co_filename)
+    code = frame.f_code
+    where = "bc:" + _area(code.co_filename)
+    function = f"fn:{os.path.basename(code.co_filename)}:{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}"
 
     def local(frame: Any, event: str, arg: Any) -> Any:
         if event == "opcode":
             COUNTS["bytecodes"] += 1
             COUNTS[where] += 1
+            COUNTS[function] += 1
         return local
     return local
 
@@ -434,6 +437,10 @@ def measure(kind: str, host: str, args: argparse.Namespace) -> None:
             print(f"[bytecodes] {label}, {transport}, loop {args.loop}, per round trip: "
                   f"client {counts.get('bytecodes', 0) / n:.0f} ({split['client']}), "
                   f"server {server.get('bytecodes', 0) / n:.0f} ({split['server']})", flush=True)
+            for side, c in (("client", counts), ("server", server)):
+                top = sorted(((v, k[3:]) for k, v in c.items() if k.startswith("fn:")), reverse=True)[:args.functions]
+                if top:
+                    print(f"  {side}'s top functions: " + ", ".join(f"{k} {v / n:.0f}" for v, k in top), flush=True)
         TRACE = False
     if args.counts:
         instrument()
@@ -452,6 +459,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-counts", dest="counts", action="store_false", help="skip the instrumented run")
     parser.add_argument("--bytecodes", action="store_true",
                         help="also count the bytecodes each side executes per round trip (sys.settrace)")
+    parser.add_argument("--functions", type=int, default=0, metavar="N",
+                        help="with --bytecodes: also the N functions with the most bytecodes, per side")
     parser.add_argument("--http", action="store_true", help="also aiohttp GETs")
     parser.add_argument("--only-http", action="store_true", help="aiohttp GETs only")
     parser.add_argument("--host", default=None, help="the RDMA address (default: $AIODAT_RXE_ADDR)")

@@ -45,6 +45,9 @@ static PyObject *event_template;
 static PyObject *send_run_cls;
 /* the shim's aiodat_cq_poll (the cffi module), whose address configure() is given */
 static int (*poll_fn)(struct ibv_cq *cq, struct aiodat_wc *out, int max);
+/* the shim's aiodat_cq_drain: a wake-up's read of the channel event, and an arm, with its poll */
+static int (*drain_fn)(struct ibv_comp_channel *channel, struct ibv_cq *cq, int arm, struct aiodat_wc *out,
+                       int max, int *status);
 static PyObject *one;
 static PyObject *s_closed, *s_backlog, *s_awaited, *s_cq_address, *s_wcs_address, *s_qlen, *s_queue,
                 *s_qpn_refs, *s_polled;
@@ -54,7 +57,9 @@ static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited
 static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicited, *s_unarmed, *s_poller,
                 *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest,
                 *s_deadline, *s_spinner, *s_cancelling, *s_future_blocking, *s_result, *s_decide, *s_is_closed,
-                *s_turn, *s_call_soon;
+                *s_turn, *s_call_soon, *s_channel_address, *s_status_address, *s_arm_error, *s_rearms,
+                *s_arm_retried, *s_note_arm, *s_napi_arm, *s_napi_arm_retry, *s_woken, *s_watch,
+                *s_draining_the_cq;
 static PyObject *get_running_loop;  /* asyncio.events._get_running_loop: the running loop, or None */
 static PyObject *s_base, *s_last;
 static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
@@ -64,16 +69,16 @@ static PyObject *k_type, *k_evd, *k_ep, *k_cookie, *k_status, *k_length, *k_oper
 static PyObject *configure(PyObject *self, PyObject *args)
 {
     PyObject *cls, *dto, *recv, *recv_imm, *sends;
-    unsigned long long poll_address;
-    if (!PyArg_ParseTuple(args, "OOOOOK", &cls, &dto, &recv, &recv_imm, &sends, &poll_address))
+    unsigned long long poll_address, drain_address;
+    if (!PyArg_ParseTuple(args, "OOOOOKK", &cls, &dto, &recv, &recv_imm, &sends, &poll_address, &drain_address))
         return NULL;
     if (event_cls != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._completions is configured once");
         return NULL;
     }
-    if (!PyType_Check(cls) || poll_address == 0) {
-        PyErr_SetString(PyExc_TypeError,
-                        "configure(event class, DTO type, RECV, RECV_IMM, set of send ops, address of aiodat_cq_poll)");
+    if (!PyType_Check(cls) || poll_address == 0 || drain_address == 0) {
+        PyErr_SetString(PyExc_TypeError, "configure(event class, DTO type, RECV, RECV_IMM, set of send ops, "
+                                         "address of aiodat_cq_poll, address of aiodat_cq_drain)");
         return NULL;
     }
     allocfunc alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)cls, Py_tp_alloc);
@@ -98,6 +103,8 @@ static PyObject *configure(PyObject *self, PyObject *args)
     Py_INCREF(cls); Py_INCREF(dto); Py_INCREF(recv); Py_INCREF(recv_imm); Py_INCREF(sends);
     event_cls = cls; dto_completion = dto; op_recv = recv; op_recv_imm = recv_imm; plain_send_ops = sends;
     poll_fn = (int (*)(struct ibv_cq *, struct aiodat_wc *, int))(uintptr_t)poll_address;
+    drain_fn = (int (*)(struct ibv_comp_channel *, struct ibv_cq *, int, struct aiodat_wc *, int, int *))
+               (uintptr_t)drain_address;
     Py_RETURN_NONE;
 }
 
@@ -314,6 +321,29 @@ static PyObject *queue_common(PyObject *self, PyObject *args)
     return Py_BuildValue("(ii)", taken, notified);
 }
 
+/* After a poll of got completions into wcs: queue the events of the common ones.  1 when an event
+ * that notifies arrived, 0 when none did; -2: completions were polled that Python must finish (a
+ * failed poll, a full batch, or one C did not take): evd._polled is (got, taken, notified); -1: an
+ * error (the polled completions stay in wcs: Python raises). */
+static int queue_or_leave(PyObject *evd, PyObject *queue, unsigned long long wcs, int got)
+{
+    int taken = 0, notified = 0;
+    if (got > 0) {
+        PyObject *refs = PyObject_GetAttr(evd, s_qpn_refs);
+        if (refs == NULL)
+            return -1;
+        taken = PyDict_Check(refs) ? queue_events(evd, (struct aiodat_wc *)(uintptr_t)wcs, got, refs, queue,
+                                                  &notified) : 0;
+        Py_DECREF(refs);
+    }
+    if (got >= 0 && taken == got && got < 64)
+        return notified;
+    PyObject *polled = Py_BuildValue("(iii)", got, taken, notified);
+    int rc = polled != NULL && PyObject_SetAttr(evd, s_polled, polled) == 0 ? -2 : -1;
+    Py_XDECREF(polled);
+    return rc;
+}
+
 /* look(evd) -> 1, 0, -1 or -2: EVD._poll's common case (evd.py).  It polls the EVD's CQ through
  * the shim's own aiodat_cq_poll (so the shim's fault injection still applies) and queues what
  * came: 1 when an event that notifies arrived, 0 when none did.  -1: not the common case
@@ -350,32 +380,17 @@ static PyObject *look(PyObject *self, PyObject *evd)
         goto out;
     }
     int got = poll_fn((struct ibv_cq *)(uintptr_t)cq, (struct aiodat_wc *)(uintptr_t)wcs, room > 64 ? 64 : (int)room);
-    int taken = 0, notified = 0;
-    if (got > 0) {
-        PyObject *refs = PyObject_GetAttr(evd, s_qpn_refs);
-        if (refs == NULL)
-            goto out;
-        taken = PyDict_Check(refs) ? queue_events(evd, (struct aiodat_wc *)(uintptr_t)wcs, got, refs, queue,
-                                                  &notified) : 0;
-        Py_DECREF(refs);
-    }
-    if (got >= 0 && taken == got && got < 64) {
-        result = PyLong_FromLong(notified);
-        goto out;
-    }
-    PyObject *polled = Py_BuildValue("(iii)", got, taken, notified);
-    if (polled != NULL && PyObject_SetAttr(evd, s_polled, polled) == 0)
-        result = PyLong_FromLong(-2);
-    Py_XDECREF(polled);  /* (if this failed, the polled completions stay in wcs: Python raises) */
+    int found = queue_or_leave(evd, queue, wcs, got);
+    result = found == -1 ? NULL : PyLong_FromLong(found);
 out:
     Py_DECREF(queue);
     return result;
 }
 
 
-/* Call evd.<method>(exc, ...) with the exception being raised, if it is an Exception (else leave
- * it raised: -1); 0 when the method took it. */
-static int hand_exception(PyObject *evd, PyObject *method, PyObject *extra_first)
+/* Call evd.<method>(before, exc) or evd.<method>(exc, after) with the exception being raised, if it
+ * is an Exception (else leave it raised: -1); 0 when the method took it. */
+static int hand_exception(PyObject *evd, PyObject *method, PyObject *before, PyObject *after)
 {
     if (!PyErr_ExceptionMatches(PyExc_Exception))
         return -1;  /* KeyboardInterrupt and the like go on up, as from the Python path */
@@ -384,9 +399,9 @@ static int hand_exception(PyObject *evd, PyObject *method, PyObject *extra_first
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != NULL)
         PyException_SetTraceback(value, tb);
-    PyObject *res = extra_first
-        ? PyObject_CallMethodObjArgs(evd, method, extra_first, value, NULL)
-        : PyObject_CallMethodObjArgs(evd, method, value, s_polling_the_cq, NULL);
+    PyObject *res = before
+        ? PyObject_CallMethodObjArgs(evd, method, before, value, NULL)
+        : PyObject_CallMethodObjArgs(evd, method, value, after, NULL);
     Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
     if (res == NULL)
         return -1;
@@ -419,7 +434,7 @@ static int deliver(PyObject *evd, PyObject *fn, PyObject *queue)
         Py_DECREF(res);
         return 0;
     }
-    return hand_exception(evd, s_callback_raised, fn);
+    return hand_exception(evd, s_callback_raised, fn, NULL);
 }
 
 /* EVD._wake() with no exception: complete the waiting task's future if the wait is satisfied. */
@@ -446,7 +461,7 @@ static int wake(PyObject *evd, PyObject *queue)
                 }
             }
         }
-        if (is_done < 0 || satisfied < 0) {
+        if (is_done < 0 || (is_done == 0 && satisfied < 0)) {
             rc = -1;
         } else if (is_done == 0 && satisfied) {
             PyObject *res = PyObject_CallMethodObjArgs(fut, s_set_result, Py_None, NULL);
@@ -489,6 +504,18 @@ static int hand_over(PyObject *evd, int notified)
     return rc;
 }
 
+/* EVD._poll_rest(found): Python finishes a look that C left to it (found: -1 or -2, see look).
+ * 1 (an event that notifies came), 0, or -1 with an exception set. */
+static int poll_rest(PyObject *evd, long found)
+{
+    PyObject *arg = PyLong_FromLong(found);
+    PyObject *res = arg ? PyObject_CallMethodObjArgs(evd, s_poll_rest, arg, NULL) : NULL;
+    Py_XDECREF(arg);
+    int truth = res ? PyObject_IsTrue(res) : -1;
+    Py_XDECREF(res);
+    return truth;
+}
+
 /* EVD._poll in one call: C's look, and Python's _poll_rest for what the look left to it.
  * 1 (an event that notifies came), 0, or -1 with an exception set. */
 static int poll_evd(PyObject *evd)
@@ -498,14 +525,7 @@ static int poll_evd(PyObject *evd)
     Py_XDECREF(found);
     if (f == -1 && PyErr_Occurred())
         return -1;
-    if (f >= 0)
-        return f == 1;
-    PyObject *arg = PyLong_FromLong(f);  /* not the common case: Python finishes the look */
-    PyObject *res = arg ? PyObject_CallMethodObjArgs(evd, s_poll_rest, arg, NULL) : NULL;
-    Py_XDECREF(arg);
-    int truth = res ? PyObject_IsTrue(res) : -1;
-    Py_XDECREF(res);
-    return truth;
+    return f >= 0 ? f == 1 : poll_rest(evd, f);
 }
 
 /* The poller's look at an open EVD and its hand-over (EVD._napi_spin's, with no spin): 1 (an
@@ -515,8 +535,102 @@ static int napi_poll_evd(PyObject *evd)
 {
     int notified = poll_evd(evd);
     if (notified < 0 || hand_over(evd, notified) < 0)
-        return hand_exception(evd, s_napi_failed, NULL) < 0 ? -1 : 0;
+        return hand_exception(evd, s_napi_failed, NULL, s_polling_the_cq) < 0 ? -1 : 0;
     return notified;
+}
+
+/* What the wake-up's drain and the poller's arm read of an EVD, in the common case that C takes:
+ * open, with a CQ, no backlog, no awaited request, no solicited wait or arm.  1 with the
+ * addresses, the room in the queue (at most 64) and a new reference to the queue; 0: Python's
+ * path (EVD._drain_cq); -1: an error. */
+struct evd_cq {
+    unsigned long long cq, wcs, channel, status;
+    int room;
+    PyObject *queue;
+};
+
+static int common_cq(PyObject *evd, struct evd_cq *out)
+{
+    /* (a truth that could not be read ends the chain with its exception set: checked below) */
+    int plain = attr_true(evd, s_closed) == 0 && attr_true(evd, s_backlog) == 0 && attr_true(evd, s_awaited) == 0
+                && attr_true(evd, s_solicited) == 0 && attr_true(evd, s_armed_solicited) == 0;
+    unsigned long long qlen;
+    if (plain && (attr_ull(evd, s_cq_address, &out->cq) < 0 || attr_ull(evd, s_wcs_address, &out->wcs) < 0
+                       || attr_ull(evd, s_channel_address, &out->channel) < 0
+                       || attr_ull(evd, s_status_address, &out->status) < 0 || attr_ull(evd, s_qlen, &qlen) < 0))
+        return -1;
+    if (PyErr_Occurred())
+        return -1;
+    if (!plain || !out->cq || !out->wcs || !out->channel || !out->status)
+        return 0;
+    out->queue = PyObject_GetAttr(evd, s_queue);
+    Py_ssize_t queued = out->queue ? PyObject_Length(out->queue) : -1;
+    if (queued < 0) {
+        Py_CLEAR(out->queue);
+        return -1;
+    }
+    long long room = (long long)qlen - queued;
+    out->room = room <= 0 ? 0 : room > 64 ? 64 : (int)room;
+    return 1;
+}
+
+/* Queue what a drain polled (got completions): C's common case, then Python's _poll_rest for
+ * the rest (which goes on draining after a full batch).  1 (an event that notifies came), 0, or
+ * -1 with an exception set. */
+static int queue_drained(PyObject *evd, struct evd_cq *c, int got)
+{
+    if (got == 0)
+        return 0;
+    int found = queue_or_leave(evd, c->queue, c->wcs, got);
+    return found >= -1 ? found : poll_rest(evd, found);
+}
+
+/* The poller arms an EVD's CQ (EVD._napi_arm): arm it, then poll what raced the arm, hand that
+ * over, and when the arm failed let Python decide whether to try again.  The common case in C
+ * (what EVD._drain_cq(rearm=False) does for an unarmed CQ, _note_arm's common case inline); any
+ * other EVD goes to EVD._napi_arm.  1 (keep polling: the arm is tried again), 0, or -1 with an
+ * exception that is not an Exception (any other failure went to the EVD's _napi_failed). */
+static int napi_arm(PyObject *evd)
+{
+    struct evd_cq c = {0};
+    int common = attr_true(evd, s_unarmed);
+    if (common == 1)
+        common = common_cq(evd, &c);
+    if (common <= 0) {
+        PyObject *res = common == 0 ? PyObject_CallMethodObjArgs(evd, s_napi_arm, NULL) : NULL;
+        int truth = res ? PyObject_IsTrue(res) : -1;
+        Py_XDECREF(res);
+        return truth;
+    }
+    int *status = (int *)(uintptr_t)c.status;  /* the EVD's own: _note_arm reads the errno there */
+    int got = drain_fn(NULL, (struct ibv_cq *)(uintptr_t)c.cq, 0, (struct aiodat_wc *)(uintptr_t)c.wcs,
+                       c.room, status);
+    int notified = 0;
+    if (status[1]) {
+        PyObject *res = PyObject_CallMethodObjArgs(evd, s_note_arm, Py_False, Py_False, NULL);
+        notified = res ? 0 : -1;
+        Py_XDECREF(res);
+    } else {
+        unsigned long long rearms;
+        PyObject *more = NULL;
+        if (attr_ull(evd, s_rearms, &rearms) < 0 || (more = PyLong_FromUnsignedLongLong(rearms + 1)) == NULL
+            || PyObject_SetAttr(evd, s_rearms, more) < 0 || PyObject_SetAttr(evd, s_unarmed, Py_False) < 0)
+            notified = -1;
+        Py_XDECREF(more);
+    }
+    if (notified == 0)
+        notified = queue_drained(evd, &c, got);
+    Py_DECREF(c.queue);
+    if ((notified < 0 || hand_over(evd, notified) < 0)
+        && hand_exception(evd, s_napi_failed, NULL, s_polling_the_cq) < 0)
+        return -1;
+    int unarmed = attr_true(evd, s_unarmed);
+    if (unarmed == 0)
+        return PyObject_SetAttr(evd, s_arm_retried, Py_False) < 0 ? -1 : 0;
+    PyObject *res = unarmed == 1 ? PyObject_CallMethodObjArgs(evd, s_napi_arm_retry, NULL) : NULL;
+    int truth = res ? PyObject_IsTrue(res) : -1;
+    Py_XDECREF(res);
+    return truth;
 }
 
 /* hot[evd] = value */
@@ -528,19 +642,20 @@ static int set_turns(PyObject *hot, PyObject *evd, long value)
     return rc;
 }
 
-/* sweep(hot, idle_turns) -> (found_any, callbacks, rest): the first pass of Poller._poll_all
- * (poller.py) over hot (EVD -> turns in a row with nothing found).  Drops closed EVDs, looks at
- * each other one, counts its idle turns, and returns the EVDs whose fate Python decides: those
- * that busy-poll and those idle for idle_turns turns. */
+/* sweep(hot, idle_turns) -> (found_any, callbacks, rest, idle): the first pass of the poller's turn
+ * over hot (EVD -> turns in a row with nothing found).  Drops closed EVDs, looks at each other
+ * one, counts its idle turns, and returns those whose fate is decided after the looks: the EVDs
+ * that busy-poll (rest, Python's Poller._decide) and the others idle for idle_turns turns (idle,
+ * armed by the turn). */
 static PyObject *sweep(PyObject *self, PyObject *args)
 {
     PyObject *hot;
     int idle_turns;
     if (!PyArg_ParseTuple(args, "O!i", &PyDict_Type, &hot, &idle_turns))
         return NULL;
-    PyObject *evds = PyDict_Keys(hot), *rest = PyList_New(0), *result = NULL;
+    PyObject *evds = PyDict_Keys(hot), *rest = PyList_New(0), *idle_ones = PyList_New(0), *result = NULL;
     int found_any = 0, callbacks = 0;
-    if (evds == NULL || rest == NULL)
+    if (evds == NULL || rest == NULL || idle_ones == NULL)
         goto out;
     for (Py_ssize_t i = 0; i < PyList_Size(evds); i++) {
         PyObject *evd = PyList_GetItem(evds, i);  /* (borrowed: evds holds it) */
@@ -585,13 +700,13 @@ static PyObject *sweep(PyObject *self, PyObject *args)
         if (!busy_us && idle + 1 < idle_turns) {
             if (set_turns(hot, evd, idle + 1) < 0)
                 goto out;
-        } else if (PyList_Append(rest, evd) < 0) {  /* Python counts its turn and decides */
+        } else if (PyList_Append(busy_us ? rest : idle_ones, evd) < 0) {  /* its turn is counted later */
             goto out;
         }
     }
-    result = Py_BuildValue("(OOO)", found_any ? Py_True : Py_False, callbacks ? Py_True : Py_False, rest);
+    result = Py_BuildValue("(OOOO)", found_any ? Py_True : Py_False, callbacks ? Py_True : Py_False, rest, idle_ones);
 out:
-    Py_XDECREF(evds); Py_XDECREF(rest);
+    Py_XDECREF(evds); Py_XDECREF(rest); Py_XDECREF(idle_ones);
     return result;
 }
 
@@ -624,10 +739,60 @@ static int look_again(PyObject *hot, int passes)
     return 0;
 }
 
+/* The poller's next turn: loop.call_soon(poller._turn), unless the loop is closed.  1 (scheduled),
+ * 0 (the loop is closed), -1 (an error). */
+static int schedule_turn(PyObject *poller, PyObject *loop)
+{
+    PyObject *closed = PyObject_CallMethodObjArgs(loop, s_is_closed, NULL);
+    int is_closed = closed ? PyObject_IsTrue(closed) : -1;
+    Py_XDECREF(closed);
+    if (is_closed != 0)
+        return is_closed < 0 ? -1 : 0;
+    PyObject *next = PyObject_GetAttr(poller, s_turn);
+    PyObject *handle = next ? PyObject_CallMethodObjArgs(loop, s_call_soon, next, NULL) : NULL;
+    Py_XDECREF(next);
+    if (handle == NULL || PyObject_SetAttr(poller, s_scheduled, Py_True) < 0) {
+        Py_XDECREF(handle);
+        return -1;
+    }
+    Py_DECREF(handle);
+    return 1;
+}
+
+/* After the looks of a turn: count this turn for the EVDs that were idle for idle_turns turns in
+ * the sweep, and arm those still idle (Poller._decide's plain case); one whose arm failed stays,
+ * to be tried again.  0, or -1 with an exception. */
+static int arm_idle(PyObject *hot, PyObject *idle_ones, int idle_turns)
+{
+    for (Py_ssize_t i = 0; i < PyList_Size(idle_ones); i++) {
+        PyObject *evd = PyList_GetItem(idle_ones, i);  /* (borrowed: the list holds it) */
+        PyObject *turns = PyDict_GetItemWithError(hot, evd);  /* (borrowed) */
+        if (turns == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            continue;  /* freed by a callback in this turn */
+        }
+        long idle = PyLong_AsLong(turns) + 1;  /* (a look again may have found something: 0) */
+        if (idle == 0 && PyErr_Occurred())
+            return -1;
+        if (idle < idle_turns) {
+            if (set_turns(hot, evd, idle) < 0)
+                return -1;
+            continue;
+        }
+        if (PyDict_DelItem(hot, evd) < 0)
+            return -1;
+        int again = napi_arm(evd);
+        if (again < 0 || (again && set_turns(hot, evd, 0) < 0))
+            return -1;
+    }
+    return 0;
+}
+
 /* turn(poller, idle_turns, passes): one turn of the loop's poller (Poller._turn): the sweep above,
- * the looks again after callbacks, then Poller._decide for the EVDs whose fate Python decides
- * (those that busy-poll or were idle for idle_turns turns) only when there are any, then the next
- * turn's call_soon while the poller holds EVDs.  A busy turn so runs no Python of the poller. */
+ * the looks again after callbacks, the arms of the EVDs that stayed idle, then Poller._decide for
+ * the EVDs that busy-poll only when there are any, then the next turn's call_soon while the
+ * poller holds EVDs.  A turn so runs no Python of the poller unless an EVD busy-polls. */
 static PyObject *turn(PyObject *self, PyObject *args)
 {
     PyObject *poller;
@@ -645,9 +810,12 @@ static PyObject *turn(PyObject *self, PyObject *args)
     if (swept == NULL)
         goto out;
     PyObject *callbacks = PyTuple_GetItem(swept, 1), *rest = PyTuple_GetItem(swept, 2);  /* (borrowed) */
-    if (callbacks == NULL || rest == NULL)
+    PyObject *idle_ones = PyTuple_GetItem(swept, 3);
+    if (callbacks == NULL || rest == NULL || idle_ones == NULL)
         goto out;
     if (callbacks == Py_True && look_again(hot, passes) < 0)
+        goto out;
+    if (arm_idle(hot, idle_ones, idle_turns) < 0)
         goto out;
     if (PyList_Size(rest) > 0) {
         PyObject *res = PyObject_CallMethodObjArgs(poller, s_decide, PyTuple_GetItem(swept, 0), rest, NULL);
@@ -662,18 +830,10 @@ static PyObject *turn(PyObject *self, PyObject *args)
         goto out;
     if (!scheduled) {
         PyObject *loop = PyObject_GetAttr(poller, s_loop);
-        PyObject *closed = loop ? PyObject_CallMethodObjArgs(loop, s_is_closed, NULL) : NULL;
-        int is_closed = closed ? PyObject_IsTrue(closed) : -1;
-        Py_XDECREF(closed);
-        PyObject *next = is_closed == 0 ? PyObject_GetAttr(poller, s_turn) : NULL;
-        PyObject *handle = NULL;
-        if (next != NULL && PyObject_SetAttr(poller, s_scheduled, Py_True) == 0)
-            handle = PyObject_CallMethodObjArgs(loop, s_call_soon, next, NULL);
-        Py_XDECREF(next);
+        int rc = loop ? schedule_turn(poller, loop) : -1;
         Py_XDECREF(loop);
-        if (is_closed != 1 && handle == NULL)
+        if (rc < 0)
             goto out;
-        Py_XDECREF(handle);
     }
     Py_INCREF(Py_None);
     result = Py_None;
@@ -683,26 +843,122 @@ out:
     return result;
 }
 
-/* A wait is about to sleep on an EVD that is unarmed or busy-polls: EVD._napi_add, which hands it
- * to its loop's poller.  Done here when the poller already holds it and has its turn scheduled
- * (a ping-pong's every wait); anything else is the Python method's. */
+/* Hand an unarmed EVD to its loop's poller (EVD._napi_add, Poller.add): a wake-up's, or a wait's
+ * about to sleep on an EVD that is unarmed or busy-polls.  Done here when the EVD's poller is the
+ * loop's and it does not busy-poll: the poller holds it from its next turn on, which is scheduled
+ * if it is not yet; anything else (the first hand-over, a closed loop, busy polling) is the Python
+ * method's. */
 static int napi_add(PyObject *evd, PyObject *loop, unsigned long long busy_us)
 {
     int held = 0;
     PyObject *poller = busy_us ? NULL : PyObject_GetAttr(evd, s_poller);
     if (poller != NULL && poller != Py_None) {
         PyObject *hot = PyObject_GetAttr(poller, s_hot);
-        held = hot != NULL && attr_is(poller, s_loop, loop) == 1 && attr_true(poller, s_scheduled) == 1
-               && PyDict_Check(hot) && PyDict_Contains(hot, evd) == 1;
+        if (hot != NULL && PyDict_Check(hot) && attr_is(poller, s_loop, loop) == 1) {
+            int in = PyDict_Contains(hot, evd);
+            if (in == 0)
+                in = set_turns(hot, evd, 0) == 0;
+            int scheduled = in == 1 ? attr_true(poller, s_scheduled) : -1;
+            held = scheduled == 1 || (scheduled == 0 && schedule_turn(poller, loop) == 1);
+        }
         Py_XDECREF(hot);
     }
     Py_XDECREF(poller);
-    PyErr_Clear();  /* (any doubt: the Python method) */
+    PyErr_Clear();  /* (any doubt: the Python method, which says what went wrong) */
     if (held)
         return 0;
     PyObject *res = PyObject_CallMethodObjArgs(evd, s_napi_add, NULL);
     Py_XDECREF(res);
     return res ? 0 : -1;
+}
+
+/* How many times a callback EVD's wake-up looks at the CQ again after delivering (evd.py's
+ * _CALLBACK_ROUNDS, which its Python path uses) */
+#define CALLBACK_ROUNDS 8
+
+/* The rest of a wake-up after its drain: deliver to the callback and look again while the
+ * callback's own posts keep completions coming (up to CALLBACK_ROUNDS looks), or wake the waiting
+ * task.  notified: what the drain found.  1, 0, or -1 with an exception set. */
+static int wakeup_hand_over(PyObject *evd, PyObject *queue, int notified)
+{
+    PyObject *fn = PyObject_GetAttr(evd, s_callback);
+    if (fn == NULL)
+        return -1;
+    if (fn == Py_None) {
+        Py_DECREF(fn);
+        return notified ? wake(evd, queue) : 0;
+    }
+    for (int round = 0; round < CALLBACK_ROUNDS; round++) {
+        Py_ssize_t queued = PyObject_Length(queue);
+        if (queued < 0 || (!notified && !queued))
+            break;
+        if (queued && deliver(evd, fn, queue) < 0) {
+            queued = -1;
+            break;
+        }
+        Py_DECREF(fn);
+        fn = PyObject_GetAttr(evd, s_callback);  /* (the callback may have changed or freed its EVD) */
+        int closed = fn != NULL && fn != Py_None ? attr_true(evd, s_closed) : 1;
+        if (closed)
+            break;
+        notified = poll_evd(evd);
+        if (notified <= 0)
+            break;
+    }
+    Py_XDECREF(fn);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* wakeup(evd): the loop's reader callback for an EVD's completion channel (EVD._on_readable), in
+ * one call.  Its common case (see common_cq): read and ack the channel's event and drain the CQ
+ * without arming it (the next sleeper arms: EVD._drain_cq's lazy case), deliver to the callback or
+ * wake the waiting task, then hand the unarmed CQ to the loop's poller.  Anything else is
+ * EVD._woken's, the same in Python.  Never raises an Exception: failures go to the EVD's
+ * _napi_failed (the callback's on_error, or the waiting task). */
+static PyObject *wakeup(PyObject *self, PyObject *evd)
+{
+    struct evd_cq c = {0};
+    int common = common_cq(evd, &c);
+    if (common <= 0) {
+        int closed = common == 0 ? attr_true(evd, s_closed) : -1;
+        PyObject *res = closed == 0 ? PyObject_CallMethodObjArgs(evd, s_woken, NULL) : NULL;
+        if (closed == 1)
+            Py_RETURN_NONE;
+        return res;
+    }
+    int status[2];
+    int got = drain_fn((struct ibv_comp_channel *)(uintptr_t)c.channel, (struct ibv_cq *)(uintptr_t)c.cq, -1,
+                       (struct aiodat_wc *)(uintptr_t)c.wcs, c.room, status);
+    /* the wake-up consumed the arm: whoever sleeps next arms first */
+    int notified = PyObject_SetAttr(evd, s_unarmed, Py_True) < 0 || PyObject_SetAttr(evd, s_arm_error, Py_None) < 0
+                   ? -1 : queue_drained(evd, &c, got);
+    if (notified >= 0)
+        notified = wakeup_hand_over(evd, c.queue, notified);
+    Py_DECREF(c.queue);
+    if (notified < 0 && hand_exception(evd, s_napi_failed, NULL, s_draining_the_cq) < 0)
+        return NULL;
+    /* the poller takes the unarmed CQ (also after a failure: it must be armed or polled) */
+    int unarmed = attr_true(evd, s_unarmed), closed = unarmed == 1 ? attr_true(evd, s_closed) : 1;
+    if (unarmed < 0 || closed < 0)
+        return NULL;
+    if (!closed) {
+        unsigned long long busy_us;
+        PyObject *watch = PyObject_GetAttr(evd, s_watch);
+        PyObject *loop = watch && watch != Py_None ? PyObject_GetAttr(watch, s_loop) : NULL;
+        int rc = loop == NULL || loop == Py_None || attr_ull(evd, s_busy_poll_us, &busy_us) < 0
+                 ? -2 : napi_add(evd, loop, busy_us);
+        Py_XDECREF(watch); Py_XDECREF(loop);
+        if (rc == -1)
+            return NULL;
+        if (rc == -2) {  /* no loop watches it (or an attribute failed): the Python method says what */
+            PyErr_Clear();
+            PyObject *res = PyObject_CallMethodObjArgs(evd, s_napi_add, NULL);
+            if (res == NULL)
+                return NULL;
+            Py_DECREF(res);
+        }
+    }
+    Py_RETURN_NONE;
 }
 
 /* The EVD's waiter (not None) no longer waits: 1, it still does: 0, an error: -1 (EVD._waited's
@@ -1078,12 +1334,12 @@ static PyMethodDef methods[] = {
      "configure_send_run(cls): the class of a batch's one send-queue entry (wr.SendRun)."},
     {"look", look, METH_O,
      "look(evd) -> 1 (an event that notifies came), 0 (none), -1 (Python looks), -2 (Python finishes evd._polled)."},
-    {"sweep", sweep, METH_VARARGS,
-     "sweep(hot, idle_turns) -> (found_any, callbacks, rest): the poller's pass over its EVDs; rest is the "
-     "EVDs that busy-poll or were idle for idle_turns turns."},
+    {"wakeup", wakeup, METH_O,
+     "wakeup(evd): the loop's reader callback for the EVD's completion channel (EVD._on_readable)."},
     {"turn", turn, METH_VARARGS,
      "turn(poller, idle_turns, passes): one turn of the loop's poller: the sweep, the looks again after "
-     "callbacks, Poller._decide when Python has anything to decide, and the next turn's call_soon."},
+     "callbacks, the arms of the EVDs that stayed idle, Poller._decide for those that busy-poll, and the next "
+     "turn's call_soon."},
     {"wait_begin", wait_begin, METH_VARARGS,
      "wait_begin(evd, threshold, timeout) -> list, Spin or None: EVD.wait's common case up to its sleep "
      "(the events, the rest of the wait to await for them, or None for Python's general path)."},
@@ -1128,7 +1384,11 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_deadline, "_deadline"); INTERN(s_spinner, "_spinner"); INTERN(s_cancelling, "cancelling");
     INTERN(s_future_blocking, "_asyncio_future_blocking"); INTERN(s_result, "result");
     INTERN(s_decide, "_decide"); INTERN(s_is_closed, "is_closed"); INTERN(s_turn, "_turn");
-    INTERN(s_call_soon, "call_soon");
+    INTERN(s_call_soon, "call_soon"); INTERN(s_channel_address, "_channel_address");
+    INTERN(s_status_address, "_status_address"); INTERN(s_arm_error, "_arm_error"); INTERN(s_rearms, "_rearms");
+    INTERN(s_arm_retried, "_arm_retried"); INTERN(s_note_arm, "_note_arm"); INTERN(s_napi_arm, "_napi_arm");
+    INTERN(s_napi_arm_retry, "_napi_arm_retry"); INTERN(s_woken, "_woken"); INTERN(s_watch, "_watch");
+    INTERN(s_draining_the_cq, "draining the CQ");
     INTERN(k_notify, "notify"); INTERN(success, "IBV_WC_SUCCESS");
     if ((one = PyLong_FromLong(1)) == NULL)
         return NULL;
