@@ -67,12 +67,26 @@ class Side:
         self.got = bytearray()
         self.eof = False
         self.types_sent: List[int] = []
+        self.wire_sent: List[bytes] = []  # every send's bytes, in order
+        #: use the common-case steps as the transport does (take_data, on_data/data_consumed)
+        self.fast = True
+        self.fast_steps = 0  # sends and receives that took the common-case steps
 
 
 def transmit(a: Side, b: Side, limit: int = 10 ** 9) -> int:
     """Post everything a's core allows; each send lands in one of b's posted slots at once."""
     n = 0
     while n < limit:
+        data = a.core.take_data() if a.fast else None
+        if data is not None:  # the transport's first step: one small write in one DATA send
+            slot, header, chunk, signalled = data
+            land(b, bytes(header) + bytes(chunk))
+            a.send_queue.append((("s", slot), signalled))
+            a.types_sent.append(MSG_DATA)
+            a.wire_sent.append(bytes(header) + bytes(chunk))
+            a.fast_steps += 1
+            n += 1
+            continue
         send = a.core.next_send()
         if send is None:
             break
@@ -90,16 +104,22 @@ def transmit(a: Side, b: Side, limit: int = 10 ** 9) -> int:
         wire[:HEADER.size] = send.header
         if send.type == MSG_DATA:
             a.core.copy_pending(memoryview(wire)[HEADER.size:], send.length)
-        if not b.posted:
-            raise RNR(f"a {send.type} message found no posted receive slot")
-        slot = b.posted.popleft()
-        b.slots[slot][:len(wire)] = wire
-        b.arrived.append((slot, len(wire)))
+        land(b, wire)
         a.send_queue.append((send.cookie, send.signalled))
         a.types_sent.append(send.type)
+        a.wire_sent.append(bytes(wire))
         a.core.sent(send)
         n += 1
     return n
+
+
+def land(b: Side, wire: bytes) -> None:
+    """A send's bytes land in b's oldest posted receive slot."""
+    if not b.posted:
+        raise RNR(f"a {wire[0]} message found no posted receive slot")
+    slot = b.posted.popleft()
+    b.slots[slot][:len(wire)] = wire
+    b.arrived.append((slot, len(wire)))
 
 
 def complete_sends(a: Side) -> None:
@@ -135,6 +155,15 @@ def process(b: Side, limit: int = 10 ** 9) -> None:
     """b's transport handles its receive completions."""
     while b.arrived and limit:
         slot, length = b.arrived.popleft()
+        n = b.core.on_data(slot, b.slots[slot], 0, length) if b.fast else -1
+        if n >= 0:  # the transport's common case: DATA handed over with no Message made
+            assert not b.eof, "data after EOF"
+            b.got += b.slots[slot][HEADER.size:HEADER.size + n]
+            b.core.data_consumed(slot, n)
+            b.posted.append(slot)
+            b.fast_steps += 1
+            limit -= 1
+            continue
         message = b.core.on_received(slot, b.slots[slot][:HEADER.size], length)
         if message is not None:
             deliver(b, message)
@@ -452,15 +481,19 @@ def test_send_completions_free_every_earlier_slot_and_signal_sparingly() -> None
 # -- flow control under a slow reader ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["common-case-steps", "general-steps"])
 @pytest.mark.parametrize("seed", range(6))
-def test_flow_control_never_overruns_posted_slots(seed: int) -> None:
+def test_flow_control_never_overruns_posted_slots(seed: int, fast: bool) -> None:
     """Random writes both ways, a reader that pauses and lags: no send ever meets an empty receive
-    queue, credit-taking messages never occupy more than recv_depth slots, and every byte arrives in order."""
+    queue, credit-taking messages never occupy more than recv_depth slots, and every byte arrives in
+    order; driven as the transport drives the core (take_data and on_data first), and with only
+    next_send/sent and on_received/consumed."""
     rng = random.Random(seed)
     kw = rng.choice([dict(recv_depth=4, buffer_size=64, window_size=4096, rdma_threshold=200),
                      dict(recv_depth=16, buffer_size=1024, window_size=8192, rdma_threshold=3000),
                      dict(recv_depth=5, buffer_size=128, window_size=0)])
     a, b = pair(**kw)
+    a.fast = b.fast = fast
     out = {id(a): bytearray(), id(b): bytearray()}
     for step in range(600):
         for side, peer in ((a, b), (b, a)):
@@ -495,6 +528,68 @@ def test_flow_control_never_overruns_posted_slots(seed: int) -> None:
             break
     assert bytes(b.got) == bytes(out[id(a)]) and bytes(a.got) == bytes(out[id(b)])
     assert a.eof and b.eof and a.core.is_flushed() and b.core.is_flushed()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_common_case_steps_send_what_the_general_steps_send(seed: int) -> None:
+    """take_data and on_data/data_consumed are next_send/copy/sent and on_received/consumed for the
+    common case: two pairs driven alike, one each way, put the same bytes on the wire (headers,
+    credits returned, which sends are signalled) and end in the same state."""
+    rng = random.Random(seed)
+    fast_pair, general_pair = pair(recv_depth=4, buffer_size=256, window_size=4096, rdma_threshold=1000), \
+        pair(recv_depth=4, buffer_size=256, window_size=4096, rdma_threshold=1000)
+    for side in general_pair:
+        side.fast = False
+    for step in range(400):
+        size, which, lag = rng.choice([1, 7, 100, 248, 249, 600, 2000]), rng.random(), rng.randint(0, 3)
+        for (a, b) in (fast_pair, general_pair):
+            (a if which < 0.5 else b).core.write(bytes([step % 251]) * size)
+            transmit(a, b)
+            transmit(b, a)
+            process(a, limit=lag)
+            process(b, limit=lag)
+            if step % 3 == 0:
+                complete_sends(a)
+                complete_sends(b)
+    for f, g in zip(fast_pair, general_pair):
+        assert f.wire_sent == g.wire_sent and f.types_sent == g.types_sent
+        assert [s for _, s in f.send_queue] == [s for _, s in g.send_queue]
+        assert bytes(f.got) == bytes(g.got)
+        assert (f.core.credits, f.core.owed, f.core.free_send_slots, f.core.stats) == \
+            (g.core.credits, g.core.owed, g.core.free_send_slots, g.core.stats)
+    assert min(side.fast_steps for side in fast_pair) > 50  # the common case was taken, and often
+
+
+def test_common_case_steps_leave_everything_else_to_the_general_ones() -> None:
+    """take_data and on_data change nothing when the case is not theirs."""
+    a, b = pair(recv_depth=4, buffer_size=64, window_size=4096, rdma_threshold=200)
+    assert a.core.take_data() is None  # nothing pending
+    a.core.write(b"x" * 100)  # more than one DATA message holds
+    assert a.core.take_data() is None and a.core.buffered == 100
+    a.core.discard()
+    a.core.write(b"ab")
+    a.core.write(bytearray(b"cd"))  # one chunk still: small writes are gathered
+    data = a.core.take_data()
+    assert data is not None and bytes(data[2]) == b"abcd" and a.core.buffered == 0
+    a.core.write(b"tail")
+    a.core.write_eof()  # EOF is due: the general steps send the data, then EOF
+    assert a.core.take_data() is None
+    wire = bytearray(HEADER.pack(MSG_EOF, 0, 0, 0))
+    assert b.core.on_data(0, wire, 0, len(wire)) == -1  # not DATA
+    wire = bytearray(HEADER.pack(MSG_DATA, FLAG_RELEASE, 0, 0))
+    assert b.core.on_data(0, wire, 0, len(wire)) == -1  # a release to take
+    wire = bytearray(HEADER.pack(MSG_DATA, 0, 0, 50))
+    assert b.core.on_data(0, wire, 0, 20) == -1  # says more than arrived
+    b.core.pause_reading()
+    wire = bytearray(HEADER.pack(MSG_DATA, 0, 0, 2)) + b"hi"
+    assert b.core.on_data(0, wire, 0, len(wire)) == -1  # paused: held by on_received
+    b.core.resume_reading()
+    assert b.core.on_data(99, wire, 0, len(wire)) == -1  # no such slot
+    assert b.core.credits == 4 and b.core.owed == 0
+    assert b.core.on_data(0, wire, 0, len(wire)) == 2
+    assert b.core.on_data(0, wire, 0, len(wire)) == -1  # the slot is not posted again yet
+    b.core.data_consumed(0, 2)
+    assert b.core.owed == 1 and b.core.stats["bytes_received"] == 2
 
 
 def test_paused_reader_holds_messages_and_their_credits() -> None:

@@ -54,6 +54,7 @@ PARAMS = struct.Struct("!2sBBHI")
 WINDOW_DESC = struct.Struct("!QQI")
 _HEADER_SIZE = HEADER.size
 _unpack_header = HEADER.unpack_from
+_pack_header = HEADER.pack
 MAGIC = b"AS"
 VERSION = 2  # 2: up to MAX_WINDOWS window writes in flight, placed in the window as a ring
 PARAM_WINDOW = 0x01
@@ -337,6 +338,8 @@ class StreamCore:
         self._threshold = cfg.credit_threshold
         # the staging buffer is our own window_size: we write at most that much at once
         self.window_length = min(peer.window.length, cfg.window_size) if peer.window is not None else 0
+        # pending bytes from which they go by window write (_bulk), as one number for take_data
+        self._bulk_from = cfg.rdma_threshold if self.window_length >= cfg.rdma_threshold else 1 << 62
         # The offsets of our window writes in flight, oldest first: the peer's window is a ring,
         # and our staging buffer mirrors it (a write is staged at the offset it lands at).  One is
         # retired, its part free again, once the peer released it (it copied the bytes out) and its
@@ -490,7 +493,32 @@ class StreamCore:
     def _bulk(self, pending: int) -> bool:
         """Whether ``pending`` bytes go by window write: at least the threshold, with a window at least
         that large (a smaller one would only slow them down)."""
-        return pending >= self.cfg.rdma_threshold and self.window_length >= self.cfg.rdma_threshold
+        return pending >= self._bulk_from
+
+    def take_data(self) -> Optional[Tuple[int, bytes, Any, bool]]:
+        """:meth:`next_send`, the copy and :meth:`sent` in one step for the common case of a small
+        write: every pending byte is one buffered chunk that fits one DATA message, a credit and a
+        slot are free, and no EOF or window release is due.  Commits that DATA send and returns
+        ``(slot, header, chunk, signalled)``: post the header then the chunk's bytes from the slot,
+        ``signalled`` or not.  None when it is not that case (nothing changed: use next_send)."""
+        free, chunks = self._free_slots, self._chunks
+        n = self._pending
+        if (not free or not n or self._credits <= 0 or len(chunks) != 1 or self._head or n > self._payload_max
+                or n >= self._bulk_from or self.eof_requested or self._release_pending):
+            return None
+        slot = free.pop()
+        owed = self._owed
+        # as _plan: signal when the free slots run short (none from EOF on: EOF is excluded above)
+        signalled = self._unsignalled >= self._signal_every or len(free) < self._low_slots
+        self._unsignalled = 0 if signalled else self._unsignalled + 1
+        self._posted.append(self._send_cookies[slot])
+        self._owed = 0
+        self._credits -= 1
+        self._pending = 0
+        stats = self.stats
+        stats["data_msgs"] += 1
+        stats["bytes_sent"] += n
+        return slot, _pack_header(MSG_DATA, 0, owed, n), chunks.pop(), signalled
 
     def _window_place(self, pending: int) -> Optional[Tuple[int, int]]:
         """(offset, length) of the next window write of ``pending`` bytes, or None while it must wait.
@@ -627,6 +655,28 @@ class StreamCore:
             self._windows_completed -= 1
 
     # -- the reader's side ---------------------------------------------------------------------
+    def on_data(self, slot: int, buf: Any, offset: int, length: int) -> int:
+        """:meth:`on_received`'s common case, with no Message made: a well-formed DATA message with no
+        flags, whose header is at ``offset`` in ``buf``, into a posted slot while reading with nothing
+        held.  Takes its credits and returns its payload length; hand the payload over, re-post the
+        slot, then call :meth:`data_consumed`.  -1 when it is not that case (nothing changed: call
+        on_received, which also says what is wrong)."""
+        if (length < _HEADER_SIZE or self._held or not self._reading or self.eof_received
+                or not 0 <= slot < self.nslots or not self._recv_posted[slot]):
+            return -1
+        mtype, flags, credits, plen = _unpack_header(buf, offset)
+        if mtype != MSG_DATA or flags or plen > length - _HEADER_SIZE or self._credits + credits > self.peer.credits:
+            return -1
+        self._recv_posted[slot] = False
+        self._credits += credits
+        return plen
+
+    def data_consumed(self, slot: int, length: int) -> None:
+        """:meth:`consumed` for a DATA message of ``length`` payload bytes taken by :meth:`on_data`."""
+        self._recv_posted[slot] = True
+        self._owed += 1
+        self.stats["bytes_received"] += length
+
     def on_received(self, slot: int, header: Any, length: int) -> Optional[Message]:
         """A receive completed in ``slot`` with ``length`` bytes; ``header`` holds (at least) its first 8 bytes.
 

@@ -328,6 +328,9 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if self._lost:
             return
         res, core = self._res, self._core
+        data = core.take_data()
+        if data is not None and not self._post_data(*data):
+            return
         send = core.next_send()
         if send is not None:
             view, size, send_base, segs, cookies = res.view, self._size, res.send_base, res.send_segs, res.send_cookies
@@ -356,17 +359,42 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                     core.sent(send)
                     send = core.next_send()
             except DATError as exc:
-                # the EP left CONNECTED under us (the peer went away): the connection event will follow
-                from aiodat.ep import EPState
-
-                if res.ep.closed or res.ep.state is not EPState.CONNECTED:
-                    return
-                self._finish(ConnectionBroken(f"sending on the RDMA stream failed: {exc}"))
+                self._post_failed(exc)
                 return
         if self._protocol_paused:
             self._maybe_resume_protocol()
         if self._idle is not None:
             self._check_idle()
+
+    def _post_data(self, slot: int, header: bytes, chunk: Any, signalled: bool) -> bool:
+        """Post one DATA send the core committed (StreamCore.take_data): the header, then the chunk's
+        bytes, from send slot ``slot``.  False when the post failed (see _post_failed)."""
+        res = self._res
+        n = len(chunk)
+        base = res.send_base + slot * self._size
+        end = base + _HEADER_SIZE + n
+        view = res.view
+        view[base:base + _HEADER_SIZE] = header
+        view[base + _HEADER_SIZE:end] = chunk
+        seg = res.send_segs[slot]
+        if seg.length != end - base:
+            seg = res.send_segs[slot] = self._Segment(res.lmr, base, end - base)
+        try:
+            res.ep.post_send(seg, res.send_cookies[slot], self._SIGNALLED if signalled else self._SUPPRESS)
+        except DATError as exc:
+            self._post_failed(exc)
+            return False
+        return True
+
+    def _post_failed(self, exc: DATError) -> None:
+        """A post on the stream's EP failed: when the EP left CONNECTED under us (the peer went away)
+        the connection event follows and ends the stream; otherwise it ends now."""
+        from aiodat.ep import EPState
+
+        res = self._res
+        if res.ep.closed or res.ep.state is not EPState.CONNECTED:
+            return
+        self._finish(ConnectionBroken(f"sending on the RDMA stream failed: {exc}"))
 
     def _check_idle(self) -> None:
         idle = self._idle
@@ -452,6 +480,14 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             self._check_idle()
         elif kind == "r":
             base = slot * self._size
+            res, core = self._res, self._core
+            n = core.on_data(slot, res.view, base, event.transferred_length)
+            if n >= 0:  # the common case: a DATA message, handed over now
+                base += _HEADER_SIZE
+                self._data(res.view[base:base + n])
+                if self._repost(slot):
+                    core.data_consumed(slot, n)
+                return
             try:
                 message = self._core.on_received(slot, self._res.view[base:base + HEADER.size],
                                                  event.transferred_length)
@@ -477,14 +513,20 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             self._data(res.window_view[message.offset:message.offset + message.length])
         elif message.type == MSG_EOF:
             self._eof()
+        if self._repost(message.slot):
+            self._core.consumed(message)
+
+    def _repost(self, slot: int) -> bool:
+        """Post receive slot ``slot`` again after its message was handed over; False when the stream
+        ended meanwhile or the EP is disconnected (nothing more will arrive)."""
+        res = self._res
         if self._lost or res.ep.closed:
-            return
-        slot = message.slot
+            return False
         try:
             res.ep.post_recv(res.recv_segs[slot], res.recv_cookies[slot])
         except DATError:
-            return  # disconnected: nothing more will arrive
-        self._core.consumed(message)
+            return False
+        return True
 
     def _data(self, view: memoryview) -> None:
         if self._closing and not self._lost:
