@@ -193,7 +193,7 @@ def test_c_stops_changing_nothing_where_python_must_decide(case: str) -> None:
 
 def test_configure_is_once_and_bad_arguments_are_refused() -> None:
     with pytest.raises(RuntimeError, match="configured once"):
-        _completions.configure(object, 1, 2, 3, frozenset(), 0)
+        _completions.configure(object, 1, 2, 3, frozenset(), 0, 0)
     with pytest.raises(TypeError):
         _completions.queue_common(object(), 0, 0, "not a dict", deque())
 

@@ -597,7 +597,8 @@ static int napi_arm(PyObject *evd)
     if (common == 1)
         common = common_cq(evd, &c);
     if (common <= 0) {
-        PyObject *res = common == 0 ? PyObject_CallMethodObjArgs(evd, s_napi_arm, NULL) : NULL;
+        PyErr_Clear();  /* (any doubt: the Python method, which says what went wrong) */
+        PyObject *res = PyObject_CallMethodObjArgs(evd, s_napi_arm, NULL);
         int truth = res ? PyObject_IsTrue(res) : -1;
         Py_XDECREF(res);
         return truth;
@@ -920,11 +921,8 @@ static PyObject *wakeup(PyObject *self, PyObject *evd)
     struct evd_cq c = {0};
     int common = common_cq(evd, &c);
     if (common <= 0) {
-        int closed = common == 0 ? attr_true(evd, s_closed) : -1;
-        PyObject *res = closed == 0 ? PyObject_CallMethodObjArgs(evd, s_woken, NULL) : NULL;
-        if (closed == 1)
-            Py_RETURN_NONE;
-        return res;
+        PyErr_Clear();  /* (any doubt: the Python path, which says what went wrong) */
+        return PyObject_CallMethodObjArgs(evd, s_woken, NULL);
     }
     int status[2];
     int got = drain_fn((struct ibv_comp_channel *)(uintptr_t)c.channel, (struct ibv_cq *)(uintptr_t)c.cq, -1,
