@@ -104,7 +104,7 @@ class Poller:
         turn arms the others itself); ``found_any``: the sweep found something."""
         hot = self._hot
         spinning: List[Any] = []
-        for evd in rest:  # they busy-poll, or found nothing for IDLE_TURNS turns
+        for evd in rest:  # they busy-poll (the turn gives Python no other EVD)
             idle = hot.get(evd)
             if idle is None:  # freed by a callback in this turn
                 continue
