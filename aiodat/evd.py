@@ -1155,9 +1155,9 @@ _completions.configure_waits(_task_getter())
 _NULL = ffi.NULL
 _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic
-#: how many times a callback EVD's wake-up looks at the CQ again after delivering (completions.c's
-#: CALLBACK_ROUNDS, its common case)
-_CALLBACK_ROUNDS = 8
+#: how many times a callback EVD's wake-up looks at the CQ again after delivering (one number for
+#: this Python path and the common case in C)
+_CALLBACK_ROUNDS = _completions.CALLBACK_ROUNDS
 
 
 #: a waits' timer that fires this close to the deadline (s) expires the wait: loops round timers

@@ -160,7 +160,8 @@ def _opcode_tracer(frame: Any, event: str, arg: Any) -> Any:
 
     code = frame.f_code
     where = "bc:" + _area(code.co_filename)
-    function = f"fn:{os.path.basename(code.co_filename)}:{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}"
+    name = getattr(code, "co_qualname", code.co_name)  # (3.11: the class too)
+    function = f"fn:{os.path.basename(code.co_filename)}:{name}"
 
     def local(frame: Any, event: str, arg: Any) -> Any:
         if event == "opcode":

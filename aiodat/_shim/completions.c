@@ -344,6 +344,43 @@ static int queue_or_leave(PyObject *evd, PyObject *queue, unsigned long long wcs
     return rc;
 }
 
+/* What a look, the wake-up's drain and the poller's arm read of an EVD, in the common case that C
+ * takes: open, with a CQ, no backlog, no awaited request; for a drain (``draining``: it reads the
+ * channel or arms), also no solicited wait or arm.  1 with the addresses, the room in the queue
+ * (at most 64) and a new reference to the queue; 0: Python's path (EVD._poll_rest, EVD._drain_cq);
+ * -1: an error. */
+struct evd_cq {
+    unsigned long long cq, wcs, channel, status;
+    int room;
+    PyObject *queue;
+};
+
+static int common_cq(PyObject *evd, struct evd_cq *out, int draining)
+{
+    /* (a truth that could not be read ends the chain with its exception set: checked below) */
+    int plain = attr_true(evd, s_closed) == 0 && attr_true(evd, s_backlog) == 0 && attr_true(evd, s_awaited) == 0
+                && (!draining || (attr_true(evd, s_solicited) == 0 && attr_true(evd, s_armed_solicited) == 0));
+    unsigned long long qlen;
+    if (plain && (attr_ull(evd, s_cq_address, &out->cq) < 0 || attr_ull(evd, s_wcs_address, &out->wcs) < 0
+                  || attr_ull(evd, s_qlen, &qlen) < 0
+                  || (draining && (attr_ull(evd, s_channel_address, &out->channel) < 0
+                                   || attr_ull(evd, s_status_address, &out->status) < 0))))
+        return -1;
+    if (PyErr_Occurred())
+        return -1;
+    if (!plain || !out->cq || !out->wcs || (draining && (!out->channel || !out->status)))
+        return 0;
+    out->queue = PyObject_GetAttr(evd, s_queue);
+    Py_ssize_t queued = out->queue ? PyObject_Length(out->queue) : -1;
+    if (queued < 0) {
+        Py_CLEAR(out->queue);
+        return -1;
+    }
+    long long room = (long long)qlen - queued;
+    out->room = room <= 0 ? 0 : room > 64 ? 64 : (int)room;
+    return 1;
+}
+
 /* look(evd) -> 1, 0, -1 or -2: EVD._poll's common case (evd.py).  It polls the EVD's CQ through
  * the shim's own aiodat_cq_poll (so the shim's fault injection still applies) and queues what
  * came: 1 when an event that notifies arrived, 0 when none did.  -1: not the common case
@@ -356,34 +393,19 @@ static PyObject *look(PyObject *self, PyObject *evd)
         PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._completions is not configured");
         return NULL;
     }
-    int closed = attr_true(evd, s_closed), backlog = -1, awaited = -1;
-    if (closed == 0)
-        backlog = attr_true(evd, s_backlog);
-    if (backlog == 0)
-        awaited = attr_true(evd, s_awaited);
-    unsigned long long cq = 0, wcs = 0, qlen = 0;
-    if (awaited == 0 && (attr_ull(evd, s_cq_address, &cq) < 0 || attr_ull(evd, s_wcs_address, &wcs) < 0
-                         || attr_ull(evd, s_qlen, &qlen) < 0))
-        return NULL;
-    if (closed != 0 || backlog != 0 || awaited != 0 || cq == 0 || wcs == 0)
-        return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
-    PyObject *queue = PyObject_GetAttr(evd, s_queue);
-    if (queue == NULL)
-        return NULL;
-    Py_ssize_t queued = PyObject_Length(queue);
-    long long room = (long long)qlen - queued;
-    PyObject *result = NULL;
-    if (queued < 0)
-        goto out;
-    if (room <= 0) {
+    struct evd_cq c = {0};
+    int common = common_cq(evd, &c, 0);
+    if (common <= 0)
+        return common < 0 ? NULL : PyLong_FromLong(-1);
+    PyObject *result;
+    if (c.room == 0) {
         result = PyLong_FromLong(0);
-        goto out;
+    } else {
+        int got = poll_fn((struct ibv_cq *)(uintptr_t)c.cq, (struct aiodat_wc *)(uintptr_t)c.wcs, c.room);
+        int found = queue_or_leave(evd, c.queue, c.wcs, got);
+        result = found == -1 ? NULL : PyLong_FromLong(found);
     }
-    int got = poll_fn((struct ibv_cq *)(uintptr_t)cq, (struct aiodat_wc *)(uintptr_t)wcs, room > 64 ? 64 : (int)room);
-    int found = queue_or_leave(evd, queue, wcs, got);
-    result = found == -1 ? NULL : PyLong_FromLong(found);
-out:
-    Py_DECREF(queue);
+    Py_DECREF(c.queue);
     return result;
 }
 
@@ -539,41 +561,6 @@ static int napi_poll_evd(PyObject *evd)
     return notified;
 }
 
-/* What the wake-up's drain and the poller's arm read of an EVD, in the common case that C takes:
- * open, with a CQ, no backlog, no awaited request, no solicited wait or arm.  1 with the
- * addresses, the room in the queue (at most 64) and a new reference to the queue; 0: Python's
- * path (EVD._drain_cq); -1: an error. */
-struct evd_cq {
-    unsigned long long cq, wcs, channel, status;
-    int room;
-    PyObject *queue;
-};
-
-static int common_cq(PyObject *evd, struct evd_cq *out)
-{
-    /* (a truth that could not be read ends the chain with its exception set: checked below) */
-    int plain = attr_true(evd, s_closed) == 0 && attr_true(evd, s_backlog) == 0 && attr_true(evd, s_awaited) == 0
-                && attr_true(evd, s_solicited) == 0 && attr_true(evd, s_armed_solicited) == 0;
-    unsigned long long qlen;
-    if (plain && (attr_ull(evd, s_cq_address, &out->cq) < 0 || attr_ull(evd, s_wcs_address, &out->wcs) < 0
-                       || attr_ull(evd, s_channel_address, &out->channel) < 0
-                       || attr_ull(evd, s_status_address, &out->status) < 0 || attr_ull(evd, s_qlen, &qlen) < 0))
-        return -1;
-    if (PyErr_Occurred())
-        return -1;
-    if (!plain || !out->cq || !out->wcs || !out->channel || !out->status)
-        return 0;
-    out->queue = PyObject_GetAttr(evd, s_queue);
-    Py_ssize_t queued = out->queue ? PyObject_Length(out->queue) : -1;
-    if (queued < 0) {
-        Py_CLEAR(out->queue);
-        return -1;
-    }
-    long long room = (long long)qlen - queued;
-    out->room = room <= 0 ? 0 : room > 64 ? 64 : (int)room;
-    return 1;
-}
-
 /* Queue what a drain polled (got completions): C's common case, then Python's _poll_rest for
  * the rest (which goes on draining after a full batch).  1 (an event that notifies came), 0, or
  * -1 with an exception set. */
@@ -595,7 +582,7 @@ static int napi_arm(PyObject *evd)
     struct evd_cq c = {0};
     int common = attr_true(evd, s_unarmed);
     if (common == 1)
-        common = common_cq(evd, &c);
+        common = common_cq(evd, &c, 1);
     if (common <= 0) {
         PyErr_Clear();  /* (any doubt: the Python method, which says what went wrong) */
         PyObject *res = PyObject_CallMethodObjArgs(evd, s_napi_arm, NULL);
@@ -873,8 +860,8 @@ static int napi_add(PyObject *evd, PyObject *loop, unsigned long long busy_us)
     return res ? 0 : -1;
 }
 
-/* How many times a callback EVD's wake-up looks at the CQ again after delivering (evd.py's
- * _CALLBACK_ROUNDS, which its Python path uses) */
+/* How many times a callback EVD's wake-up looks at the CQ again after delivering (the module's
+ * CALLBACK_ROUNDS: evd.py's Python path reads it there) */
 #define CALLBACK_ROUNDS 8
 
 /* The rest of a wake-up after its drain: deliver to the callback and look again while the
@@ -919,7 +906,7 @@ static int wakeup_hand_over(PyObject *evd, PyObject *queue, int notified)
 static PyObject *wakeup(PyObject *self, PyObject *evd)
 {
     struct evd_cq c = {0};
-    int common = common_cq(evd, &c);
+    int common = common_cq(evd, &c, 1);
     if (common <= 0) {
         PyErr_Clear();  /* (any doubt: the Python path, which says what went wrong) */
         return PyObject_CallMethodObjArgs(evd, s_woken, NULL);
@@ -940,21 +927,19 @@ static PyObject *wakeup(PyObject *self, PyObject *evd)
     if (unarmed < 0 || closed < 0)
         return NULL;
     if (!closed) {
-        unsigned long long busy_us;
+        /* the loop watching its channel (none, or an attribute that failed: napi_add leaves it
+         * to the Python method, which says what) */
+        unsigned long long busy_us = 0;
         PyObject *watch = PyObject_GetAttr(evd, s_watch);
         PyObject *loop = watch && watch != Py_None ? PyObject_GetAttr(watch, s_loop) : NULL;
-        int rc = loop == NULL || loop == Py_None || attr_ull(evd, s_busy_poll_us, &busy_us) < 0
-                 ? -2 : napi_add(evd, loop, busy_us);
-        Py_XDECREF(watch); Py_XDECREF(loop);
-        if (rc == -1)
-            return NULL;
-        if (rc == -2) {  /* no loop watches it (or an attribute failed): the Python method says what */
+        if (loop == NULL || attr_ull(evd, s_busy_poll_us, &busy_us) < 0) {
             PyErr_Clear();
-            PyObject *res = PyObject_CallMethodObjArgs(evd, s_napi_add, NULL);
-            if (res == NULL)
-                return NULL;
-            Py_DECREF(res);
+            Py_CLEAR(loop);
         }
+        int rc = napi_add(evd, loop ? loop : Py_None, busy_us);
+        Py_XDECREF(watch); Py_XDECREF(loop);
+        if (rc < 0)
+            return NULL;
     }
     Py_RETURN_NONE;
 }
@@ -1391,6 +1376,8 @@ PyMODINIT_FUNC PyInit__completions(void)
     if ((one = PyLong_FromLong(1)) == NULL)
         return NULL;
     PyObject *mod = PyModule_Create(&module);
+    if (mod != NULL && PyModule_AddIntConstant(mod, "CALLBACK_ROUNDS", CALLBACK_ROUNDS) < 0)
+        Py_CLEAR(mod);
     spin_type = mod ? (PyTypeObject *)PyType_FromSpec(&spin_spec) : NULL;
     if (spin_type == NULL) {
         Py_XDECREF(mod);

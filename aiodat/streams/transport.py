@@ -333,7 +333,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             return
         send = core.next_send()
         if send is not None:
-            view, size, send_base, segs, cookies = res.view, self._size, res.send_base, res.send_segs, res.send_cookies
+            view, size, send_base, cookies = res.view, self._size, res.send_base, res.send_cookies
             post_send, signalled, suppress = res.ep.post_send, self._SIGNALLED, self._SUPPRESS
             try:
                 while send is not None:
@@ -352,10 +352,8 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                             res.ep.post_rdma_write(res.lmr[staging:staging + n], self._peer_window[at:at + n],
                                                    WRITE_COOKIE, suppress)
                         wire = _HEADER_SIZE
-                    seg = segs[slot]
-                    if seg.length != wire:
-                        seg = segs[slot] = self._Segment(res.lmr, base, wire)
-                    post_send(seg, cookies[slot], signalled if send.signalled else suppress)
+                    post_send(self._slot_segment(slot, base, wire), cookies[slot],
+                              signalled if send.signalled else suppress)
                     core.sent(send)
                     send = core.next_send()
             except DATError as exc:
@@ -376,15 +374,22 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         view = res.view
         view[base:base + _HEADER_SIZE] = header
         view[base + _HEADER_SIZE:end] = chunk
-        seg = res.send_segs[slot]
-        if seg.length != end - base:
-            seg = res.send_segs[slot] = self._Segment(res.lmr, base, end - base)
         try:
-            res.ep.post_send(seg, res.send_cookies[slot], self._SIGNALLED if signalled else self._SUPPRESS)
+            res.ep.post_send(self._slot_segment(slot, base, end - base), res.send_cookies[slot],
+                             self._SIGNALLED if signalled else self._SUPPRESS)
         except DATError as exc:
             self._post_failed(exc)
             return False
         return True
+
+    def _slot_segment(self, slot: int, base: int, wire: int) -> Any:
+        """The Segment of send slot ``slot`` (at ``base`` in the arena) for ``wire`` bytes: the one
+        it was last posted with when the length is the same (see Resources.send_segs)."""
+        segs = self._res.send_segs
+        seg = segs[slot]
+        if seg.length != wire:
+            seg = segs[slot] = self._Segment(self._res.lmr, base, wire)
+        return seg
 
     def _post_failed(self, exc: DATError) -> None:
         """A post on the stream's EP failed: when the EP left CONNECTED under us (the peer went away)
@@ -489,8 +494,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                     core.data_consumed(slot, n)
                 return
             try:
-                message = self._core.on_received(slot, self._res.view[base:base + HEADER.size],
-                                                 event.transferred_length)
+                message = core.on_received(slot, res.view[base:base + HEADER.size], event.transferred_length)
             except StreamProtocolError as exc:
                 self._finish(exc)
                 return
