@@ -5,11 +5,13 @@
 
 It turns on the kernel's own tracer (tracefs: system calls, scheduler switches and wake-ups,
 softirqs) around ``CMD``, which should be a two-process ping-pong (for instance
-``secho.py``-like echoes over aiodat streams and asyncio TCP, or ``ib_send_lat -R -e``), then
+``bench/echo_pair.py`` over aiodat streams or asyncio TCP, or ``ib_send_lat -R -e``), then
 splits each process's round trips at the system call by which a message leaves: ``write(2)``
-(rxe's doorbell: every ``ibv_post_send`` is one) or ``writev(2)``/``sendto(2)`` (a TCP send).  The tracer
-keeps its records in the kernel's ring buffer, so no recording process competes for the
-guest's two vCPUs while the command runs (``perf record`` does, and it changes the result).
+(rxe's doorbell: every ``ibv_post_send`` is one) or ``writev(2)``/``sendto(2)`` (a TCP send).
+The tracer keeps its records in the kernel's ring buffer, so no recording process competes
+for the guest's two vCPUs while the command runs (``perf record`` does, and it changes the
+result).  Keep a boot's traced runs few and short: under TCG, one guest that traced four
+echoes in a row locked up on the fifth.
 
 For every thread that sent at least ``--min-rts`` messages, over the middle of its run, the
 median of:
