@@ -15,13 +15,8 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Coroutine
 
-import aiodat
-
-
-def streams(transport: str) -> Any:
-    return aiodat if transport == "rdma" else asyncio
+from streams_wakeups import run, streams_api  # (bench/ is this script's directory: first on sys.path)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -32,14 +27,14 @@ async def serve(args: argparse.Namespace) -> None:
         except asyncio.IncompleteReadError:  # the client is done
             writer.close()
 
-    server = await streams(args.transport).start_server(echo, args.host, 0)
+    server = await streams_api(args.transport).start_server(echo, args.host, 0)
     print("port", server.sockets[0].getsockname()[1], flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
     server.close()
 
 
 async def client(args: argparse.Namespace, port: int) -> float:
-    reader, writer = await streams(args.transport).open_connection(args.host, port)
+    reader, writer = await streams_api(args.transport).open_connection(args.host, port)
     payload = b"x" * args.size
     for _ in range(30):
         writer.write(payload)
@@ -51,14 +46,6 @@ async def client(args: argparse.Namespace, port: int) -> float:
     elapsed = time.perf_counter() - start
     writer.close()
     return elapsed / args.messages
-
-
-def run(loop: str, coro: Coroutine[Any, Any, Any]) -> Any:
-    if loop == "uvloop":
-        import uvloop
-
-        return uvloop.run(coro)
-    return asyncio.run(coro)
 
 
 def main() -> int:
@@ -73,13 +60,13 @@ def main() -> int:
     if args.host is None:
         args.host = os.environ["AIODAT_RXE_ADDR"] if args.transport == "rdma" else "127.0.0.1"
     if args.serve:
-        run(args.loop, serve(args))
+        run(serve(args), args.loop)
         return 0
     child = subprocess.Popen([sys.executable, __file__, "--serve", *sys.argv[1:]],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(child.stdout.readline().split()[1])  # type: ignore[union-attr]
-        rt = run(args.loop, client(args, port))
+        rt = run(client(args, port), args.loop)
     finally:
         child.stdin.close()  # type: ignore[union-attr]
         child.wait()

@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 from collections import Counter, defaultdict
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 TRACEFS = "/sys/kernel/tracing"
 EVENTS = ("raw_syscalls/sys_enter", "raw_syscalls/sys_exit", "sched/sched_switch",
@@ -98,8 +98,9 @@ def parse(path: str) -> Tuple[Dict[int, List[Tuple[float, str, str]]], Dict[int,
     return rows, comms
 
 
-def round_trips(rows: List[Tuple[float, str, str]]) -> List[Dict[str, float]]:
-    """Split one thread's records at each leaving system call; one dict of times per round trip."""
+def round_trips(rows: List[Tuple[float, str, str]]) -> List[Dict[str, Any]]:
+    """Split one thread's records at each leaving system call; per round trip, its times (us) and
+    ``sleep``, the name of the system call it slept in."""
     calls: List[Tuple[float, float, str]] = []  # (enter, exit, nr)
     out_at = None
     preempted: List[Tuple[float, float]] = []
@@ -133,7 +134,7 @@ def round_trips(rows: List[Tuple[float, str, str]]) -> List[Dict[str, float]]:
             "preempted": sum(min(e, next_enter) - max(s, post_exit) for s, e in preempted
                              if e > post_exit and s < next_enter),
             "round trip": calls[b][0] - calls[a][0],
-            "sleep_nr": float(sleep[2]),
+            "sleep": NAMES.get(sleep[2], sleep[2]),
         })
     return result
 
@@ -146,7 +147,7 @@ def report(path: str, min_rts: int) -> None:
         if len(rts) < min_rts:
             continue
         middle = rts[len(rts) // 10: len(rts) - len(rts) // 10]  # leave out the start and the end
-        sleeps = Counter(NAMES.get(str(int(r["sleep_nr"])), str(int(r["sleep_nr"]))) for r in middle)
+        sleeps = Counter(r["sleep"] for r in middle)
         parts = ", ".join(f"{k} {statistics.median(r[k] for r in middle):.0f}"
                           for k in ("round trip", "head", "post", "tail", "asleep", "user", "preempted"))
         print(f"{comms.get(tid, '?')}/{tid}: {len(middle)} round trips, medians in us: {parts}; "
