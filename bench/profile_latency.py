@@ -157,11 +157,12 @@ async def loop_costs(n: int) -> Dict[str, float]:
     return out
 
 
-async def count_bytecodes(iters: int) -> Dict[str, int]:
-    """Bytecodes executed per function during ``iters`` round trips of the ping-pong."""
+async def count_bytecodes(iters: int, mode: str = "await") -> Dict[str, int]:
+    """Bytecodes executed per function during ``iters`` round trips of the ping-pong (``mode``:
+    await or callback, as ``aiodat bench latency`` runs them)."""
     import sys
 
-    from aiodat.bench.latency import ping, pong
+    from aiodat.bench.latency import ping, ping_callback, pong, pong_callback
 
     counts: Dict[str, int] = defaultdict(int)
 
@@ -176,12 +177,18 @@ async def count_bytecodes(iters: int) -> Dict[str, int]:
         for total, traced in ((20, False), (iters, True)):  # a warm-up round, then the counted one
             if traced:
                 server.post_recv(s_recv)
-            server_task = asyncio.ensure_future(pong(server, s_evd, s_send, s_recv, total))
+            if mode == "callback":
+                served = pong_callback(server, s_evd, s_send, s_recv, total)
+            else:
+                served = asyncio.ensure_future(pong(server, s_evd, s_send, s_recv, total))
             if traced:
                 sys.settrace(tracer)
             try:
-                await ping(client, c_evd, c_send, c_recv, total)
-                await server_task
+                if mode == "callback":
+                    await ping_callback(client, c_evd, c_send, c_recv, total)
+                else:
+                    await ping(client, c_evd, c_send, c_recv, total)
+                await served
             finally:
                 sys.settrace(None)
     return counts
@@ -192,13 +199,14 @@ def main() -> None:
     ap.add_argument("--loop", default="uvloop", choices=["asyncio", "uvloop"])
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--bytecodes", action="store_true", help="count bytecodes per function instead of timing")
+    ap.add_argument("--mode", default="await", choices=["await", "callback"], help="with --bytecodes: which path")
     args = ap.parse_args()
     if args.bytecodes:
-        counts = run_on_loop(args.loop, lambda: count_bytecodes(args.iters))
+        counts = run_on_loop(args.loop, lambda: count_bytecodes(args.iters, args.mode))
         for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
             if n >= args.iters:
                 print(f"  {n / args.iters:8.1f}  {name}")
-        print(f"  {sum(counts.values()) / args.iters:8.1f}  in all, per round trip ({args.loop})")
+        print(f"  {sum(counts.values()) / args.iters:8.1f}  in all, per round trip ({args.loop}, {args.mode})")
         return
     half = run_on_loop(args.loop, lambda: pingpong(args.iters))
     print(f"loop={args.loop} iters={args.iters}: mean half round trip {half:.1f} us (clocks included)")
