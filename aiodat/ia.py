@@ -77,11 +77,19 @@ def _text(cdata: Any) -> str:
     return ffi.string(cdata).decode(errors="replace")
 
 
-def _gids(context: Any, port: int, table_len: int) -> Dict[int, str]:
-    """The port's valid GIDs by table index, IPv6 notation."""
-    gid = ffi.new("union ibv_gid *")
+def _gids(context: Any, port: int, table_len: int, ports: int) -> Dict[int, str]:
+    """The port's valid GIDs by table index (in index order), IPv6 notation; ``ports`` is the
+    device's port count."""
     buf = ffi.new("char[64]")
     out = {}
+    indexes, gids = ffi.new("int[]", max(table_len, 1)), ffi.new("union ibv_gid[]", max(table_len, 1))
+    count = lib.aiodat_port_gids(context, port, table_len, ports, indexes, gids)
+    if count >= 0:  # the whole table in one call
+        for i in sorted(range(count), key=indexes.__getitem__):
+            lib.aiodat_gid_str(gids + i, buf, 64)
+            out[indexes[i]] = _text(buf)
+        return out
+    gid = gids  # a kernel without the table query: index by index
     for index in range(table_len):
         if lib.ibv_query_gid(context, port, index, gid):
             break
@@ -141,7 +149,7 @@ def list_providers() -> List[Provider]:
                     pattr = ffi.new("struct ibv_port_attr *")
                     if lib.ibv_query_port(context, port, pattr):
                         continue
-                    gids = _gids(context, port, pattr.gid_tbl_len)
+                    gids = _gids(context, port, pattr.gid_tbl_len, attr.phys_port_cnt)
                     providers.append(
                         Provider(
                             name=name if port == 1 else f"{name}:{port}",
@@ -235,7 +243,7 @@ class IA(RootHandle):
                 )
             pattr = self._port_attr()
             self._link_layer: int = pattr.link_layer  # a port's is fixed; readying each connection needs it
-            gids = _gids(self._context, port, pattr.gid_tbl_len)
+            gids = _gids(self._context, port, pattr.gid_tbl_len, self._device_attr.phys_port_cnt)
             #: every IP address of the port's netdevs (IPoIB on InfiniBand), IPv4 first
             self.addresses: Tuple[str, ...] = tuple(port_addresses(device, port, gids))
             #: the IA's address: PSPs listen on it and connections leave from it
@@ -309,7 +317,7 @@ class IA(RootHandle):
             port_num=self.port,
             device_attr=_struct_dict(self._device_attr, "struct ibv_device_attr"),
             port_attr=_struct_dict(pattr, "struct ibv_port_attr"),
-            gids=list(_gids(self._context, self.port, pattr.gid_tbl_len).values()),
+            gids=list(_gids(self._context, self.port, pattr.gid_tbl_len, self._device_attr.phys_port_cnt).values()),
             ia_address=self.address,
             provider_consts=_provider_consts(__version__),
         )

@@ -248,6 +248,26 @@ def test_query_equals_ibv_devinfo(ia: Any) -> None:
 
 
 @pytest.mark.rxe
+def test_gids_are_the_ports_gid_table(ia: Any) -> None:
+    """The GIDs an IA reports (its query, and list_providers) are exactly the port's valid GID
+    table entries as the kernel shows them in sysfs, in index order: none lost, none doubled, none
+    of another port (aiodat reads the whole table in one ibv_query_gid_table call)."""
+    import aiodat
+
+    table = Path(f"/sys/class/infiniband/{ia.device_name}/ports/{ia.port}/gids")
+    expected = []
+    for entry in sorted(table.iterdir(), key=lambda e: int(e.name)):
+        gid = ipaddress.IPv6Address(entry.read_text().strip())
+        if int(gid):
+            expected.append(gid)
+    assert expected, f"no valid GID in {table}"
+    got = [ipaddress.IPv6Address(g) for g in ia.query().ia_attr.transport_attr.gids]
+    assert got == expected
+    listed = [p for p in aiodat.list_providers() if p.device == ia.device_name and p.port == ia.port]
+    assert [ipaddress.IPv6Address(g) for g in listed[0].gids] == expected
+
+
+@pytest.mark.rxe
 def test_unclosed_ia_warns_and_frees_fds(rdma_device: Any) -> None:
     import gc
 

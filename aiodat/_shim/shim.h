@@ -277,4 +277,6 @@ int aiodat_sockaddr(const char *host, uint16_t port, struct sockaddr_storage *ou
 int aiodat_sockaddr_str(const struct sockaddr *addr, char *host, int host_len, uint16_t *port);
 int aiodat_if_addresses(const char *ifname, char *out, int out_len);
 int aiodat_gid_str(const union ibv_gid *gid, char *out, int out_len);
+int aiodat_port_gids(struct ibv_context *context, int port_num, int table_len, int ports, int *indexes,
+                     union ibv_gid *gids);
 size_t aiodat_sockaddr_storage_size(void);
