@@ -779,7 +779,7 @@ class EVD(Handle):
             self._refuse_if_callback("wait")
         if type(threshold) is not int or not 1 <= threshold <= self._qlen:
             raise InvalidParameter(f"threshold must be between 1 and qlen ({self._qlen}), got {threshold!r}")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+        if timeout is not None and not _is_timeout(timeout):
             raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         if self._waited():
             raise InvalidState("another task is already waiting on this EVD")
@@ -803,9 +803,9 @@ class EVD(Handle):
                 return self._take(max_events)
             fut: "asyncio.Future[None]" = loop.create_future()
             self._waiter, self._spinner, self._threshold = fut, None, threshold
-            if timeout is not None:
-                self._set_deadline(loop, timeout)
             try:
+                if timeout is not None:  # (inside the try: if it fails, the EVD is free again)
+                    self._set_deadline(loop, timeout)
                 if not self._solicited and (self._unarmed or self.busy_poll_us):
                     # the loop's poller looks at the CQ at the next turns, and arms it if nothing comes
                     # (a busy-polling EVD: after busy_poll_us without a completion)
@@ -978,8 +978,10 @@ class EVD(Handle):
         self._overflow_reported = False
         try:
             fn(events)
-        except Exception as exc:
-            self._callback_raised(fn, exc)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # as asyncio's own callbacks: a CancelledError too (else the CQ
+            self._callback_raised(fn, exc)  # would stay unarmed with nobody polling it)
 
     def _callback_raised(self, fn: Callable[[List[Event]], Any], exc: BaseException) -> None:
         """The callback ``fn`` raised ``exc`` (here or in the C poller's delivery, _completions.turn)."""
@@ -1153,6 +1155,19 @@ def _task_getter() -> Optional[Callable[[asyncio.AbstractEventLoop], Optional["a
 
 _completions.configure_waits(_task_getter())
 _NULL = ffi.NULL
+
+
+def _is_timeout(value: Any) -> bool:
+    """A wait's timeout: seconds >= 0 (inf included) as the loop's timer takes them.  NaN and an
+    int too large for a float are not: they would fail in the timer (uvloop), or schedule a NaN
+    deadline (asyncio), after the wait took the EVD."""
+    try:
+        return isinstance(value, (int, float)) and 0 <= float(value) <= _INF  # (NaN compares False)
+    except OverflowError:
+        return False
+
+
+_INF = float("inf")
 _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic
 #: how many times a callback EVD's wake-up looks at the CQ again after delivering (one number for

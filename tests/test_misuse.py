@@ -71,6 +71,14 @@ def world(rdma_device: Any) -> Iterator[World]:
     # happen before counting, so the count measures aiodat's fds, whatever ran before.
     with aiodat.open_ia(rdma_device.name) as warm:
         warm.create_psp_any(warm.create_evd(1, aiodat.EvdFlags.CR))
+    # likewise libuv's process-wide signal pipe, opened by uvloop's first loop (this file's async
+    # tests make it when it runs alone under --aiodat-loop uvloop)
+    try:
+        import uvloop
+    except ImportError:
+        pass
+    else:
+        uvloop.new_event_loop().close()
     gc.collect()
     _FDS_AT_START.append(fd_count())
     w = World(rdma_device.name)
@@ -308,6 +316,148 @@ async def test_connection_misuse(rdma_device: Any) -> None:
         ia.close()
 
 
+# ---------------------------------------------------------------- misuse around the C fast paths
+
+
+async def test_the_post_fast_paths_refuse_a_freed_ep_or_lmr(rdma_device: Any) -> None:
+    """A one-segment post_send/post_recv (the C hot path of _shim/posts.c) on a freed EP, or of a
+    Segment whose LMR was freed, raises InvalidHandle naming the object, and posts nothing."""
+    from aiodat.testing.plugin import make_ep_pair
+
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        pair = await make_ep_pair(ia)
+        seg, server_seg = pair.client_lmr[0:8], pair.server_lmr[0:8]
+        pair.server_lmr.free()
+        for call in (pair.server.post_send, pair.server.post_recv):
+            for segments in (server_seg, [server_seg]):
+                with pytest.raises(aiodat.InvalidHandle, match="lmr"):
+                    call(segments)
+        assert not pair.server._send_q and not pair.server._recv_q
+        pair.client.free()
+        for call in (pair.client.post_send, pair.client.post_recv):
+            for segments in (seg, [seg]):
+                with pytest.raises(aiodat.InvalidHandle, match="ep"):
+                    call(segments)
+        assert pair.client_lmr._inflight == 0
+    finally:
+        ia.close()
+
+
+async def test_a_bad_wait_timeout_is_refused_and_leaves_the_evd_free(rdma_device: Any) -> None:
+    """NaN, or an int no float holds, is an InvalidParameter, not a wait that keeps the EVD for
+    ever (the deadline failed after the wait had taken the EVD: every later wait was refused with
+    InvalidState) or, on uvloop, a ValueError from its timer.  inf still waits for ever."""
+    from aiodat.testing.plugin import make_ep_pair
+
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        pair = await make_ep_pair(ia)
+        evd = pair.server.recv_evd
+        for bad in (float("nan"), 10**400, -10**400):
+            with pytest.raises(aiodat.InvalidParameter, match="timeout"):
+                await evd.wait(timeout=bad)
+            assert not evd.query().waiting
+        forever = asyncio.ensure_future(evd.wait(timeout=float("inf")))
+        await asyncio.sleep(0.05)
+        assert not forever.done() and evd.query().waiting
+        forever.cancel()
+        await asyncio.gather(forever, return_exceptions=True)
+        pair.server.post_recv(pair.server_lmr[0:8], "r")
+        pair.client.post_send(pair.client_lmr[0:8], "s")
+        (ev,) = await evd.wait(timeout=30)
+        assert ev.ok and ev.cookie == "r"
+    finally:
+        ia.close()
+
+
+async def test_a_callback_raising_cancelled_error_does_not_deafen_its_evd(rdma_device: Any) -> None:
+    """A callback that raises CancelledError (a BaseException: say it called result() on a
+    cancelled Future) is reported to the loop's exception handler with its EVD, as any exception
+    of a callback, and delivery goes on.  It used to escape the channel's wake-up (or the poller's
+    turn), leaving the CQ unarmed with nobody polling it: no completion was delivered again."""
+    from aiodat.testing.plugin import make_ep_pair
+
+    loop = asyncio.get_running_loop()
+    errors: List[dict] = []
+    old_handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        pair = await make_ep_pair(ia)
+        got: List[Any] = []
+
+        def on_events(events: List[Any]) -> None:
+            got.extend(events)
+            raise asyncio.CancelledError("from the callback")
+
+        pair.server.recv_evd.set_callback(on_events)
+        for i in range(3):
+            pair.server.post_recv(pair.server_lmr[8 * i:8 * i + 8], i)
+        for i in range(3):
+            pair.client.post_send(pair.client_lmr[0:8], i)
+            for _ in range(3000):  # each message is delivered, whichever path delivered the one before
+                if len(got) > i:
+                    break
+                await asyncio.sleep(0.01)
+            assert [ev.cookie for ev in got] == list(range(i + 1)), (i, got, errors)
+            await asyncio.sleep(0.05 * i)  # the second send while the poller may hold the CQ, the third later
+        assert len(errors) == 3 and all(isinstance(c.get("exception"), asyncio.CancelledError)
+                                        and c.get("evd") is pair.server.recv_evd for c in errors), errors
+    finally:
+        ia.close()
+        loop.set_exception_handler(old_handler)
+
+
+@pytest.mark.skipif(not hasattr(asyncio.Task, "cancelling"),
+                    reason="a wait spins only where Task.cancelling exists (Python 3.11+)")
+async def test_a_wait_in_a_task_being_cancelled_still_holds_the_evd(
+        rdma_device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task that waits while it is being cancelled (its clean-up awaits the EVD, or it swallowed
+    the cancel) still waits: the EVD says so and refuses a second waiter, and the wait gets the
+    next event.  On a CQ the poller holds, such a wait used to spin and count as gone (its task is
+    cancelled): a second wait took the EVD, and the first was never woken, its timeout with it."""
+    import aiodat.poller
+    from aiodat.testing.plugin import make_ep_pair
+
+    monkeypatch.setattr(aiodat.poller, "IDLE_TURNS", 1000)  # the CQ stays with the poller throughout
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        pair = await make_ep_pair(ia)
+        evd = pair.server.recv_evd
+        pair.server.post_recv(pair.server_lmr[0:8], "warm")
+        waiter = asyncio.ensure_future(evd.wait(timeout=30))
+        await asyncio.sleep(0)  # it sleeps, its CQ armed: the completion wakes it through the channel,
+        pair.client.post_send(pair.client_lmr[0:8])  # whose wake-up leaves the CQ with the poller
+        (ev,) = await waiter
+        assert ev.cookie == "warm" and evd._unarmed  # the CQ is with the loop's poller: waits would spin
+        cleaning = asyncio.Event()
+
+        async def cancelled_then_cleans_up() -> List[Any]:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cleaning.set()
+                return await evd.wait(timeout=30)  # the clean-up: the last completion
+            raise AssertionError("not cancelled")
+
+        task = asyncio.ensure_future(cancelled_then_cleans_up())
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait_for(cleaning.wait(), 30)
+        await asyncio.sleep(0)
+        assert evd.query().waiting and not task.done()
+        with pytest.raises(aiodat.InvalidState, match="already waiting"):
+            await asyncio.wait_for(evd.wait(timeout=30), 30)
+        pair.server.post_recv(pair.server_lmr[0:8], "last")
+        pair.client.post_send(pair.client_lmr[0:8])
+        (ev,) = await asyncio.wait_for(task, 30)
+        assert ev.ok and ev.cookie == "last"
+        assert not evd.query().waiting
+    finally:
+        ia.close()
+
+
 def test_zz_no_fds_left(world: World) -> None:
     """Runs last: after everything above, closing the module's IAs leaves no fd open."""
     import gc
@@ -315,3 +465,4 @@ def test_zz_no_fds_left(world: World) -> None:
     world.close()
     gc.collect()
     assert _FDS_AT_START and fd_count() <= _FDS_AT_START[0], (fd_count(), _FDS_AT_START)
+

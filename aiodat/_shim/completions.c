@@ -410,12 +410,10 @@ static PyObject *look(PyObject *self, PyObject *evd)
 }
 
 
-/* Call evd.<method>(before, exc) or evd.<method>(exc, after) with the exception being raised, if it
- * is an Exception (else leave it raised: -1); 0 when the method took it. */
-static int hand_exception(PyObject *evd, PyObject *method, PyObject *before, PyObject *after)
+/* Call evd.<method>(before, exc) or evd.<method>(exc, after) with the exception being raised;
+ * 0 when the method took it, -1 with an exception set when it raised. */
+static int hand_raised(PyObject *evd, PyObject *method, PyObject *before, PyObject *after)
 {
-    if (!PyErr_ExceptionMatches(PyExc_Exception))
-        return -1;  /* KeyboardInterrupt and the like go on up, as from the Python path */
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -429,6 +427,14 @@ static int hand_exception(PyObject *evd, PyObject *method, PyObject *before, PyO
         return -1;
     Py_DECREF(res);
     return 0;
+}
+
+/* hand_raised, if the exception being raised is an Exception (else leave it raised: -1). */
+static int hand_exception(PyObject *evd, PyObject *method, PyObject *before, PyObject *after)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;  /* KeyboardInterrupt and the like go on up, as from the Python path */
+    return hand_raised(evd, method, before, after);
 }
 
 /* EVD._take(None): every queued event, as a new list; the queue is empty afterwards. */
@@ -456,7 +462,12 @@ static int deliver(PyObject *evd, PyObject *fn, PyObject *queue)
         Py_DECREF(res);
         return 0;
     }
-    return hand_exception(evd, s_callback_raised, fn, NULL);
+    /* as asyncio's own callbacks, anything but SystemExit and KeyboardInterrupt goes to the loop's
+     * handler (EVD._deliver): a CancelledError from fn going on up would leave the CQ unarmed
+     * with nobody polling it, and the EVD deaf */
+    if (PyErr_ExceptionMatches(PyExc_SystemExit) || PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))
+        return -1;
+    return hand_raised(evd, s_callback_raised, fn, NULL);
 }
 
 /* EVD._wake() with no exception: complete the waiting task's future if the wait is satisfied. */
@@ -1272,10 +1283,20 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
             napi = napi_add(evd, loop, busy_us);
         if (napi == 0 && unarmed && task_of != NULL) {  /* the CQ is with the poller: spin */
             PyObject *task = PyObject_CallFunctionObjArgs(task_of, loop, NULL);
-            if (task == NULL || (task != Py_None && PyObject_SetAttr(evd, s_spinner, task) < 0))
+            /* A task already being cancelled (a clean-up that waits, a cancel it swallowed) does not
+             * spin: a spinning wait counts as gone while its task is cancelled (waiter_gone), so
+             * another wait would take the EVD and this one, never woken, would outlive its timeout.
+             * It sleeps on its Future instead, which the poller completes. */
+            int cancelling = 0;
+            if (task != NULL && task != Py_None) {
+                PyObject *count = PyObject_CallMethodObjArgs(task, s_cancelling, NULL);
+                cancelling = count ? PyObject_IsTrue(count) : -1;
+                Py_XDECREF(count);
+            }
+            if (task == NULL || cancelling < 0)
                 napi = -1;
-            else if (task != Py_None)
-                state = SPIN_FIRST;
+            else if (task != Py_None && !cancelling)
+                napi = PyObject_SetAttr(evd, s_spinner, task) < 0 ? -1 : (state = SPIN_FIRST, 0);
             Py_XDECREF(task);
         }
     }
