@@ -458,6 +458,56 @@ async def test_a_wait_in_a_task_being_cancelled_still_holds_the_evd(
         ia.close()
 
 
+@pytest.mark.parametrize("what", ["ia.close", "ep.free"])
+async def test_a_callback_may_close_its_ia_or_free_its_ep(rdma_device: Any, what: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a callback, first from the channel's wake-up and then from the poller's turn (both
+    C: _completions.wakeup and turn), the callback frees its own EP (and so its EVD) or closes the
+    IA: nothing reaches the loop's exception handler, the callback is not called again, and a post
+    through the fast path then raises InvalidHandle."""
+    import aiodat.poller
+    from aiodat.testing.plugin import make_ep_pair
+
+    monkeypatch.setattr(aiodat.poller, "IDLE_TURNS", 1000)  # the later batches come in the poller's turns
+    loop = asyncio.get_running_loop()
+    errors: List[dict] = []
+    old_handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        pair = await make_ep_pair(ia)
+        evd, got = pair.server.recv_evd, []
+
+        def on_events(events: List[Any]) -> None:
+            got.extend(ev.cookie for ev in events)
+            if len(got) >= 2:
+                ia.close() if what == "ia.close" else pair.server.free()
+
+        evd.set_callback(on_events)
+        for i in range(4):
+            pair.server.post_recv(pair.server_lmr[8 * i:8 * i + 8], i)
+        pair.client.post_send(pair.client_lmr[0:8])
+        for _ in range(3000):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert got == [0] and evd in evd._poller._hot  # the first by the wake-up; the CQ now with the poller
+        if what == "ep.free":
+            pair.client.post_send(pair.client_lmr[0:8])
+            pair.client.post_send(pair.client_lmr[0:8])
+        else:
+            pair.client.post_send_batch([(pair.client_lmr[0:8], None)] * 2)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+        assert got in ([0, 1], [0, 1, 2]) and evd.closed and pair.server.closed, got
+        with pytest.raises(aiodat.InvalidHandle):
+            pair.server.post_recv(pair.server_lmr[0:8])
+        assert not errors, errors
+    finally:
+        ia.close()
+        loop.set_exception_handler(old_handler)
+
+
 def test_zz_no_fds_left(world: World) -> None:
     """Runs last: after everything above, closing the module's IAs leaves no fd open."""
     import gc
