@@ -90,6 +90,17 @@ class Segment:
     offset: int
     length: int
 
+    def __post_init__(self) -> None:
+        # The class is public, so a Segment made by hand is checked as lmr.segment() checks one:
+        # a post must never see a foreign object, a negative offset or bytes past the region.
+        lmr, offset, length = self.lmr, self.offset, self.length
+        if not isinstance(lmr, LMR):
+            raise InvalidParameter(f"Segment.lmr must be an LMR, not {type(lmr).__name__}")
+        if not (_is_int(offset) and _is_int(length)):
+            raise InvalidParameter(f"Segment offset and length must be ints, got {offset!r}, {length!r}")
+        if offset < 0 or length < 0 or offset + length > lmr.length:
+            raise LengthError(f"segment [{offset}, {offset}+{length}) is outside the LMR of {lmr.length} bytes")
+
     @property
     def address(self) -> int:
         """The virtual address of the first byte."""

@@ -344,6 +344,37 @@ async def test_the_post_fast_paths_refuse_a_freed_ep_or_lmr(rdma_device: Any) ->
         ia.close()
 
 
+async def test_a_hand_built_segment_is_checked_like_lmr_segment(rdma_device: Any) -> None:
+    """aiodat.Segment is public: one made by hand with a foreign object for its LMR, a non-int, a
+    negative offset or length, or bytes past the region is refused where it is made (InvalidParameter
+    or LengthError naming what), never a raw OverflowError or AttributeError from a post, nor a
+    posted request the device fails.  One made right posts and moves its bytes."""
+    from aiodat import LengthError, Segment
+    from aiodat.testing.plugin import make_ep_pair
+
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        pair = await make_ep_pair(ia)
+        lmr = pair.client_lmr
+        for args, error, words in (((object(), 0, 1), aiodat.InvalidParameter, "must be an LMR"),
+                                   ((lmr, "0", 8), aiodat.InvalidParameter, "must be ints"),
+                                   ((lmr, 0, True), aiodat.InvalidParameter, "must be ints"),
+                                   ((lmr, -1, 8), LengthError, "outside the LMR"),
+                                   ((lmr, 0, -1), LengthError, "outside the LMR"),
+                                   ((lmr, 0, 2**40), LengthError, "outside the LMR"),
+                                   ((lmr, lmr.length, 1), LengthError, "outside the LMR")):
+            with pytest.raises(error, match=words):
+                Segment(*args)
+        assert not pair.client._send_q and lmr._inflight == 0
+        lmr.memoryview()[0:8] = b"by hand!"
+        pair.server.post_recv(pair.server_lmr[0:8])
+        pair.client.post_send(Segment(lmr, 0, 8))
+        assert (await pair.server.recv_evd.wait_one(timeout=10)).ok
+        assert bytes(pair.server_lmr.memoryview()[0:8]) == b"by hand!"
+    finally:
+        ia.close()
+
+
 async def test_a_bad_wait_timeout_is_refused_and_leaves_the_evd_free(rdma_device: Any) -> None:
     """NaN, or an int no float holds, is an InvalidParameter, not a wait that keeps the EVD for
     ever (the deadline failed after the wait had taken the EVD: every later wait was refused with
