@@ -1004,8 +1004,9 @@ class EVD(Handle):
                     break
         except Exception as exc:
             self._callback_failed(exc, "draining the CQ")
-        if self._unarmed and not self._closed:
-            self._napi_add()
+        finally:  # also under a callback's SystemExit or KeyboardInterrupt: the CQ must be armed or polled
+            if self._unarmed and not self._closed:
+                self._napi_add()
 
     def _callback_failed(self, exc: BaseException, what: str, own: bool = True) -> None:
         """Report a failure of a callback EVD: the EVD's own (``own``) to ``on_error`` if set,

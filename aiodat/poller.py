@@ -90,6 +90,9 @@ class Poller:
         # then _decide when there is anything to decide, then the next turn's call_soon
         try:
             _turn(self, IDLE_TURNS, PASSES)
+        except (SystemExit, KeyboardInterrupt):  # a callback's: on up, as from any loop callback,
+            self._schedule_next()  # with the CQs still polled if the loop runs again
+            raise
         except BaseException as exc:  # a loop callback: never let it escape (the EVD methods do not raise)
             self._loop.call_exception_handler({"message": "aiodat: the CQ poller failed", "exception": exc})
             self._schedule_next()

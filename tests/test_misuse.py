@@ -440,6 +440,65 @@ async def test_a_callback_raising_cancelled_error_does_not_deafen_its_evd(rdma_d
         loop.set_exception_handler(old_handler)
 
 
+def test_a_callback_raising_systemexit_leaves_its_cq_polled(rdma_device: Any, aiodat_loop: str) -> None:
+    """SystemExit (as KeyboardInterrupt) raised by an EVD callback goes on up out of the loop, as
+    from any loop callback, both from the channel's wake-up and from the poller's turn (both C);
+    and the EVD is not left deaf: when the loop runs again, the next completion is delivered.  The
+    wake-up used to leave the CQ unarmed and handed to nobody, and the poller's turn swallowed it."""
+    import sys
+
+    from aiodat.testing.plugin import _loop_factory, make_ep_pair
+
+    loop = _loop_factory(aiodat_loop)()
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        pair = loop.run_until_complete(make_ep_pair(ia))
+        got: List[Any] = []
+        raised_from: List[str] = []
+
+        def on_events(events: List[Any]) -> None:
+            got.extend(events)
+            for ev in events:
+                if ev.cookie in (0, 2):
+                    frame, names = sys._getframe(1), set()
+                    while frame is not None:
+                        names.add(frame.f_code.co_name)
+                        frame = frame.f_back
+                    raised_from.append("poller" if "_turn" in names else "wake-up" if "_on_readable" in names
+                                       else "other")
+                    raise SystemExit("from the callback")
+                if ev.cookie == 1:  # the next message while the poller holds the CQ: its turn delivers it
+                    loop.call_soon(pair.client.post_send, pair.client_lmr[0:8], 2)
+
+        async def until(n: int) -> None:
+            for _ in range(3000):
+                if len(got) >= n:
+                    return
+                await asyncio.sleep(0.01)
+
+        async def start() -> None:
+            pair.server.recv_evd.set_callback(on_events)
+            for i in range(4):
+                pair.server.post_recv(pair.server_lmr[8 * i:8 * i + 8], i)
+            await asyncio.sleep(0.2)  # the CQ idle and armed: the first message wakes the channel
+            pair.client.post_send(pair.client_lmr[0:8], 0)
+            await until(1)
+
+        for step in (start(), until(3)):
+            with pytest.raises(SystemExit, match="from the callback"):
+                loop.run_until_complete(step)
+            step.close()  # (left unfinished by the exit: closed, so nothing warns it was never awaited)
+            if len(got) == 1:
+                pair.client.post_send(pair.client_lmr[0:8], 1)
+        assert raised_from == ["wake-up", "poller"], raised_from
+        pair.client.post_send(pair.client_lmr[0:8], 3)
+        loop.run_until_complete(until(4))
+        assert [ev.cookie for ev in got] == [0, 1, 2, 3], got
+    finally:
+        ia.close()
+        loop.close()
+
+
 @pytest.mark.skipif(not hasattr(asyncio.Task, "cancelling"),
                     reason="a wait spins only where Task.cancelling exists (Python 3.11+)")
 async def test_a_wait_in_a_task_being_cancelled_still_holds_the_evd(

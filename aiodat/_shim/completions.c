@@ -931,13 +931,16 @@ static PyObject *wakeup(PyObject *self, PyObject *evd)
     if (notified >= 0)
         notified = wakeup_hand_over(evd, c.queue, notified);
     Py_DECREF(c.queue);
+    /* a callback's SystemExit or KeyboardInterrupt goes on up, but after the hand-over below */
+    PyObject *et = NULL, *ev = NULL, *etb = NULL;
     if (notified < 0 && hand_exception(evd, s_napi_failed, NULL, s_draining_the_cq) < 0)
-        return NULL;
+        PyErr_Fetch(&et, &ev, &etb);
     /* the poller takes the unarmed CQ (also after a failure: it must be armed or polled) */
+    int failed = 0;
     int unarmed = attr_true(evd, s_unarmed), closed = unarmed == 1 ? attr_true(evd, s_closed) : 1;
     if (unarmed < 0 || closed < 0)
-        return NULL;
-    if (!closed) {
+        failed = 1;
+    else if (!closed) {
         /* the loop watching its channel (none, or an attribute that failed: napi_add leaves it
          * to the Python method, which says what) */
         unsigned long long busy_us = 0;
@@ -949,9 +952,16 @@ static PyObject *wakeup(PyObject *self, PyObject *evd)
         }
         int rc = napi_add(evd, loop ? loop : Py_None, busy_us);
         Py_XDECREF(watch); Py_XDECREF(loop);
-        if (rc < 0)
-            return NULL;
+        failed = rc < 0;
     }
+    if (et != NULL) {
+        if (failed)
+            PyErr_Clear();
+        PyErr_Restore(et, ev, etb);
+        return NULL;
+    }
+    if (failed)
+        return NULL;
     Py_RETURN_NONE;
 }
 
