@@ -749,7 +749,9 @@ int aiodat_port_gids(struct ibv_context *context, int port_num, int table_len, i
 {
     if (table_len <= 0 || ports <= 0)
         return 0;
-    size_t max = (size_t)table_len * (size_t)ports;  /* every port's table full: the call cannot fall short */
+    /* room for every port's table full, if the ports' tables are this size (if one is larger and
+     * fuller, the call fails and the caller asks index by index) */
+    size_t max = (size_t)table_len * (size_t)ports;
     struct ibv_gid_entry *all = calloc(max, sizeof(*all));
     if (!all)
         return -ENOMEM;
