@@ -250,9 +250,7 @@ class LMR(Handle):
             raise InvalidParameter(f"segment offset and length must be ints, got {offset!r}, {length!r}")
         if length is None:
             length = self.length - offset
-        if offset < 0 or length < 0 or offset + length > self.length:
-            raise LengthError(f"segment [{offset}, {offset}+{length}) is outside the LMR of {self.length} bytes")
-        return Segment(self, offset, length)
+        return Segment(self, offset, length)  # (which checks the range)
 
     def memoryview(self) -> memoryview:
         """The registered bytes (a byte-format view of the buffer)."""
