@@ -392,3 +392,52 @@ async def test_a_wait_that_fails_before_it_sleeps_leaves_the_evd_free(ep_pair: A
     pair.client.post_send(pair.client_lmr[0:8], None, CompletionFlags.SUPPRESS)
     (ev,) = await asyncio.wait_for(waiter, 10)
     assert ev.cookie == "r2"
+
+
+
+@pytest.mark.rxe
+@pytest.mark.parametrize("op", ["send", "recv"])
+async def test_a_list_emptied_during_the_post_keeps_its_segment(ep_pair: Any, op: str) -> None:
+    """posts.c holds a list's one segment for the whole post: Python that runs inside the post (here an
+    LMR attribute read, from a subclass) may empty the list, which held the Segment's last reference.
+    The request is posted, recorded with its segment intact, and carries the bytes (a borrowed
+    reference would have been read, and stored in the queue entry, after the Segment was freed)."""
+    pair = ep_pair
+    sender, receiver = pair.client, pair.server
+    ep, lmr = (sender, pair.client_lmr) if op == "send" else (receiver, pair.server_lmr)
+    segments: List[Any] = []
+
+    class EmptiesTheList(type(lmr)):  # type: ignore[misc]
+        @property
+        def address(self) -> int:
+            segments.clear()  # the list held the only reference to the Segment
+            return int(self.__dict__["address"])
+
+        @address.setter
+        def address(self, value: int) -> None:
+            self.__dict__["address"] = value
+
+    pair.client_lmr.memoryview()[:16] = b"kept-its-segment"
+    if op == "send":
+        receiver.post_recv(pair.server_lmr[0:64], "r")
+    segments.append(lmr[0:16])
+    plain = type(lmr)
+    lmr.__class__ = EmptiesTheList
+    try:
+        if op == "send":
+            ep.post_send(segments, "s")
+        else:
+            ep.post_recv(segments, "r")
+    finally:
+        lmr.__class__ = plain
+    assert not segments
+    entry = sender._send_q[-1][3] if op == "send" else receiver._recv_q[-1][2]
+    (seg,) = entry
+    assert (seg.lmr, seg.offset, seg.length) == (lmr, 0, 16)
+    if op == "recv":
+        sender.post_send(pair.client_lmr[0:16], "s")
+    (received,) = await receiver.recv_evd.wait(1)
+    assert received.cookie == "r" and received.transferred_length == 16
+    assert bytes(pair.server_lmr.memoryview()[:16]) == b"kept-its-segment"
+    (sent,) = await sender.request_evd.wait(1)
+    assert sent.cookie == "s"

@@ -50,12 +50,16 @@ static PyObject *configure(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* The segment of a hot-path post: a Segment, or a list holding one (borrowed), else NULL. */
+/* The segment of a hot-path post: a Segment, or a list holding one, else NULL.  A new reference:
+ * the post runs Python (attribute reads, the entry's tuple) that could empty the caller's list. */
 static PyObject *one_segment(PyObject *segments)
 {
     if (PyList_Check(segments) && PyList_Size(segments) == 1)
         segments = PyList_GetItem(segments, 0);
-    return (PyObject *)Py_TYPE(segments) == segment_type ? segments : NULL;
+    if ((PyObject *)Py_TYPE(segments) != segment_type)
+        return NULL;
+    Py_INCREF(segments);
+    return segments;
 }
 
 /* What every hot post checks: the EP is open, the segment's LMR is open and of the EP's PZ.
@@ -153,15 +157,12 @@ static struct ibv_qp *qp_at(PyObject *address)
     return value == (unsigned long long)-1 && PyErr_Occurred() ? NULL : (struct ibv_qp *)(uintptr_t)value;
 }
 
-/* post_recv(ep, qp_address, segments, cookie) -> 0 | errno | -1 */
-static PyObject *post_recv(PyObject *self, PyObject *args)
+/* post_recv's work on its one segment ``seg`` (not NULL: the caller checked) */
+static PyObject *post_recv_one(PyObject *ep, PyObject *address, PyObject *seg, PyObject *cookie)
 {
-    PyObject *ep, *address, *segments, *cookie, *lmr = NULL, *entry = NULL;
-    if (!PyArg_UnpackTuple(args, "post_recv", 4, 4, &ep, &address, &segments, &cookie))
-        return NULL;
-    PyObject *seg = one_segment(segments);
+    PyObject *lmr = NULL, *entry = NULL;
     struct ibv_sge sge;
-    int ok = seg ? attr_is(ep, s_srq, Py_None) : 0;
+    int ok = attr_is(ep, s_srq, Py_None);
     if (ok == 1)
         ok = state_allows(ep, 0);
     if (ok == 1)
@@ -190,14 +191,11 @@ static PyObject *post_recv(PyObject *self, PyObject *args)
     return err == -2 ? NULL : PyLong_FromLong(err);
 }
 
-/* post_send(ep, qp_address, segments, cookie, flags) -> 0 | errno | -1 */
-static PyObject *post_send(PyObject *self, PyObject *args)
+/* post_send's work on its one segment ``seg`` (not NULL: the caller checked) */
+static PyObject *post_send_one(PyObject *ep, PyObject *address, PyObject *seg, PyObject *cookie, PyObject *flags)
 {
-    PyObject *ep, *address, *segments, *cookie, *flags, *lmr = NULL, *entry = NULL, *quiet_id = NULL;
-    if (!PyArg_UnpackTuple(args, "post_send", 5, 5, &ep, &address, &segments, &cookie, &flags))
-        return NULL;
-    PyObject *seg = one_segment(segments);
-    if (seg == NULL || (PyObject *)Py_TYPE(flags) != flags_type)
+    PyObject *lmr = NULL, *entry = NULL, *quiet_id = NULL;
+    if ((PyObject *)Py_TYPE(flags) != flags_type)
         return PyLong_FromLong(-1);
     long bits = PyLong_AsLong(flags);
     if (bits < 0 || bits >= 16) {
@@ -252,6 +250,34 @@ static PyObject *post_send(PyObject *self, PyObject *args)
     Py_XDECREF(quiet_id);
     Py_DECREF(lmr);
     return err == -2 ? NULL : PyLong_FromLong(err);
+}
+
+/* post_recv(ep, qp_address, segments, cookie) -> 0 | errno | -1 */
+static PyObject *post_recv(PyObject *self, PyObject *args)
+{
+    PyObject *ep, *address, *segments, *cookie;
+    if (!PyArg_UnpackTuple(args, "post_recv", 4, 4, &ep, &address, &segments, &cookie))
+        return NULL;
+    PyObject *seg = one_segment(segments);
+    if (seg == NULL)
+        return PyLong_FromLong(-1);
+    PyObject *res = post_recv_one(ep, address, seg, cookie);
+    Py_DECREF(seg);
+    return res;
+}
+
+/* post_send(ep, qp_address, segments, cookie, flags) -> 0 | errno | -1 */
+static PyObject *post_send(PyObject *self, PyObject *args)
+{
+    PyObject *ep, *address, *segments, *cookie, *flags;
+    if (!PyArg_UnpackTuple(args, "post_send", 5, 5, &ep, &address, &segments, &cookie, &flags))
+        return NULL;
+    PyObject *seg = one_segment(segments);
+    if (seg == NULL)
+        return PyLong_FromLong(-1);
+    PyObject *res = post_send_one(ep, address, seg, cookie, flags);
+    Py_DECREF(seg);
+    return res;
 }
 
 static PyMethodDef methods[] = {
