@@ -99,6 +99,23 @@ def _private(data: Union[bytes, bytearray, memoryview, None], limit: int, what: 
     return data
 
 
+def _check_timeout(timeout: Any) -> Optional[float]:
+    """A connection call's timeout: None, or seconds > 0 (inf included) as the loop's timer takes
+    them, as a float.  NaN, an int no float holds and a non-number are refused here, before
+    anything starts: in the timer they would fail (uvloop: ValueError; asyncio: OverflowError) or
+    fire at once (asyncio: NaN) after the request, REP or DREQ had gone."""
+    if timeout is None:
+        return None
+    try:
+        seconds = float(timeout) if isinstance(timeout, (int, float)) else None
+    except OverflowError:
+        seconds = None
+    if seconds is None or not seconds > 0:  # (NaN compares False)
+        shown = repr(timeout) if seconds is not None or not isinstance(timeout, int) else "an int too large"
+        raise InvalidParameter(f"timeout must be None or > 0 seconds, got {shown}")
+    return seconds
+
+
 def _check_port(port: int) -> None:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
         raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
@@ -414,8 +431,7 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     _check_can_connect(ep)
     _check_family(ep._ia, host)
     pdata = _private(private_data, CONNECT_PRIVATE_DATA_MAX, "connect")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise InvalidParameter(f"timeout must be None or > 0 seconds, got {timeout!r}")
+    timeout = _check_timeout(timeout)
     ia = ep._ia
     cm = ia._cm
     dst = cm.sockaddr(host, port)
@@ -606,6 +622,7 @@ async def connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     """``await ep.connect(...)``: see :meth:`aiodat.EP.connect`."""
     _check_can_connect(ep)
     _check_port(port)
+    _check_timeout(timeout)
     host = await resolve_host(host, _family(ep._ia.address or ""))
     fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
     start_connect(ep, host, port, private_data, timeout, fut)
@@ -651,8 +668,7 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
         return
     if conn.state is not EPState.CONNECTED:
         raise InvalidState(f"cannot disconnect an EP in state {conn.state.value}")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise InvalidParameter(f"timeout must be None or > 0 seconds, got {timeout!r}")
+    timeout = _check_timeout(timeout)
     if not graceful:
         ep._to_error()
     try:
@@ -886,6 +902,7 @@ class CR(Handle):
         ``private_data`` (at most 196 bytes on IB/RoCE) goes on the wire exactly
         as given; the peer receives the CM's zero-filled 196-byte block.
         """
+        timeout = _check_timeout(timeout)  # before the REP goes: a bad one leaves the CR answerable
         fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
         self._accept(ep, private_data, fut, timeout)
         try:

@@ -1,0 +1,97 @@
+"""Misuse of the connection layer (cm.py, ep.py) on real rxe: bad timeouts, host and private data
+of the wrong kind, and tear-down while connection calls are pending.  Each misuse is an aiodat
+error raised before anything is sent, leaves the EP and the CR as they were (no cm_id left
+behind, no outcome lost), and the objects still connect afterwards."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, List
+
+import pytest
+
+import aiodat
+from aiodat import EPState, EventType, EvdFlags
+from aiodat.testing.plugin import make_ep_pair
+
+pytestmark = pytest.mark.rxe
+
+T = 30.0  # generous bound for every wait: the QEMU guest runs under TCG
+
+#: timeouts no loop timer takes: NaN, ints no float holds, negative, not a number
+BAD_TIMEOUTS = (float("nan"), 10**400, 10**5000, -10**400, -1, "10", b"1")
+
+
+def _routes(ia: Any) -> int:
+    return len(ia._cm._routes)
+
+
+async def test_a_bad_connect_timeout_is_refused_before_anything_starts(ia: Any, loop_errors: List[dict]) -> None:
+    """connect/connect_nowait with a NaN, huge, negative or non-number timeout raise InvalidParameter
+    naming the timeout; the EP stays UNCONNECTED with no cm_id (NaN used to raise ValueError after
+    the cm_id was made, leaking it; 10**400 an OverflowError from asyncio's timer after the connect
+    had started, its outcome then going to a future nobody awaited)."""
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    routes = _routes(ia)
+    for bad in BAD_TIMEOUTS:
+        with pytest.raises(aiodat.InvalidParameter, match="timeout"):
+            await client.connect(psp.address, psp.port, timeout=bad)
+        with pytest.raises(aiodat.InvalidParameter, match="timeout"):
+            client.connect_nowait(psp.address, psp.port, timeout=bad)
+        assert client.state is EPState.UNCONNECTED and client._cm_id == aiodat._lib.ffi.NULL, bad
+        assert _routes(ia) == routes, bad
+    with pytest.raises(aiodat.TimeoutExpired):
+        await cr_evd.wait_one(timeout=0.5)  # no request reached the PSP
+    # inf is a timeout: no timer at all, as None
+    connecting = asyncio.ensure_future(client.connect(psp.address, psp.port, timeout=float("inf")))
+    request = await cr_evd.wait_one(timeout=T)
+    await request.cr.accept(server, timeout=T)
+    await asyncio.wait_for(connecting, T)
+    assert client.state is EPState.CONNECTED
+    await client.disconnect(timeout=T)
+
+
+async def test_a_bad_accept_timeout_is_refused_and_the_request_stays_answerable(
+        ia: Any, loop_errors: List[dict]) -> None:
+    """cr.accept with a bad timeout raises InvalidParameter before the REP goes: the CR is still
+    open (it used to be consumed: the REP was sent, then the timer raised TypeError/ValueError, or
+    a negative timeout dropped the connection at once), the EP still UNCONNECTED; accepting it
+    properly then works."""
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    connecting = asyncio.ensure_future(client.connect(psp.address, psp.port, timeout=T))
+    cr = (await cr_evd.wait_one(timeout=T)).cr
+    for bad in BAD_TIMEOUTS:
+        with pytest.raises(aiodat.InvalidParameter, match="timeout"):
+            await cr.accept(server, timeout=bad)
+        assert not cr.closed and server.state is EPState.UNCONNECTED, bad
+    await cr.accept(server, timeout=T)
+    await asyncio.wait_for(connecting, T)
+    assert client.state is EPState.CONNECTED and server.state is EPState.CONNECTED
+    await client.disconnect(timeout=T)
+
+
+@pytest.mark.parametrize("graceful", [True, False])
+async def test_a_bad_disconnect_timeout_is_refused_and_the_connection_kept(
+        ia: Any, loop_errors: List[dict], graceful: bool) -> None:
+    """disconnect with NaN or an int no float holds raises InvalidParameter and changes nothing:
+    the EP stays CONNECTED (NaN used to time the DREP wait out at once on asyncio, and raise a
+    ValueError from uvloop's timer after the DREQ went, its DISCONNECTED then lost to a future
+    nobody awaited)."""
+    pair = await make_ep_pair(ia)
+    if graceful:  # something on the send queue: the drain path
+        pair.server.post_recv(pair.server_lmr[0:8], "r")
+        pair.client.post_send(pair.client_lmr[0:8], "s")
+    for bad in BAD_TIMEOUTS:
+        with pytest.raises(aiodat.InvalidParameter, match="timeout"):
+            await pair.client.disconnect(graceful=graceful, timeout=bad)
+        assert pair.client.state is EPState.CONNECTED, bad
+    await pair.client.disconnect(graceful=graceful, timeout=T)
+    assert pair.client.state is EPState.DISCONNECTED
+    ev = await pair.server.connect_evd.wait_one(timeout=T)
+    assert ev.type is EventType.CONNECTION_EVENT_DISCONNECTED
+
