@@ -90,7 +90,10 @@ def _private(data: Union[bytes, bytearray, memoryview, None], limit: int, what: 
         return b""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidParameter(f"{what} private data must be bytes, not {type(data).__name__}")
-    data = bytes(data)
+    try:
+        data = bytes(data)
+    except ValueError as exc:  # a released memoryview
+        raise InvalidParameter(f"{what} private data cannot be read: {exc}") from None
     if len(data) > limit:
         raise InvalidParameter(
             f"{what} private data is {len(data)} bytes; the CM carries at most {limit} "
@@ -129,6 +132,8 @@ def _sockaddr(host: str, port: int) -> Any:
     """
     if not isinstance(host, str):
         raise InvalidParameter(f"host must be an IP address string, not {type(host).__name__}")
+    if "\0" in host:  # C would read only up to it: "10.0.0.1\0junk" must not connect to 10.0.0.1
+        raise InvalidAddress(f"host {host!r} has a NUL character in it")
     _check_port(port)
     addr = ffi.new("struct sockaddr_storage *")
     if lib.aiodat_sockaddr(host.encode(), port, addr):
@@ -156,6 +161,8 @@ async def resolve_host(host: str, family: int = 0) -> str:
     """
     if not isinstance(host, str):
         raise InvalidParameter(f"host must be an IP address or host name string, not {type(host).__name__}")
+    if "\0" in host:  # getaddrinfo would read only up to it
+        raise InvalidAddress(f"host {host!r} has a NUL character in it")
     if _is_numeric(host):
         return host
     try:

@@ -95,3 +95,29 @@ async def test_a_bad_disconnect_timeout_is_refused_and_the_connection_kept(
     ev = await pair.server.connect_evd.wait_one(timeout=T)
     assert ev.type is EventType.CONNECTION_EVENT_DISCONNECTED
 
+
+async def test_a_host_with_a_nul_in_it_is_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """A host with a NUL character is InvalidAddress and nothing starts; it used to be cut at the
+    NUL by getaddrinfo and the C address parser, so "10.0.0.1\\0junk" connected to 10.0.0.1 (an empty
+    or over-long name was already refused)."""
+    pz = ia.create_pz()
+    client = ia.create_ep(pz)
+    routes = _routes(ia)
+    for bad in ("10.0.0.1\x00", "10.0.0.1\x00junk", "localhost\x00x", "", "x" * 300):
+        with pytest.raises(aiodat.InvalidAddress if "\x00" in bad or len(bad) > 100 else aiodat.DATError):
+            await client.connect(bad, 4791, timeout=T)
+        with pytest.raises(aiodat.InvalidAddress if "\x00" in bad else aiodat.DATError):
+            client.connect_nowait(bad, 4791, timeout=T)
+        assert client.state is EPState.UNCONNECTED and _routes(ia) == routes, bad
+
+
+async def test_private_data_that_cannot_be_read_is_an_aiodat_error(ia: Any, loop_errors: List[dict]) -> None:
+    """A released memoryview as private data is InvalidParameter, not Python's ValueError."""
+    pz = ia.create_pz()
+    client = ia.create_ep(pz)
+    mv = memoryview(b"abc")
+    mv.release()
+    with pytest.raises(aiodat.InvalidParameter, match="private data"):
+        client.connect_nowait(ia.address, 4791, mv, timeout=T)
+    assert client.state is EPState.UNCONNECTED
+
