@@ -442,6 +442,7 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     ia = ep._ia
     cm = ia._cm
     dst = cm.sockaddr(host, port)
+    ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)
     cm_id = cm.create_id(ep._conn, lib.RDMA_PS_TCP)
     resolve_ms = int(min(timeout, _RESOLVE_MS / 1000) * 1000) if timeout else _RESOLVE_MS
     if lib.rdma_resolve_addr(cm_id, cm.source(), dst, resolve_ms):
@@ -452,7 +453,6 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     ep._conn.pending_private = pdata
     ep._conn.waiter = waiter
     ep._conn.state = EPState.ACTIVE_CONNECTION_PENDING
-    ia._attach_loop()
     _start_timer(ep, timeout, EventType.CONNECTION_EVENT_TIMED_OUT, f"connect to {host}:{port}")
 
 
@@ -676,14 +676,21 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
     if conn.state is not EPState.CONNECTED:
         raise InvalidState(f"cannot disconnect an EP in state {conn.state.value}")
     timeout = _check_timeout(timeout)
-    if not graceful:
-        ep._to_error()
     try:
         loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
     except RuntimeError:
         loop = None  # nothing would drain the CQ: the DREQ goes at once
-    if graceful and ep._send_q and loop is not None:
-        _start_drain(ep, loop, timeout or GRACEFUL_DRAIN_TIMEOUT, timeout, waiter)
+    drain = graceful and bool(ep._send_q) and loop is not None
+    # The loop must watch the channel (and, to drain, the request EVD): InvalidState if another
+    # loop owns them, raised here, before the QP goes to ERR or the DREQ goes.
+    if drain:
+        ep.request_evd._attach(loop)  # type: ignore[arg-type]
+    else:
+        ep._ia._attach_loop()
+    if not graceful:
+        ep._to_error()
+    if drain:
+        _start_drain(ep, loop, timeout or GRACEFUL_DRAIN_TIMEOUT, timeout, waiter)  # type: ignore[arg-type]
         return
     conn.waiter = waiter
     conn.state = EPState.DISCONNECT_PENDING
@@ -691,7 +698,6 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
     if err:
         conn.state = EPState.DISCONNECTED
         raise error_from_errno(err, "rdma_disconnect")
-    ep._ia._attach_loop()
     _start_timer(ep, timeout, EventType.CONNECTION_EVENT_DISCONNECTED, "waiting for the DREP")
 
 
@@ -727,8 +733,8 @@ def _start_drain(ep: "EP", loop: asyncio.AbstractEventLoop, drain_timeout: float
     conn.waiter = waiter
     conn.state = EPState.DISCONNECT_PENDING  # no new posts from here on
     conn.drain_timer = loop.call_later(drain_timeout, finish)
-    ep.request_evd._attach(loop)  # the loop must drain the CQ for the marker's completion to be seen
-    ep._ia._attach_loop()
+    # (start_disconnect attached the request EVD and the IA to the loop: it must drain the CQ
+    # for the marker's completion to be seen)
 
 
 def _send_dreq(ep: "EP", timeout: Optional[float]) -> None:
@@ -928,6 +934,7 @@ class CR(Handle):
         if ep._ia is not self._ia:
             raise InvalidParameter("the EP belongs to another IA")
         pdata = _private(private_data, ACCEPT_PRIVATE_DATA_MAX, "accept")
+        self._ia._attach_loop()  # the outcome comes through the channel (InvalidState if another loop owns it)
         responder = min(ep.attrs.max_rdma_read_in, self._initiator)
         initiator = min(ep.attrs.max_rdma_read_out, self._responder)
         # The QP must be ready (RTS) before the REP goes: the peer may send once it has it.

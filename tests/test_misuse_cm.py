@@ -121,3 +121,60 @@ async def test_private_data_that_cannot_be_read_is_an_aiodat_error(ia: Any, loop
         client.connect_nowait(ia.address, 4791, mv, timeout=T)
     assert client.state is EPState.UNCONNECTED
 
+
+async def test_a_connection_call_from_another_loop_is_refused_before_anything_is_sent(
+        ia: Any, loop_errors: List[dict]) -> None:
+    """connect, connect_nowait, accept, disconnect and disconnect_nowait from a loop in another
+    thread raise InvalidState (the IA belongs to this loop) before anything goes on the wire: the
+    EP stays UNCONNECTED with no cm_id and no request reaches the PSP, a connected EP stays
+    CONNECTED, the CR stays answerable.  connect and disconnect used to send the request or DREQ
+    first and raise after, leaving the EP pending with its outcome owed to a future of the other
+    loop (set from this loop's thread); accept sent the REP and waited there, its ESTABLISHED then
+    set from this thread on the other loop's future."""
+    import threading
+
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)  # this loop watches the IA's rdma_cm channel from here on
+    pair = await make_ep_pair(ia)
+    client, server, caller = ia.create_ep(pz), ia.create_ep(pz), ia.create_ep(pz)
+    connecting = asyncio.ensure_future(caller.connect(ia.address, psp.port, timeout=T))
+    cr = (await cr_evd.wait_one(timeout=T)).cr
+    routes = _routes(ia)
+    outcomes: List[Any] = []
+
+    async def misuse() -> None:
+        for name, call in (("connect", lambda: client.connect(ia.address, psp.port, timeout=T)),
+                           ("connect_nowait", lambda: client.connect_nowait(ia.address, psp.port, timeout=T)),
+                           ("accept", lambda: cr.accept(server, timeout=T)),
+                           ("accept_nowait", lambda: cr.accept_nowait(server)),
+                           ("disconnect", lambda: pair.client.disconnect(graceful=False, timeout=T)),
+                           ("disconnect", lambda: pair.client.disconnect(timeout=T)),
+                           ("disconnect_nowait", lambda: pair.client.disconnect_nowait())):
+            try:
+                result = call()
+                if asyncio.iscoroutine(result):
+                    await asyncio.wait_for(result, 5)
+                outcomes.append((name, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                outcomes.append((name, exc))
+
+    thread = threading.Thread(target=lambda: asyncio.run(misuse()))
+    thread.start()
+    await asyncio.get_running_loop().run_in_executor(None, thread.join, 4 * T)
+    await asyncio.sleep(0.5)
+    seen = ([(name, repr(exc)[:60]) for name, exc in outcomes], client.state, cr.closed, server.state,
+            pair.client.state, _routes(ia) - routes)
+    assert len(outcomes) == 7 and all(isinstance(exc, aiodat.InvalidState) for _, exc in outcomes), seen
+    assert client.state is EPState.UNCONNECTED and _routes(ia) == routes, seen
+    assert not cr.closed and server.state is EPState.UNCONNECTED, seen
+    assert pair.client.state is EPState.CONNECTED and pair.server.state is EPState.CONNECTED, seen
+    with pytest.raises(aiodat.TimeoutExpired):
+        await cr_evd.wait_one(timeout=0.5)  # no request from the refused connects
+    # all still work from this loop
+    await cr.accept(server, timeout=T)
+    await asyncio.wait_for(connecting, T)
+    await pair.client.disconnect(timeout=T)
+    await caller.disconnect(timeout=T)
+    pair.close()
+
