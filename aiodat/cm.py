@@ -819,6 +819,12 @@ class Listener(Handle):
     def _listen(self, ia: "IA", addr: Any, port: int, port_space: int, backlog: int, what: str) -> None:
         """Bind and listen on ``port`` (0: one the provider picks); sets ``port`` and ``address``."""
         self._ia = ia
+        self._cm_id = ffi.NULL
+        try:  # (InvalidState if another loop owns the IA: before the port is taken)
+            ia._attach_loop()
+        except BaseException:
+            self.close()
+            raise
         self._cm_id = ia._cm.create_id(self, port_space)
         if lib.rdma_bind_addr(self._cm_id, ffi.cast("struct sockaddr *", addr)):
             err = ffi.errno
@@ -835,7 +841,6 @@ class Listener(Handle):
         self.port: int = bound[1] if bound else port
         #: the address listened on
         self.address: Optional[str] = ia.address
-        ia._attach_loop()
 
     def free(self) -> None:
         """Stop listening (dat_psp_free); requests not yet answered are rejected."""
@@ -864,8 +869,8 @@ class PSP(Listener):
             raise InvalidParameter("cr_evd belongs to another IA")
         if not cr_evd.streams & EvdFlags.CR:
             raise InvalidParameter("cr_evd does not accept the CR (connection request) stream")
-        if not isinstance(backlog, int) or backlog < 1:
-            raise InvalidParameter(f"backlog must be an int >= 1, got {backlog!r}")
+        if not isinstance(backlog, int) or not 1 <= backlog <= 0x7FFFFFFF:  # (rdma_listen takes a C int)
+            raise InvalidParameter(f"backlog must be an int between 1 and {0x7FFFFFFF}, got {backlog!r}")
         addr = listen_address(ia, port)
         super().__init__(ia)
         self.cr_evd = cr_evd

@@ -130,7 +130,8 @@ async def test_a_connection_call_from_another_loop_is_refused_before_anything_is
     CONNECTED, the CR stays answerable.  connect and disconnect used to send the request or DREQ
     first and raise after, leaving the EP pending with its outcome owed to a future of the other
     loop (set from this loop's thread); accept sent the REP and waited there, its ESTABLISHED then
-    set from this thread on the other loop's future."""
+    set from this thread on the other loop's future.  create_psp raised after it listened, leaving a
+    PSP nobody holds listening on the port (ConnQualInUse for the next create_psp there)."""
     import threading
 
     pz = ia.create_pz()
@@ -140,7 +141,11 @@ async def test_a_connection_call_from_another_loop_is_refused_before_anything_is
     client, server, caller = ia.create_ep(pz), ia.create_ep(pz), ia.create_ep(pz)
     connecting = asyncio.ensure_future(caller.connect(ia.address, psp.port, timeout=T))
     cr = (await cr_evd.wait_one(timeout=T)).cr
+    probe = ia.create_psp_any(cr_evd)
+    free_port = probe.port
+    probe.free()
     routes = _routes(ia)
+    children = len(ia._children)
     outcomes: List[Any] = []
 
     async def misuse() -> None:
@@ -150,7 +155,8 @@ async def test_a_connection_call_from_another_loop_is_refused_before_anything_is
                            ("accept_nowait", lambda: cr.accept_nowait(server)),
                            ("disconnect", lambda: pair.client.disconnect(graceful=False, timeout=T)),
                            ("disconnect", lambda: pair.client.disconnect(timeout=T)),
-                           ("disconnect_nowait", lambda: pair.client.disconnect_nowait())):
+                           ("disconnect_nowait", lambda: pair.client.disconnect_nowait()),
+                           ("create_psp", lambda: ia.create_psp(free_port, cr_evd))):
             try:
                 result = call()
                 if asyncio.iscoroutine(result):
@@ -165,10 +171,12 @@ async def test_a_connection_call_from_another_loop_is_refused_before_anything_is
     await asyncio.sleep(0.5)
     seen = ([(name, repr(exc)[:60]) for name, exc in outcomes], client.state, cr.closed, server.state,
             pair.client.state, _routes(ia) - routes)
-    assert len(outcomes) == 7 and all(isinstance(exc, aiodat.InvalidState) for _, exc in outcomes), seen
+    assert len(outcomes) == 8 and all(isinstance(exc, aiodat.InvalidState) for _, exc in outcomes), seen
     assert client.state is EPState.UNCONNECTED and _routes(ia) == routes, seen
     assert not cr.closed and server.state is EPState.UNCONNECTED, seen
     assert pair.client.state is EPState.CONNECTED and pair.server.state is EPState.CONNECTED, seen
+    assert len(ia._children) == children, seen  # no half-made PSP listening on free_port
+    ia.create_psp(free_port, cr_evd).free()
     with pytest.raises(aiodat.TimeoutExpired):
         await cr_evd.wait_one(timeout=0.5)  # no request from the refused connects
     # all still work from this loop
@@ -178,3 +186,23 @@ async def test_a_connection_call_from_another_loop_is_refused_before_anything_is
     await caller.disconnect(timeout=T)
     pair.close()
 
+
+
+async def test_a_backlog_no_c_int_holds_is_refused_and_the_port_left_free(ia: Any, loop_errors: List[dict]) -> None:
+    """create_psp with a backlog above INT_MAX raises InvalidParameter naming the backlog, before
+    the port is bound.  It used to raise cffi's OverflowError from rdma_listen after the bind,
+    leaving a PSP nobody holds bound to the port: the next create_psp there got ConnQualInUse."""
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    probe = ia.create_psp_any(cr_evd)
+    port = probe.port
+    probe.free()
+    routes, children = _routes(ia), len(ia._children)
+    for bad in (2**31, 2**64, 10**400):
+        with pytest.raises(aiodat.InvalidParameter, match="backlog"):
+            ia.create_psp(port, cr_evd, backlog=bad)
+        with pytest.raises(aiodat.InvalidParameter, match="backlog"):
+            ia.create_psp_any(cr_evd, backlog=bad)
+        assert _routes(ia) == routes and len(ia._children) == children, bad
+    psp = ia.create_psp(port, cr_evd, backlog=2**31 - 1)
+    assert psp.port == port
+    psp.free()
