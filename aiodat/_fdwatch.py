@@ -66,12 +66,7 @@ class FdWatch:
         except RuntimeError:
             return None
         if loop is not self._loop:
-            owner = self._owner
-            if owner is not None and owner is not loop and not owner.is_closed():
-                raise InvalidState(
-                    f"this aiodat object belongs to the event loop it first waited on ({owner!r}); its "
-                    f"{self._what} fd cannot be watched by another loop or thread ({loop!r}): "
-                    "open a separate IA for each loop")
+            self._check_owner(loop)
             self.detach()
             loop.add_reader(self.fd, self._ready)
             self._loop = self._owner = loop
@@ -81,6 +76,24 @@ class FdWatch:
                 loop.call_later(SWEEP_SECONDS, _sweep, loop)
             watches.add(self)
         return loop
+
+    def check_loop(self) -> None:
+        """Raise InvalidState if the running loop may not watch the fd (another open loop owns
+        it), without registering it: for a call that must fail before it starts anything."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if loop is not self._loop:
+            self._check_owner(loop)
+
+    def _check_owner(self, loop: asyncio.AbstractEventLoop) -> None:
+        owner = self._owner
+        if owner is not None and owner is not loop and not owner.is_closed():
+            raise InvalidState(
+                f"this aiodat object belongs to the event loop it first waited on ({owner!r}); its "
+                f"{self._what} fd cannot be watched by another loop or thread ({loop!r}): "
+                "open a separate IA for each loop")
 
     def detach(self) -> None:
         """Stop watching; safe to call many times and after the loop closed."""

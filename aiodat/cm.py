@@ -939,7 +939,7 @@ class CR(Handle):
         if ep._ia is not self._ia:
             raise InvalidParameter("the EP belongs to another IA")
         pdata = _private(private_data, ACCEPT_PRIVATE_DATA_MAX, "accept")
-        self._ia._attach_loop()  # the outcome comes through the channel (InvalidState if another loop owns it)
+        self._ia._cm.watch.check_loop()  # the outcome comes through the channel: InvalidState if another loop owns it
         responder = min(ep.attrs.max_rdma_read_in, self._initiator)
         initiator = min(ep.attrs.max_rdma_read_out, self._responder)
         # The QP must be ready (RTS) before the REP goes: the peer may send once it has it.
