@@ -219,6 +219,9 @@ class Server:
         try:
             res = Resources(ia, self._cfg)
             await cr.accept(res.ep, res.params(), timeout=self._accept_timeout)
+            # a factory that raises: the error goes to the loop's handler (_accepted) and the
+            # connection is dropped here, as asyncio drops its socket, not left open and unread
+            transport = RdmaTransport(self._loop, res, iaref, peer, self._factory(), on_lost=self._detach)
         except BaseException:
             if res is not None:
                 res.close()
@@ -229,7 +232,6 @@ class Server:
                     pass
             iaref.release()
             raise
-        transport = RdmaTransport(self._loop, res, iaref, peer, self._factory(), on_lost=self._detach)
         self._transports[transport] = None
         transport._start()
 

@@ -166,7 +166,15 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self.stats = self._core.stats
 
     def _start(self) -> None:
-        self._protocol.connection_made(self)
+        try:
+            self._protocol.connection_made(self)
+        except Exception as exc:
+            # as a data_received error (and uvloop's TCP transport): reported, and the connection
+            # dropped; left as it was, no completion would ever reach it (the EVD's callback is set
+            # below), so neither side's reads, nor a server's wait_closed(), would ever end
+            self._loop.call_exception_handler({"message": "protocol.connection_made() failed",
+                                               "exception": exc, "transport": self, "protocol": self._protocol})
+            self.abort()
         if not self._lost:
             # completions come to _on_events from inside the loop's reader callback, as a socket's
             # bytes come to data_received: no task, no Future per wake-up.  Held weakly, so a stream
@@ -627,13 +635,13 @@ async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol]
         res = Resources(iaref.ia, cfg)
         reply = await res.ep.connect(host, int(port), res.params(), timeout=connect_timeout)
         peer = parse_params(reply)
+        protocol = protocol_factory()  # (a factory that raises must not leave the connection behind)
+        transport = RdmaTransport(loop, res, iaref, peer, protocol)
     except BaseException:
         if res is not None:
             res.close()
         iaref.release()
         raise
-    protocol = protocol_factory()
-    transport = RdmaTransport(loop, res, iaref, peer, protocol)
     transport._start()
     return transport, protocol
 
