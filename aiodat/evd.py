@@ -1094,6 +1094,14 @@ class EVD(Handle):
             from aiodat.errors import InvalidHandle
 
             fut.set_exception(InvalidHandle("the EVD was freed while a task waited on it"))
+        on_error, loop, self._on_error = self._on_error, self._callback_loop, None
+        if on_error is not None and loop is not None and not loop.is_closed():
+            # freed under its callback (its IA or EP closed): nothing more will come, and the
+            # callback's owner (a stream transport) would wait for ever; tell it as a failure of
+            # the EVD, from the loop (not from inside the close that freed it)
+            from aiodat.errors import InvalidHandle
+
+            loop.call_soon(on_error, InvalidHandle("the EVD was freed while its callback was set"))
         self._attached_loop = None
         self._cancel_timer()
         if self._poller is not None:

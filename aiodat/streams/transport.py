@@ -189,9 +189,14 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             def on_error(exc: BaseException) -> None:
                 transport = ref()
                 if transport is not None and not transport._lost:
-                    # the EVD under the connection failed (its CQ could not be polled or armed):
-                    # nothing more would arrive, so the connection ends now, with the cause
-                    transport._finish(ConnectionBroken(f"the RDMA stream's completion queue failed: {exc!r}"))
+                    # the EVD under the connection failed (its CQ could not be polled or armed), or
+                    # was freed (the IA closed under the stream): nothing more would arrive, so the
+                    # connection ends now, with the cause
+                    if transport._res.evd.closed:
+                        transport._finish(ConnectionBroken(f"the RDMA stream's EVD was freed under it (was its IA "
+                                                           f"closed while the stream was open?): {exc!r}"))
+                    else:
+                        transport._finish(ConnectionBroken(f"the RDMA stream's completion queue failed: {exc!r}"))
 
             self._res.evd.set_callback(on_events, on_error=on_error)
 
@@ -364,7 +369,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                               signalled if send.signalled else suppress)
                     core.sent(send)
                     send = core.next_send()
-            except DATError as exc:
+            except (DATError, ValueError) as exc:  # ValueError: the arena's view, released with its LMR
                 self._post_failed(exc)
                 return
         if self._protocol_paused:
@@ -380,12 +385,12 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         base = res.send_base + slot * self._size
         end = base + _HEADER_SIZE + n
         view = res.view
-        view[base:base + _HEADER_SIZE] = header
-        view[base + _HEADER_SIZE:end] = chunk
         try:
+            view[base:base + _HEADER_SIZE] = header
+            view[base + _HEADER_SIZE:end] = chunk
             res.ep.post_send(self._slot_segment(slot, base, end - base), res.send_cookies[slot],
                              self._SIGNALLED if signalled else self._SUPPRESS)
-        except DATError as exc:
+        except (DATError, ValueError) as exc:  # ValueError: the arena's view, released with its LMR
             self._post_failed(exc)
             return False
         return True
@@ -399,13 +404,18 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             seg = segs[slot] = self._Segment(self._res.lmr, base, wire)
         return seg
 
-    def _post_failed(self, exc: DATError) -> None:
+    def _post_failed(self, exc: Exception) -> None:
         """A post on the stream's EP failed: when the EP left CONNECTED under us (the peer went away)
-        the connection event follows and ends the stream; otherwise it ends now."""
+        the connection event follows and ends the stream; otherwise (the EP or its LMR was freed
+        under the stream too: no event will come) it ends now."""
         from aiodat.ep import EPState
 
         res = self._res
-        if res.ep.closed or res.ep.state is not EPState.CONNECTED:
+        if res.ep.closed or res.lmr.closed:
+            self._finish(ConnectionBroken(f"sending on the RDMA stream failed: its EP or buffers were freed "
+                                          f"under it (was its IA closed while the stream was open?): {exc!r}"))
+            return
+        if res.ep.state is not EPState.CONNECTED:
             return
         self._finish(ConnectionBroken(f"sending on the RDMA stream failed: {exc}"))
 
