@@ -302,7 +302,15 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         """Write each buffer in turn (they go out together, as every write of one iteration)."""
         if self._core.eof_requested and not self._closing:
             raise RuntimeError("Cannot call writelines() after write_eof()")
-        for data in list_of_data:
+        # all or nothing, as asyncio's: a bad item raises before any of the others is buffered
+        # (else the caller, told the call failed, would not know which bytes went out)
+        items = list_of_data if type(list_of_data) is list else list(list_of_data)
+        for data in items:
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"data argument must be a bytes-like object, not {type(data).__name__!r}")
+            if type(data) is memoryview and not data.c_contiguous:
+                raise BufferError("writelines(): a memoryview item is not C-contiguous")
+        for data in items:
             self.write(data)
 
     def write_eof(self) -> None:
