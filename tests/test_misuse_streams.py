@@ -1,0 +1,318 @@
+"""Misuse of aiodat streams (transport, server, entry points): each misuse gets a clear error or
+asyncio's own behaviour, and leaves no waiter hanging and no IA, registration or fd behind.
+Device tests: run on both loops (``--aiodat-loop asyncio`` / ``uvloop``)."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import re
+import subprocess
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+import aiodat
+from aiodat import streams as aiodat_streams
+
+pytestmark = pytest.mark.rxe
+
+T = 60.0  # bound for every wait: the guest runs under TCG, maybe beside other guests
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class Recorder(asyncio.Protocol):
+    """A client protocol that records what it got and when it was lost."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.lost: "asyncio.Future[Optional[BaseException]]" = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+class RaisesInConnectionMade(Recorder):
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        raise ValueError("connection_made failed on purpose")
+
+
+async def _settle() -> None:
+    for _ in range(2):
+        gc.collect()
+        await asyncio.sleep(0.3)
+
+
+async def test_server_protocol_whose_connection_made_raises(rdma_device: Any, loop_errors: List[dict]) -> None:
+    """asyncio (both loops) reports the error to the loop's handler and the connection still ends:
+    the client's close reaches the server's protocol, and wait_closed() returns."""
+    protocols: List[RaisesInConnectionMade] = []
+
+    def factory() -> RaisesInConnectionMade:
+        protocols.append(RaisesInConnectionMade())
+        return protocols[-1]
+
+    server = await aiodat_streams.create_server(factory, rdma_device.address, 0)
+    port = server.sockets[0].getsockname()[1]
+    tr, proto = await aiodat_streams.create_connection(Recorder, rdma_device.address, port)
+    for _ in range(int(T * 10)):
+        if loop_errors:
+            break
+        await asyncio.sleep(0.1)
+    assert any(isinstance(c.get("exception"), ValueError) for c in loop_errors), loop_errors
+    loop_errors.clear()
+    tr.write(b"hello")
+    tr.close()
+    await asyncio.wait_for(proto.lost, T)
+    await asyncio.wait_for(protocols[0].lost, T)  # the server's side ended too
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), T)
+    assert aiodat_streams.shared_ia_count() == 0
+
+
+async def test_server_protocol_factory_raises(rdma_device: Any, loop_errors: List[dict]) -> None:
+    """A protocol factory that raises: the error goes to the loop's handler, the accepted connection is
+    dropped (the client sees it end, as over TCP), and nothing of it stays (the shared IA is closed)."""
+    def factory() -> asyncio.Protocol:
+        raise KeyError("factory failed on purpose")
+
+    server = await aiodat_streams.create_server(factory, rdma_device.address, 0)
+    port = server.sockets[0].getsockname()[1]
+    tr, proto = await aiodat_streams.create_connection(Recorder, rdma_device.address, port)
+    await asyncio.wait_for(proto.lost, T)  # the server dropped it
+    assert any(isinstance(c.get("exception"), KeyError) for c in loop_errors), loop_errors
+    loop_errors.clear()
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), T)
+    assert aiodat_streams.shared_ia_count() == 0
+
+
+async def test_client_protocol_whose_connection_made_raises(rdma_device: Any, loop_errors: List[dict]) -> None:
+    """create_connection with a protocol whose connection_made raises: as asyncio's create_connection,
+    it returns and the error goes to the loop's handler; the connection is dropped (as uvloop drops
+    it), the server's side ends, and the shared IA is released."""
+    ended: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            ended.set_result(await reader.read())
+        except ConnectionError as exc:
+            ended.set_result(exc)
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_device.address, 0)
+    port = server.sockets[0].getsockname()[1]
+    tr, proto = await aiodat_streams.create_connection(RaisesInConnectionMade, rdma_device.address, port)
+    assert any(isinstance(c.get("exception"), ValueError) for c in loop_errors), loop_errors
+    loop_errors.clear()
+    assert tr.is_closing()
+    await asyncio.wait_for(proto.lost, T)
+    await asyncio.wait_for(ended, T)
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), T)
+    assert aiodat_streams.shared_ia_count() == 0
+
+
+async def test_the_ia_closed_under_a_stream(rdma_device: Any, loop_errors: List[dict]) -> None:
+    """The program closes the IA it passed as ia= while its stream is open: reading ends with an
+    error instead of waiting for ever, and close()/wait_closed() finish."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()
+        except ConnectionError:
+            pass
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_device.address, 0)
+    port = server.sockets[0].getsockname()[1]
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        reader, writer = await aiodat.open_connection(rdma_device.address, port, ia=ia)
+        writer.write(b"x")
+        await writer.drain()
+        ia.close()
+        writer.write(b"after the IA closed")
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(reader.read(), T)
+        writer.close()
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(writer.wait_closed(), T)
+    finally:
+        ia.close()
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), T)
+    assert aiodat_streams.shared_ia_count() == 0
+
+
+def _kernel_counts(device: str) -> Dict[str, int]:
+    out = subprocess.run(["rdma", "resource", "show", device], stdout=subprocess.PIPE, text=True,
+                         check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(pd|cq|qp|cm_id|mr|srq)\s+(\d+)", out)}
+
+
+async def test_cancelled_open_connection_leaves_nothing(rdma_device: Any) -> None:
+    """Cancelling open_connection while it connects (to an address nobody answers), its timeout, and a
+    refused connect free its EP, registrations, EVD and IA reference: no fd, qp, cm_id or mr stays."""
+    with pytest.raises(ConnectionRefusedError):  # (librdmacm's first connect opens an fd it keeps)
+        await aiodat.open_connection(rdma_device.address, 1)
+    await _settle()
+    fds, counts = _open_fds(), _kernel_counts(rdma_device.name)
+    for delay in (0.0, 0.01, 0.05, 0.2, 1.0):
+        task = asyncio.ensure_future(aiodat.open_connection("10.254.254.254", 7471, connect_timeout=30))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    with pytest.raises((TimeoutError, asyncio.TimeoutError, OSError, aiodat.DATError)):
+        await aiodat.open_connection("10.254.254.254", 7471, connect_timeout=0.5)
+    with pytest.raises(ConnectionRefusedError):
+        await aiodat.open_connection(rdma_device.address, 1)
+    assert aiodat_streams.shared_ia_count() == 0
+    await _settle()
+    assert (_open_fds(), _kernel_counts(rdma_device.name)) == (fds, counts)
+
+
+async def test_misuse_of_a_live_transport(rdma_device: Any, loop_errors: List[dict]) -> None:
+    got: "asyncio.Future[bytes]" = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.set_result(await reader.read())
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_device.address, 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await aiodat.open_connection(rdma_device.address, port)
+    tr = writer.transport
+    import array
+    for bad in ("str", 1, None, 1.5, [b"x"]):
+        with pytest.raises(TypeError, match="bytes-like"):
+            writer.write(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bytes-like"):  # all or nothing, as asyncio's writelines
+        writer.writelines([b"lost?", "str"])  # type: ignore[list-item]
+    with pytest.raises(BufferError):
+        writer.writelines([b"lost?", memoryview(b"abcdef")[::2]])
+    assert tr.get_write_buffer_size() == 0
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        writer.write(memoryview(b"abcdef")[::2])
+    writer.write(memoryview(array.array("i", [1, 2])))
+    with pytest.raises(ValueError):
+        tr.set_write_buffer_limits(high=1, low=2)
+    with pytest.raises(ValueError):
+        tr.set_write_buffer_limits(low=-1)
+    assert tr.get_extra_info("nonsense", 7) == 7
+    writer.write_eof()
+    writer.write_eof()
+    with pytest.raises(RuntimeError):
+        writer.write(b"after eof")
+    with pytest.raises(RuntimeError):
+        writer.writelines([b"after eof"])
+    writer.close()
+    writer.close()
+    writer.write(b"after close")  # a no-op, as asyncio's
+    await asyncio.wait_for(writer.wait_closed(), T)
+    tr.abort()
+    tr.pause_reading()
+    tr.resume_reading()
+    assert await asyncio.wait_for(got, T) == bytes(memoryview(array.array("i", [1, 2])))
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), T)
+
+
+async def test_the_ways_a_stream_ends_under_misuse(rdma_device: Any, loop_errors: List[dict]) -> None:
+    """Probes that pass: abort during a blocked drain, a cancelled drain, close with held messages
+    while reading is paused, a cancelled readexactly, server.close() with live connections then
+    abort_clients, data_received raising; every waiter ends."""
+    loop = asyncio.get_running_loop()
+    handlers: List[Any] = []
+    gate = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append((reader, writer))
+        await gate.wait()
+        try:
+            while await reader.read(1 << 16):
+                pass
+        except ConnectionError:
+            pass
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_device.address, 0)
+    port = server.sockets[0].getsockname()[1]
+    # abort while drain() is blocked (the server does not read)
+    reader, writer = await aiodat.open_connection(rdma_device.address, port, window_size=0)
+    blob = b"z" * (1 << 20)
+    drain = None
+    for _ in range(64):
+        writer.write(blob)
+        drain = asyncio.ensure_future(writer.drain())
+        await asyncio.sleep(0.05)
+        if not drain.done():
+            break
+        await drain
+    assert drain is not None and not drain.done(), "drain never blocked"
+    writer.transport.abort()
+    await asyncio.wait_for(drain, T)  # (asyncio's drain: None when lost without an exception)
+    await asyncio.wait_for(writer.wait_closed(), T)
+    # cancelled drain, then more writes: nothing lost or reordered
+    reader2, writer2 = await aiodat.open_connection(rdma_device.address, port, window_size=0)
+    sent = bytearray()
+    for i in range(20):
+        chunk = bytes([i]) * (300 * 1024)
+        writer2.write(chunk)
+        sent += chunk
+        d = asyncio.ensure_future(writer2.drain())
+        await asyncio.sleep(0)
+        d.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await d
+    gate.set()
+    writer2.transport.pause_reading()  # held messages, then close
+    writer2.close()
+    await asyncio.wait_for(writer2.wait_closed(), T)
+    server.close()
+    waiter = asyncio.ensure_future(server.wait_closed())
+    await asyncio.sleep(0.5)
+    server.abort_clients()
+    await asyncio.wait_for(waiter, T)
+    assert aiodat_streams.shared_ia_count() == 0
+
+
+class RaisesInDataReceived(Recorder):
+    def data_received(self, data: bytes) -> None:
+        raise ValueError("data_received failed on purpose")
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        super().connection_lost(exc)
+        raise KeyError("connection_lost failed on purpose")
+
+
+async def test_data_received_and_connection_lost_raising(rdma_device: Any, loop_errors: List[dict]) -> None:
+    protocols: List[Recorder] = []
+
+    def factory() -> Recorder:
+        protocols.append(RaisesInDataReceived())
+        return protocols[-1]
+
+    server = await aiodat_streams.create_server(factory, rdma_device.address, 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await aiodat.open_connection(rdma_device.address, port)
+    writer.write(b"boom")
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(reader.read(), T)
+    await asyncio.wait_for(protocols[0].lost, T)
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), T)
+    writer.close()
+    await asyncio.sleep(0.2)
+    kinds = sorted(type(c.get("exception")).__name__ for c in loop_errors)
+    loop_errors.clear()
+    assert kinds == ["KeyError", "ValueError"], kinds
+    assert aiodat_streams.shared_ia_count() == 0
