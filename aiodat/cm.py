@@ -46,6 +46,7 @@ from aiodat.errors import (
     ConnectionTimedOut,
     NonPeerRejected,
     ConnQualInUse,
+    HostNotFound,
     InvalidAddress,
     InvalidHandle,
     InvalidParameter,
@@ -168,7 +169,9 @@ async def resolve_host(host: str, family: int = 0) -> str:
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
-        raise InvalidAddress(f"cannot resolve host {host!r}: {exc}") from None
+        # a socket.gaierror too, as asyncio's open_connection raises for the same host
+        raise HostNotFound(f"cannot resolve host {host!r}: {exc}",
+                           errno=exc.errno if isinstance(exc, OSError) else None) from None
     same = [info for info in infos if info[0] == family]
     return str((same or infos)[0][4][0])
 

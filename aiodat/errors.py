@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+import socket as _socket
 from typing import Any, ClassVar, Dict, Optional, Tuple, Type, Union
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "ProviderAlreadyRegistered",
     "ProviderInUse",
     "InvalidAddress",
+    "HostNotFound",
     "InterruptedCall",
     "ConnQualUnavailable",
     "PortInUse",
@@ -358,6 +360,19 @@ class InvalidAddress(DATError, ValueError):
     Subtypes: DAT_INVALID_ADDRESS_UNSUPPORTED, DAT_INVALID_ADDRESS_MALFORMED.
     An address known to be unreachable raises :class:`Unreachable` instead
     (subtype DAT_INVALID_ADDRESS_UNREACHABLE), which is a ConnectionError.
+    """
+
+    code = "DAT_INVALID_ADDRESS"
+    type_value = 0x00120000
+
+
+class HostNotFound(InvalidAddress, _socket.gaierror):
+    """DAT_INVALID_ADDRESS: a host name could not be resolved (``loop.getaddrinfo`` failed).
+
+    Also a :class:`socket.gaierror` (an OSError), which is what asyncio's
+    ``open_connection`` / ``create_connection`` raise for the same host, so code
+    written for asyncio that catches ``OSError`` catches it; ``errno`` is the
+    getaddrinfo error (``socket.EAI_NONAME``...).
     """
 
     code = "DAT_INVALID_ADDRESS"

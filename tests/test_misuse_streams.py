@@ -316,3 +316,16 @@ async def test_data_received_and_connection_lost_raising(rdma_device: Any, loop_
     loop_errors.clear()
     assert kinds == ["KeyError", "ValueError"], kinds
     assert aiodat_streams.shared_ia_count() == 0
+
+
+async def test_a_host_name_that_does_not_resolve_is_oserror_as_in_asyncio(rdma_device: Any) -> None:
+    """asyncio's open_connection / start_server raise socket.gaierror (an OSError) for a name that does
+    not resolve; code written for them catches OSError. aiodat raises an InvalidAddress that is one too."""
+    import socket
+
+    for call in (lambda: aiodat.open_connection("no-such-host.invalid", 7471),
+                 lambda: aiodat.start_server(lambda r, w: None, "no-such-host.invalid", 0)):
+        with pytest.raises(socket.gaierror, match="no-such-host.invalid") as info:
+            await call()
+        assert isinstance(info.value, aiodat.InvalidAddress)
+    assert aiodat_streams.shared_ia_count() == 0
