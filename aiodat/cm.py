@@ -103,9 +103,9 @@ def _private(data: Union[bytes, bytearray, memoryview, None], limit: int, what: 
     return data
 
 
-def _check_timeout(timeout: Any) -> Optional[float]:
-    """A connection call's timeout: None, or seconds > 0 (inf included) as the loop's timer takes
-    them, as a float.  NaN, an int no float holds and a non-number are refused here, before
+def check_timeout(timeout: Any, name: str = "timeout") -> Optional[float]:
+    """A connection call's timeout (``name`` in the error): None, or seconds > 0 (inf included) as
+    the loop's timer takes them, as a float.  NaN, an int no float holds and a non-number are refused here, before
     anything starts: in the timer they would fail (uvloop: ValueError; asyncio: OverflowError) or
     fire at once (asyncio: NaN) after the request, REP or DREQ had gone."""
     if timeout is None:
@@ -116,7 +116,7 @@ def _check_timeout(timeout: Any) -> Optional[float]:
         seconds = None
     if seconds is None or not seconds > 0:  # (NaN compares False)
         shown = repr(timeout) if seconds is not None or not isinstance(timeout, int) else "an int too large"
-        raise InvalidParameter(f"timeout must be None or > 0 seconds, got {shown}")
+        raise InvalidParameter(f"{name} must be None or > 0 seconds, got {shown}")
     return seconds
 
 
@@ -441,7 +441,7 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     _check_can_connect(ep)
     _check_family(ep._ia, host)
     pdata = _private(private_data, CONNECT_PRIVATE_DATA_MAX, "connect")
-    timeout = _check_timeout(timeout)
+    timeout = check_timeout(timeout)
     ia = ep._ia
     cm = ia._cm
     dst = cm.sockaddr(host, port)
@@ -632,7 +632,7 @@ async def connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     """``await ep.connect(...)``: see :meth:`aiodat.EP.connect`."""
     _check_can_connect(ep)
     _check_port(port)
-    _check_timeout(timeout)
+    check_timeout(timeout)
     host = await resolve_host(host, _family(ep._ia.address or ""))
     fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
     start_connect(ep, host, port, private_data, timeout, fut)
@@ -678,7 +678,7 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
         return
     if conn.state is not EPState.CONNECTED:
         raise InvalidState(f"cannot disconnect an EP in state {conn.state.value}")
-    timeout = _check_timeout(timeout)
+    timeout = check_timeout(timeout)
     try:
         loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
     except RuntimeError:
@@ -923,7 +923,7 @@ class CR(Handle):
         ``private_data`` (at most 196 bytes on IB/RoCE) goes on the wire exactly
         as given; the peer receives the CM's zero-filled 196-byte block.
         """
-        timeout = _check_timeout(timeout)  # before the REP goes: a bad one leaves the CR answerable
+        timeout = check_timeout(timeout)  # before the REP goes: a bad one leaves the CR answerable
         fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
         self._accept(ep, private_data, fut, timeout)
         try:
@@ -936,6 +936,7 @@ class CR(Handle):
     def _accept(self, ep: "EP", private_data: bytes, waiter: Any, timeout: Optional[float] = None) -> None:
 
         self._check()
+        timeout = check_timeout(timeout)  # before the REP goes: a bad one failed only once the EP was connected
         if not isinstance(getattr(ep, "_conn", None), Connection):  # an EP (ep.py is above this module)
             raise InvalidParameter(f"accept needs an EP, not {type(ep).__name__}")
         _check_can_connect(ep)

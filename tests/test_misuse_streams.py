@@ -329,3 +329,17 @@ async def test_a_host_name_that_does_not_resolve_is_oserror_as_in_asyncio(rdma_d
             await call()
         assert isinstance(info.value, aiodat.InvalidAddress)
     assert aiodat_streams.shared_ia_count() == 0
+
+
+@pytest.mark.parametrize("bad", ["x", -1, 0, float("nan")])
+async def test_a_bad_accept_or_connect_timeout_is_refused_at_the_call(rdma_device: Any, bad: Any) -> None:
+    """start_server(accept_timeout=bad) raised nothing: each connection then failed at its accept, into
+    the loop's handler with an error not naming the argument ("'<' not supported...", "cannot convert
+    float NaN to integer", or with -1 an accept that timed out at once), and the client saw
+    Unreachable or an immediate EOF. open_connection(connect_timeout=nan) raised "cannot convert
+    float NaN to integer". Both now raise InvalidParameter naming the argument, and open nothing."""
+    with pytest.raises(aiodat.InvalidParameter, match="accept_timeout"):
+        await aiodat.start_server(lambda r, w: None, rdma_device.address, 0, accept_timeout=bad)
+    with pytest.raises(aiodat.InvalidParameter, match="connect_timeout"):
+        await aiodat.open_connection(rdma_device.address, 1, connect_timeout=bad)
+    assert aiodat_streams.shared_ia_count() == 0

@@ -9,7 +9,7 @@ import asyncio
 import socket
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from aiodat.cm import resolve_host
+from aiodat.cm import check_timeout, resolve_host
 from aiodat.errors import DATError, InvalidAddress, InvalidParameter, ModelNotSupported
 from aiodat.netdev import same_address
 from aiodat.streams.pool import IARef
@@ -258,6 +258,8 @@ async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], ho
         host = None
     if host is not None and not isinstance(host, str):
         raise InvalidAddress(f"host must be an IPv4 address string or None, not {type(host).__name__}")
+    # checked here, not at each connection's accept (where it failed into the loop's handler)
+    check_timeout(accept_timeout, "accept_timeout")
     if port is None:
         port = 0
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:

@@ -14,7 +14,7 @@ from asyncio import constants as _asyncio_constants
 from asyncio import transports as _asyncio_transports
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
-from aiodat.cm import resolve_host
+from aiodat.cm import check_timeout, resolve_host
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
 from aiodat.evd import ConnectionEvent, EventType
 from aiodat.streams.pool import IARef
@@ -645,6 +645,7 @@ async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol]
         raise TypeError(f"create_connection() got unexpected keyword argument(s): {', '.join(sorted(rest))}")
     if host is None or port is None:
         raise InvalidAddress("aiodat streams need both host and port (there is no sock= form)")
+    check_timeout(connect_timeout, "connect_timeout")
     loop = asyncio.get_running_loop()
     host = await resolve_host(host)
     iaref = IARef(ia, host)
