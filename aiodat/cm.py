@@ -923,7 +923,6 @@ class CR(Handle):
         ``private_data`` (at most 196 bytes on IB/RoCE) goes on the wire exactly
         as given; the peer receives the CM's zero-filled 196-byte block.
         """
-        timeout = check_timeout(timeout)  # before the REP goes: a bad one leaves the CR answerable
         fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
         self._accept(ep, private_data, fut, timeout)
         try:
@@ -936,7 +935,7 @@ class CR(Handle):
     def _accept(self, ep: "EP", private_data: bytes, waiter: Any, timeout: Optional[float] = None) -> None:
 
         self._check()
-        timeout = check_timeout(timeout)  # before the REP goes: a bad one failed only once the EP was connected
+        timeout = check_timeout(timeout)  # before the REP goes: a bad one leaves the CR answerable
         if not isinstance(getattr(ep, "_conn", None), Connection):  # an EP (ep.py is above this module)
             raise InvalidParameter(f"accept needs an EP, not {type(ep).__name__}")
         _check_can_connect(ep)
