@@ -687,7 +687,7 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
     # The loop must watch the channel (and, to drain, the request EVD): InvalidState if another
     # loop owns them, raised here, before the QP goes to ERR or the DREQ goes.
     if drain:
-        ep.request_evd._attach(loop)  # type: ignore[arg-type]
+        ep.request_evd._attach(loop)  # type: ignore[arg-type]  (its IA's fds too)
     else:
         ep._ia._attach_loop()
     if not graceful:
@@ -736,8 +736,8 @@ def _start_drain(ep: "EP", loop: asyncio.AbstractEventLoop, drain_timeout: float
     conn.waiter = waiter
     conn.state = EPState.DISCONNECT_PENDING  # no new posts from here on
     conn.drain_timer = loop.call_later(drain_timeout, finish)
-    # (start_disconnect attached the request EVD and the IA to the loop: it must drain the CQ
-    # for the marker's completion to be seen)
+    # (start_disconnect attached the request EVD, and with it the IA, to the loop: it must drain
+    # the CQ for the marker's completion to be seen, and read the DREP from the channel)
 
 
 def _send_dreq(ep: "EP", timeout: Optional[float]) -> None:

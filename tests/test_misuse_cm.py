@@ -206,3 +206,22 @@ async def test_a_backlog_no_c_int_holds_is_refused_and_the_port_left_free(ia: An
     psp = ia.create_psp(port, cr_evd, backlog=2**31 - 1)
     assert psp.port == port
     psp.free()
+
+
+async def test_a_graceful_disconnect_that_drains_makes_the_loop_watch_the_channel(
+        ia: Any, loop_errors: List[dict]) -> None:
+    """A graceful disconnect with sends still on the queue drains them, then sends the DREQ; the
+    DREP comes through the IA's rdma_cm channel, so the running loop must watch it then too (as
+    when a new loop takes over an IA whose first loop closed: here, the watch stopped by hand).
+    The disconnect returns on the DREP, long before its own timeout (pins the attach that
+    start_disconnect now makes first, through the request EVD, before anything is sent)."""
+    pair = await make_ep_pair(ia)
+    try:
+        pair.server.post_recv(pair.server_lmr[0:64])
+        pair.client.post_send(pair.client_lmr[0:8])
+        assert pair.client._send_q  # its completion not yet polled: the disconnect drains first
+        ia._cm.watch.detach()
+        await asyncio.wait_for(pair.client.disconnect(timeout=10 * T), T)
+        assert pair.client.state is EPState.DISCONNECTED
+    finally:
+        pair.close()
