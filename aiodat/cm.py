@@ -700,6 +700,7 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
     err = _disconnect(ep)
     if err:
         conn.state = EPState.DISCONNECTED
+        conn.waiter = None  # the caller gets the error: later events go to the connect EVD
         raise error_from_errno(err, "rdma_disconnect")
     _start_timer(ep, timeout, EventType.CONNECTION_EVENT_DISCONNECTED, "waiting for the DREP")
 
