@@ -54,6 +54,7 @@ from aiodat.errors import (
     QueueFull,
     Unreachable,
     error_from_errno,
+    shown,
 )
 from aiodat.epattr import EPState, ServiceType
 from aiodat.evd import EVD, AsyncEvent, ConnectionEvent, ConnectionRequestEvent, EvdFlags, EventType
@@ -115,8 +116,7 @@ def check_timeout(timeout: Any, name: str = "timeout") -> Optional[float]:
     except OverflowError:
         seconds = None
     if seconds is None or not seconds > 0:  # (NaN compares False)
-        shown = repr(timeout) if seconds is not None or not isinstance(timeout, int) else "an int too large"
-        raise InvalidParameter(f"{name} must be None or > 0 seconds, got {shown}")
+        raise InvalidParameter(f"{name} must be None or > 0 seconds, got {shown(timeout)}")
     return seconds
 
 

@@ -120,6 +120,15 @@ __all__ = [
 ]
 
 
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message; an int too long for ``repr`` (more than 4300 digits,
+    Python's limit) by its size, so that building the message cannot fail in its turn."""
+    try:
+        return repr(value)
+    except ValueError:
+        return f"an int of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
+
+
 def _strerror(err: Optional[int]) -> Optional[str]:
     if err is None:
         return None

@@ -51,6 +51,7 @@ from aiodat.errors import (
     QueueFull,
     TimeoutExpired,
     error_from_errno,
+    shown,
 )
 
 if TYPE_CHECKING:
@@ -778,9 +779,9 @@ class EVD(Handle):
         if self._callback is not None:
             self._refuse_if_callback("wait")
         if type(threshold) is not int or not 1 <= threshold <= self._qlen:
-            raise InvalidParameter(f"threshold must be between 1 and qlen ({self._qlen}), got {threshold!r}")
+            raise InvalidParameter(f"threshold must be between 1 and qlen ({self._qlen}), got {shown(threshold)}")
         if timeout is not None and not _is_timeout(timeout):
-            raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+            raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {shown(timeout)}")
         if self._waited():
             raise InvalidState("another task is already waiting on this EVD")
         if self._pending_error is not None:
