@@ -128,8 +128,10 @@ def _check_port(port: int) -> None:
 def _sockaddr(host: str, port: int) -> Any:
     """A numeric IPv4 or IPv6 address (``"fe80::1%netdev"`` for a scoped one) as a sockaddr.
 
-    A host name is resolved here, blocking; the awaitable paths resolve names
-    first with :func:`resolve_host`, so the loop never waits on DNS.
+    A host name is resolved here, blocking, but only where no event loop runs in this thread
+    (a plain script's ``connect_nowait``): in a running loop it is refused, since the loop
+    would wait on DNS.  The awaitable paths resolve names first with :func:`resolve_host`,
+    off the loop.
     """
     if not isinstance(host, str):
         raise InvalidParameter(f"host must be an IP address string, not {type(host).__name__}")
@@ -138,12 +140,26 @@ def _sockaddr(host: str, port: int) -> Any:
     _check_port(port)
     addr = ffi.new("struct sockaddr_storage *")
     if lib.aiodat_sockaddr(host.encode(), port, addr):
-        try:  # a host name: resolve it the ordinary way
+        if _loop_running():
+            raise InvalidAddress(
+                f"host {host!r} is not a numeric address, and looking it up here would block the running "
+                f"event loop: pass the address, or use the awaitable call (await ep.connect(...)), which "
+                f"looks names up off the loop")
+        try:  # a host name, with no loop to block: resolve it the ordinary way
             host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-        except (OSError, UnicodeError):
-            raise InvalidParameter(f"cannot resolve host {host!r}") from None
+        except (OSError, UnicodeError) as exc:
+            raise HostNotFound(f"cannot resolve host {host!r}: {exc}",
+                               errno=exc.errno if isinstance(exc, OSError) else None) from None
         lib.aiodat_sockaddr(host.encode(), port, addr)
     return addr
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=256)  # every connect asks (twice) about the same few peers

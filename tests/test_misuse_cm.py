@@ -225,3 +225,39 @@ async def test_a_graceful_disconnect_that_drains_makes_the_loop_watch_the_channe
         assert pair.client.state is EPState.DISCONNECTED
     finally:
         pair.close()
+
+
+async def test_connect_nowait_to_a_host_name_in_a_running_loop_is_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """connect_nowait is synchronous: a host name would have to be looked up there, blocking the
+    running loop on DNS.  It is refused (InvalidAddress, naming the awaitable call that looks it
+    up off the loop), with nothing started; the EP then connects to a numeric address."""
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    routes = _routes(ia)
+    with pytest.raises(aiodat.InvalidAddress, match="block the running event loop"):
+        client.connect_nowait("localhost", psp.port, timeout=T)
+    assert client.state is EPState.UNCONNECTED and _routes(ia) == routes
+    client.connect_nowait(psp.address, psp.port, timeout=T)  # the EP is as it was: a numeric address connects
+    await (await cr_evd.wait_one(timeout=T)).cr.accept(server, timeout=T)
+    event = await client.connect_evd.wait_one(timeout=T)
+    assert event.type is EventType.CONNECTION_EVENT_ESTABLISHED and client.state is EPState.CONNECTED
+
+
+def test_connect_nowait_outside_a_loop_looks_the_name_up(rdma_device: Any) -> None:
+    """With no loop running (a plain script), connect_nowait may block: a name is looked up there;
+    one that does not resolve is HostNotFound (an InvalidAddress and a socket.gaierror), with
+    nothing started."""
+    import socket
+
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        ep = ia.create_ep(ia.create_pz())
+        routes = _routes(ia)
+        with pytest.raises(aiodat.HostNotFound, match="no-such-host.invalid") as info:
+            ep.connect_nowait("no-such-host.invalid", 4791)
+        assert isinstance(info.value, socket.gaierror) and isinstance(info.value, aiodat.InvalidAddress)
+        assert ep.state is EPState.UNCONNECTED and _routes(ia) == routes
+    finally:
+        ia.close()
