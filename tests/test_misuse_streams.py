@@ -343,3 +343,25 @@ async def test_a_bad_accept_or_connect_timeout_is_refused_at_the_call(rdma_devic
     with pytest.raises(aiodat.InvalidParameter, match="connect_timeout"):
         await aiodat.open_connection(rdma_device.address, 1, connect_timeout=bad)
     assert aiodat_streams.shared_ia_count() == 0
+
+
+async def test_a_server_whose_ia_is_closed_closes(rdma_device: Any, loop_errors: List[dict]) -> None:
+    """start_server on an IA the caller then closes: the server's listener is gone, so the server
+    closes (is_serving() False, wait_closed() and serve_forever() return) and the loop's handler
+    is told why, instead of the server staying "serving" with its accept task dead."""
+    ia = aiodat.open_ia(rdma_device.name)
+    try:
+        server = await aiodat.start_server(lambda r, w: None, rdma_device.address, 0, ia=ia)
+        forever = asyncio.ensure_future(server.serve_forever())
+        await asyncio.sleep(0.1)
+        assert server.is_serving()
+        ia.close()
+        await asyncio.wait_for(server.wait_closed(), T)
+        assert not server.is_serving()
+        with pytest.raises(asyncio.CancelledError):  # as asyncio's serve_forever when its server closes
+            await asyncio.wait_for(forever, T)
+        assert [e["message"] for e in loop_errors] == ["aiodat stream server: listening failed; the server is closed"]
+        assert isinstance(loop_errors[0]["exception"], aiodat.DATError)
+        loop_errors.clear()
+    finally:
+        ia.close()

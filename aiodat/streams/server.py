@@ -189,10 +189,16 @@ class Server:
                 event = await self._cr_evd.wait_one()
             except asyncio.CancelledError:
                 raise
-            except DATError:
+            except DATError as exc:
                 if self._sockets is None:
                     return
-                raise
+                # The listener failed under an open server (its IA closed, say): nothing more can be
+                # accepted.  The server closes, as by close(), and says why, instead of staying
+                # "serving" with its accept task dead and its error unread.
+                self._loop.call_exception_handler({"message": "aiodat stream server: listening failed; the "
+                                                   "server is closed", "exception": exc, "server": self})
+                self.close()
+                return
             cr = getattr(event, "cr", None)
             if cr is None:
                 continue
