@@ -252,6 +252,24 @@ async def test_on_error_needs_a_callback_and_a_callable(ep_pair: Any) -> None:
         await evd.wait(timeout=0.05)
 
 
+async def test_an_evd_freed_under_its_callback_tells_on_error_once(ia: Any, loop_errors: List[dict]) -> None:
+    """An EVD freed while its callback is set (by itself, or with its IA) calls on_error once, from
+    the loop and not from inside the free, with InvalidHandle: nothing more will come, as a task
+    waiting on it would be told.  With no on_error the free is silent."""
+    told: List[BaseException] = []
+    evd = ia.create_evd(8)
+    evd.set_callback(lambda events: None, on_error=told.append)
+    evd.free()
+    assert told == []  # not from inside the free
+    await _until(lambda: told)
+    await asyncio.sleep(0.05)
+    assert len(told) == 1 and isinstance(told[0], aiodat.InvalidHandle) and "callback" in str(told[0])
+    silent = ia.create_evd(8)
+    silent.set_callback(lambda events: None)
+    silent.free()
+    await asyncio.sleep(0.05)  # (loop_errors fails the test if anything reached the loop's handler)
+
+
 async def _until(condition: Any, seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
