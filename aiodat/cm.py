@@ -57,7 +57,7 @@ from aiodat.errors import (
     shown,
 )
 from aiodat.epattr import EPState, ServiceType
-from aiodat.evd import EVD, AsyncEvent, ConnectionEvent, ConnectionRequestEvent, EvdFlags, EventType
+from aiodat.evd import EVD, AsyncEvent, ConnectionEvent, ConnectionRequestEvent, EvdFlags, EventType, is_timeout
 from aiodat.evd import report_internal_error  # noqa: F401  (it lived here; loop callbacks of cm.py use it)
 
 if TYPE_CHECKING:
@@ -106,18 +106,14 @@ def _private(data: Union[bytes, bytearray, memoryview, None], limit: int, what: 
 
 def check_timeout(timeout: Any, name: str = "timeout") -> Optional[float]:
     """A connection call's timeout (``name`` in the error): None, or seconds > 0 (inf included) as
-    the loop's timer takes them, as a float.  NaN, an int no float holds and a non-number are refused here, before
-    anything starts: in the timer they would fail (uvloop: ValueError; asyncio: OverflowError) or
-    fire at once (asyncio: NaN) after the request, REP or DREQ had gone."""
+    the loop's timer takes them, as a float.  NaN, an int no float holds and a non-number are
+    refused here, before anything starts: in the timer they would fail (uvloop: ValueError;
+    asyncio: OverflowError) or fire at once (asyncio: NaN) after the request, REP or DREQ had gone."""
     if timeout is None:
         return None
-    try:
-        seconds = float(timeout) if isinstance(timeout, (int, float)) else None
-    except OverflowError:
-        seconds = None
-    if seconds is None or not seconds > 0:  # (NaN compares False)
+    if not (is_timeout(timeout) and timeout > 0):  # (a wait's test, which allows 0)
         raise InvalidParameter(f"{name} must be None or > 0 seconds, got {shown(timeout)}")
-    return seconds
+    return float(timeout)
 
 
 def _check_port(port: int) -> None:
@@ -135,12 +131,11 @@ def _sockaddr(host: str, port: int) -> Any:
     """
     if not isinstance(host, str):
         raise InvalidParameter(f"host must be an IP address string, not {type(host).__name__}")
-    if "\0" in host:  # C would read only up to it: "10.0.0.1\0junk" must not connect to 10.0.0.1
-        raise InvalidAddress(f"host {host!r} has a NUL character in it")
+    _refuse_nul(host)
     _check_port(port)
     addr = ffi.new("struct sockaddr_storage *")
     if lib.aiodat_sockaddr(host.encode(), port, addr):
-        if _loop_running():
+        if asyncio._get_running_loop() is not None:
             raise InvalidAddress(
                 f"host {host!r} is not a numeric address, and looking it up here would block the running "
                 f"event loop: pass the address, or use the awaitable call (await ep.connect(...)), which "
@@ -148,18 +143,20 @@ def _sockaddr(host: str, port: int) -> Any:
         try:  # a host name, with no loop to block: resolve it the ordinary way
             host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
         except (OSError, UnicodeError) as exc:
-            raise HostNotFound(f"cannot resolve host {host!r}: {exc}",
-                               errno=exc.errno if isinstance(exc, OSError) else None) from None
+            raise _not_found(host, exc) from None
         lib.aiodat_sockaddr(host.encode(), port, addr)
     return addr
 
 
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+def _refuse_nul(host: str) -> None:
+    """C and getaddrinfo read a host only up to a NUL: "10.0.0.1\0junk" must not reach 10.0.0.1."""
+    if "\0" in host:
+        raise InvalidAddress(f"host {host!r} has a NUL character in it")
+
+
+def _not_found(host: str, exc: Exception) -> HostNotFound:
+    """A failed lookup of ``host`` (a socket.gaierror too, as asyncio raises for the same host)."""
+    return HostNotFound(f"cannot resolve host {host!r}: {exc}", errno=exc.errno if isinstance(exc, OSError) else None)
 
 
 @functools.lru_cache(maxsize=256)  # every connect asks (twice) about the same few peers
@@ -178,16 +175,13 @@ async def resolve_host(host: str, family: int = 0) -> str:
     """
     if not isinstance(host, str):
         raise InvalidParameter(f"host must be an IP address or host name string, not {type(host).__name__}")
-    if "\0" in host:  # getaddrinfo would read only up to it
-        raise InvalidAddress(f"host {host!r} has a NUL character in it")
+    _refuse_nul(host)
     if _is_numeric(host):
         return host
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
-        # a socket.gaierror too, as asyncio's open_connection raises for the same host
-        raise HostNotFound(f"cannot resolve host {host!r}: {exc}",
-                           errno=exc.errno if isinstance(exc, OSError) else None) from None
+        raise _not_found(host, exc) from None
     same = [info for info in infos if info[0] == family]
     return str((same or infos)[0][4][0])
 

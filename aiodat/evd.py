@@ -780,7 +780,7 @@ class EVD(Handle):
             self._refuse_if_callback("wait")
         if type(threshold) is not int or not 1 <= threshold <= self._qlen:
             raise InvalidParameter(f"threshold must be between 1 and qlen ({self._qlen}), got {shown(threshold)}")
-        if timeout is not None and not _is_timeout(timeout):
+        if timeout is not None and not is_timeout(timeout):
             raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {shown(timeout)}")
         if self._waited():
             raise InvalidState("another task is already waiting on this EVD")
@@ -1167,10 +1167,11 @@ _completions.configure_waits(_task_getter())
 _NULL = ffi.NULL
 
 
-def _is_timeout(value: Any) -> bool:
-    """A wait's timeout: seconds >= 0 (inf included) as the loop's timer takes them.  NaN and an
-    int too large for a float are not: they would fail in the timer (uvloop), or schedule a NaN
-    deadline (asyncio), after the wait took the EVD."""
+def is_timeout(value: Any) -> bool:
+    """A wait's timeout: seconds >= 0 (inf included) as the loop's timer takes them (cm.py's
+    connection calls take the same, above 0).  NaN and an int too large for a float are not: they
+    would fail in the timer (uvloop), or schedule a NaN deadline (asyncio), after the wait took
+    the EVD."""
     try:
         return isinstance(value, (int, float)) and 0 <= float(value) <= _INF  # (NaN compares False)
     except OverflowError:

@@ -8,7 +8,7 @@ import gc
 import os
 import re
 import subprocess
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -45,6 +45,18 @@ class RaisesInConnectionMade(Recorder):
         raise ValueError("connection_made failed on purpose")
 
 
+async def _server_of(protocol_class: Any, address: str) -> Tuple[Any, int, List[Any]]:
+    """A stream server making ``protocol_class()`` per connection: (server, its port, the protocols made)."""
+    protocols: List[Any] = []
+
+    def factory() -> Any:
+        protocols.append(protocol_class())
+        return protocols[-1]
+
+    server = await aiodat_streams.create_server(factory, address, 0)
+    return server, server.sockets[0].getsockname()[1], protocols
+
+
 async def _settle() -> None:
     for _ in range(2):
         gc.collect()
@@ -54,14 +66,7 @@ async def _settle() -> None:
 async def test_server_protocol_whose_connection_made_raises(rdma_device: Any, loop_errors: List[dict]) -> None:
     """asyncio (both loops) reports the error to the loop's handler and the connection still ends:
     the client's close reaches the server's protocol, and wait_closed() returns."""
-    protocols: List[RaisesInConnectionMade] = []
-
-    def factory() -> RaisesInConnectionMade:
-        protocols.append(RaisesInConnectionMade())
-        return protocols[-1]
-
-    server = await aiodat_streams.create_server(factory, rdma_device.address, 0)
-    port = server.sockets[0].getsockname()[1]
+    server, port, protocols = await _server_of(RaisesInConnectionMade, rdma_device.address)
     tr, proto = await aiodat_streams.create_connection(Recorder, rdma_device.address, port)
     for _ in range(int(T * 10)):
         if loop_errors:
@@ -295,14 +300,7 @@ class RaisesInDataReceived(Recorder):
 
 
 async def test_data_received_and_connection_lost_raising(rdma_device: Any, loop_errors: List[dict]) -> None:
-    protocols: List[Recorder] = []
-
-    def factory() -> Recorder:
-        protocols.append(RaisesInDataReceived())
-        return protocols[-1]
-
-    server = await aiodat_streams.create_server(factory, rdma_device.address, 0)
-    port = server.sockets[0].getsockname()[1]
+    server, port, protocols = await _server_of(RaisesInDataReceived, rdma_device.address)
     reader, writer = await aiodat.open_connection(rdma_device.address, port)
     writer.write(b"boom")
     with pytest.raises(ConnectionResetError):
