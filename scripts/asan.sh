@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Run device tests with the C shim built under AddressSanitizer (issue 7: "run the shim under
 # AddressSanitizer once in CI").  The ASan build goes to build/asan/ (a copy of the package with its
-# own _core, _completions and _posts extensions); the editable install in .venv is not touched.  Python itself is not
+# own _core, _completions, _posts and _streamcore extensions); the editable install in .venv is not touched.  Python itself is not
 # instrumented: libasan is preloaded, leak detection is off (CPython keeps memory until exit),
 # and any heap overflow, use-after-free or double free in the shim aborts the run (non-zero).
 #
-#   scripts/asan.sh [PYTEST ARGS...]     default: tests/test_misuse.py tests/test_rdma.py tests/test_evd.py tests/test_wakeups.py tests/test_delivery_modes.py tests/test_lifetimes.py tests/test_connection_rules.py tests/test_hot_paths_c.py
+#   scripts/asan.sh [PYTEST ARGS...]     default: tests/test_misuse.py tests/test_rdma.py tests/test_evd.py tests/test_wakeups.py tests/test_delivery_modes.py tests/test_lifetimes.py tests/test_connection_rules.py tests/test_hot_paths_c.py tests/test_streams.py
 #
 # Needs a device: run it under the test bed, e.g.
 #   .venv/bin/aiodat rxe run -- scripts/asan.sh            (scripts/test.sh does this as its last stage)
@@ -35,7 +35,7 @@ so = ffi.compile(tmpdir=str(out), verbose=False)
 print("ASan shim:", so)
 # the hot-path modules (plain C, limited API), with the same instrumentation
 import subprocess, sysconfig  # noqa: E402
-for name in ("completions", "posts"):
+for name in ("completions", "posts", "streamcore"):
     target = shim / f"_{name}.abi3.so"
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer",
                     "-Wall", "-I" + sysconfig.get_paths()["include"], "-I" + str(shim), str(shim / f"{name}.c"),
@@ -51,6 +51,6 @@ export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:verify_asan
 export PYTHONPATH="$PWD/$OUT${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -P -c 'import aiodat, sys; f = aiodat._lib.__file__; assert "/build/asan/" in f, f; print("aiodat from", f)'
 if [ $# -eq 0 ]; then
-  set -- tests/test_misuse.py tests/test_rdma.py tests/test_evd.py tests/test_wakeups.py tests/test_delivery_modes.py tests/test_lifetimes.py tests/test_connection_rules.py tests/test_hot_paths_c.py
+  set -- tests/test_misuse.py tests/test_rdma.py tests/test_evd.py tests/test_wakeups.py tests/test_delivery_modes.py tests/test_lifetimes.py tests/test_connection_rules.py tests/test_hot_paths_c.py tests/test_streams.py
 fi
 exec "$PY" -P -m pytest -q -p no:cacheprovider -m "rxe and not hosts2" "$@"

@@ -39,10 +39,11 @@ packages = ["aiodat", "aiodat._shim", "aiodat.streams", "aiodat.integrations", "
 wanted = {p.replace(".", "/") + "/__init__.py" for p in packages}
 wanted |= set(open(sources).read().split())
 wanted |= {"aiodat/py.typed", "aiodat/_shim/shim.c", "aiodat/_shim/shim.h", "aiodat/_shim/build_shim.py",
-           "aiodat/_shim/completions.c", "aiodat/_shim/posts.c", "aiodat/_shim/pyattrs.h"}
+           "aiodat/_shim/completions.c", "aiodat/_shim/posts.c", "aiodat/_shim/streamcore.c",
+           "aiodat/_shim/pyattrs.h"}
 problems += [f"wheel lacks {name}" for name in sorted(wanted - names)]
 extensions = sorted(n for n in names if n.endswith(".so"))
-HOT_PATHS = ["aiodat/_shim/_completions.abi3.so", "aiodat/_shim/_posts.abi3.so"]
+HOT_PATHS = ["aiodat/_shim/_completions.abi3.so", "aiodat/_shim/_posts.abi3.so", "aiodat/_shim/_streamcore.abi3.so"]
 EXPECTED = sorted(HOT_PATHS + ["aiodat/_shim/_core.abi3.so"])
 if extensions != EXPECTED:
     problems.append(f"wheel's extensions are {extensions}, expected {EXPECTED}")
@@ -66,7 +67,7 @@ for group, name, target in (("console_scripts", "aiodat", "aiodat.cli:main"),
 sdist_names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
 problems += [f"sdist lacks {n}" for n in ("pyproject.toml", "setup.py", "README.md", "aiodat/_shim/shim.c",
                                           "aiodat/_shim/shim.h", "aiodat/_shim/build_shim.py",
-                                          "aiodat/_shim/completions.c", "aiodat/_shim/posts.c",
+                                          "aiodat/_shim/completions.c", "aiodat/_shim/posts.c", "aiodat/_shim/streamcore.c",
                                           "aiodat/_shim/pyattrs.h") if n not in sdist_names]
 
 

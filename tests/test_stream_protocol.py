@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import Deque, List, Tuple
+from typing import Any, Deque, List, Tuple
 
 import pytest
 
@@ -58,6 +58,7 @@ class Side:
         self.cfg = cfg
         self.core = StreamCore(cfg, PeerParams(peer_cfg.recv_depth, peer_cfg.buffer_size, window))
         self.slots = [bytearray(cfg.buffer_size) for _ in range(cfg.slots)]
+        self.send_slots = bytearray(cfg.buffer_size * cfg.slots)  # take_data copies a DATA send here
         self.posted: Deque[int] = deque(range(cfg.slots))  # receives are consumed in posting order
         self.window = bytearray(cfg.window_size)
         self.unread: Deque[Tuple[int, int]] = deque()  # window parts written into ours and not yet read
@@ -77,13 +78,15 @@ def transmit(a: Side, b: Side, limit: int = 10 ** 9) -> int:
     """Post everything a's core allows; each send lands in one of b's posted slots at once."""
     n = 0
     while n < limit:
-        data = a.core.take_data() if a.fast else None
+        data = a.core.take_data(a.send_slots, 0, a.cfg.buffer_size) if a.fast else None
         if data is not None:  # the transport's first step: one small write in one DATA send
-            slot, header, chunk, signalled = data
-            land(b, bytes(header) + bytes(chunk))
+            slot, length, signalled = data
+            at = slot * a.cfg.buffer_size
+            wire = bytes(a.send_slots[at:at + length])
+            land(b, wire)
             a.send_queue.append((("s", slot), signalled))
             a.types_sent.append(MSG_DATA)
-            a.wire_sent.append(bytes(header) + bytes(chunk))
+            a.wire_sent.append(wire)
             a.fast_steps += 1
             n += 1
             continue
@@ -563,17 +566,23 @@ def test_common_case_steps_send_what_the_general_steps_send(seed: int) -> None:
 def test_common_case_steps_leave_everything_else_to_the_general_ones() -> None:
     """take_data and on_data change nothing when the case is not theirs."""
     a, b = pair(recv_depth=4, buffer_size=64, window_size=4096, rdma_threshold=200)
-    assert a.core.take_data() is None  # nothing pending
+
+    def take() -> Any:
+        return a.core.take_data(a.send_slots, 0, 64)
+
+    assert take() is None  # nothing pending
     a.core.write(b"x" * 100)  # more than one DATA message holds
-    assert a.core.take_data() is None and a.core.buffered == 100
+    assert take() is None and a.core.buffered == 100
     a.core.discard()
     a.core.write(b"ab")
     a.core.write(bytearray(b"cd"))  # one chunk still: small writes are gathered
-    data = a.core.take_data()
-    assert data is not None and bytes(data[2]) == b"abcd" and a.core.buffered == 0
+    data = a.core.take_data(a.send_slots, 0, 64)
+    assert data is not None and data[1] == HEADER.size + 4 and a.core.buffered == 0
+    at = data[0] * 64
+    assert bytes(a.send_slots[at:at + data[1]]) == HEADER.pack(MSG_DATA, 0, 0, 4) + b"abcd"
     a.core.write(b"tail")
     a.core.write_eof()  # EOF is due: the general steps send the data, then EOF
-    assert a.core.take_data() is None
+    assert take() is None
     wire = bytearray(HEADER.pack(MSG_EOF, 0, 0, 0))
     assert b.core.on_data(0, wire, 0, len(wire)) == -1  # not DATA
     wire = bytearray(HEADER.pack(MSG_DATA, FLAG_RELEASE, 0, 0))
@@ -693,3 +702,44 @@ def test_a_stale_send_cannot_be_committed() -> None:
     core.sent(send)
     with pytest.raises(RuntimeError, match="stale Send"):
         core.sent(send)
+
+
+def test_the_c_state_refuses_bad_arguments_and_changes_nothing() -> None:
+    """StreamState's C steps (aiodat/_shim/streamcore.c) check what they are given: a destination that
+    cannot hold the send slot, a buffer they cannot read, a header outside it, a slot that does not
+    exist, and a core whose containers are gone all raise, naming the problem, with the state as it was."""
+    from aiodat._shim._streamcore import StreamState
+
+    a, b = pair(recv_depth=4, buffer_size=64, window_size=0)
+    a.core.write(b"hello")
+    before = (a.core.credits, a.core.buffered, a.core.free_send_slots, dict(a.core.stats))
+    with pytest.raises(TypeError, match="bytearray"):
+        a.core.take_data(bytes(len(a.send_slots)), 0, 64)
+    with pytest.raises(ValueError, match="does not fit"):
+        a.core.take_data(bytearray(64), 32, 64)  # the slot runs past the end
+    with pytest.raises(ValueError, match="does not fit"):
+        a.core.take_data(a.send_slots, 0, 8)  # a slot smaller than the message
+    assert (a.core.credits, a.core.buffered, a.core.free_send_slots, dict(a.core.stats)) == before
+    assert a.core.take_data(a.send_slots, 0, 64) is not None
+    wire = bytearray(HEADER.pack(MSG_DATA, 0, 0, 2)) + b"hi"
+    with pytest.raises(TypeError, match="bytes or a bytearray"):
+        b.core.on_data(0, memoryview(wire), 0, len(wire))
+    with pytest.raises(ValueError, match="does not fit"):
+        b.core.on_data(0, wire, len(wire) - 4, len(wire))
+    with pytest.raises(IndexError, match="no receive slot 99"):
+        b.core.data_consumed(99, 2)
+    with pytest.raises(TypeError, match="bytes object"):
+        b.core.write_bytes(bytearray(b"x"))
+    assert b.core.credits == 4 and b.core.owed == 0 and b.core.on_data(0, wire, 0, len(wire)) == 2
+    del b.core._free_slots  # a subclass that broke its state: an error, not a crash
+    with pytest.raises(RuntimeError, match="not set up"):
+        b.core.data_consumed(0, 2)
+    bare = StreamState()
+    for call in (lambda: bare.take_data(bytearray(64), 0, 64), lambda: bare.on_data(0, wire, 0, 10),
+                 lambda: bare.write_bytes(b"x"), lambda: bare.data_consumed(0, 1)):
+        with pytest.raises(RuntimeError, match="not set up"):
+            call()
+    with pytest.raises(AttributeError):
+        bare._chunks  # noqa: B018 (unset: an AttributeError, as for any attribute)
+    with pytest.raises(TypeError):
+        bare.eof_requested = 1  # a flag is a bool

@@ -32,6 +32,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
+from aiodat._shim._streamcore import StreamState
 from aiodat.errors import ConnectionBroken, InvalidParameter, ModelNotSupported
 from aiodat.poller import MAX_BUSY_POLL_US
 
@@ -321,12 +322,20 @@ class Message(NamedTuple):
     offset: int = 0  #: WINDOW: where in our window the bytes are
 
 
-class StreamCore:
+class StreamCore(StreamState):
     """One side of an aiodat stream connection, sans IO: every decision of the protocol, none of the posting.
 
     ``cfg`` is our own configuration, ``peer`` what the peer announced.
     Receive slots ``0 .. cfg.slots-1`` are assumed posted when the core is
     created (the transport posts them before connecting).
+
+    The state a message touches lives in C (:class:`aiodat._shim._streamcore.StreamState`, the
+    base class), and so do a small message's common steps, which every round trip of a
+    request/response stream takes: ``write_bytes`` (:meth:`write` of a bytes object),
+    ``take_data`` (one small write into one DATA send, copied into its send slot), ``on_data``
+    and ``data_consumed`` (a DATA message received and handed over).  Each changes nothing
+    when the case is not its own, and the Python here takes it: the protocol's rules are
+    these methods, the C steps their common case.
     """
 
     def __init__(self, cfg: StreamConfig, peer: PeerParams) -> None:
@@ -334,7 +343,7 @@ class StreamCore:
         self.peer = peer
         self.nslots = cfg.slots
         self._payload_max = min(cfg.buffer_size, peer.buffer_size) - HEADER.size
-        self._credits = peer.credits
+        self._credits = self._peer_credits = peer.credits
         self._threshold = cfg.credit_threshold
         # the staging buffer is our own window_size: we write at most that much at once
         self.window_length = min(peer.window.length, cfg.window_size) if peer.window is not None else 0
@@ -355,7 +364,7 @@ class StreamCore:
         self._send_cookies = [("s", i) for i in range(self.nslots)]  # made once, not per send
         # requests on the send queue in posting order; most sends are unsignalled, and one
         # completion frees everything posted before it (the send queue completes in order)
-        self._posted: Deque[Tuple[str, int]] = collections.deque()
+        self._posted: List[Tuple[str, int]] = []
         # Signal a send only when the free slots run low (fewer than a quarter left): a signalled
         # send's completion wakes the loop, so a request/response exchange should see it once in
         # many round trips, not every few (docs/streams.md, "Event-loop plumbing").
@@ -366,7 +375,7 @@ class StreamCore:
         # (immutable: no copy until the one into registered memory), smaller or mutable writes are
         # copied into a bytearray of ours, several small writes into one.  _head is how much of the
         # first chunk is already sent (only ever non-zero for a kept bytes object).
-        self._chunks: Deque[Any] = collections.deque()
+        self._chunks: List[Any] = []
         self._head = 0
         self._pending = 0
         self.eof_requested = False  #: write_eof() or close(): send EOF once the buffer is empty
@@ -428,19 +437,12 @@ class StreamCore:
     # -- the writer's side -------------------------------------------------------------------
     def write(self, data: Any) -> None:
         """Buffer bytes to send; RuntimeError after :meth:`write_eof`."""
+        if type(data) is bytes:
+            self.write_bytes(data)  # (in C: kept by reference from _KEEP_FROM bytes on, else copied)
+            return
         if self.eof_requested:
             raise RuntimeError("Cannot write after write_eof()")
         chunks = self._chunks
-        if type(data) is bytes:
-            n = len(data)
-            if n >= _KEEP_FROM:
-                chunks.append(data)
-            elif chunks and type(chunks[-1]) is bytearray:
-                chunks[-1] += data
-            else:
-                chunks.append(bytearray(data))
-            self._pending += n
-            return
         # a buffer the caller may change after write() returns: copied now (len() of a memoryview
         # counts its items, so the bytes are counted by what the copy grew by)
         if chunks and type(chunks[-1]) is bytearray:
@@ -494,31 +496,6 @@ class StreamCore:
         """Whether ``pending`` bytes go by window write: at least the threshold, with a window at least
         that large (a smaller one would only slow them down)."""
         return pending >= self._bulk_from
-
-    def take_data(self) -> Optional[Tuple[int, bytes, Any, bool]]:
-        """:meth:`next_send`, the copy and :meth:`sent` in one step for the common case of a small
-        write: every pending byte is one buffered chunk that fits one DATA message, a credit and a
-        slot are free, and no EOF or window release is due.  Commits that DATA send and returns
-        ``(slot, header, chunk, signalled)``: post the header then the chunk's bytes from the slot,
-        ``signalled`` or not.  None when it is not that case (nothing changed: use next_send)."""
-        free, chunks = self._free_slots, self._chunks
-        n = self._pending
-        if (not free or not n or self._credits <= 0 or len(chunks) != 1 or self._head or n > self._payload_max
-                or n >= self._bulk_from or self.eof_requested or self._release_pending):
-            return None
-        slot = free.pop()
-        owed = self._owed
-        # as _plan: signal when the free slots run short (none from EOF on: EOF is excluded above)
-        signalled = self._unsignalled >= self._signal_every or len(free) < self._low_slots
-        self._unsignalled = 0 if signalled else self._unsignalled + 1
-        self._posted.append(self._send_cookies[slot])
-        self._owed = 0
-        self._credits -= 1
-        self._pending = 0
-        stats = self.stats
-        stats["data_msgs"] += 1
-        stats["bytes_sent"] += n
-        return slot, _pack_header(MSG_DATA, 0, owed, n), chunks.pop(), signalled
 
     def _window_place(self, pending: int) -> Optional[Tuple[int, int]]:
         """(offset, length) of the next window write of ``pending`` bytes, or None while it must wait.
@@ -627,7 +604,7 @@ class StreamCore:
                 else:
                     head += n
                 break
-            chunks.popleft()
+            del chunks[0]
             n -= left
             head = 0
         self._head = head
@@ -635,17 +612,18 @@ class StreamCore:
     def on_send_complete(self, cookie: Tuple[str, int]) -> None:
         """A send or window write completed: it and everything posted before it are done."""
         posted = self._posted
-        if cookie not in posted:
+        try:
+            last = posted.index(cookie)
+        except ValueError:
             return  # an unsignalled request's completion never comes; a stray one changes nothing
-        while posted:
-            done = posted.popleft()
-            if done == WRITE_COOKIE:
+        done = posted[:last + 1]
+        del posted[:last + 1]
+        for request in done:
+            if request == WRITE_COOKIE:
                 self._windows_completed += 1
                 self._retire_windows()
             else:
-                self._free_slots.append(done[1])
-            if done == cookie:
-                break
+                self._free_slots.append(request[1])
 
     def _retire_windows(self) -> None:
         """Free the oldest window writes that are both released and completed."""
@@ -655,28 +633,6 @@ class StreamCore:
             self._windows_completed -= 1
 
     # -- the reader's side ---------------------------------------------------------------------
-    def on_data(self, slot: int, buf: Any, offset: int, length: int) -> int:
-        """:meth:`on_received`'s common case, with no Message made: a well-formed DATA message with no
-        flags, whose header is at ``offset`` in ``buf``, into a posted slot while reading with nothing
-        held.  Takes its credits and returns its payload length; hand the payload over, re-post the
-        slot, then call :meth:`data_consumed`.  -1 when it is not that case (nothing changed: call
-        on_received, which also says what is wrong)."""
-        if (length < _HEADER_SIZE or self._held or not self._reading or self.eof_received
-                or not 0 <= slot < self.nslots or not self._recv_posted[slot]):
-            return -1
-        mtype, flags, credits, plen = _unpack_header(buf, offset)
-        if mtype != MSG_DATA or flags or plen > length - _HEADER_SIZE or self._credits + credits > self.peer.credits:
-            return -1
-        self._recv_posted[slot] = False
-        self._credits += credits
-        return plen
-
-    def data_consumed(self, slot: int, length: int) -> None:
-        """:meth:`consumed` for a DATA message of ``length`` payload bytes taken by :meth:`on_data`."""
-        self._recv_posted[slot] = True
-        self._owed += 1
-        self.stats["bytes_received"] += length
-
     def on_received(self, slot: int, header: Any, length: int) -> Optional[Message]:
         """A receive completed in ``slot`` with ``length`` bytes; ``header`` holds (at least) its first 8 bytes.
 
@@ -695,7 +651,7 @@ class StreamCore:
         if mtype != MSG_DATA or flags or plen > length - _HEADER_SIZE:
             hdr = decode_header(header, length)  # every check, and the error that names what is wrong
             mtype, flags, credits, plen = hdr.type, hdr.flags, hdr.credits, hdr.length
-        if self._credits + credits > self.peer.credits:
+        if self._credits + credits > self._peer_credits:
             raise StreamProtocolError(f"stream protocol error: the peer returned {credits} credits while we "
                                       f"hold {self._credits} of the {self.peer.credits} it granted")
         offset = released = 0

@@ -278,7 +278,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if type(data) is bytes and data and not (self._closing or core.eof_requested):
             # the common case in as few steps as it takes (every small write passes here): the
             # checks below, then buffer, schedule the flush, and pause the protocol past the mark
-            core.write(data)
+            core.write_bytes(data)
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon(self._scheduled_flush)
@@ -349,7 +349,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if self._lost:
             return
         res, core = self._res, self._core
-        data = core.take_data()
+        data = core.take_data(res.arena, res.send_base, self._size)
         if data is not None and not self._post_data(*data):
             return
         send = core.next_send()
@@ -385,20 +385,14 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if self._idle is not None:
             self._check_idle()
 
-    def _post_data(self, slot: int, header: bytes, chunk: Any, signalled: bool) -> bool:
-        """Post one DATA send the core committed (StreamCore.take_data): the header, then the chunk's
-        bytes, from send slot ``slot``.  False when the post failed (see _post_failed)."""
+    def _post_data(self, slot: int, wire: int, signalled: bool) -> bool:
+        """Post one DATA send the core committed and copied into send slot ``slot``
+        (StreamCore.take_data): ``wire`` bytes.  False when the post failed (see _post_failed)."""
         res = self._res
-        n = len(chunk)
-        base = res.send_base + slot * self._size
-        end = base + _HEADER_SIZE + n
-        view = res.view
         try:
-            view[base:base + _HEADER_SIZE] = header
-            view[base + _HEADER_SIZE:end] = chunk
-            res.ep.post_send(self._slot_segment(slot, base, end - base), res.send_cookies[slot],
-                             self._SIGNALLED if signalled else self._SUPPRESS)
-        except (DATError, ValueError) as exc:  # ValueError: the arena's view, released with its LMR
+            res.ep.post_send(self._slot_segment(slot, res.send_base + slot * self._size, wire),
+                             res.send_cookies[slot], self._SIGNALLED if signalled else self._SUPPRESS)
+        except DATError as exc:
             self._post_failed(exc)
             return False
         return True
@@ -512,7 +506,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         elif kind == "r":
             base = slot * self._size
             res, core = self._res, self._core
-            n = core.on_data(slot, res.view, base, event.transferred_length)
+            n = core.on_data(slot, res.arena, base, event.transferred_length)
             if n >= 0:  # the common case: a DATA message, handed over now
                 base += _HEADER_SIZE
                 self._data(res.view[base:base + n])

@@ -1,0 +1,352 @@
+/* aiodat/_shim/streamcore.c: the extension module aiodat._shim._streamcore.
+ *
+ * StreamState, the base class of the stream protocol's state machine
+ * (aiodat.streams.protocol.StreamCore): it holds the state a message touches
+ * in C and does a small message's common steps, the ones every round trip of a
+ * request/response stream takes, without the interpreter:
+ *
+ *   write_bytes(data)        buffer a bytes object to send;
+ *   take_data(dest, base, slot_size)
+ *                            commit one DATA send of the pending bytes and copy
+ *                            its header and payload into its send slot;
+ *   on_data(slot, buf, offset, length)
+ *                            take a received DATA message's credits;
+ *   data_consumed(slot, length)
+ *                            its slot is re-posted: owe the peer its credit.
+ *
+ * Each does what the Python it replaced did, step for step; a case that is not
+ * theirs (a window write, a flag, a paused reader, anything unusual) changes
+ * nothing and says so, and StreamCore's Python takes it (next_send/sent,
+ * on_received/consumed), so the protocol's rules stay in protocol.py.  The
+ * state is plain members, which StreamCore's Python reads and writes as
+ * attributes (``self._credits``...); StreamCore.__init__ sets every one.
+ *
+ * Limited API (abi3), as completions.c and posts.c; buffers are read as bytes
+ * and bytearray objects (the 3.9 limited API has no buffer protocol).
+ */
+#define Py_LIMITED_API 0x03090000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HEADER_SIZE 8
+#define MSG_DATA 1
+#define KEEP_FROM 16384 /* protocol.py's _KEEP_FROM: bytes kept by reference from this size on */
+
+static PyObject *s_data_msgs, *s_bytes_sent, *s_bytes_received;
+
+typedef struct {
+    PyObject_HEAD
+    long long credits, owed, pending, head, unsignalled, signal_every, low_slots, payload_max, bulk_from,
+        release_pending, peer_credits, nslots;
+    char eof_requested, eof_sent, eof_received, reading;
+    PyObject *free_slots, *chunks, *posted, *recv_posted, *held, *stats, *send_cookies;
+} State;
+
+#define OBJ_MEMBERS(X) X(free_slots) X(chunks) X(posted) X(recv_posted) X(held) X(stats) X(send_cookies)
+
+static int traverse(PyObject *op, visitproc visit, void *arg)
+{
+    State *self = (State *)op;
+#define VISIT(f) Py_VISIT(self->f);
+    OBJ_MEMBERS(VISIT)
+    Py_VISIT(Py_TYPE(op));  /* a heap type's instances own a reference to it */
+    return 0;
+}
+
+static int clear(PyObject *op)
+{
+    State *self = (State *)op;
+#define CLEAR(f) Py_CLEAR(self->f);
+    OBJ_MEMBERS(CLEAR)
+    return 0;
+}
+
+static void dealloc(PyObject *op)
+{
+    PyTypeObject *type = Py_TYPE(op);
+    PyObject_GC_UnTrack(op);
+    clear(op);
+    freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free(op);
+    Py_DECREF(type);
+}
+
+/* 0 when every container member is set and of the type the methods rely on, else -1 with an error */
+static int check_members(State *self)
+{
+    if (self->free_slots && PyList_Check(self->free_slots) && self->chunks && PyList_Check(self->chunks)
+        && self->posted && PyList_Check(self->posted) && self->recv_posted && PyList_Check(self->recv_posted)
+        && self->held && self->stats && PyDict_Check(self->stats) && self->send_cookies
+        && PyList_Check(self->send_cookies))
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "StreamState: the state's containers are not set up (StreamCore.__init__ "
+                                        "sets them: _free_slots, _chunks, _posted, _recv_posted, _send_cookies "
+                                        "lists, _held, stats dict)");
+    return -1;
+}
+
+/* stats[key] += by */
+static int stat_add(State *self, PyObject *key, long long by)
+{
+    PyObject *old = PyDict_GetItem(self->stats, key);  /* borrowed */
+    long long value = old ? PyLong_AsLongLong(old) : 0;
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *now = PyLong_FromLongLong(value + by);
+    int err = now ? PyDict_SetItem(self->stats, key, now) : -1;
+    Py_XDECREF(now);
+    return err;
+}
+
+/* the bytes of a bytes or bytearray object, else NULL (no error set) */
+static char *bytes_of(PyObject *obj, Py_ssize_t *size)
+{
+    if (PyBytes_CheckExact(obj)) {
+        *size = PyBytes_Size(obj);
+        return PyBytes_AsString(obj);
+    }
+    if (PyByteArray_CheckExact(obj)) {
+        *size = PyByteArray_Size(obj);
+        return PyByteArray_AsString(obj);
+    }
+    return NULL;
+}
+
+/* write_bytes(data): buffer a bytes object (StreamCore.write's case for bytes) */
+static PyObject *write_bytes(PyObject *op, PyObject *data)
+{
+    State *self = (State *)op;
+    if (check_members(self) < 0)
+        return NULL;
+    if (!PyBytes_CheckExact(data)) {
+        PyErr_SetString(PyExc_TypeError, "write_bytes() takes a bytes object");
+        return NULL;
+    }
+    if (self->eof_requested) {
+        PyErr_SetString(PyExc_RuntimeError, "Cannot write after write_eof()");
+        return NULL;
+    }
+    Py_ssize_t n = PyBytes_Size(data), nchunks = PyList_Size(self->chunks);
+    PyObject *last = nchunks ? PyList_GetItem(self->chunks, nchunks - 1) : NULL;  /* borrowed */
+    if (n >= KEEP_FROM) {
+        if (PyList_Append(self->chunks, data) < 0)
+            return NULL;
+    } else if (last != NULL && PyByteArray_CheckExact(last)) {
+        /* several small writes become one chunk (and so one DATA message) */
+        Py_ssize_t before = PyByteArray_Size(last);
+        if (PyByteArray_Resize(last, before + n) < 0)
+            return NULL;
+        memcpy(PyByteArray_AsString(last) + before, PyBytes_AsString(data), (size_t)n);
+    } else {
+        PyObject *copy = PyByteArray_FromStringAndSize(PyBytes_AsString(data), n);
+        int err = copy ? PyList_Append(self->chunks, copy) : -1;
+        Py_XDECREF(copy);
+        if (err < 0)
+            return NULL;
+    }
+    self->pending += n;
+    Py_RETURN_NONE;
+}
+
+/* take_data(dest, base, slot_size) -> (slot, wire_length, signalled) | None */
+static PyObject *take_data(PyObject *op, PyObject *args)
+{
+    State *self = (State *)op;
+    PyObject *dest;
+    Py_ssize_t base, slot_size;
+    if (!PyArg_ParseTuple(args, "Onn:take_data", &dest, &base, &slot_size) || check_members(self) < 0)
+        return NULL;
+    Py_ssize_t nfree = PyList_Size(self->free_slots);
+    long long n = self->pending, owed = self->owed;
+    if (!nfree || !n || self->credits <= 0 || PyList_Size(self->chunks) != 1 || self->head || n > self->payload_max
+        || n >= self->bulk_from || self->eof_requested || self->release_pending || owed > 0xFFFF)
+        Py_RETURN_NONE;
+    PyObject *chunk = PyList_GetItem(self->chunks, 0);  /* borrowed */
+    Py_ssize_t chunk_len, dest_len;
+    char *src = bytes_of(chunk, &chunk_len);
+    if (src == NULL || chunk_len != n)
+        Py_RETURN_NONE;
+    if (!PyByteArray_CheckExact(dest)) {
+        PyErr_SetString(PyExc_TypeError, "take_data(): dest must be a bytearray (the registered arena)");
+        return NULL;
+    }
+    PyObject *slot_obj = PyList_GetItem(self->free_slots, nfree - 1);  /* borrowed */
+    long long slot = PyLong_AsLongLong(slot_obj);
+    if (slot == -1 && PyErr_Occurred())
+        return NULL;
+    dest_len = PyByteArray_Size(dest);
+    if (slot < 0 || slot >= PyList_Size(self->send_cookies) || base < 0 || slot_size < HEADER_SIZE + n
+        || base + (slot + 1) * (long long)slot_size > dest_len) {
+        PyErr_Format(PyExc_ValueError, "take_data(): send slot %lld of %zd bytes at %zd does not fit a "
+                     "%zd-byte dest, or a %lld-byte message does not fit the slot",
+                     slot, slot_size, base, dest_len, (long long)HEADER_SIZE + n);
+        return NULL;
+    }
+    int signalled = self->unsignalled >= self->signal_every || nfree - 1 < self->low_slots;
+    /* what can fail first, then the state changes, which cannot */
+    PyObject *result = Py_BuildValue("(LnO)", slot, (Py_ssize_t)(HEADER_SIZE + n), signalled ? Py_True : Py_False);
+    if (result == NULL || PyList_Append(self->posted, PyList_GetItem(self->send_cookies, (Py_ssize_t)slot)) < 0) {
+        Py_XDECREF(result);
+        return NULL;
+    }
+    unsigned char *out = (unsigned char *)PyByteArray_AsString(dest) + base + slot * slot_size;
+    out[0] = MSG_DATA;
+    out[1] = 0;
+    out[2] = (unsigned char)(owed >> 8);
+    out[3] = (unsigned char)owed;
+    out[4] = (unsigned char)(n >> 24);
+    out[5] = (unsigned char)(n >> 16);
+    out[6] = (unsigned char)(n >> 8);
+    out[7] = (unsigned char)n;
+    memcpy(out + HEADER_SIZE, src, (size_t)n);
+    PyList_SetSlice(self->free_slots, nfree - 1, nfree, NULL);
+    PyList_SetSlice(self->chunks, 0, 1, NULL);
+    self->unsignalled = signalled ? 0 : self->unsignalled + 1;
+    self->owed = 0;
+    self->credits -= 1;
+    self->pending = 0;
+    if (stat_add(self, s_data_msgs, 1) < 0 || stat_add(self, s_bytes_sent, n) < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+/* on_data(slot, buf, offset, length) -> payload length | -1 */
+static PyObject *on_data(PyObject *op, PyObject *args)
+{
+    State *self = (State *)op;
+    PyObject *buf;
+    Py_ssize_t slot, offset, length, buf_len;
+    if (!PyArg_ParseTuple(args, "nOnn:on_data", &slot, &buf, &offset, &length) || check_members(self) < 0)
+        return NULL;
+    if (length < HEADER_SIZE || !self->reading || self->eof_received || slot < 0 || slot >= self->nslots
+        || slot >= PyList_Size(self->recv_posted))
+        return PyLong_FromLong(-1);
+    Py_ssize_t held = PyObject_Size(self->held);
+    if (held < 0)
+        return NULL;
+    PyObject *posted = PyList_GetItem(self->recv_posted, slot);  /* borrowed */
+    int is_posted = posted ? PyObject_IsTrue(posted) : -1;
+    if (is_posted < 0)
+        return NULL;
+    if (held || !is_posted)
+        return PyLong_FromLong(-1);
+    const unsigned char *in = (const unsigned char *)bytes_of(buf, &buf_len);
+    if (in == NULL) {
+        PyErr_SetString(PyExc_TypeError, "on_data(): buf must be bytes or a bytearray");
+        return NULL;
+    }
+    if (offset < 0 || offset > buf_len - HEADER_SIZE) {
+        PyErr_Format(PyExc_ValueError, "on_data(): a header at %zd does not fit a %zd-byte buffer", offset, buf_len);
+        return NULL;
+    }
+    in += offset;
+    long long credits = (long long)in[2] << 8 | in[3];
+    long long plen = (long long)in[4] << 24 | (long long)in[5] << 16 | (long long)in[6] << 8 | in[7];
+    if (in[0] != MSG_DATA || in[1] || plen > length - HEADER_SIZE || self->credits + credits > self->peer_credits)
+        return PyLong_FromLong(-1);
+    Py_INCREF(Py_False);
+    if (PyList_SetItem(self->recv_posted, slot, Py_False) < 0)  /* (steals the reference) */
+        return NULL;
+    self->credits += credits;
+    return PyLong_FromLongLong(plen);
+}
+
+/* data_consumed(slot, length) */
+static PyObject *data_consumed(PyObject *op, PyObject *args)
+{
+    State *self = (State *)op;
+    Py_ssize_t slot;
+    long long length;
+    if (!PyArg_ParseTuple(args, "nL:data_consumed", &slot, &length) || check_members(self) < 0)
+        return NULL;
+    if (slot < 0 || slot >= PyList_Size(self->recv_posted)) {
+        PyErr_Format(PyExc_IndexError, "data_consumed(): no receive slot %zd", slot);
+        return NULL;
+    }
+    if (stat_add(self, s_bytes_received, length) < 0)
+        return NULL;
+    Py_INCREF(Py_True);
+    if (PyList_SetItem(self->recv_posted, slot, Py_True) < 0)  /* (steals the reference) */
+        return NULL;
+    self->owed += 1;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef state_methods[] = {
+    {"write_bytes", write_bytes, METH_O,
+     "write_bytes(data): buffer a bytes object to send (write()'s case for bytes); RuntimeError after "
+     "write_eof()."},
+    {"take_data", take_data, METH_VARARGS,
+     "take_data(dest, base, slot_size) -> (slot, wire_length, signalled) or None.\n\n"
+     "next_send(), copy_pending() and sent() in one step for a small write's common case: every pending byte is "
+     "one buffered chunk that fits one DATA message, a credit and a send slot are free, and no EOF or window "
+     "release is due.  Commits that DATA send and writes its header and payload into send slot ``slot`` of "
+     "``dest`` (a bytearray; slot i starts at base + i * slot_size): post ``wire_length`` bytes from there, "
+     "signalled or not.  None when it is not that case (nothing changed: use next_send)."},
+    {"on_data", on_data, METH_VARARGS,
+     "on_data(slot, buf, offset, length) -> payload length, or -1.\n\n"
+     "on_received()'s common case, with no Message made: a well-formed DATA message with no flags, whose header "
+     "is at ``offset`` in ``buf`` (bytes or a bytearray), into a posted slot while reading with nothing held.  "
+     "Takes its credits and returns its payload length; hand the payload over, re-post the slot, then call "
+     "data_consumed().  -1 when it is not that case (nothing changed: call on_received, which also says what "
+     "is wrong)."},
+    {"data_consumed", data_consumed, METH_VARARGS,
+     "data_consumed(slot, length): consumed() for a DATA message of ``length`` payload bytes taken by on_data()."},
+    {NULL, NULL, 0, NULL},
+};
+
+#define LL(name, field) {name, T_LONGLONG, offsetof(State, field), 0, NULL}
+#define BOOL(name, field) {name, T_BOOL, offsetof(State, field), 0, NULL}
+#define OBJ(name, field) {name, T_OBJECT_EX, offsetof(State, field), 0, NULL}
+
+static PyMemberDef state_members[] = {
+    LL("_credits", credits), LL("_owed", owed), LL("_pending", pending), LL("_head", head),
+    LL("_unsignalled", unsignalled), LL("_signal_every", signal_every), LL("_low_slots", low_slots),
+    LL("_payload_max", payload_max), LL("_bulk_from", bulk_from), LL("_release_pending", release_pending),
+    LL("_peer_credits", peer_credits), LL("nslots", nslots),
+    BOOL("eof_requested", eof_requested), BOOL("eof_sent", eof_sent), BOOL("eof_received", eof_received),
+    BOOL("_reading", reading),
+    OBJ("_free_slots", free_slots), OBJ("_chunks", chunks), OBJ("_posted", posted), OBJ("_recv_posted", recv_posted),
+    OBJ("_held", held), OBJ("stats", stats), OBJ("_send_cookies", send_cookies),
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot state_slots[] = {
+    {Py_tp_doc, "The state of one side of an aiodat stream and a small message's steps in C (base of StreamCore)."},
+    {Py_tp_methods, state_methods},
+    {Py_tp_members, state_members},
+    {Py_tp_traverse, traverse},
+    {Py_tp_clear, clear},
+    {Py_tp_dealloc, dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec state_spec = {
+    "aiodat._shim._streamcore.StreamState", sizeof(State), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, state_slots,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "aiodat._shim._streamcore",
+    "StreamState: the stream protocol's state and a small message's steps in C (see streams/protocol.py).", -1, NULL,
+};
+
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__streamcore(void)
+{
+    INTERN(s_data_msgs, "data_msgs"); INTERN(s_bytes_sent, "bytes_sent"); INTERN(s_bytes_received, "bytes_received");
+    PyObject *mod = PyModule_Create(&module);
+    PyObject *type = mod ? PyType_FromSpec(&state_spec) : NULL;
+    if (type == NULL || PyModule_AddObject(mod, "StreamState", type) < 0) {
+        Py_XDECREF(type);
+        Py_XDECREF(mod);
+        return NULL;
+    }
+    return mod;
+}
