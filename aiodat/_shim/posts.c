@@ -66,7 +66,7 @@ static PyObject *one_segment(PyObject *segments)
  * Fills the LMR (a new reference) and the scatter/gather element.  1: go on; 0: not the hot path. */
 static int check_segment(PyObject *ep, PyObject *seg, PyObject **lmr, struct ibv_sge *sge)
 {
-    unsigned long long address, offset, length, lkey;
+    unsigned long long address = 0, offset = 0, length = 0, lkey = 0;  /* (set below; -O1 cannot tell) */
     int open = attr_is(ep, s_closed, Py_False);
     if (open <= 0)
         return open;
