@@ -36,6 +36,7 @@
 #define KEEP_FROM 16384 /* protocol.py's _KEEP_FROM: bytes kept by reference from this size on */
 
 static PyObject *s_data_msgs, *s_bytes_sent, *s_bytes_received;
+static PyObject *state_type;  /* StreamState, set at import */
 
 typedef struct {
     PyObject_HEAD
@@ -215,45 +216,66 @@ static PyObject *take_data(PyObject *op, PyObject *args)
     return result;
 }
 
-/* on_data(slot, buf, offset, length) -> payload length | -1 */
-static PyObject *on_data(PyObject *op, PyObject *args)
+/* A DATA message's payload length when it is on_data()'s case (and its credits taken), -1 when it is
+ * not (nothing changed), -2 on an error (set). */
+static long long take_message(State *self, Py_ssize_t slot, PyObject *buf, Py_ssize_t offset, Py_ssize_t length)
 {
-    State *self = (State *)op;
-    PyObject *buf;
-    Py_ssize_t slot, offset, length, buf_len;
-    if (!PyArg_ParseTuple(args, "nOnn:on_data", &slot, &buf, &offset, &length) || check_members(self) < 0)
-        return NULL;
+    Py_ssize_t buf_len;
     if (length < HEADER_SIZE || !self->reading || self->eof_received || slot < 0 || slot >= self->nslots
         || slot >= PyList_Size(self->recv_posted))
-        return PyLong_FromLong(-1);
+        return -1;
     Py_ssize_t held = PyObject_Size(self->held);
     if (held < 0)
-        return NULL;
+        return -2;
     PyObject *posted = PyList_GetItem(self->recv_posted, slot);  /* borrowed */
     int is_posted = posted ? PyObject_IsTrue(posted) : -1;
     if (is_posted < 0)
-        return NULL;
+        return -2;
     if (held || !is_posted)
-        return PyLong_FromLong(-1);
+        return -1;
     const unsigned char *in = (const unsigned char *)bytes_of(buf, &buf_len);
     if (in == NULL) {
         PyErr_SetString(PyExc_TypeError, "on_data(): buf must be bytes or a bytearray");
-        return NULL;
+        return -2;
     }
     if (offset < 0 || offset > buf_len - HEADER_SIZE) {
         PyErr_Format(PyExc_ValueError, "on_data(): a header at %zd does not fit a %zd-byte buffer", offset, buf_len);
-        return NULL;
+        return -2;
     }
     in += offset;
     long long credits = (long long)in[2] << 8 | in[3];
     long long plen = (long long)in[4] << 24 | (long long)in[5] << 16 | (long long)in[6] << 8 | in[7];
     if (in[0] != MSG_DATA || in[1] || plen > length - HEADER_SIZE || self->credits + credits > self->peer_credits)
-        return PyLong_FromLong(-1);
+        return -1;
     Py_INCREF(Py_False);
     if (PyList_SetItem(self->recv_posted, slot, Py_False) < 0)  /* (steals the reference) */
-        return NULL;
+        return -2;
     self->credits += credits;
-    return PyLong_FromLongLong(plen);
+    return plen;
+}
+
+/* data_consumed's work: the slot is posted again, one credit owed */
+static int consume_message(State *self, Py_ssize_t slot, long long length)
+{
+    if (stat_add(self, s_bytes_received, length) < 0)
+        return -1;
+    Py_INCREF(Py_True);
+    if (PyList_SetItem(self->recv_posted, slot, Py_True) < 0)  /* (steals the reference) */
+        return -1;
+    self->owed += 1;
+    return 0;
+}
+
+/* on_data(slot, buf, offset, length) -> payload length | -1 */
+static PyObject *on_data(PyObject *op, PyObject *args)
+{
+    State *self = (State *)op;
+    PyObject *buf;
+    Py_ssize_t slot, offset, length;
+    if (!PyArg_ParseTuple(args, "nOnn:on_data", &slot, &buf, &offset, &length) || check_members(self) < 0)
+        return NULL;
+    long long n = take_message(self, slot, buf, offset, length);
+    return n == -2 ? NULL : PyLong_FromLongLong(n);
 }
 
 /* data_consumed(slot, length) */
@@ -268,12 +290,8 @@ static PyObject *data_consumed(PyObject *op, PyObject *args)
         PyErr_Format(PyExc_IndexError, "data_consumed(): no receive slot %zd", slot);
         return NULL;
     }
-    if (stat_add(self, s_bytes_received, length) < 0)
+    if (consume_message(self, slot, length) < 0)
         return NULL;
-    Py_INCREF(Py_True);
-    if (PyList_SetItem(self->recv_posted, slot, Py_True) < 0)  /* (steals the reference) */
-        return NULL;
-    self->owed += 1;
     Py_RETURN_NONE;
 }
 
@@ -331,9 +349,230 @@ static PyType_Spec state_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, state_slots,
 };
 
+/* -- Receiver: a received DATA message, from its completion to the protocol and the re-post -------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *core, *arena, *view, *protocol, *post_recv, *segs, *cookies, *event_type, *post_errors;
+    Py_ssize_t slot_size;
+    char as_view, open, alive, delivered, protocol_failed;
+} Receiver;
+
+#define RECEIVER_OBJECTS(X) X(core) X(arena) X(view) X(protocol) X(post_recv) X(segs) X(cookies) \
+    X(event_type) X(post_errors)
+
+static PyObject *s_cookie, *s_status, *s_transferred_length, *s_r, *s_data_received;
+
+static int receiver_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    Receiver *self = (Receiver *)op;
+    RECEIVER_OBJECTS(VISIT)
+    Py_VISIT(Py_TYPE(op));
+    return 0;
+}
+
+static int receiver_clear(PyObject *op)
+{
+    Receiver *self = (Receiver *)op;
+    RECEIVER_OBJECTS(CLEAR)
+    return 0;
+}
+
+static void receiver_dealloc(PyObject *op)
+{
+    PyTypeObject *type = Py_TYPE(op);
+    PyObject_GC_UnTrack(op);
+    receiver_clear(op);
+    freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free(op);
+    Py_DECREF(type);
+}
+
+static PyObject *receiver_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *core, *arena, *view, *protocol, *post_recv, *segs, *cookies, *event_type, *post_errors;
+    Py_ssize_t slot_size;
+    int as_view;
+    if (kwds != NULL && PyObject_Size(kwds) > 0) {
+        PyErr_SetString(PyExc_TypeError, "Receiver() takes positional arguments only");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOOnOpOOOOO:Receiver", &core, &arena, &view, &slot_size, &protocol, &as_view,
+                          &post_recv, &segs, &cookies, &event_type, &post_errors))
+        return NULL;
+    if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs) || !PyList_Check(cookies) || !PyType_Check(event_type)
+        || slot_size <= HEADER_SIZE || !PyCallable_Check(post_recv)) {
+        PyErr_SetString(PyExc_TypeError, "Receiver(core: StreamState, arena: bytearray, view, slot_size > 8, protocol, "
+                                         "as_view, post_recv, segs: list, cookies: list, event_type, post_errors)");
+        return NULL;
+    }
+    Receiver *self = (Receiver *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
+    if (self == NULL)
+        return NULL;
+#define KEEP(f) Py_INCREF(f); self->f = f;
+    RECEIVER_OBJECTS(KEEP)
+    self->slot_size = slot_size;
+    self->as_view = (char)as_view;
+    self->open = self->alive = 1;
+    return (PyObject *)self;
+}
+
+/* attribute ``name`` of ``obj`` as a Py_ssize_t: 0, or -1 with an error */
+static int attr_ssize(PyObject *obj, PyObject *name, Py_ssize_t *out)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    *out = PyLong_AsSsize_t(value);
+    Py_DECREF(value);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* the receive slot of a successful receive completion of the stream's own (cookie ("r", slot)), -1 when it
+ * is anything else, -2 on an error */
+static Py_ssize_t own_receive(Receiver *self, PyObject *event)
+{
+    if ((PyObject *)Py_TYPE(event) != self->event_type)
+        return -1;
+    PyObject *cookie = PyObject_GetAttr(event, s_cookie);
+    if (cookie == NULL)
+        return -2;
+    Py_ssize_t slot = -1;
+    if (PyTuple_Check(cookie) && PyTuple_Size(cookie) == 2) {
+        PyObject *kind = PyTuple_GetItem(cookie, 0), *index = PyTuple_GetItem(cookie, 1);
+        int is_r = PyUnicode_Check(kind) ? PyObject_RichCompareBool(kind, s_r, Py_EQ) : 0;
+        if (is_r < 0)
+            slot = -2;
+        else if (is_r && PyLong_Check(index)) {
+            slot = PyLong_AsSsize_t(index);
+            if (slot == -1 && PyErr_Occurred())
+                PyErr_Clear();  /* (a huge index: not the stream's) */
+            if (slot < 0)
+                slot = -1;
+        }
+    }
+    Py_DECREF(cookie);
+    if (slot < 0)
+        return slot;
+    PyObject *status = PyObject_GetAttr(event, s_status);
+    if (status == NULL)
+        return -2;
+    int ok = PyUnicode_Check(status) && PyUnicode_CompareWithASCIIString(status, "IBV_WC_SUCCESS") == 0;
+    Py_DECREF(status);
+    return ok ? slot : -1;
+}
+
+/* receive(event) -> True when taken: see the type's doc */
+static PyObject *receiver_receive(PyObject *op, PyObject *event)
+{
+    Receiver *self = (Receiver *)op;
+    State *core = (State *)self->core;
+    self->protocol_failed = 0;
+    if (!self->open)
+        Py_RETURN_FALSE;
+    if (check_members(core) < 0)
+        return NULL;
+    Py_ssize_t slot = own_receive(self, event), length;
+    if (slot == -2 || (slot >= 0 && attr_ssize(event, s_transferred_length, &length) < 0))
+        return NULL;
+    if (slot < 0 || slot >= PyList_Size(self->segs) || slot >= PyList_Size(self->cookies))
+        Py_RETURN_FALSE;
+    Py_ssize_t base = slot * self->slot_size;
+    long long n = take_message(core, slot, self->arena, base, length);
+    if (n == -2)
+        return NULL;
+    if (n == -1)
+        Py_RETURN_FALSE;
+    base += HEADER_SIZE;
+    PyObject *payload;
+    if (self->as_view) {
+        PyObject *start = PyLong_FromSsize_t(base), *stop = PyLong_FromLongLong(base + n);
+        PyObject *slice = start && stop ? PySlice_New(start, stop, NULL) : NULL;
+        payload = slice ? PyObject_GetItem(self->view, slice) : NULL;
+        Py_XDECREF(slice); Py_XDECREF(start); Py_XDECREF(stop);
+    } else {
+        Py_ssize_t arena_len = 0;
+        char *bytes = bytes_of(self->arena, &arena_len);
+        payload = base + n <= arena_len ? PyBytes_FromStringAndSize(bytes + base, (Py_ssize_t)n) : NULL;
+        if (payload == NULL && !PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "Receiver: the payload runs past the arena");
+    }
+    if (payload == NULL)
+        return NULL;
+    self->delivered = 1;
+    /* looked up each time, as the transport's Python does: a protocol may rebind its data_received */
+    PyObject *data_received = self->protocol ? PyObject_GetAttr(self->protocol, s_data_received) : NULL;
+    if (self->protocol == NULL)
+        PyErr_SetString(PyExc_AttributeError, "Receiver: no protocol");
+    PyObject *result = data_received ? PyObject_CallFunctionObjArgs(data_received, payload, NULL) : NULL;
+    Py_XDECREF(data_received);
+    Py_DECREF(payload);
+    if (result == NULL) {
+        self->protocol_failed = 1;
+        return NULL;
+    }
+    Py_DECREF(result);
+    if (!self->alive)  /* data_received ended the stream: the slot stays unposted, as the Python path leaves it */
+        Py_RETURN_TRUE;
+    result = PyObject_CallFunctionObjArgs(self->post_recv, PyList_GetItem(self->segs, slot),
+                                          PyList_GetItem(self->cookies, slot), NULL);
+    if (result == NULL) {
+        if (!PyErr_ExceptionMatches(self->post_errors))
+            return NULL;
+        PyErr_Clear();  /* the EP left CONNECTED or was freed: the connection's end follows */
+        Py_RETURN_TRUE;
+    }
+    Py_DECREF(result);
+    if (consume_message(core, slot, n) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef receiver_methods[] = {
+    {"receive", receiver_receive, METH_O,
+     "receive(event) -> bool.\n\n"
+     "Take ``event`` when it is the common case: a successful receive completion of the stream's own (cookie "
+     "(\"r\", slot)) holding a DATA message that core.on_data() takes, while the receiver is open.  Hands the "
+     "payload to protocol.data_received (a memoryview of ``view`` when as_view, else bytes), re-posts the slot with "
+     "post_recv(segs[slot], cookies[slot]) and calls the core's data_consumed; True.  False, with nothing "
+     "changed, for anything else.  An exception of data_received propagates with protocol_failed set; a "
+     "post_errors exception of the re-post is swallowed (the slot stays unposted, and the connection's end "
+     "follows); when data_received ends the connection (alive set False), no re-post is made."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef receiver_members[] = {
+    {"open", T_BOOL, offsetof(Receiver, open), 0, NULL},
+    {"alive", T_BOOL, offsetof(Receiver, alive), 0, NULL},
+    {"protocol", T_OBJECT_EX, offsetof(Receiver, protocol), 0, NULL},
+    {"as_view", T_BOOL, offsetof(Receiver, as_view), 0, NULL},
+    {"delivered", T_BOOL, offsetof(Receiver, delivered), 0, NULL},
+    {"protocol_failed", T_BOOL, offsetof(Receiver, protocol_failed), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot receiver_slots[] = {
+    {Py_tp_doc, "Receiver(core, arena, view, slot_size, protocol, as_view, post_recv, segs, cookies, "
+                "event_type, post_errors): a received DATA message's steps, from its completion to the re-post, "
+                "in C (the stream transport's common case).  ``open``: set False when the transport starts to "
+                "close (receive() then takes nothing); ``alive``: set False when the connection ends; ``delivered``: set when a payload went to data_received (the transport resets it)."},
+    {Py_tp_new, receiver_new},
+    {Py_tp_methods, receiver_methods},
+    {Py_tp_members, receiver_members},
+    {Py_tp_traverse, receiver_traverse},
+    {Py_tp_clear, receiver_clear},
+    {Py_tp_dealloc, receiver_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec receiver_spec = {
+    "aiodat._shim._streamcore.Receiver", sizeof(Receiver), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    receiver_slots,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "aiodat._shim._streamcore",
-    "StreamState: the stream protocol's state and a small message's steps in C (see streams/protocol.py).", -1, NULL,
+    "StreamState and Receiver: the stream protocol's state and a small message's steps in C (see streams/).", -1, NULL,
 };
 
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
@@ -341,11 +580,22 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__streamcore(void)
 {
     INTERN(s_data_msgs, "data_msgs"); INTERN(s_bytes_sent, "bytes_sent"); INTERN(s_bytes_received, "bytes_received");
+    INTERN(s_cookie, "cookie"); INTERN(s_status, "status"); INTERN(s_transferred_length, "transferred_length");
+    INTERN(s_r, "r"); INTERN(s_data_received, "data_received");
     PyObject *mod = PyModule_Create(&module);
-    PyObject *type = mod ? PyType_FromSpec(&state_spec) : NULL;
-    if (type == NULL || PyModule_AddObject(mod, "StreamState", type) < 0) {
-        Py_XDECREF(type);
-        Py_XDECREF(mod);
+    if (mod == NULL)
+        return NULL;
+    PyObject *state = PyType_FromSpec(&state_spec);
+    if (state == NULL || PyModule_AddObject(mod, "StreamState", state) < 0) {
+        Py_XDECREF(state);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    state_type = state;  /* (the module holds it for good) */
+    PyObject *receiver = PyType_FromSpec(&receiver_spec);
+    if (receiver == NULL || PyModule_AddObject(mod, "Receiver", receiver) < 0) {
+        Py_XDECREF(receiver);
+        Py_DECREF(mod);
         return NULL;
     }
     return mod;

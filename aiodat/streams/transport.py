@@ -14,9 +14,10 @@ from asyncio import constants as _asyncio_constants
 from asyncio import transports as _asyncio_transports
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
+from aiodat._shim._streamcore import Receiver
 from aiodat.cm import check_timeout, resolve_host
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
-from aiodat.evd import ConnectionEvent, EventType
+from aiodat.evd import ConnectionEvent, DTOCompletionEvent, EventType
 from aiodat.streams.pool import IARef
 from aiodat.streams.protocol import (
     DEFAULT_LIMIT,
@@ -158,10 +159,10 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._lost = False
         self._conn_lost_writes = 0
         self._flush_scheduled = False
-        self._delivered = False  # the batch being handled gave the protocol data (see _handle)
         self._idle: Optional[asyncio.Future[None]] = None
         self._close_task: Optional[asyncio.Task[None]] = None
         self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
+        self._receiver = self._make_receiver()
         #: messages and bytes moved, for tests and benchmarks: sends, window writes, credit messages
         self.stats = self._core.stats
 
@@ -200,6 +201,15 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
 
             self._res.evd.set_callback(on_events, on_error=on_error)
 
+    def _make_receiver(self) -> Receiver:
+        """The C step that takes a received DATA message from its completion to data_received and the
+        re-post (_shim/streamcore.c).  ``delivered`` tells _handle the batch gave the protocol data;
+        ``open`` is False from close() on, and ``alive`` once the connection is lost: then the Python
+        path (_completion) takes every completion; set_protocol() sets its ``protocol``."""
+        res = self._res
+        return Receiver(self._core, res.arena, res.view, self._size, self._protocol, self._stream_protocol,
+                        res.ep.post_recv, res.recv_segs, res.recv_cookies, DTOCompletionEvent, DATError)
+
     def __del__(self) -> None:
         # Only the warning: the EP, EVD, LMRs and PZ of the stream are freed by their Raw holders
         # as they are collected (finalizers never call into the loop).  The shared IA stays in
@@ -217,6 +227,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if self._closing:
             return
         self._closing = True
+        self._receiver.open = False  # (no data_received after close(): the Python path knows)
         if self._lost:
             return
         self._core.write_eof()
@@ -227,6 +238,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         """Hand the connection to another protocol."""
         self._protocol = protocol
         self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
+        self._receiver.protocol, self._receiver.as_view = protocol, self._stream_protocol
 
     def get_protocol(self) -> asyncio.BaseProtocol:
         """The protocol the transport delivers to."""
@@ -329,6 +341,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if self._lost:
             return
         self._closing = True
+        self._receiver.open = False
         self._core.discard()
         self._finish(None)
 
@@ -449,14 +462,22 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             return
         try:
             self._handle(events)
-        except Exception as exc:  # the connection is unusable; the loop's handler is not the place
-            if not self._lost:
+        except Exception as exc:
+            if self._receiver.protocol_failed:  # (the Receiver's data_received raised)
+                self._data_received_failed(exc)
+            elif not self._lost:  # the connection is unusable; the loop's handler is not the place
                 self._finish(ConnectionBroken(f"the RDMA stream failed: {exc!r}"))
 
     def _handle(self, events: Sequence[Any]) -> None:
         lost_event = None
-        self._delivered = False
+        receiver = self._receiver
+        receiver.delivered = False
+        receive = receiver.receive
         for event in events:
+            if receive(event):  # a DATA message, handed over and its slot re-posted, in C
+                continue
+            if self._lost:
+                return
             if isinstance(event, ConnectionEvent):
                 if event.type in (EventType.CONNECTION_EVENT_DISCONNECTED, EventType.CONNECTION_EVENT_BROKEN):
                     lost_event = event
@@ -478,7 +499,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                         return
             self._peer_lost(lost_event.type is EventType.CONNECTION_EVENT_BROKEN)
             return
-        if self._delivered:
+        if receiver.delivered:
             # The protocol was handed data, and data_received has just queued the wake-up of
             # whoever reads it (the StreamReader's waiter).  A flush queued now runs right after
             # that reader, in the same loop iteration: a reply it writes is posted there, not one
@@ -555,13 +576,16 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
     def _data(self, view: memoryview) -> None:
         if self._closing and not self._lost:
             return  # as asyncio: no data_received after close()
-        self._delivered = True
+        self._receiver.delivered = True
         try:
             self._protocol.data_received(view if self._stream_protocol else bytes(view))  # type: ignore
         except Exception as exc:
-            self._loop.call_exception_handler({"message": "protocol.data_received() failed",
-                                               "exception": exc, "transport": self, "protocol": self._protocol})
-            self.abort()
+            self._data_received_failed(exc)
+
+    def _data_received_failed(self, exc: Exception) -> None:
+        self._loop.call_exception_handler({"message": "protocol.data_received() failed",
+                                           "exception": exc, "transport": self, "protocol": self._protocol})
+        self.abort()
 
     def _eof(self) -> None:
         if self._eof_delivered:
@@ -591,6 +615,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             return
         self._lost = True
         self._closing = True
+        self._receiver.open = self._receiver.alive = False
         current = asyncio.current_task(self._loop) if self._loop.is_running() else None
         task = self._close_task
         if task is not None and task is not current and not task.done():
