@@ -88,6 +88,7 @@ def transmit(a: Side, b: Side, limit: int = 10 ** 9) -> int:
             a.types_sent.append(MSG_DATA)
             a.wire_sent.append(wire)
             a.fast_steps += 1
+            assert a.core.next_send() is None  # what the transport's _flush relies on after take_data
             n += 1
             continue
         send = a.core.next_send()

@@ -820,3 +820,46 @@ async def test_a_failing_completion_queue_ends_the_stream_with_its_cause(rdma_ho
     failures = [o for o in outcomes if isinstance(o, ConnectionResetError)]
     assert any("completion queue failed" in str(o) for o in failures), outcomes
     assert all(o in (b"", b"x") or isinstance(o, ConnectionResetError) for o in outcomes), outcomes
+
+
+@pytest.mark.rxe
+async def test_small_messages_take_the_c_steps_both_ways(rdma_host: str) -> None:
+    """A request/response stream's DATA messages are received by the C Receiver and sent by the core's C
+    take_data (aiodat/_shim/streamcore.c): the transport's Python path sees none of them.  Counted on the
+    client's transport; fails if either C step stops taking the common case."""
+    from aiodat.streams.transport import RdmaTransport
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(100):
+            writer.write(data)
+        writer.close()
+
+    server = await aiodat.start_server(echo, rdma_host, 0)
+    reader, writer = await aiodat.open_connection(rdma_host, server.sockets[0].getsockname()[1])
+    transport = writer.transport
+    python_receives: List[Any] = []
+    python_sends: List[Any] = []
+    completion, next_send = RdmaTransport._completion, transport._core.next_send
+
+    def counting_completion(event: Any) -> None:
+        if isinstance(event.cookie, tuple) and event.cookie[0] == "r":
+            python_receives.append(event.cookie)
+        completion(transport, event)
+
+    def counting_next_send() -> Any:
+        send = next_send()
+        if send is not None and send.type == 1:  # a DATA message the C step did not take
+            python_sends.append(send)
+        return send
+
+    transport._completion = counting_completion  # type: ignore[method-assign]
+    transport._core.next_send = counting_next_send  # type: ignore[method-assign]
+    for i in range(50):
+        writer.write(b"ping %d" % i)
+        assert await asyncio.wait_for(reader.read(100), 30) == b"ping %d" % i
+    assert python_receives == [] and python_sends == []
+    assert transport.stats["data_msgs"] >= 50 and transport.stats["bytes_received"] >= 50 * 6
+    writer.close()
+    await writer.wait_closed()
+    server.close()
+    await server.wait_closed()

@@ -363,9 +363,13 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             return
         res, core = self._res, self._core
         data = core.take_data(res.arena, res.send_base, self._size)
-        if data is not None and not self._post_data(*data):
-            return
-        send = core.next_send()
+        if data is not None:
+            if not self._post_data(*data):
+                return
+            # (take_data leaves next_send nothing: no bytes pending, no EOF, credit or release due)
+            send = None
+        else:
+            send = core.next_send()
         if send is not None:
             view, size, send_base, cookies = res.view, self._size, res.send_base, res.send_cookies
             post_send, signalled, suppress = res.ep.post_send, self._SIGNALLED, self._SUPPRESS

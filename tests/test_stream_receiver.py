@@ -1,0 +1,159 @@
+"""The stream transport's receive step in C (``Receiver``, aiodat/_shim/streamcore.c), host-only.
+
+The Receiver takes a received DATA message from its completion to the protocol's
+``data_received``, the slot's re-post and the credit owed, and anything else back to the
+transport's Python.  Here it is driven with real StreamCores and real completion events
+(``aiodat.evd.DTOCompletionEvent``); the re-post is a recording callable in place of the EP's
+``post_recv`` (no device: the streams tests on rxe run the same step against a real EP).  Each
+case checks what the step did, or that it changed nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import pytest
+
+from aiodat._shim._streamcore import Receiver
+from aiodat.errors import DATError, InvalidHandle
+from aiodat.evd import DTOCompletionEvent
+from aiodat.streams.protocol import HEADER, MSG_DATA, MSG_EOF, FLAG_RELEASE, PeerParams, StreamConfig, StreamCore
+
+SIZE = 64
+
+
+class Protocol:
+    def __init__(self, fail: Optional[BaseException] = None) -> None:
+        self.got: List[Any] = []
+        self.fail = fail
+        self.during: Any = None  # called inside data_received
+
+    def data_received(self, data: Any) -> None:
+        self.got.append(bytes(data) if isinstance(data, memoryview) else data)
+        self.kinds = type(data)
+        if self.during is not None:
+            self.during()
+        if self.fail is not None:
+            raise self.fail
+
+
+class Stream:
+    """A core, its arena of receive slots and a Receiver, as RdmaTransport builds them."""
+
+    def __init__(self, as_view: bool = True, protocol: Optional[Protocol] = None) -> None:
+        cfg = StreamConfig(recv_depth=4, buffer_size=SIZE, window_size=0).validate()
+        self.core = StreamCore(cfg, PeerParams(4, SIZE, None))
+        self.arena = bytearray(SIZE * cfg.slots)
+        self.view = memoryview(self.arena)
+        self.protocol = protocol or Protocol()
+        self.reposts: List[Tuple[Any, Any]] = []
+        self.post_error: Optional[BaseException] = None
+        self.segs = [f"seg{i}" for i in range(cfg.slots)]
+        self.cookies = [("r", i) for i in range(cfg.slots)]
+        self.receiver = Receiver(self.core, self.arena, self.view, SIZE, self.protocol, as_view, self.post_recv,
+                                 self.segs, self.cookies, DTOCompletionEvent, DATError)
+
+    def post_recv(self, seg: Any, cookie: Any) -> None:
+        if self.post_error is not None:
+            raise self.post_error
+        self.reposts.append((seg, cookie))
+
+    def arrive(self, slot: int, payload: bytes, mtype: int = MSG_DATA, flags: int = 0, credits: int = 0,
+               cookie: Any = None, status: str = "IBV_WC_SUCCESS") -> DTOCompletionEvent:
+        wire = HEADER.pack(mtype, flags, credits, len(payload)) + payload
+        self.arena[slot * SIZE:slot * SIZE + len(wire)] = wire
+        return DTOCompletionEvent._completed(None, None, ("r", slot) if cookie is None else cookie,  # type: ignore
+                                             status, len(wire), None, None, 0, None, True)
+
+    def state(self) -> Any:
+        return (self.core.credits, self.core.owed, dict(self.core.stats), list(self.reposts), list(self.protocol.got))
+
+
+@pytest.mark.parametrize("as_view", [True, False])
+def test_a_data_message_goes_to_the_protocol_and_its_slot_is_reposted(as_view: bool) -> None:
+    s = Stream(as_view=as_view)
+    s.core.write(b"x")  # take a credit, so the message can return one
+    assert s.core.take_data(bytearray(SIZE * s.core.nslots), 0, SIZE) is not None
+    assert s.receiver.receive(s.arrive(2, b"hello", credits=1)) is True
+    assert s.protocol.got == [b"hello"] and s.protocol.kinds is (memoryview if as_view else bytes)
+    assert s.reposts == [("seg2", ("r", 2))]
+    assert s.core.credits == 4 and s.core.owed == 1 and s.core.stats["bytes_received"] == 5
+    assert s.receiver.delivered and not s.receiver.protocol_failed
+
+
+def test_anything_else_is_left_to_the_python_path_unchanged() -> None:
+    s = Stream()
+    before = s.state()
+    others = [
+        s.arrive(0, b"", mtype=MSG_EOF),  # not DATA
+        s.arrive(0, b"hi", flags=FLAG_RELEASE),  # a release to take
+        s.arrive(0, b"hi", cookie=("s", 0)),  # a send's completion
+        s.arrive(0, b"hi", cookie="foreign"),  # a request the stream did not post
+        s.arrive(0, b"hi", cookie=("r", 99)),  # no such slot
+        s.arrive(0, b"hi", cookie=("r", 2 ** 80)),
+        s.arrive(0, b"hi", status="IBV_WC_WR_FLUSH_ERR"),  # failed
+        s.arrive(0, b"hi", credits=9),  # credits the peer never had: on_received names the error
+    ]
+    for event in others:
+        assert s.receiver.receive(event) is False
+    assert s.receiver.receive(object()) is False  # not a completion (a connection event, say)
+    s.core.pause_reading()
+    assert s.receiver.receive(s.arrive(0, b"hi")) is False  # paused: the Python path holds it
+    s.core.resume_reading()
+    s.receiver.open = False  # the transport is closing
+    assert s.receiver.receive(s.arrive(0, b"hi")) is False
+    assert s.state() == before and not s.receiver.delivered
+
+
+def test_a_raising_data_received_propagates_and_leaves_the_slot_unposted() -> None:
+    s = Stream(protocol=Protocol(fail=ValueError("app bug")))
+    with pytest.raises(ValueError, match="app bug"):
+        s.receiver.receive(s.arrive(1, b"hi"))
+    assert s.receiver.protocol_failed and s.reposts == [] and s.core.owed == 0
+    s.protocol.fail = None
+    assert s.receiver.receive(s.arrive(0, b"ok")) is True and not s.receiver.protocol_failed  # (reset per call)
+
+
+def test_a_failed_repost_is_the_connections_end_and_owes_nothing() -> None:
+    s = Stream()
+    s.post_error = InvalidHandle("the EP was freed")
+    assert s.receiver.receive(s.arrive(0, b"hi")) is True  # handed over; the end comes by its event
+    assert s.protocol.got == [b"hi"] and s.core.owed == 0
+    s.post_error = RuntimeError("not a DAT error")
+    with pytest.raises(RuntimeError):
+        s.receiver.receive(s.arrive(1, b"hi"))
+    assert not s.receiver.protocol_failed  # the transport tells the two apart
+
+
+def test_a_connection_ended_inside_data_received_is_not_reposted() -> None:
+    s = Stream()
+    s.protocol.during = lambda: setattr(s.receiver, "alive", False)  # as the transport's abort() does
+    assert s.receiver.receive(s.arrive(0, b"hi")) is True
+    assert s.protocol.got == [b"hi"] and s.reposts == [] and s.core.owed == 0
+
+
+def test_the_protocol_is_looked_up_per_message() -> None:
+    s = Stream()
+    other = Protocol()
+    s.protocol.data_received = other.data_received  # type: ignore[method-assign]  (rebound)
+    assert s.receiver.receive(s.arrive(0, b"a")) is True and other.got == [b"a"]
+    third = Protocol()
+    s.receiver.protocol, s.receiver.as_view = third, False  # set_protocol()
+    assert s.receiver.receive(s.arrive(1, b"b")) is True and third.got == [b"b"] and third.kinds is bytes
+    del s.receiver.protocol
+    with pytest.raises(AttributeError, match="no protocol"):
+        s.receiver.receive(s.arrive(2, b"c"))
+
+
+def test_bad_construction_is_refused() -> None:
+    s = Stream()
+    good = [s.core, s.arena, s.view, SIZE, s.protocol, True, s.post_recv, s.segs, s.cookies, DTOCompletionEvent,
+            DATError]
+    for index, bad in ((0, object()), (1, bytes(10)), (3, 8), (6, None), (7, tuple(s.segs)), (9, "type")):
+        args = list(good)
+        args[index] = bad
+        with pytest.raises(TypeError, match="Receiver"):
+            Receiver(*args)
+    with pytest.raises(TypeError):
+        Receiver(*good[:5])
+    with pytest.raises(TypeError, match="positional"):
+        Receiver(*good, extra=1)
