@@ -720,6 +720,9 @@ def test_the_c_state_refuses_bad_arguments_and_changes_nothing() -> None:
         a.core.take_data(bytearray(64), 32, 64)  # the slot runs past the end
     with pytest.raises(ValueError, match="does not fit"):
         a.core.take_data(a.send_slots, 0, 8)  # a slot smaller than the message
+    for base, size in ((2 ** 62, 64), (0, 2 ** 62), (-1, 64)):  # (no overflow on the way to the check)
+        with pytest.raises(ValueError, match="does not fit"):
+            a.core.take_data(a.send_slots, base, size)
     assert (a.core.credits, a.core.buffered, a.core.free_send_slots, dict(a.core.stats)) == before
     assert a.core.take_data(a.send_slots, 0, 64) is not None
     wire = bytearray(HEADER.pack(MSG_DATA, 0, 0, 2)) + b"hi"

@@ -180,7 +180,7 @@ static PyObject *take_data(PyObject *op, PyObject *args)
         return NULL;
     dest_len = PyByteArray_Size(dest);
     if (slot < 0 || slot >= PyList_Size(self->send_cookies) || base < 0 || slot_size < HEADER_SIZE + n
-        || base + (slot + 1) * (long long)slot_size > dest_len) {
+        || base > dest_len || slot_size > dest_len || (slot + 1) * (long long)slot_size > dest_len - base) {
         PyErr_Format(PyExc_ValueError, "take_data(): send slot %lld of %zd bytes at %zd does not fit a "
                      "%zd-byte dest, or a %lld-byte message does not fit the slot",
                      slot, slot_size, base, dest_len, (long long)HEADER_SIZE + n);
