@@ -400,8 +400,9 @@ static PyObject *receiver_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     if (!PyArg_ParseTuple(args, "OOOnOpOOOOO:Receiver", &core, &arena, &view, &slot_size, &protocol, &as_view,
                           &post_recv, &segs, &cookies, &event_type, &post_errors))
         return NULL;
-    if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs) || !PyList_Check(cookies) || !PyType_Check(event_type)
-        || slot_size <= HEADER_SIZE || !PyCallable_Check(post_recv)) {
+    if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs)
+        || !PyList_Check(cookies) || !PyType_Check(event_type) || slot_size <= HEADER_SIZE
+        || !PyCallable_Check(post_recv)) {
         PyErr_SetString(PyExc_TypeError, "Receiver(core: StreamState, arena: bytearray, view, slot_size > 8, protocol, "
                                          "as_view, post_recv, segs: list, cookies: list, event_type, post_errors)");
         return NULL;
@@ -468,8 +469,9 @@ static PyObject *receiver_receive(PyObject *op, PyObject *event)
     Receiver *self = (Receiver *)op;
     State *core = (State *)self->core;
     self->protocol_failed = 0;
-    if (!self->open)
-        Py_RETURN_FALSE;
+    if (!self->open || core == NULL || self->arena == NULL || self->view == NULL || self->post_recv == NULL
+        || self->segs == NULL || self->cookies == NULL || self->event_type == NULL || self->post_errors == NULL)
+        Py_RETURN_FALSE;  /* (closing; or its references were cleared by the collector) */
     if (check_members(core) < 0)
         return NULL;
     Py_ssize_t slot = own_receive(self, event), length;
