@@ -21,6 +21,13 @@
  * state is plain members, which StreamCore's Python reads and writes as
  * attributes (``self._credits``...); StreamCore.__init__ sets every one.
  *
+ * Two more types are the transport's side of the same messages
+ * (streams/transport.py), made once per connection: Receiver takes a received
+ * DATA message from its completion event to the protocol's data_received, the
+ * slot's re-post and the credit owed; Sender takes a small write from
+ * take_data() to its post.  They too take only the common case and leave
+ * everything else to the transport's Python.
+ *
  * Limited API (abi3), as completions.c and posts.c; buffers are read as bytes
  * and bytearray objects (the 3.9 limited API has no buffer protocol).
  */
@@ -572,6 +579,151 @@ static PyType_Spec receiver_spec = {
     receiver_slots,
 };
 
+/* -- Sender: a small write, from the core's take_data to the post ------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *core, *take_args, *post_send, *segs, *cookies, *slot_segment, *signalled, *suppress;
+} Sender;
+
+#define SENDER_OBJECTS(X) X(core) X(take_args) X(post_send) X(segs) X(cookies) X(slot_segment) X(signalled) \
+    X(suppress)
+
+static PyObject *s_length;
+
+static int sender_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    Sender *self = (Sender *)op;
+    SENDER_OBJECTS(VISIT)
+    Py_VISIT(Py_TYPE(op));
+    return 0;
+}
+
+static int sender_clear(PyObject *op)
+{
+    Sender *self = (Sender *)op;
+    SENDER_OBJECTS(CLEAR)
+    return 0;
+}
+
+static void sender_dealloc(PyObject *op)
+{
+    PyTypeObject *type = Py_TYPE(op);
+    PyObject_GC_UnTrack(op);
+    sender_clear(op);
+    freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free(op);
+    Py_DECREF(type);
+}
+
+static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *core, *arena, *post_send, *segs, *cookies, *slot_segment, *signalled, *suppress;
+    Py_ssize_t send_base, slot_size;
+    if (kwds != NULL && PyObject_Size(kwds) > 0) {
+        PyErr_SetString(PyExc_TypeError, "Sender() takes positional arguments only");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOnnOOOOOO:Sender", &core, &arena, &send_base, &slot_size, &post_send, &segs,
+                          &cookies, &slot_segment, &signalled, &suppress))
+        return NULL;
+    if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs)
+        || !PyList_Check(cookies) || slot_size <= HEADER_SIZE || send_base < 0 || !PyCallable_Check(post_send)
+        || !PyCallable_Check(slot_segment)) {
+        PyErr_SetString(PyExc_TypeError, "Sender(core: StreamState, arena: bytearray, send_base >= 0, slot_size > 8, "
+                                         "post_send, segs: list, cookies: list, slot_segment, signalled, suppress)");
+        return NULL;
+    }
+    PyObject *take_args = Py_BuildValue("(Onn)", arena, send_base, slot_size);
+    if (take_args == NULL)
+        return NULL;
+    Sender *self = (Sender *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
+    if (self == NULL) {
+        Py_DECREF(take_args);
+        return NULL;
+    }
+    self->take_args = take_args;
+#define KEEP_ARG(f) Py_INCREF(f); self->f = f;
+    KEEP_ARG(core) KEEP_ARG(post_send) KEEP_ARG(segs) KEEP_ARG(cookies) KEEP_ARG(slot_segment) KEEP_ARG(signalled)
+    KEEP_ARG(suppress)
+    return (PyObject *)self;
+}
+
+/* flush() -> True when a DATA send was committed and posted */
+static PyObject *sender_flush(PyObject *op, PyObject *unused)
+{
+    Sender *self = (Sender *)op;
+    if (self->core == NULL || self->take_args == NULL || self->post_send == NULL || self->segs == NULL
+        || self->cookies == NULL || self->slot_segment == NULL || self->signalled == NULL || self->suppress == NULL)
+        Py_RETURN_FALSE;  /* (its references were cleared by the collector) */
+    PyObject *taken = take_data(self->core, self->take_args);
+    if (taken == NULL)
+        return NULL;
+    if (taken == Py_None) {  /* not its case */
+        Py_DECREF(taken);
+        Py_RETURN_FALSE;
+    }
+    /* (slot, wire, signalled): committed; from here the send must be posted, or its failure raised */
+    Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GetItem(taken, 0));
+    PyObject *wire = PyTuple_GetItem(taken, 1);  /* borrowed, as long as taken lives */
+    int signalled = PyTuple_GetItem(taken, 2) == Py_True;
+    PyObject *result = NULL, *seg = NULL;
+    if (slot < 0 || slot >= PyList_Size(self->segs) || slot >= PyList_Size(self->cookies)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_IndexError, "Sender: no send slot %zd among its segments", slot);
+        goto done;
+    }
+    seg = PyList_GetItem(self->segs, slot);
+    Py_INCREF(seg);
+    PyObject *length = PyObject_GetAttr(seg, s_length);
+    int same = length ? PyObject_RichCompareBool(length, wire, Py_EQ) : -1;
+    Py_XDECREF(length);
+    if (same < 0)
+        goto done;
+    if (!same) {  /* a new length: the transport's Segment for it, kept for the next send of the slot */
+        Py_DECREF(seg);
+        seg = PyObject_CallFunctionObjArgs(self->slot_segment, PyTuple_GetItem(taken, 0), wire, NULL);
+        if (seg == NULL)
+            goto done;
+    }
+    result = PyObject_CallFunctionObjArgs(self->post_send, seg, PyList_GetItem(self->cookies, slot),
+                                          signalled ? self->signalled : self->suppress, NULL);
+done:
+    Py_XDECREF(seg);
+    Py_DECREF(taken);
+    if (result == NULL)
+        return NULL;
+    Py_DECREF(result);
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef sender_methods[] = {
+    {"flush", sender_flush, METH_NOARGS,
+     "flush() -> bool.\n\n"
+     "The core's take_data() into the arena's send slot and its post: post_send(segment, cookies[slot], "
+     "signalled or suppress), where segment is segs[slot] when its length is the wire length, else "
+     "slot_segment(slot, wire) (which the transport keeps in segs).  True when posted; False, with nothing "
+     "changed, when take_data() does not take the case.  An exception of the post (or of slot_segment) "
+     "propagates with the DATA send committed, as the transport's Python path leaves it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot sender_slots[] = {
+    {Py_tp_doc, "Sender(core, arena, send_base, slot_size, post_send, segs, cookies, slot_segment, signalled, "
+                "suppress): a small write's DATA send, from the core's take_data() to the post, in C (the stream "
+                "transport's common case)."},
+    {Py_tp_new, sender_new},
+    {Py_tp_methods, sender_methods},
+    {Py_tp_traverse, sender_traverse},
+    {Py_tp_clear, sender_clear},
+    {Py_tp_dealloc, sender_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec sender_spec = {
+    "aiodat._shim._streamcore.Sender", sizeof(Sender), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, sender_slots,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "aiodat._shim._streamcore",
     "StreamState and Receiver: the stream protocol's state and a small message's steps in C (see streams/).", -1, NULL,
@@ -583,7 +735,7 @@ PyMODINIT_FUNC PyInit__streamcore(void)
 {
     INTERN(s_data_msgs, "data_msgs"); INTERN(s_bytes_sent, "bytes_sent"); INTERN(s_bytes_received, "bytes_received");
     INTERN(s_cookie, "cookie"); INTERN(s_status, "status"); INTERN(s_transferred_length, "transferred_length");
-    INTERN(s_r, "r"); INTERN(s_data_received, "data_received");
+    INTERN(s_r, "r"); INTERN(s_data_received, "data_received"); INTERN(s_length, "length");
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL)
         return NULL;
@@ -597,6 +749,12 @@ PyMODINIT_FUNC PyInit__streamcore(void)
     PyObject *receiver = PyType_FromSpec(&receiver_spec);
     if (receiver == NULL || PyModule_AddObject(mod, "Receiver", receiver) < 0) {
         Py_XDECREF(receiver);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    PyObject *sender = PyType_FromSpec(&sender_spec);
+    if (sender == NULL || PyModule_AddObject(mod, "Sender", sender) < 0) {
+        Py_XDECREF(sender);
         Py_DECREF(mod);
         return NULL;
     }

@@ -14,7 +14,7 @@ from asyncio import constants as _asyncio_constants
 from asyncio import transports as _asyncio_transports
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
-from aiodat._shim._streamcore import Receiver
+from aiodat._shim._streamcore import Receiver, Sender
 from aiodat.cm import check_timeout, resolve_host
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
 from aiodat.evd import ConnectionEvent, DTOCompletionEvent, EventType
@@ -81,6 +81,7 @@ class Resources:
             # the last Segment each send slot was posted with: a request/response stream sends the
             # same length again and again, and a Segment (a frozen dataclass) is costly to make
             self.send_segs = [Segment(self.lmr, self.send_base + i * size, HEADER.size) for i in range(self.nsend)]
+            self._Segment = Segment
             for i in range(self.nrecv):
                 self.post_recv(i)
         except BaseException:
@@ -89,6 +90,14 @@ class Resources:
 
     def post_recv(self, i: int) -> None:
         self.ep.post_recv(self.recv_segs[i], self.recv_cookies[i])
+
+    def slot_segment(self, slot: int, wire: int) -> Any:
+        """The Segment of send slot ``slot`` for ``wire`` bytes: the one it was last posted with when
+        the length is the same (see send_segs), else a new one, kept for the next time."""
+        seg = self.send_segs[slot]
+        if seg.length != wire:
+            seg = self.send_segs[slot] = self._Segment(self.lmr, self.send_base + slot * self.cfg.buffer_size, wire)
+        return seg
 
     def params(self) -> bytes:
         """Our private data: the config and the window's descriptor."""
@@ -130,7 +139,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                  protocol: asyncio.BaseProtocol,
                  on_lost: Optional[Callable[["RdmaTransport"], None]] = None) -> None:
         from aiodat.ep import CompletionFlags
-        from aiodat.memory import RemoteRegion, Segment
+        from aiodat.memory import RemoteRegion
 
         ep = res.ep
         param = ep.query()
@@ -152,7 +161,6 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             # a window while the last write is in flight.  asyncio's 64 KiB mark would cut every
             # write to about 128 KiB, and a write costs rxe about as much per call as per 16 KiB.
             self._set_write_buffer_limits(high=max(self._core.window_length // 2, self._high_water))
-        self._Segment = Segment
         self._SIGNALLED, self._SUPPRESS = CompletionFlags.DEFAULT, CompletionFlags.SUPPRESS
         self._eof_delivered = False
         self._closing = False
@@ -163,6 +171,9 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._close_task: Optional[asyncio.Task[None]] = None
         self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
         self._receiver = self._make_receiver()
+        # a small write's DATA send, from take_data to the post, in C (_shim/streamcore.c)
+        self._sender = Sender(self._core, res.arena, res.send_base, self._size, res.ep.post_send, res.send_segs,
+                              res.send_cookies, res.slot_segment, self._SIGNALLED, self._SUPPRESS)
         #: messages and bytes moved, for tests and benchmarks: sends, window writes, credit messages
         self.stats = self._core.stats
 
@@ -362,14 +373,13 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if self._lost:
             return
         res, core = self._res, self._core
-        data = core.take_data(res.arena, res.send_base, self._size)
-        if data is not None:
-            if not self._post_data(*data):
-                return
-            # (take_data leaves next_send nothing: no bytes pending, no EOF, credit or release due)
-            send = None
-        else:
-            send = core.next_send()
+        try:
+            posted = self._sender.flush()  # a small write's DATA send: take_data and the post
+        except DATError as exc:
+            self._post_failed(exc)
+            return
+        # (take_data leaves next_send nothing: no bytes pending, no EOF, credit or release due)
+        send = None if posted else core.next_send()
         if send is not None:
             view, size, send_base, cookies = res.view, self._size, res.send_base, res.send_cookies
             post_send, signalled, suppress = res.ep.post_send, self._SIGNALLED, self._SUPPRESS
@@ -390,7 +400,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                             res.ep.post_rdma_write(res.lmr[staging:staging + n], self._peer_window[at:at + n],
                                                    WRITE_COOKIE, suppress)
                         wire = _HEADER_SIZE
-                    post_send(self._slot_segment(slot, base, wire), cookies[slot],
+                    post_send(res.slot_segment(slot, wire), cookies[slot],
                               signalled if send.signalled else suppress)
                     core.sent(send)
                     send = core.next_send()
@@ -401,27 +411,6 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             self._maybe_resume_protocol()
         if self._idle is not None:
             self._check_idle()
-
-    def _post_data(self, slot: int, wire: int, signalled: bool) -> bool:
-        """Post one DATA send the core committed and copied into send slot ``slot``
-        (StreamCore.take_data): ``wire`` bytes.  False when the post failed (see _post_failed)."""
-        res = self._res
-        try:
-            res.ep.post_send(self._slot_segment(slot, res.send_base + slot * self._size, wire),
-                             res.send_cookies[slot], self._SIGNALLED if signalled else self._SUPPRESS)
-        except DATError as exc:
-            self._post_failed(exc)
-            return False
-        return True
-
-    def _slot_segment(self, slot: int, base: int, wire: int) -> Any:
-        """The Segment of send slot ``slot`` (at ``base`` in the arena) for ``wire`` bytes: the one
-        it was last posted with when the length is the same (see Resources.send_segs)."""
-        segs = self._res.send_segs
-        seg = segs[slot]
-        if seg.length != wire:
-            seg = segs[slot] = self._Segment(self._res.lmr, base, wire)
-        return seg
 
     def _post_failed(self, exc: Exception) -> None:
         """A post on the stream's EP failed: when the EP left CONNECTED under us (the peer went away)

@@ -1,11 +1,12 @@
-"""The stream transport's receive step in C (``Receiver``, aiodat/_shim/streamcore.c), host-only.
+"""The stream transport's steps in C (``Receiver`` and ``Sender``, aiodat/_shim/streamcore.c), host-only.
 
 The Receiver takes a received DATA message from its completion to the protocol's
-``data_received``, the slot's re-post and the credit owed, and anything else back to the
-transport's Python.  Here it is driven with real StreamCores and real completion events
-(``aiodat.evd.DTOCompletionEvent``); the re-post is a recording callable in place of the EP's
-``post_recv`` (no device: the streams tests on rxe run the same step against a real EP).  Each
-case checks what the step did, or that it changed nothing.
+``data_received``, the slot's re-post and the credit owed; the Sender takes a small write from
+the core's ``take_data`` to its post; anything else goes back to the transport's Python.  Here
+they are driven with real StreamCores and real completion events
+(``aiodat.evd.DTOCompletionEvent``); the posts are recording callables in place of the EP's
+``post_recv``/``post_send`` (no device: the streams tests on rxe run the same steps against a
+real EP).  Each case checks what the step did, or that it changed nothing.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 
 import pytest
 
-from aiodat._shim._streamcore import Receiver
+from aiodat._shim._streamcore import Receiver, Sender
 from aiodat.errors import DATError, InvalidHandle
 from aiodat.evd import DTOCompletionEvent
 from aiodat.streams.protocol import HEADER, MSG_DATA, MSG_EOF, FLAG_RELEASE, PeerParams, StreamConfig, StreamCore
@@ -157,3 +158,86 @@ def test_bad_construction_is_refused() -> None:
         Receiver(*good[:5])
     with pytest.raises(TypeError, match="positional"):
         Receiver(*good, extra=1)
+
+
+class Seg:
+    def __init__(self, slot: int, length: int) -> None:
+        self.slot, self.length = slot, length
+
+
+class Writer:
+    """A core, its arena of send slots and a Sender, as RdmaTransport builds them."""
+
+    SIGNALLED, SUPPRESS = "signalled", "suppress"
+
+    def __init__(self) -> None:
+        cfg = StreamConfig(recv_depth=4, buffer_size=SIZE, window_size=0).validate()
+        self.core = StreamCore(cfg, PeerParams(4, SIZE, None))
+        self.base = SIZE * cfg.slots  # the send slots follow the receive slots, as in the transport's arena
+        self.arena = bytearray(2 * SIZE * cfg.slots)
+        self.segs: List[Any] = [Seg(i, HEADER.size) for i in range(cfg.slots)]
+        self.cookies = [("s", i) for i in range(cfg.slots)]
+        self.posts: List[Tuple[Any, Any, Any]] = []
+        self.made: List[Tuple[int, int]] = []
+        self.post_error: Optional[BaseException] = None
+        self.sender = Sender(self.core, self.arena, self.base, SIZE, self.post_send, self.segs, self.cookies,
+                             self.slot_segment, self.SIGNALLED, self.SUPPRESS)
+
+    def post_send(self, seg: Any, cookie: Any, flags: Any) -> None:
+        if self.post_error is not None:
+            raise self.post_error
+        self.posts.append((seg, cookie, flags))
+
+    def slot_segment(self, slot: int, wire: int) -> Any:
+        self.made.append((slot, wire))
+        seg = self.segs[slot] = Seg(slot, wire)
+        return seg
+
+    def wire(self, slot: int, length: int) -> bytes:
+        at = self.base + slot * SIZE
+        return bytes(self.arena[at:at + length])
+
+
+def test_a_small_write_is_copied_into_its_slot_and_posted() -> None:
+    w = Writer()
+    w.core.write(b"hello")
+    assert w.sender.flush() is True
+    (seg, cookie, flags), = w.posts
+    assert (seg.slot, seg.length, cookie) == (0, HEADER.size + 5, ("s", 0)) and w.made == [(0, 13)]
+    assert flags == w.SUPPRESS  # one send in many is signalled (StreamCore's rule)
+    assert w.wire(0, 13) == HEADER.pack(MSG_DATA, 0, 0, 5) + b"hello"
+    assert w.core.credits == 3 and w.core.buffered == 0 and w.core.stats["data_msgs"] == 1
+    w.core.on_send_complete(("s", 0))  # (slot 0 is free again, and next in line)
+    w.core.write(b"world")  # the same length again: the slot's Segment is reused
+    assert w.sender.flush() is True and w.made == [(0, 13)] and w.posts[-1][0] is seg
+
+
+def test_anything_else_is_left_to_next_send_unchanged() -> None:
+    w = Writer()
+    assert w.sender.flush() is False  # nothing pending
+    w.core.write(b"x" * (SIZE - HEADER.size + 1))  # more than one DATA message holds
+    assert w.sender.flush() is False
+    w.core.write_eof()  # EOF due
+    assert w.sender.flush() is False
+    assert w.posts == [] and w.core.credits == 4 and w.core.buffered == SIZE - HEADER.size + 1
+
+
+def test_a_failed_post_propagates_with_the_send_committed() -> None:
+    w = Writer()
+    w.post_error = InvalidHandle("the EP was freed")
+    w.core.write(b"hi")
+    with pytest.raises(InvalidHandle):
+        w.sender.flush()
+    assert w.core.buffered == 0 and w.core.credits == 3  # as the Python path left it: the stream ends
+
+
+def test_the_sender_refuses_bad_construction() -> None:
+    w = Writer()
+    good = [w.core, w.arena, w.base, SIZE, w.post_send, w.segs, w.cookies, w.slot_segment, 1, 0]
+    for index, bad in ((0, object()), (1, bytes(8)), (2, -1), (3, 8), (4, None), (5, ()), (7, None)):
+        args = list(good)
+        args[index] = bad
+        with pytest.raises(TypeError, match="Sender"):
+            Sender(*args)
+    with pytest.raises(TypeError, match="positional"):
+        Sender(*good, extra=1)
