@@ -747,3 +747,18 @@ def test_the_c_state_refuses_bad_arguments_and_changes_nothing() -> None:
         bare._chunks  # noqa: B018 (unset: an AttributeError, as for any attribute)
     with pytest.raises(TypeError):
         bare.eof_requested = 1  # a flag is a bool
+
+
+def test_bytes_from_keep_from_on_are_kept_by_reference_and_smaller_ones_copied() -> None:
+    """protocol._KEEP_FROM and the C write_bytes' KEEP_FROM are one rule: a bytes write from that size
+    on is kept as it is until sent (immutable: no copy), a smaller one copied into the core's buffer."""
+    from aiodat.streams import protocol
+
+    big, small = bytes(protocol._KEEP_FROM), bytes(protocol._KEEP_FROM - 1)
+    a, _ = pair(window_size=0)
+    a.core.write(big)
+    assert a.core._chunks[-1] is big
+    a, _ = pair(window_size=0)
+    a.core.write(small)
+    assert a.core._chunks[-1] is not small and type(a.core._chunks[-1]) is bytearray
+    assert a.core.buffered == len(small)

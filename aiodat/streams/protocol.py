@@ -55,7 +55,6 @@ PARAMS = struct.Struct("!2sBBHI")
 WINDOW_DESC = struct.Struct("!QQI")
 _HEADER_SIZE = HEADER.size
 _unpack_header = HEADER.unpack_from
-_pack_header = HEADER.pack
 MAGIC = b"AS"
 VERSION = 2  # 2: up to MAX_WINDOWS window writes in flight, placed in the window as a ring
 PARAM_WINDOW = 0x01
@@ -77,6 +76,7 @@ _MSG_NAMES = {MSG_DATA: "DATA", MSG_WINDOW: "WINDOW", MSG_CREDIT: "CREDIT", MSG_
 _KNOWN_FLAGS = RELEASE_MASK | FLAG_WRAP
 
 #: bytes objects written whole from this size on are kept by reference until sent, not copied
+#: (StreamState.write_bytes does it, in C: streamcore.c's KEEP_FROM is this number)
 _KEEP_FROM = 16384
 
 #: send-queue cookies: a send slot is ("s", slot); the RDMA write into the peer's window is WRITE_COOKIE

@@ -170,8 +170,13 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._idle: Optional[asyncio.Future[None]] = None
         self._close_task: Optional[asyncio.Task[None]] = None
         self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
-        self._receiver = self._make_receiver()
-        # a small write's DATA send, from take_data to the post, in C (_shim/streamcore.c)
+        # A received DATA message, from its completion to data_received and the re-post, and a small
+        # write's DATA send, from take_data to the post, in C (_shim/streamcore.c).  The Receiver's
+        # ``delivered`` tells _handle the batch gave the protocol data; its ``open`` is False from
+        # close() on and its ``alive`` once the connection is lost: then the Python path
+        # (_completion) takes every completion.  set_protocol() sets its ``protocol``.
+        self._receiver = Receiver(self._core, res.arena, res.view, self._size, protocol, self._stream_protocol,
+                                  res.ep.post_recv, res.recv_segs, res.recv_cookies, DTOCompletionEvent, DATError)
         self._sender = Sender(self._core, res.arena, res.send_base, self._size, res.ep.post_send, res.send_segs,
                               res.send_cookies, res.slot_segment, self._SIGNALLED, self._SUPPRESS)
         #: messages and bytes moved, for tests and benchmarks: sends, window writes, credit messages
@@ -211,15 +216,6 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                         transport._finish(ConnectionBroken(f"the RDMA stream's completion queue failed: {exc!r}"))
 
             self._res.evd.set_callback(on_events, on_error=on_error)
-
-    def _make_receiver(self) -> Receiver:
-        """The C step that takes a received DATA message from its completion to data_received and the
-        re-post (_shim/streamcore.c).  ``delivered`` tells _handle the batch gave the protocol data;
-        ``open`` is False from close() on, and ``alive`` once the connection is lost: then the Python
-        path (_completion) takes every completion; set_protocol() sets its ``protocol``."""
-        res = self._res
-        return Receiver(self._core, res.arena, res.view, self._size, self._protocol, self._stream_protocol,
-                        res.ep.post_recv, res.recv_segs, res.recv_cookies, DTOCompletionEvent, DATError)
 
     def __del__(self) -> None:
         # Only the warning: the EP, EVD, LMRs and PZ of the stream are freed by their Raw holders
