@@ -32,7 +32,7 @@ from aiodat.errors import (
 )
 from aiodat.evd import DTOOp
 from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments
-from aiodat.wr import DrainMarker, SendRun, WorkRequests, all_same
+from aiodat.wr import DrainMarker, SendRun, WorkRequests, _columns, all_same
 
 if TYPE_CHECKING:
     from aiodat.ia import IA
@@ -101,25 +101,6 @@ _NO_FLAGS = CompletionFlags.DEFAULT
 _posts.configure(Segment, CompletionFlags, _SEND_BITS, DTOOp.SEND, EPState.CONNECTED, EPState.DISCONNECTED,
                  EPState.ERROR)
 _c_post_recv, _c_post_send = _posts.post_recv, _posts.post_send
-
-
-def _columns(items: Iterable[Any], width: int, what: str, shape: str) -> List[Tuple[Any, ...]]:
-    """A batch's items (tuples of ``width``) as ``width`` columns, transposed in C: a batch of
-    thousands costs no Python step per item here."""
-    if type(items) is not list and type(items) is not tuple:
-        try:
-            items = list(items)
-        except TypeError:
-            raise InvalidParameter(f"{what}: items must be an iterable of {shape}, not "
-                                   f"{type(items).__name__}") from None
-    if not items:
-        return [()] * width
-    try:
-        if set(map(len, items)) == {width}:
-            return list(zip(*items))
-    except TypeError:
-        pass
-    raise InvalidParameter(f"{what}: items must be {shape}")
 
 
 class Posting(WorkRequests):

@@ -46,11 +46,13 @@ from aiodat.errors import (
     QueueFull,
     TimeoutExpired,
     error_from_errno,
+    shown,
 )
 from aiodat.cqsize import fit_cqs
 from aiodat.epattr import EPState
-from aiodat.evd import DTOCompletionEvent, DTOOp
+from aiodat.evd import DTOCompletionEvent, DTOOp, is_timeout
 from aiodat.memory import PZ, Segment, Segments, as_segments
+from aiodat.wr import _columns
 
 if TYPE_CHECKING:
     from aiodat.ep import EP
@@ -113,11 +115,11 @@ class SRQ(Handle):
                 not 1 <= max_recv_dtos <= dev.max_srq_wr:
             raise InvalidParameter(
                 f"max_recv_dtos must be an int between 1 and {dev.max_srq_wr} (max_recv_per_srq), "
-                f"got {max_recv_dtos!r}")
+                f"got {shown(max_recv_dtos)}")
         iov_limit = min(dev.max_srq_sge, _SHIM_MAX_IOV)
         if not isinstance(max_recv_iov, int) or isinstance(max_recv_iov, bool) or \
                 not 1 <= max_recv_iov <= iov_limit:
-            raise InvalidParameter(f"max_recv_iov must be an int between 1 and {iov_limit}, got {max_recv_iov!r}")
+            raise InvalidParameter(f"max_recv_iov must be an int between 1 and {iov_limit}, got {shown(max_recv_iov)}")
         lw = _check_lw(low_watermark, max_recv_dtos)
         self._srq: Any = ffi.NULL
         super().__init__(pz)
@@ -271,7 +273,8 @@ class SRQ(Handle):
         posted stay posted and :class:`aiodat.QueueFull` says how many.
         """
         self._check_usable("post_recv")
-        batch = [(as_segments(segs), cookie) for segs, cookie in items]
+        segs_column, cookies = _columns(items, 2, "post_recv_batch", "(segments, cookie) pairs")
+        batch = [(as_segments(segs), cookie) for segs, cookie in zip(segs_column, cookies)]
         total = 0
         for segs, _ in batch:
             if len(segs) > self._max_sge:
@@ -345,7 +348,7 @@ class SRQ(Handle):
         if not isinstance(max_recv_dtos, int) or isinstance(max_recv_dtos, bool) or \
                 not 1 <= max_recv_dtos <= dev.max_srq_wr:
             raise InvalidParameter(
-                f"max_recv_dtos must be an int between 1 and {dev.max_srq_wr}, got {max_recv_dtos!r}")
+                f"max_recv_dtos must be an int between 1 and {dev.max_srq_wr}, got {shown(max_recv_dtos)}")
         outstanding = len(self._posted) + self._queued_completions()
         if max_recv_dtos < outstanding:
             raise InvalidState(f"cannot resize the SRQ to {max_recv_dtos}: {outstanding} buffers are "
@@ -376,7 +379,8 @@ class SRQ(Handle):
         The event comes when an EP takes a buffer and fewer than
         ``low_watermark`` remain on the SRQ: once per call; call ``set_lw``
         again (after refilling) for the next one.  ``None`` or 0
-        (DAT_SRQ_LW_DEFAULT) disarms.  Arming forgets an event of the previous
+        (DAT_SRQ_LW_DEFAULT) disarms, and a task waiting in
+        :meth:`low_watermark` then gets :class:`aiodat.InvalidState`.  Arming forgets an event of the previous
         arming that no :meth:`low_watermark` call has taken (it is still on
         the async EVD).  Raises :class:`aiodat.InvalidParameter` above
         ``max_recv_dtos``.
@@ -390,6 +394,9 @@ class SRQ(Handle):
             raise error_from_errno(err, f"setting the SRQ limit to {lw} (ibv_modify_srq)")
         self._armed = bool(lw)
         self._lw_fired = False
+        if not lw:  # nothing can wake a waiter now: tell it, as low_watermark() would have at its call
+            self._fail_waiters(InvalidState("the SRQ's low watermark was disarmed (set_lw(None)) while a task "
+                                            "waited for it"))
 
     async def low_watermark(self, timeout: Optional[float] = None) -> None:
         """Wait for the low-watermark event of the current arming (see :meth:`set_lw`).
@@ -402,8 +409,8 @@ class SRQ(Handle):
         Cancelling the wait loses nothing.
         """
         self._check_usable("low_watermark")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-            raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        if timeout is not None and not is_timeout(timeout):  # (NaN, or an int no float holds, fails in the timer)
+            raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {shown(timeout)}")
         loop = asyncio.get_running_loop()
         ia = self._ia
         ia._attach_loop()
@@ -486,5 +493,5 @@ def _check_lw(low_watermark: Optional[int], max_recv_dtos: int) -> int:
             not 0 <= low_watermark <= max_recv_dtos:
         raise InvalidParameter(
             f"low_watermark must be None or an int between 0 and max_recv_dtos ({max_recv_dtos}), "
-            f"got {low_watermark!r}")
+            f"got {shown(low_watermark)}")
     return low_watermark

@@ -29,10 +29,11 @@ import itertools
 import operator
 from collections import Counter, deque
 from itertools import chain, compress, repeat, starmap
-from typing import TYPE_CHECKING, Any, Callable, Deque, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Iterable, List, Optional, Tuple
 
 from aiodat._shim import _completions
 from aiodat.epattr import EPRecvInfo
+from aiodat.errors import InvalidParameter
 from aiodat.evd import DTOCompletionEvent, DTOOp
 from aiodat.memory import Segment
 
@@ -56,6 +57,25 @@ def _entries_before(q: Deque[Tuple[Any, ...]], wr_id: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def _columns(items: Iterable[Any], width: int, what: str, shape: str) -> List[Tuple[Any, ...]]:
+    """A batch's items (tuples of ``width``) as ``width`` columns, transposed in C: a batch of
+    thousands costs no Python step per item here."""
+    if type(items) is not list and type(items) is not tuple:
+        try:
+            items = list(items)
+        except TypeError:
+            raise InvalidParameter(f"{what}: items must be an iterable of {shape}, not "
+                                   f"{type(items).__name__}") from None
+    if not items:
+        return [()] * width
+    try:
+        if set(map(len, items)) == {width}:
+            return list(zip(*items))
+    except TypeError:
+        pass
+    raise InvalidParameter(f"{what}: items must be {shape}")
 
 
 def all_same(column: Any) -> bool:
