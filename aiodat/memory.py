@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Deque, Optional, Sequence, Tuple, Union
 from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
 from aiodat.epattr import EPState
-from aiodat.errors import InsufficientResources, InvalidParameter, InvalidState, LengthError, error_from_errno
+from aiodat.errors import InsufficientResources, InvalidParameter, InvalidState, LengthError, error_from_errno, shown
 from aiodat.evd import DTOOp, EventType, RMRBindEvent
 
 if TYPE_CHECKING:
@@ -76,10 +76,10 @@ def _privileges(value: Any) -> "Privileges":
         return Privileges.DEFAULT
     if not isinstance(value, int):
         raise InvalidParameter(f"privileges must be Privileges flags, not {type(value).__name__}")
-    try:
-        return Privileges(value)
-    except ValueError as exc:
-        raise InvalidParameter(f"invalid privileges {value!r}: {exc}") from None
+    if value < 0 or value & ~int(Privileges.ALL):  # (IntFlag keeps unknown bits; -1 would grant every privilege)
+        raise InvalidParameter(f"invalid privileges {shown(value)}: only the bits of Privileges.ALL "
+                               f"({int(Privileges.ALL):#x}) are privileges")
+    return Privileges(value)
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,10 @@ class Segment:
         if not isinstance(lmr, LMR):
             raise InvalidParameter(f"Segment.lmr must be an LMR, not {type(lmr).__name__}")
         if not (_is_int(offset) and _is_int(length)):
-            raise InvalidParameter(f"Segment offset and length must be ints, got {offset!r}, {length!r}")
+            raise InvalidParameter(f"Segment offset and length must be ints, got {shown(offset)}, {shown(length)}")
         if offset < 0 or length < 0 or offset + length > lmr.length:
-            raise LengthError(f"segment [{offset}, {offset}+{length}) is outside the LMR of {lmr.length} bytes")
+            raise LengthError(f"segment [{shown(offset)}, {shown(offset)}+{shown(length)}) is outside the LMR of "
+                              f"{lmr.length} bytes")
 
     @property
     def address(self) -> int:
@@ -130,6 +131,15 @@ class RemoteRegion:
     address: int
     length: int
     rmr_context: int
+
+    def __post_init__(self) -> None:
+        # Public too, as Segment: one made by hand must fit what a post and to_bytes put on the wire
+        # (64-bit address and length, 32-bit rkey), never a raw OverflowError or struct.error there.
+        for name, value, bits in (("address", self.address, 64), ("length", self.length, 64),
+                                  ("rmr_context", self.rmr_context, 32)):
+            if not _is_int(value) or not 0 <= value < 1 << bits:
+                raise InvalidParameter(f"RemoteRegion {name} must be an int between 0 and 2**{bits}-1, "
+                                       f"got {shown(value)}")
 
     def to_bytes(self) -> bytes:
         """20 bytes, network order: address, length, rmr_context (fits in private data)."""
@@ -207,6 +217,8 @@ class LMR(Handle):
             raise InvalidParameter(
                 f"cannot register a {type(buffer).__name__}: it does not support the buffer protocol"
             ) from None
+        except ValueError as exc:  # a released memoryview
+            raise InvalidParameter(f"cannot register this {type(buffer).__name__}: {exc}") from None
         if not view.c_contiguous:
             raise InvalidParameter("cannot register a non-contiguous buffer")
         writes = privileges & (Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_ATOMIC)
@@ -247,7 +259,7 @@ class LMR(Handle):
         """The ``length`` bytes at ``offset`` (to the end by default), checked against the LMR."""
         self._check()
         if not _is_int(offset) or not (length is None or _is_int(length)):
-            raise InvalidParameter(f"segment offset and length must be ints, got {offset!r}, {length!r}")
+            raise InvalidParameter(f"segment offset and length must be ints, got {shown(offset)}, {shown(length)}")
         if length is None:
             length = self.length - offset
         return Segment(self, offset, length)  # (which checks the range)
@@ -389,6 +401,10 @@ class RMR(Handle):
             raise InvalidParameter("the EP belongs to another PZ than the RMR")
         if ep.state is not EPState.CONNECTED:
             raise InvalidState(f"binding a type-2 window needs a connected EP; this one is {ep.state.value}")
+        if waiter is not None:
+            # the completion must be drained by the waiter's loop: InvalidState if another loop owns
+            # the request EVD, raised here, before the bind goes
+            ep.request_evd._attach(waiter.get_loop())
         if op is DTOOp.BIND:
             if self._bound is not None or any(p[1] is DTOOp.BIND for p in self._pending):
                 raise InvalidState("the window is bound (or a bind is pending): unbind it first "
@@ -406,9 +422,7 @@ class RMR(Handle):
         # a bound window holds a reference on the QP: if both are dropped, free the window first
         self._raw.need(ep._raw)
         if waiter is not None:
-            evd = ep.request_evd
-            evd._attach(waiter.get_loop())  # the completion must be drained by the loop
-            evd._awaited += 1  # and polled even if the EVD is full (docs/events.md)
+            ep.request_evd._awaited += 1  # polled even if the EVD is full (docs/events.md)
         return new_rkey
 
     def _check_bind(self, segment: Any, privileges: Any) -> Tuple[Segment, Privileges]:
@@ -423,7 +437,7 @@ class RMR(Handle):
             raise LengthError("cannot bind a window to an empty segment (unbind instead)")
         if not isinstance(privileges, (int, Privileges)):
             raise InvalidParameter(f"privileges must be aiodat.Privileges, not {type(privileges).__name__}")
-        privileges = Privileges(privileges)
+        privileges = _privileges(privileges)
         if not privileges & _BIND_PRIVILEGES:
             raise InvalidParameter("a window needs at least one remote privilege (REMOTE_READ, REMOTE_WRITE, "
                                    "REMOTE_ATOMIC)")

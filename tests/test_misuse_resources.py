@@ -146,3 +146,109 @@ async def test_disarming_the_low_watermark_wakes_its_waiter(ia: Any, loop_errors
     srq.free()
     with pytest.raises(aiodat.InvalidHandle, match="freed"):
         await asyncio.wait_for(again, 5)
+
+
+# ---------------------------------------------------------------- memory
+
+
+@pytest.mark.rxe
+async def test_registering_a_released_memoryview_is_invalid_parameter(ia: Any, loop_errors: List[dict]) -> None:
+    """pz.register / register_async of a released memoryview raise InvalidParameter saying so (they
+    raised ValueError); nothing is registered."""
+    pz = ia.create_pz()
+    view = memoryview(bytearray(64))
+    view.release()
+    with pytest.raises(aiodat.InvalidParameter, match="released memoryview"):
+        pz.register(view)
+    with pytest.raises(aiodat.InvalidParameter, match="released memoryview"):
+        await pz.register_async(view)
+    assert not list(pz._children)
+
+
+@pytest.mark.rxe
+async def test_segments_no_repr_can_show_are_length_errors(ia: Any, loop_errors: List[dict]) -> None:
+    """lmr.segment and Segment with an offset or length too long for repr() raise LengthError naming
+    its size (they raised ValueError from building the message)."""
+    lmr = ia.create_pz().register(bytearray(64))
+    for call in (lambda: lmr.segment(HUGE), lambda: lmr.segment(0, HUGE), lambda: aiodat.Segment(lmr, 0, HUGE),
+                 lambda: aiodat.Segment(lmr, HUGE, 1)):
+        with pytest.raises(aiodat.LengthError, match=f"{HUGE_WORDS}.* outside the LMR of 64 bytes"):
+            call()
+    assert lmr.segment(8).length == 56
+
+
+@pytest.mark.rxe
+async def test_a_hand_built_remote_region_is_checked(ia: Any, loop_errors: List[dict]) -> None:
+    """aiodat.RemoteRegion is public, like Segment: one made by hand whose address or length no
+    64-bit field holds, whose rmr_context no 32-bit one holds, or that is not an int, is refused where
+    it is made, with InvalidParameter naming the field.  It used to be accepted, then fail as
+    struct.error in to_bytes() or OverflowError / TypeError in an RDMA post."""
+    pair = await make_ep_pair(ia)
+    for args, field in (((-1, 8, 1), "address"), ((2**64, 8, 1), "address"), (("0", 8, 1), "address"),
+                        ((0, -1, 1), "length"), ((0, 2**64, 1), "length"), ((0, True, 1), "length"),
+                        ((0, 8, -1), "rmr_context"), ((0, 8, 2**32), "rmr_context"),
+                        ((0, 8, HUGE), "rmr_context"), ((0, 8, 1.0), "rmr_context")):
+        with pytest.raises(aiodat.InvalidParameter, match=f"RemoteRegion {field} must be"):
+            aiodat.RemoteRegion(*args)
+    edge = aiodat.RemoteRegion(2**64 - 1, 2**64 - 1, 2**32 - 1)
+    assert aiodat.RemoteRegion.from_bytes(edge.to_bytes()) == edge
+    # a real one still works
+    pair.client_lmr.memoryview()[0:4] = b"rdma"
+    pair.client.post_rdma_write(pair.client_lmr[0:4], pair.server_lmr.remote()[0:4])
+    assert (await pair.client.request_evd.wait_one(timeout=T)).ok
+    assert bytes(pair.server_lmr.memoryview()[0:4]) == b"rdma"
+
+
+@pytest.mark.rxe
+async def test_privileges_outside_the_flags_are_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """Privileges with bits outside Privileges.ALL, or negative, are InvalidParameter for register and
+    for a window's bind.  -1 used to register the buffer (and bind a window) with every privilege,
+    remote write and atomics included; unknown bits were ignored."""
+    pair = await make_ep_pair(ia)
+    pz = pair.pz
+    children = len(pz._children)
+    for bad in (-1, -2, 1 << 8, 2**40, HUGE):
+        with pytest.raises(aiodat.InvalidParameter, match="invalid privileges"):
+            pz.register(bytearray(64), bad)
+        with pytest.raises(aiodat.InvalidParameter, match="invalid privileges"):
+            await pz.register_async(bytearray(64), bad)
+    assert len(pz._children) == children
+    exposed = pz.register(bytearray(256), WINDOWED)
+    rmr = pz.create_rmr()
+    for bad in (-1, 2**40 | Privileges.REMOTE_READ):
+        with pytest.raises(aiodat.InvalidParameter, match="invalid privileges"):
+            await rmr.bind(exposed[0:64], bad, pair.server)
+        with pytest.raises(aiodat.InvalidParameter, match="invalid privileges"):
+            rmr.bind_nowait(exposed[0:64], bad, pair.server)
+    assert not rmr.bound and exposed._inflight == 0 and pair.server.query().outstanding_requests == 0
+    await rmr.bind(exposed[0:64], Privileges.REMOTE_READ, pair.server)
+    assert rmr.query().privileges == Privileges.REMOTE_READ
+
+
+@pytest.mark.rxe
+async def test_a_bind_from_another_loop_is_refused_before_it_is_posted(ia: Any, loop_errors: List[dict]) -> None:
+    """rmr.bind / rmr.unbind awaited in another thread's loop raise InvalidState (the EP's request EVD
+    belongs to this loop) before the bind or invalidation goes.  The bind used to be posted first:
+    the window then got bound behind the caller's back, its LMR pinned, and the completion was set
+    from this loop's thread on the other loop's future."""
+    pair = await make_ep_pair(ia)
+    evd = pair.server.request_evd
+    with pytest.raises(aiodat.TimeoutExpired):
+        await evd.wait_one(timeout=0.05)  # this loop watches the request EVD from here on
+    exposed = pair.pz.register(bytearray(256), WINDOWED)
+    rmr, bound = pair.pz.create_rmr(), pair.pz.create_rmr()
+    await bound.bind(exposed[64:128], Privileges.REMOTE_READ, pair.server)
+    inflight = exposed._inflight
+    outcomes = await _in_another_loop([
+        ("bind", lambda: rmr.bind(exposed[0:64], Privileges.REMOTE_WRITE, pair.server)),
+        ("unbind", lambda: bound.unbind(pair.server))])
+    await asyncio.sleep(0.5)  # a bind posted anyway would have completed by now
+    seen = ([(name, repr(exc)[:80]) for name, exc in outcomes], rmr.bound, bound.bound, exposed._inflight)
+    assert [name for name, _ in outcomes] == ["bind", "unbind"], seen
+    assert all(isinstance(exc, aiodat.InvalidState) for _, exc in outcomes), seen
+    assert not rmr.bound and not rmr._pending and bound.bound and not bound._pending, seen
+    assert exposed._inflight == inflight and evd._awaited == 0, seen
+    assert evd.dequeue() is None and pair.server.query().outstanding_requests == 0, seen
+    await rmr.bind(exposed[0:64], Privileges.REMOTE_WRITE, pair.server)  # from this loop it works
+    await bound.unbind(pair.server)
+    assert rmr.bound and not bound.bound
