@@ -118,7 +118,7 @@ def check_timeout(timeout: Any, name: str = "timeout") -> Optional[float]:
 
 def _check_port(port: int) -> None:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
-        raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
+        raise InvalidParameter(f"port must be an int between 0 and 65535, got {shown(port)}")
 
 
 def _sockaddr(host: str, port: int) -> Any:

@@ -48,6 +48,7 @@ from aiodat.cm import (
     _family,
     _private,
     _send_conn,
+    check_timeout,
     _sockaddr,
     listen_address,
     request_addresses,
@@ -61,6 +62,7 @@ from aiodat.errors import (
     Unreachable,
     ConnectionRejected,
     error_from_errno,
+    shown,
 )
 from aiodat.evd import DTOOp
 from aiodat.memory import Privileges, as_segments
@@ -203,7 +205,11 @@ async def _await(res: _Resolution, timeout: Optional[float]) -> Any:
     try:
         return await asyncio.wait_for(asyncio.shield(res.fut), timeout)
     except asyncio.TimeoutError:
-        res.fail(TimeoutExpired(f"{res.what}: no answer within {timeout}s"))
+        # (cancelled, not failed: nobody awaits res.fut any more, and a failed one would be
+        # logged as "Future exception was never retrieved")
+        if not res.fut.done():
+            res.fut.cancel()
+        res.destroy()
         raise TimeoutExpired(f"{res.what}: no answer within {timeout}s") from None
     except asyncio.CancelledError:
         if not res.fut.done():
@@ -217,10 +223,12 @@ async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes =
     """``await ep.resolve_datagram(host, port)``: see :meth:`aiodat.EP.resolve_datagram`."""
     _check_ud(ep, "resolve_datagram")
     pdata = _private(private_data, RESOLVE_PRIVATE_DATA_MAX, "resolve_datagram")
-    host = await resolve_host(host, _family(ep._ia.address or ""))
-    _check_family(ep._ia, host)
+    timeout = check_timeout(timeout)
     ia = ep._ia
+    host = await resolve_host(host, _family(ia.address or ""))
+    _check_family(ia, host)
     dst = ia._cm.sockaddr(host, port)
+    ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)
     fut: "asyncio.Future[AddressHandle]" = asyncio.get_running_loop().create_future()
     res = _Resolver(ep, fut, f"resolve_datagram {host}:{port}")
     res.pdata = pdata
@@ -229,7 +237,6 @@ async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes =
         err = ffi.errno
         res.destroy()
         raise error_from_errno(err, f"resolving {host}:{port}")
-    ia._attach_loop()
     return await _await(res, timeout)
 
 
@@ -301,10 +308,17 @@ class _Joiner(_Resolution):
 
 
 class MulticastGroup(Handle):
-    """A multicast group a UD EP has joined (ib_join_mcast): send to ``address_handle``, receive as usual."""
+    """A multicast group a UD EP has joined (ib_join_mcast): send to ``address_handle``, receive as usual.
+
+    The EP holds it, joined, until :meth:`leave` or the EP's close, even if the program drops it.
+    """
 
     _kind = "multicast group"
     _close_rank = 0
+    # Joined until left, like a listening PSP: the EP holds it.  A group dropped unclosed would
+    # otherwise leave the QP attached (ibv_attach_mcast), and a QP attached to a group cannot
+    # be destroyed (EBUSY).
+    _parent_holds = True
 
     def __init__(self, ep: "EP", group: str) -> None:
         super().__init__(ep)
@@ -354,7 +368,9 @@ async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) 
         raise InvalidParameter(f"{group!r} is not an IP address") from None
     if not is_multicast:
         raise InvalidParameter(f"{group!r} is not a multicast address (224.0.0.0/4 or ff00::/8)")
+    timeout = check_timeout(timeout)
     ia = ep._ia
+    ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)
     mg = MulticastGroup(ep, group)
     fut: "asyncio.Future[MulticastGroup]" = asyncio.get_running_loop().create_future()
     joiner = _Joiner(ep, fut, f"join_multicast {group}")
@@ -365,7 +381,6 @@ async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) 
         err = ffi.errno
         mg.close()
         raise error_from_errno(err, f"resolving multicast group {group}")
-    ia._attach_loop()
     try:
         return await _await(joiner, timeout)
     except BaseException:
@@ -386,7 +401,7 @@ def post_send_to(ep: "EP", segments: Any, dest: Any, cookie: Any, flags: Any, im
     segs = as_segments(segments)
     ep._check_post(segs, ep.attrs.max_request_iov, "post_send_to")
     if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
-        raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {imm_data!r}")
+        raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {shown(imm_data)}")
     opcode = WR_SEND if imm_data is None else WR_SEND_WITH_IMM
     ep._post_one(DTOOp.SEND, opcode, segs, cookie, flags, imm_data=imm_data, ah=ah._ah,
                  remote_qpn=ah.remote_qpn, remote_qkey=ah.remote_qkey, target=ah)
