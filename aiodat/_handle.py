@@ -23,6 +23,7 @@ naming fork.
 """
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import sys
@@ -104,6 +105,14 @@ class Raw:
         if self._generation != _generation:  # the parent's, in a forked child: never destroyed here
             self.ptr, self._deps = ffi.NULL, ()
             return 0
+        if _deferred and _needed_by_deferred(self):
+            # an object whose destruction failed still needs this one (a QP that could not be
+            # destroyed, its device context): keep it too, or the retry would use freed memory
+            _retry_deferred()
+            if _needed_by_deferred(self):
+                if not any(raw is self for raw in _deferred):
+                    _deferred.append(self)
+                return errno.EBUSY
         err = self._destroy(self.ptr)
         if err:
             if not any(raw is self for raw in _deferred):
@@ -124,6 +133,24 @@ class Raw:
             pass
 
 
+def _needed_by_deferred(target: Raw) -> bool:
+    """True if another raw object whose destruction failed depends on ``target``, directly or
+    through the objects it holds."""
+    seen: Set[int] = set()
+    stack = [raw for raw in _deferred if raw is not target and raw.ptr != ffi.NULL]
+    while stack:
+        raw = stack.pop()
+        if id(raw) in seen:
+            continue
+        seen.add(id(raw))
+        for dep in raw._deps:
+            if dep is target:
+                return True
+            if isinstance(dep, Raw) and dep.ptr != ffi.NULL:
+                stack.append(dep)
+    return False
+
+
 def _retry_deferred() -> None:
     """Destroy what can be destroyed now among the raw objects whose destruction failed."""
     global _retrying
@@ -135,6 +162,8 @@ def _retry_deferred() -> None:
         while progress:
             progress = False
             for raw in list(_deferred):
+                if raw.ptr != ffi.NULL and raw._generation == _generation and _needed_by_deferred(raw):
+                    continue  # after what still needs it
                 if raw.ptr == ffi.NULL or raw._generation != _generation or not raw._destroy(raw.ptr):
                     _deferred.remove(raw)
                     raw.ptr, raw._deps = ffi.NULL, ()

@@ -384,3 +384,37 @@ async def test_a_dropped_multicast_group_stays_joined_and_its_ep_closes(ia: Any,
     await other.leave_multicast(again)
     assert again.closed and not list(other._children)
     other.close()
+
+
+# ---------------------------------------------------------------- lifetimes (no device)
+
+
+def test_an_object_a_failed_destruction_still_needs_is_kept() -> None:
+    """When destroying a verbs object fails (a QP the device holds: EBUSY), it is kept and tried
+    again later; what it depends on must then be kept too, until it is gone.  The IA's close used to
+    free the device context regardless, and the retry that followed destroyed the QP on freed
+    memory: a segmentation fault (reached by a dropped multicast group, test above)."""
+    import errno
+
+    import aiodat._handle as handle
+    from aiodat._handle import Raw
+    from aiodat._lib import ffi
+
+    calls: List[str] = []
+    busy = [True]
+    context = Raw(ffi.new("int *"), lambda _: calls.append("context") or 0, "context")
+    cq = Raw(ffi.new("int *"), lambda _: calls.append("cq") or 0, "cq", context)
+    qp = Raw(ffi.new("int *"), lambda _: calls.append("qp") or (errno.EBUSY if busy[0] else 0), "qp", cq)
+    try:
+        assert qp.release() == errno.EBUSY
+        assert cq.release() == errno.EBUSY and context.release() == errno.EBUSY
+        assert "cq" not in calls and "context" not in calls, calls
+        busy[0] = False  # the device lets go: the next retry destroys all three, children first
+        gc.collect()
+        assert calls[-3:] == ["qp", "cq", "context"], calls
+        assert not any(raw in handle._deferred for raw in (qp, cq, context))
+    finally:
+        for raw in (qp, cq, context):
+            if raw in handle._deferred:
+                handle._deferred.remove(raw)
+            raw.ptr, raw._deps = ffi.NULL, ()
