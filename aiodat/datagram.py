@@ -62,11 +62,10 @@ from aiodat.errors import (
     Unreachable,
     ConnectionRejected,
     error_from_errno,
-    shown,
 )
 from aiodat.evd import DTOOp
 from aiodat.memory import Privileges, as_segments
-from aiodat.post import WR_SEND, WR_SEND_WITH_IMM
+from aiodat.post import WR_SEND, WR_SEND_WITH_IMM, check_imm_data
 
 if TYPE_CHECKING:
     from aiodat.memory import PZ
@@ -400,8 +399,7 @@ def post_send_to(ep: "EP", segments: Any, dest: Any, cookie: Any, flags: Any, im
         raise InvalidParameter("the address handle belongs to another PZ than the EP")
     segs = as_segments(segments)
     ep._check_post(segs, ep.attrs.max_request_iov, "post_send_to")
-    if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
-        raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {shown(imm_data)}")
+    check_imm_data(imm_data)
     opcode = WR_SEND if imm_data is None else WR_SEND_WITH_IMM
     ep._post_one(DTOOp.SEND, opcode, segs, cookie, flags, imm_data=imm_data, ah=ah._ah,
                  remote_qpn=ah.remote_qpn, remote_qkey=ah.remote_qkey, target=ah)

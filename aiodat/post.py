@@ -29,6 +29,7 @@ from aiodat.errors import (
     ProtectionViolation,
     QueueFull,
     error_from_errno,
+    shown,
 )
 from aiodat.evd import DTOOp
 from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments
@@ -37,6 +38,12 @@ from aiodat.wr import DrainMarker, SendRun, WorkRequests, _columns, all_same
 if TYPE_CHECKING:
     from aiodat.ia import IA
     from aiodat.memory import PZ
+
+
+def check_imm_data(imm_data: Optional[int]) -> None:
+    """InvalidParameter unless ``imm_data`` is None or a 32-bit unsigned int (a send's immediate data)."""
+    if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
+        raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {shown(imm_data)}")
 
 
 class CompletionFlags(enum.IntFlag):
@@ -317,8 +324,7 @@ class Posting(WorkRequests):
                 raise self._post_error(err, "post send", self._sends_outstanding(), self.attrs.max_request_dtos)
         segs = as_segments(segments)
         self._check_post(segs, self.attrs.max_request_iov, "post_send")
-        if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
-            raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {imm_data!r}")
+        check_imm_data(imm_data)
         opcode = WR_SEND if imm_data is None else WR_SEND_WITH_IMM
         self._post_one(DTOOp.SEND, opcode, segs, cookie, flags, imm_data=imm_data)
 
@@ -363,8 +369,7 @@ class Posting(WorkRequests):
         segs = as_segments(local_segments, "local_segments")
         self._check_post(segs, self.attrs.max_request_iov, "post_rdma_write")
         self._check_remote(remote, segs, "post_rdma_write")
-        if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
-            raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {imm_data!r}")
+        check_imm_data(imm_data)
         opcode = WR_RDMA_WRITE if imm_data is None else WR_RDMA_WRITE_WITH_IMM
         self._post_one(DTOOp.RDMA_WRITE, opcode, segs, cookie, flags, imm_data=imm_data, remote=remote)
 

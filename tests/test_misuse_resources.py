@@ -418,3 +418,21 @@ def test_an_object_a_failed_destruction_still_needs_is_kept() -> None:
             if raw in handle._deferred:
                 handle._deferred.remove(raw)
             raw.ptr, raw._deps = ffi.NULL, ()
+
+
+@pytest.mark.rxe
+async def test_imm_data_no_repr_can_show_is_invalid_parameter_on_every_post(ia: Any, loop_errors: List[dict]) -> None:
+    """post_send and post_rdma_write with an imm_data too long for repr() raise InvalidParameter naming it
+    by its size (they raised ValueError while building the message, as post_send_to did); nothing is
+    posted."""
+    pz = ia.create_pz()
+    ep = ia.create_ep(pz)
+    lmr = pz.register(bytearray(64))
+    region = lmr.remote()
+    with pytest.raises(aiodat.InvalidParameter, match=f"imm_data must be .* got {HUGE_WORDS}"):
+        ep.post_send(lmr[0:8], imm_data=HUGE)
+    with pytest.raises(aiodat.InvalidParameter, match=f"imm_data must be .* got {HUGE_WORDS}"):
+        ep.post_rdma_write(lmr[0:8], region[0:8], imm_data=HUGE)
+    with pytest.raises(aiodat.InvalidParameter, match="imm_data must be .* got -1"):
+        ep.post_send(lmr[0:8], imm_data=-1)
+    assert ep.query().outstanding_requests == 0 and lmr._inflight == 0
