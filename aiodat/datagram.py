@@ -420,7 +420,8 @@ def post_recv_datagram(ep: "EP", segments: Any, cookie: Any, flags: Any) -> None
 
 
 def max_message_size(ep: "EP") -> int:
-    """The largest datagram the EP's port carries: its active MTU in bytes."""
+    """The largest datagram the EP's port carries: its active MTU in bytes (InvalidHandle once it is closed)."""
+    ep._check()
     pattr = ep._ia._port_attr()
     return 128 << pattr.active_mtu  # IBV_MTU_256 == 1 ... IBV_MTU_4096 == 5
 
@@ -428,6 +429,12 @@ def max_message_size(ep: "EP") -> int:
 class DatagramEP(EP):
     """A UD endpoint: an :class:`aiodat.EP` whose QP is unreliable datagram (``ia.create_ep`` makes
     one for ``EPAttr(service_type=ServiceType.UD)``), with the datagram and multicast calls."""
+
+    def _release(self) -> None:
+        super()._release()
+        grh = self.__dict__.get("_grh_lmr")
+        if grh is not None:  # post_recv_datagram's scratch goes with its EP, not later with the PZ
+            grh.close()
 
     async def resolve_datagram(self, host: str, port: int, private_data: bytes = b"",
                                timeout: Optional[float] = 10.0) -> AddressHandle:

@@ -436,3 +436,23 @@ async def test_imm_data_no_repr_can_show_is_invalid_parameter_on_every_post(ia: 
     with pytest.raises(aiodat.InvalidParameter, match="imm_data must be .* got -1"):
         ep.post_send(lmr[0:8], imm_data=-1)
     assert ep.query().outstanding_requests == 0 and lmr._inflight == 0
+
+
+@pytest.mark.rxe
+async def test_a_closed_datagram_ep_frees_its_grh_scratch_and_answers_no_more(ia: Any, loop_errors: List[dict]) -> None:
+    """post_recv_datagram's scratch LMR for GRHs is freed with its EP (it stayed registered until the EP
+    object was collected or its PZ closed), and max_message_size on a closed EP raises InvalidHandle
+    (it returned the port's MTU)."""
+    from aiodat.datagram import max_message_size
+
+    pz = ia.create_pz()
+    ep = ia.create_ep(pz, attrs=UD)
+    lmr = pz.register(bytearray(256))
+    assert max_message_size(ep) >= 256
+    ep.post_recv_datagram(lmr[0:128], "r")
+    grh = ep._grh_lmr
+    assert not grh.closed
+    ep.close()
+    assert grh.closed and lmr._inflight == 0 and not lmr.closed
+    with pytest.raises(aiodat.InvalidHandle):
+        max_message_size(ep)
