@@ -12,6 +12,7 @@ import pytest
 import aiodat
 from aiodat import EPState, EventType, EvdFlags
 from aiodat.testing.plugin import make_ep_pair
+from loop_threads import in_another_loop
 
 pytestmark = pytest.mark.rxe
 
@@ -132,8 +133,6 @@ async def test_a_connection_call_from_another_loop_is_refused_before_anything_is
     loop (set from this loop's thread); accept sent the REP and waited there, its ESTABLISHED then
     set from this thread on the other loop's future.  create_psp raised after it listened, leaving a
     PSP nobody holds listening on the port (ConnQualInUse for the next create_psp there)."""
-    import threading
-
     pz = ia.create_pz()
     cr_evd = ia.create_evd(8, EvdFlags.CR)
     psp = ia.create_psp_any(cr_evd)  # this loop watches the IA's rdma_cm channel from here on
@@ -146,28 +145,15 @@ async def test_a_connection_call_from_another_loop_is_refused_before_anything_is
     probe.free()
     routes = _routes(ia)
     children = len(ia._children)
-    outcomes: List[Any] = []
-
-    async def misuse() -> None:
-        for name, call in (("connect", lambda: client.connect(ia.address, psp.port, timeout=T)),
-                           ("connect_nowait", lambda: client.connect_nowait(ia.address, psp.port, timeout=T)),
-                           ("accept", lambda: cr.accept(server, timeout=T)),
-                           ("accept_nowait", lambda: cr.accept_nowait(server)),
-                           ("disconnect", lambda: pair.client.disconnect(graceful=False, timeout=T)),
-                           ("disconnect", lambda: pair.client.disconnect(timeout=T)),
-                           ("disconnect_nowait", lambda: pair.client.disconnect_nowait()),
-                           ("create_psp", lambda: ia.create_psp(free_port, cr_evd))):
-            try:
-                result = call()
-                if asyncio.iscoroutine(result):
-                    await asyncio.wait_for(result, 5)
-                outcomes.append((name, None))
-            except BaseException as exc:  # noqa: BLE001 - handed to the test
-                outcomes.append((name, exc))
-
-    thread = threading.Thread(target=lambda: asyncio.run(misuse()))
-    thread.start()
-    await asyncio.get_running_loop().run_in_executor(None, thread.join, 4 * T)
+    outcomes = await in_another_loop([
+        ("connect", lambda: client.connect(ia.address, psp.port, timeout=T)),
+        ("connect_nowait", lambda: client.connect_nowait(ia.address, psp.port, timeout=T)),
+        ("accept", lambda: cr.accept(server, timeout=T)),
+        ("accept_nowait", lambda: cr.accept_nowait(server)),
+        ("disconnect", lambda: pair.client.disconnect(graceful=False, timeout=T)),
+        ("disconnect", lambda: pair.client.disconnect(timeout=T)),
+        ("disconnect_nowait", lambda: pair.client.disconnect_nowait()),
+        ("create_psp", lambda: ia.create_psp(free_port, cr_evd))], 4 * T)
     await asyncio.sleep(0.5)
     seen = ([(name, repr(exc)[:60]) for name, exc in outcomes], client.state, cr.closed, server.state,
             pair.client.state, _routes(ia) - routes)

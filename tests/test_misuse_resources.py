@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import threading
-from typing import Any, Callable, List, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 
 import aiodat
 from aiodat import EPAttr, EvdFlags, Privileges, ServiceType
 from aiodat.testing.plugin import make_ep_pair
+from loop_threads import in_another_loop
 
 T = 30.0  # generous bound for every wait: the QEMU guest runs under TCG
 HUGE = 10**5000  # an int too long for repr(): a message built with it would raise ValueError
@@ -30,26 +30,6 @@ def _routes(ia: Any) -> int:
 
 def _kinds(parent: Any, kind: type) -> int:
     return sum(isinstance(child, kind) for child in list(parent._children))
-
-
-async def _in_another_loop(calls: List[Tuple[str, Callable[[], Any]]]) -> List[Tuple[str, Any]]:
-    """Run each call (awaiting what it returns) in a loop of another thread; (name, exception or None)."""
-    outcomes: List[Tuple[str, Any]] = []
-
-    async def misuse() -> None:
-        for name, call in calls:
-            try:
-                result = call()
-                if asyncio.iscoroutine(result):
-                    await asyncio.wait_for(result, 5)
-                outcomes.append((name, None))
-            except BaseException as exc:  # noqa: BLE001 - handed to the test
-                outcomes.append((name, exc))
-
-    thread = threading.Thread(target=lambda: asyncio.run(misuse()))
-    thread.start()
-    await asyncio.get_running_loop().run_in_executor(None, thread.join, 4 * T)
-    return outcomes
 
 
 async def _connected_srq(ia: Any, buffers: int) -> Tuple[Any, Any, Any, Any]:
@@ -239,9 +219,9 @@ async def test_a_bind_from_another_loop_is_refused_before_it_is_posted(ia: Any, 
     rmr, bound = pair.pz.create_rmr(), pair.pz.create_rmr()
     await bound.bind(exposed[64:128], Privileges.REMOTE_READ, pair.server)
     inflight = exposed._inflight
-    outcomes = await _in_another_loop([
+    outcomes = await in_another_loop([
         ("bind", lambda: rmr.bind(exposed[0:64], Privileges.REMOTE_WRITE, pair.server)),
-        ("unbind", lambda: bound.unbind(pair.server))])
+        ("unbind", lambda: bound.unbind(pair.server))], 4 * T)
     await asyncio.sleep(0.5)  # a bind posted anyway would have completed by now
     seen = ([(name, repr(exc)[:80]) for name, exc in outcomes], rmr.bound, bound.bound, exposed._inflight)
     assert [name for name, _ in outcomes] == ["bind", "unbind"], seen
@@ -320,9 +300,9 @@ async def test_datagram_calls_from_another_loop_are_refused_before_anything_star
     psp = ep.serve_datagram(0)  # this loop watches the IA's rdma_cm channel from here on
     await ep.resolve_datagram(ia.address, psp.port, timeout=T)
     routes, handles, requests = _routes(ia), _kinds(pz, AddressHandle), psp.requests
-    outcomes = await _in_another_loop([
+    outcomes = await in_another_loop([
         ("resolve_datagram", lambda: ep.resolve_datagram(ia.address, psp.port, timeout=T)),
-        ("join_multicast", lambda: ep.join_multicast("239.1.2.5", timeout=T))])
+        ("join_multicast", lambda: ep.join_multicast("239.1.2.5", timeout=T))], 4 * T)
     await asyncio.sleep(1.0)  # a resolution started anyway would have its answer by now
     seen = ([(name, repr(exc)[:80]) for name, exc in outcomes], _routes(ia) - routes,
             _kinds(pz, AddressHandle) - handles, psp.requests - requests, list(ep._children))

@@ -55,31 +55,49 @@ typedef struct {
 
 #define OBJ_MEMBERS(X) X(free_slots) X(chunks) X(posted) X(recv_posted) X(held) X(stats) X(send_cookies)
 
-static int traverse(PyObject *op, visitproc visit, void *arg)
-{
-    State *self = (State *)op;
+/* The collector's three functions of a type whose object members are listed by OBJECTS(X) */
 #define VISIT(f) Py_VISIT(self->f);
-    OBJ_MEMBERS(VISIT)
-    Py_VISIT(Py_TYPE(op));  /* a heap type's instances own a reference to it */
-    return 0;
-}
-
-static int clear(PyObject *op)
-{
-    State *self = (State *)op;
 #define CLEAR(f) Py_CLEAR(self->f);
-    OBJ_MEMBERS(CLEAR)
+#define IS_NULL(f) || self->f == NULL
+#define GC_FUNCTIONS(prefix, Type, OBJECTS) \
+    static int prefix##_traverse(PyObject *op, visitproc visit, void *arg) \
+    { \
+        Type *self = (Type *)op; \
+        OBJECTS(VISIT) \
+        Py_VISIT(Py_TYPE(op));  /* a heap type's instances own a reference to it */ \
+        return 0; \
+    } \
+    static int prefix##_clear(PyObject *op) \
+    { \
+        Type *self = (Type *)op; \
+        OBJECTS(CLEAR) \
+        return 0; \
+    } \
+    static void prefix##_dealloc(PyObject *op) \
+    { \
+        PyTypeObject *type = Py_TYPE(op); \
+        PyObject_GC_UnTrack(op); \
+        prefix##_clear(op); \
+        ((freefunc)PyType_GetSlot(type, Py_tp_free))(op); \
+        Py_DECREF(type); \
+    }
+
+GC_FUNCTIONS(state, State, OBJ_MEMBERS)
+
+/* -1 with a TypeError when a constructor that takes positional arguments only got keywords */
+static int positional_only(PyObject *kwds, const char *name)
+{
+    if (kwds != NULL && PyObject_Size(kwds) > 0) {
+        PyErr_Format(PyExc_TypeError, "%s() takes positional arguments only", name);
+        return -1;
+    }
     return 0;
 }
 
-static void dealloc(PyObject *op)
+/* a new, zeroed instance of ``type`` */
+static void *alloc_instance(PyTypeObject *type)
 {
-    PyTypeObject *type = Py_TYPE(op);
-    PyObject_GC_UnTrack(op);
-    clear(op);
-    freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
-    free(op);
-    Py_DECREF(type);
+    return ((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
 }
 
 /* 0 when every container member is set and of the type the methods rely on, else -1 with an error */
@@ -345,9 +363,9 @@ static PyType_Slot state_slots[] = {
     {Py_tp_doc, "The state of one side of an aiodat stream and a small message's steps in C (base of StreamCore)."},
     {Py_tp_methods, state_methods},
     {Py_tp_members, state_members},
-    {Py_tp_traverse, traverse},
-    {Py_tp_clear, clear},
-    {Py_tp_dealloc, dealloc},
+    {Py_tp_traverse, state_traverse},
+    {Py_tp_clear, state_clear},
+    {Py_tp_dealloc, state_dealloc},
     {0, NULL},
 };
 
@@ -365,46 +383,20 @@ typedef struct {
     char as_view, open, alive, delivered, protocol_failed;
 } Receiver;
 
-#define RECEIVER_OBJECTS(X) X(core) X(arena) X(view) X(protocol) X(post_recv) X(segs) X(cookies) \
-    X(event_type) X(post_errors)
+/* the references fixed at construction; ``protocol`` is an attribute set_protocol() changes */
+#define RECEIVER_FIXED(X) X(core) X(arena) X(view) X(post_recv) X(segs) X(cookies) X(event_type) X(post_errors)
+#define RECEIVER_OBJECTS(X) RECEIVER_FIXED(X) X(protocol)
 
 static PyObject *s_cookie, *s_status, *s_transferred_length, *s_r, *s_data_received;
 
-static int receiver_traverse(PyObject *op, visitproc visit, void *arg)
-{
-    Receiver *self = (Receiver *)op;
-    RECEIVER_OBJECTS(VISIT)
-    Py_VISIT(Py_TYPE(op));
-    return 0;
-}
-
-static int receiver_clear(PyObject *op)
-{
-    Receiver *self = (Receiver *)op;
-    RECEIVER_OBJECTS(CLEAR)
-    return 0;
-}
-
-static void receiver_dealloc(PyObject *op)
-{
-    PyTypeObject *type = Py_TYPE(op);
-    PyObject_GC_UnTrack(op);
-    receiver_clear(op);
-    freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
-    free(op);
-    Py_DECREF(type);
-}
+GC_FUNCTIONS(receiver, Receiver, RECEIVER_OBJECTS)
 
 static PyObject *receiver_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *core, *arena, *view, *protocol, *post_recv, *segs, *cookies, *event_type, *post_errors;
     Py_ssize_t slot_size;
     int as_view;
-    if (kwds != NULL && PyObject_Size(kwds) > 0) {
-        PyErr_SetString(PyExc_TypeError, "Receiver() takes positional arguments only");
-        return NULL;
-    }
-    if (!PyArg_ParseTuple(args, "OOOnOpOOOOO:Receiver", &core, &arena, &view, &slot_size, &protocol, &as_view,
+    if (positional_only(kwds, "Receiver") < 0 || !PyArg_ParseTuple(args, "OOOnOpOOOOO:Receiver", &core, &arena, &view, &slot_size, &protocol, &as_view,
                           &post_recv, &segs, &cookies, &event_type, &post_errors))
         return NULL;
     if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs)
@@ -414,7 +406,7 @@ static PyObject *receiver_new(PyTypeObject *type, PyObject *args, PyObject *kwds
                                          "as_view, post_recv, segs: list, cookies: list, event_type, post_errors)");
         return NULL;
     }
-    Receiver *self = (Receiver *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
+    Receiver *self = (Receiver *)alloc_instance(type);
     if (self == NULL)
         return NULL;
 #define KEEP(f) Py_INCREF(f); self->f = f;
@@ -476,8 +468,7 @@ static PyObject *receiver_receive(PyObject *op, PyObject *event)
     Receiver *self = (Receiver *)op;
     State *core = (State *)self->core;
     self->protocol_failed = 0;
-    if (!self->open || core == NULL || self->arena == NULL || self->view == NULL || self->post_recv == NULL
-        || self->segs == NULL || self->cookies == NULL || self->event_type == NULL || self->post_errors == NULL)
+    if (!self->open RECEIVER_FIXED(IS_NULL))
         Py_RETURN_FALSE;  /* (closing; or its references were cleared by the collector) */
     if (check_members(core) < 0)
         return NULL;
@@ -591,40 +582,13 @@ typedef struct {
 
 static PyObject *s_length;
 
-static int sender_traverse(PyObject *op, visitproc visit, void *arg)
-{
-    Sender *self = (Sender *)op;
-    SENDER_OBJECTS(VISIT)
-    Py_VISIT(Py_TYPE(op));
-    return 0;
-}
-
-static int sender_clear(PyObject *op)
-{
-    Sender *self = (Sender *)op;
-    SENDER_OBJECTS(CLEAR)
-    return 0;
-}
-
-static void sender_dealloc(PyObject *op)
-{
-    PyTypeObject *type = Py_TYPE(op);
-    PyObject_GC_UnTrack(op);
-    sender_clear(op);
-    freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
-    free(op);
-    Py_DECREF(type);
-}
+GC_FUNCTIONS(sender, Sender, SENDER_OBJECTS)
 
 static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *core, *arena, *post_send, *segs, *cookies, *slot_segment, *signalled, *suppress;
     Py_ssize_t send_base, slot_size;
-    if (kwds != NULL && PyObject_Size(kwds) > 0) {
-        PyErr_SetString(PyExc_TypeError, "Sender() takes positional arguments only");
-        return NULL;
-    }
-    if (!PyArg_ParseTuple(args, "OOnnOOOOOO:Sender", &core, &arena, &send_base, &slot_size, &post_send, &segs,
+    if (positional_only(kwds, "Sender") < 0 || !PyArg_ParseTuple(args, "OOnnOOOOOO:Sender", &core, &arena, &send_base, &slot_size, &post_send, &segs,
                           &cookies, &slot_segment, &signalled, &suppress))
         return NULL;
     if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs)
@@ -637,7 +601,7 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyObject *take_args = Py_BuildValue("(Onn)", arena, send_base, slot_size);
     if (take_args == NULL)
         return NULL;
-    Sender *self = (Sender *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
+    Sender *self = (Sender *)alloc_instance(type);
     if (self == NULL) {
         Py_DECREF(take_args);
         return NULL;
@@ -653,8 +617,7 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static PyObject *sender_flush(PyObject *op, PyObject *unused)
 {
     Sender *self = (Sender *)op;
-    if (self->core == NULL || self->take_args == NULL || self->post_send == NULL || self->segs == NULL
-        || self->cookies == NULL || self->slot_segment == NULL || self->signalled == NULL || self->suppress == NULL)
+    if (0 SENDER_OBJECTS(IS_NULL))
         Py_RETURN_FALSE;  /* (its references were cleared by the collector) */
     PyObject *taken = take_data(self->core, self->take_args);
     if (taken == NULL)
