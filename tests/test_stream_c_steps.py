@@ -1,15 +1,19 @@
 """The stream transport's steps in C (``Receiver`` and ``Sender``, aiodat/_shim/streamcore.c), host-only.
 
-The Receiver takes a received DATA message from its completion to the protocol's
-``data_received``, the slot's re-post and the credit owed; the Sender takes a small write from
-the core's ``take_data`` to its post; anything else goes back to the transport's Python.  Here
-they are driven with real StreamCores and real completion events
-(``aiodat.evd.DTOCompletionEvent``); the posts are recording callables in place of the EP's
-``post_recv``/``post_send`` (no device: the streams tests on rxe run the same steps against a
-real EP).  Each case checks what the step did, or that it changed nothing.
+The Receiver is the stream EVD's callback (``on_events``) and takes a received DATA message from
+its completion to the protocol's ``data_received``, the slot's re-post and the credit owed; the
+Sender takes a small write to its post and schedules the flush; anything else goes back to the
+transport's Python, which both reach through a weak reference (``owner``).  Here they are driven
+with real StreamCores and real completion events (``aiodat.evd.DTOCompletionEvent``); the posts
+are recording callables in place of the EP's ``post_recv``/``post_send``, and the owner records
+what was left to the transport's Python (no device: the streams tests on rxe run the same steps
+against a real EP and transport).  Each case checks what the step did, or that it changed
+nothing.
 """
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import pytest
@@ -37,6 +41,35 @@ class Protocol:
             raise self.fail
 
 
+class Owner:
+    """What the Receiver and the Sender reach of the transport (``owner()``): its protocol and
+    sender, its flags, and the Python methods they leave the other cases to, recorded here."""
+
+    def __init__(self, protocol: Any = None) -> None:
+        self._protocol = protocol
+        self._sender: Any = None
+        self._lost = False
+        self._protocol_paused = False
+        self._idle: Any = None
+        self.calls: List[Tuple[Any, ...]] = []
+        self.core: Any = None  # for _flush: what it finds buffered
+
+    def _on_events(self, events: List[Any], start: int) -> None:
+        self.calls.append(("_on_events", events[start:]))
+
+    def _batch_failed(self, exc: BaseException) -> None:
+        self.calls.append(("_batch_failed", exc))
+
+    def _flush(self) -> None:
+        self.calls.append(("_flush", self.core.buffered if self.core is not None else None))
+
+    def _post_failed(self, exc: BaseException) -> None:
+        self.calls.append(("_post_failed", exc))
+
+    def _after_flush(self) -> None:
+        self.calls.append(("_after_flush",))
+
+
 class Stream:
     """A core, its arena of receive slots and a Receiver, as RdmaTransport builds them."""
 
@@ -46,12 +79,18 @@ class Stream:
         self.arena = bytearray(SIZE * cfg.slots)
         self.view = memoryview(self.arena)
         self.protocol = protocol or Protocol()
+        self.owner = Owner(self.protocol)
+        self.owner.core = self.core
         self.reposts: List[Tuple[Any, Any]] = []
         self.post_error: Optional[BaseException] = None
         self.segs = [f"seg{i}" for i in range(cfg.slots)]
         self.cookies = [("r", i) for i in range(cfg.slots)]
-        self.receiver = Receiver(self.core, self.arena, self.view, SIZE, self.protocol, as_view, self.post_recv,
-                                 self.segs, self.cookies, DTOCompletionEvent, DATError)
+        self.receiver = Receiver(self.core, self.arena, self.view, SIZE, weakref.ref(self.owner), as_view,
+                                 self.post_recv, self.segs, self.cookies, DTOCompletionEvent, DATError)
+        self.soon: List[Any] = []  # what the Sender's call_soon got
+        self.owner._sender = Sender(self.core, bytearray(2 * SIZE * cfg.slots), SIZE * cfg.slots, SIZE,
+                                    lambda *a: None, [], [], lambda *a: None, 1, 0, weakref.ref(self.owner),
+                                    self.soon.append, DATError)
 
     def post_recv(self, seg: Any, cookie: Any) -> None:
         if self.post_error is not None:
@@ -138,18 +177,81 @@ def test_the_protocol_is_looked_up_per_message() -> None:
     s.protocol.data_received = other.data_received  # type: ignore[method-assign]  (rebound)
     assert s.receiver.receive(s.arrive(0, b"a")) is True and other.got == [b"a"]
     third = Protocol()
-    s.receiver.protocol, s.receiver.as_view = third, False  # set_protocol()
+    s.owner._protocol, s.receiver.as_view = third, False  # set_protocol()
     assert s.receiver.receive(s.arrive(1, b"b")) is True and third.got == [b"b"] and third.kinds is bytes
-    del s.receiver.protocol
-    with pytest.raises(AttributeError, match="no protocol"):
+    s.owner._protocol = None
+    with pytest.raises(AttributeError, match="data_received"):
         s.receiver.receive(s.arrive(2, b"c"))
+    assert s.receiver.protocol_failed
+
+
+def test_a_batch_taken_whole_schedules_the_flush_once() -> None:
+    s = Stream()
+    s.receiver.on_events([s.arrive(0, b"one"), s.arrive(1, b"two")])
+    assert s.protocol.got == [b"one", b"two"] and len(s.reposts) == 2 and s.receiver.delivered
+    assert s.owner.calls == []  # nothing for the transport's Python
+    assert len(s.soon) == 1 and s.owner._sender.scheduled  # the flush, after the woken reader
+    s.receiver.on_events([s.arrive(2, b"three")])
+    assert len(s.soon) == 1  # already scheduled
+    s.soon[0]()  # the scheduled flush: nothing buffered, so the transport's _flush looks
+    assert not s.owner._sender.scheduled and s.owner.calls == [("_flush", 0)]
+
+
+def test_what_data_received_writes_is_flushed_at_once() -> None:
+    s = Stream()
+    s.protocol.during = lambda: s.core.write(b"reply")
+    s.receiver.on_events([s.arrive(0, b"request")])
+    assert s.owner.calls == [("_flush", 5)] and len(s.soon) == 1
+
+
+def test_the_rest_of_a_batch_goes_to_the_transports_python() -> None:
+    s = Stream()
+    eof, after = s.arrive(1, b"", mtype=MSG_EOF), s.arrive(2, b"later")
+    s.receiver.on_events([s.arrive(0, b"first"), eof, after])
+    assert s.protocol.got == [b"first"] and s.receiver.delivered  # (delivered tells _handle)
+    assert s.owner.calls == [("_on_events", [eof, after])] and s.soon == []
+    s.owner.calls.clear()
+    s.receiver.on_events([])  # nothing delivered: a flush now, as _handle does
+    assert s.owner.calls == [("_flush", 0)] and not s.receiver.delivered
+
+
+def test_a_raising_data_received_goes_to_batch_failed() -> None:
+    s = Stream(protocol=Protocol(fail=ValueError("app bug")))
+    s.receiver.on_events([s.arrive(0, b"hi"), s.arrive(1, b"never")])
+    (what, exc), = s.owner.calls
+    assert what == "_batch_failed" and isinstance(exc, ValueError) and s.receiver.protocol_failed
+    assert exc.__traceback__ is not None and s.protocol.got == [b"hi"] and s.soon == []
+
+    class Stop(BaseException):
+        pass
+    s = Stream(protocol=Protocol(fail=Stop()))
+    with pytest.raises(Stop):  # not an Exception: it propagates, as asyncio's callbacks let it
+        s.receiver.on_events([s.arrive(0, b"hi")])
+    assert s.owner.calls == []
+
+
+def test_a_lost_or_collected_transport_takes_nothing() -> None:
+    s = Stream()
+    s.receiver.alive = False
+    before = s.state()
+    assert s.receiver.on_events([s.arrive(0, b"hi")]) is None
+    assert s.state() == before and s.owner.calls == [] and s.soon == []
+    s = Stream()
+    before = s.state()
+    del s.owner
+    gc.collect()
+    assert s.receiver.on_events([s.arrive(0, b"hi")]) is None and s.receiver.receive(s.arrive(0, b"hi")) is False
+    assert s.state() == before
+    with pytest.raises(TypeError, match="list"):
+        s.receiver.on_events((s.arrive(0, b"hi"),))
 
 
 def test_bad_construction_is_refused() -> None:
     s = Stream()
-    good = [s.core, s.arena, s.view, SIZE, s.protocol, True, s.post_recv, s.segs, s.cookies, DTOCompletionEvent,
-            DATError]
-    for index, bad in ((0, object()), (1, bytes(10)), (3, 8), (6, None), (7, tuple(s.segs)), (9, "type")):
+    good = [s.core, s.arena, s.view, SIZE, weakref.ref(s.owner), True, s.post_recv, s.segs, s.cookies,
+            DTOCompletionEvent, DATError]
+    for index, bad in ((0, object()), (1, bytes(10)), (3, 8), (4, s.owner), (6, None), (7, tuple(s.segs)),
+                       (9, "type")):
         args = list(good)
         args[index] = bad
         with pytest.raises(TypeError, match="Receiver"):
@@ -180,8 +282,12 @@ class Writer:
         self.posts: List[Tuple[Any, Any, Any]] = []
         self.made: List[Tuple[int, int]] = []
         self.post_error: Optional[BaseException] = None
+        self.owner = Owner()
+        self.owner.core = self.core
+        self.soon: List[Any] = []  # what call_soon got
         self.sender = Sender(self.core, self.arena, self.base, SIZE, self.post_send, self.segs, self.cookies,
-                             self.slot_segment, self.SIGNALLED, self.SUPPRESS)
+                             self.slot_segment, self.SIGNALLED, self.SUPPRESS, weakref.ref(self.owner),
+                             self.soon.append, DATError)
 
     def post_send(self, seg: Any, cookie: Any, flags: Any) -> None:
         if self.post_error is not None:
@@ -233,11 +339,71 @@ def test_a_failed_post_propagates_with_the_send_committed() -> None:
 
 def test_the_sender_refuses_bad_construction() -> None:
     w = Writer()
-    good = [w.core, w.arena, w.base, SIZE, w.post_send, w.segs, w.cookies, w.slot_segment, 1, 0]
-    for index, bad in ((0, object()), (1, bytes(8)), (2, -1), (3, 8), (4, None), (5, ()), (7, None)):
+    good = [w.core, w.arena, w.base, SIZE, w.post_send, w.segs, w.cookies, w.slot_segment, 1, 0,
+            weakref.ref(w.owner), w.soon.append, DATError]
+    for index, bad in ((0, object()), (1, bytes(8)), (2, -1), (3, 8), (4, None), (5, ()), (7, None), (10, w.owner),
+                       (11, None)):
         args = list(good)
         args[index] = bad
         with pytest.raises(TypeError, match="Sender"):
             Sender(*args)
     with pytest.raises(TypeError, match="positional"):
         Sender(*good, extra=1)
+
+
+def test_writes_of_one_iteration_schedule_one_flush_which_posts_them_together() -> None:
+    w = Writer()
+    assert w.sender.write(b"hel") == 3 and w.sender.write(b"lo") == 5
+    assert len(w.soon) == 1 and w.sender.scheduled and w.posts == []
+    w.soon[0]()
+    (seg, cookie, flags), = w.posts
+    assert w.wire(0, 13) == HEADER.pack(MSG_DATA, 0, 0, 5) + b"hello" and not w.sender.scheduled
+    assert w.owner.calls == []  # posted, nobody paused or waiting: no Python at all
+    with pytest.raises(TypeError):
+        w.sender.write(bytearray(b"x"))  # (the transport's write() passes bytes only)
+    assert w.sender.scheduled is False and len(w.soon) == 1
+
+
+def test_the_scheduled_flush_leaves_the_rest_to_the_transport() -> None:
+    w = Writer()
+    w.owner._protocol_paused = True
+    w.sender.write(b"hi")
+    w.soon[-1]()
+    assert len(w.posts) == 1 and w.owner.calls == [("_after_flush",)]  # resume the paused protocol
+    w.owner.calls.clear()
+    w.owner._protocol_paused, w.owner._idle = False, object()  # close() waits for the sends
+    w.sender.write(b"hi")
+    w.soon[-1]()
+    assert len(w.posts) == 2 and w.owner.calls == [("_after_flush",)]
+    w.owner.calls.clear()
+    w.core.write_eof()  # not the C case: the transport's _flush
+    w.sender.schedule()
+    w.soon[-1]()
+    assert w.owner.calls == [("_flush", 0)] and len(w.posts) == 2
+
+
+def test_a_failed_scheduled_post_goes_to_post_failed_and_other_errors_propagate() -> None:
+    w = Writer()
+    w.post_error = InvalidHandle("the EP was freed")
+    w.sender.write(b"hi")
+    w.soon[-1]()
+    (what, exc), = w.owner.calls
+    assert what == "_post_failed" and exc is w.post_error
+    w.post_error = RuntimeError("not a DAT error")
+    w.sender.write(b"hi")
+    with pytest.raises(RuntimeError):
+        w.soon[-1]()
+    assert len(w.owner.calls) == 1 and not w.sender.scheduled
+
+
+def test_a_lost_or_collected_transport_flushes_nothing() -> None:
+    w = Writer()
+    w.sender.write(b"hi")
+    w.owner._lost = True
+    w.soon[-1]()
+    assert w.posts == [] and w.owner.calls == [] and w.core.buffered == 2
+    del w.owner
+    gc.collect()
+    w.sender.write(b"hi")
+    w.soon[-1]()
+    assert w.posts == [] and w.core.buffered == 4

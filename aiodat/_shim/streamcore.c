@@ -22,11 +22,13 @@
  * attributes (``self._credits``...); StreamCore.__init__ sets every one.
  *
  * Two more types are the transport's side of the same messages
- * (streams/transport.py), made once per connection: Receiver takes a received
- * DATA message from its completion event to the protocol's data_received, the
- * slot's re-post and the credit owed; Sender takes a small write from
- * take_data() to its post.  They too take only the common case and leave
- * everything else to the transport's Python.
+ * (streams/transport.py), made once per connection: Receiver is the stream
+ * EVD's callback, and takes a received DATA message from its completion event
+ * to the protocol's data_received, the slot's re-post and the credit owed;
+ * Sender takes a small write from write() to its post, with the flush of the
+ * loop iteration's writes scheduled in between.  They too take only the common
+ * case and leave everything else to the transport's Python, which they reach
+ * through a weak reference (a stream the program drops is still collected).
  *
  * Limited API (abi3), as completions.c and posts.c; buffers are read as bytes
  * and bytearray objects (the 3.9 limited API has no buffer protocol).
@@ -374,42 +376,308 @@ static PyType_Spec state_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, state_slots,
 };
 
-/* -- Receiver: a received DATA message, from its completion to the protocol and the re-post -------- */
+/* -- what the Receiver and the Sender share ------------------------------------------------------- */
+
+static PyObject *s_cookie, *s_status, *s_transferred_length, *s_r, *s_data_received, *s_length, *s__protocol,
+    *s__sender, *s__lost, *s__flush, *s__on_events, *s__batch_failed, *s__post_failed, *s__after_flush,
+    *s__protocol_paused, *s__idle, *s_scheduled_flush;
+static PyObject *sender_type;  /* Sender, set at import */
+
+/* a new reference to None (Py_NewRef is not in the 3.9 limited API) */
+static PyObject *new_none(void)
+{
+    Py_INCREF(Py_None);
+    return Py_None;
+}
+
+/* the transport a weak reference points to (a new reference), Py_None once it was collected, NULL on an error */
+static PyObject *owner_of(PyObject *ref)
+{
+    return PyObject_CallObject(ref, NULL);
+}
+
+/* owner.<name>(arg) (arg may be NULL: no argument), its result or NULL */
+static PyObject *call_owner(PyObject *owner, PyObject *name, PyObject *arg)
+{
+    return PyObject_CallMethodObjArgs(owner, name, arg, NULL);
+}
+
+/* owner.<name>(the exception being raised), which must be one of ``kinds``; else it propagates (NULL) */
+static PyObject *hand_exception(PyObject *owner, PyObject *name, PyObject *kinds)
+{
+    if (!PyErr_ExceptionMatches(kinds))
+        return NULL;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *result = call_owner(owner, name, value);
+    Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+    return result;
+}
+
+/* -- Sender: a small write, from the core's take_data to the post, and the flush's scheduling ------- */
 
 typedef struct {
     PyObject_HEAD
-    PyObject *core, *arena, *view, *protocol, *post_recv, *segs, *cookies, *event_type, *post_errors;
+    PyObject *core, *take_args, *post_send, *segs, *cookies, *slot_segment, *signalled, *suppress, *owner, *call_soon,
+        *post_errors;
+    char scheduled;
+} Sender;
+
+#define SENDER_OBJECTS(X) X(core) X(take_args) X(post_send) X(segs) X(cookies) X(slot_segment) X(signalled) \
+    X(suppress) X(owner) X(call_soon) X(post_errors)
+
+GC_FUNCTIONS(sender, Sender, SENDER_OBJECTS)
+
+static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *core, *arena, *post_send, *segs, *cookies, *slot_segment, *signalled, *suppress, *owner, *call_soon,
+        *post_errors;
+    Py_ssize_t send_base, slot_size;
+    if (positional_only(kwds, "Sender") < 0 || !PyArg_ParseTuple(args, "OOnnOOOOOOOOO:Sender", &core, &arena, &send_base,
+                          &slot_size, &post_send, &segs, &cookies, &slot_segment, &signalled, &suppress, &owner,
+                          &call_soon, &post_errors))
+        return NULL;
+    if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs)
+        || !PyList_Check(cookies) || slot_size <= HEADER_SIZE || send_base < 0 || !PyCallable_Check(post_send)
+        || !PyCallable_Check(slot_segment) || !PyWeakref_CheckRef(owner) || !PyCallable_Check(call_soon)) {
+        PyErr_SetString(PyExc_TypeError, "Sender(core: StreamState, arena: bytearray, send_base >= 0, slot_size > 8, "
+                                         "post_send, segs: list, cookies: list, slot_segment, signalled, suppress, "
+                                         "owner: weakref.ref, call_soon, post_errors)");
+        return NULL;
+    }
+    PyObject *take_args = Py_BuildValue("(Onn)", arena, send_base, slot_size);
+    if (take_args == NULL)
+        return NULL;
+    Sender *self = (Sender *)alloc_instance(type);
+    if (self == NULL) {
+        Py_DECREF(take_args);
+        return NULL;
+    }
+    self->take_args = take_args;
+#define KEEP(f) Py_INCREF(f); self->f = f;
+    KEEP(core) KEEP(post_send) KEEP(segs) KEEP(cookies) KEEP(slot_segment) KEEP(signalled) KEEP(suppress) KEEP(owner)
+    KEEP(call_soon) KEEP(post_errors)
+    return (PyObject *)self;
+}
+
+/* flush() -> True when a DATA send was committed and posted */
+static PyObject *sender_flush(PyObject *op, PyObject *unused)
+{
+    Sender *self = (Sender *)op;
+    if (0 SENDER_OBJECTS(IS_NULL))
+        Py_RETURN_FALSE;  /* (its references were cleared by the collector) */
+    PyObject *taken = take_data(self->core, self->take_args);
+    if (taken == NULL)
+        return NULL;
+    if (taken == Py_None) {  /* not its case */
+        Py_DECREF(taken);
+        Py_RETURN_FALSE;
+    }
+    /* (slot, wire, signalled): committed; from here the send must be posted, or its failure raised */
+    Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GetItem(taken, 0));
+    PyObject *wire = PyTuple_GetItem(taken, 1);  /* borrowed, as long as taken lives */
+    int signalled = PyTuple_GetItem(taken, 2) == Py_True;
+    PyObject *result = NULL, *seg = NULL;
+    if (slot < 0 || slot >= PyList_Size(self->segs) || slot >= PyList_Size(self->cookies)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_IndexError, "Sender: no send slot %zd among its segments", slot);
+        goto done;
+    }
+    seg = PyList_GetItem(self->segs, slot);
+    Py_INCREF(seg);
+    PyObject *length = PyObject_GetAttr(seg, s_length);
+    int same = length ? PyObject_RichCompareBool(length, wire, Py_EQ) : -1;
+    Py_XDECREF(length);
+    if (same < 0)
+        goto done;
+    if (!same) {  /* a new length: the transport's Segment for it, kept for the next send of the slot */
+        Py_DECREF(seg);
+        seg = PyObject_CallFunctionObjArgs(self->slot_segment, PyTuple_GetItem(taken, 0), wire, NULL);
+        if (seg == NULL)
+            goto done;
+    }
+    result = PyObject_CallFunctionObjArgs(self->post_send, seg, PyList_GetItem(self->cookies, slot),
+                                          signalled ? self->signalled : self->suppress, NULL);
+done:
+    Py_XDECREF(seg);
+    Py_DECREF(taken);
+    if (result == NULL)
+        return NULL;
+    Py_DECREF(result);
+    Py_RETURN_TRUE;
+}
+
+/* schedule()'s work: call_soon(self.scheduled_flush) unless one is already scheduled; 0, or -1 with an error */
+static int schedule_flush(Sender *self)
+{
+    if (self->scheduled || self->call_soon == NULL)
+        return 0;
+    PyObject *callback = PyObject_GetAttr((PyObject *)self, s_scheduled_flush);
+    PyObject *handle = callback ? PyObject_CallFunctionObjArgs(self->call_soon, callback, NULL) : NULL;
+    Py_XDECREF(callback);
+    if (handle == NULL)
+        return -1;
+    Py_DECREF(handle);
+    self->scheduled = 1;
+    return 0;
+}
+
+static PyObject *sender_schedule(PyObject *op, PyObject *unused)
+{
+    if (schedule_flush((Sender *)op) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* write(data) -> bytes buffered: the core's write_bytes, then schedule() */
+static PyObject *sender_write(PyObject *op, PyObject *data)
+{
+    Sender *self = (Sender *)op;
+    if (self->core == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Sender: cleared by the collector");
+        return NULL;
+    }
+    PyObject *done = write_bytes(self->core, data);
+    if (done == NULL)
+        return NULL;
+    Py_DECREF(done);
+    if (schedule_flush(self) < 0)
+        return NULL;
+    return PyLong_FromLongLong(((State *)self->core)->pending);
+}
+
+/* the truth of owner.<name>: 1, 0, or -1 with an error */
+static int owner_flag(PyObject *owner, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(owner, name);
+    int truth = value ? PyObject_IsTrue(value) : -1;
+    Py_XDECREF(value);
+    return truth;
+}
+
+/* scheduled_flush(): the flush call_soon runs (see the method's doc) */
+static PyObject *sender_scheduled_flush(PyObject *op, PyObject *unused)
+{
+    Sender *self = (Sender *)op;
+    self->scheduled = 0;
+    if (0 SENDER_OBJECTS(IS_NULL))
+        Py_RETURN_NONE;
+    PyObject *owner = owner_of(self->owner), *result = NULL;
+    if (owner == NULL || owner == Py_None)
+        return owner;
+    int lost = owner_flag(owner, s__lost);
+    if (lost) {
+        if (lost > 0)
+            result = new_none();
+        goto done;
+    }
+    PyObject *posted = sender_flush(op, NULL);
+    if (posted == NULL) {
+        result = hand_exception(owner, s__post_failed, self->post_errors);
+        goto done;
+    }
+    Py_DECREF(posted);
+    if (posted == Py_False) {  /* not the common case: the transport's Python flush */
+        result = call_owner(owner, s__flush, NULL);
+        goto done;
+    }
+    /* posted: what follows a flush, only when the protocol is paused or close() waits for the sends */
+    int paused = owner_flag(owner, s__protocol_paused);
+    PyObject *idle = paused < 0 ? NULL : PyObject_GetAttr(owner, s__idle);
+    if (idle != NULL) {
+        result = paused || idle != Py_None ? call_owner(owner, s__after_flush, NULL) : new_none();
+        Py_DECREF(idle);
+    }
+done:
+    Py_DECREF(owner);
+    return result;
+}
+
+static PyMethodDef sender_methods[] = {
+    {"flush", sender_flush, METH_NOARGS,
+     "flush() -> bool.\n\n"
+     "The core's take_data() into the arena's send slot and its post: post_send(segment, cookies[slot], "
+     "signalled or suppress), where segment is segs[slot] when its length is the wire length, else "
+     "slot_segment(slot, wire) (which the transport keeps in segs).  True when posted; False, with nothing "
+     "changed, when take_data() does not take the case.  An exception of the post (or of slot_segment) "
+     "propagates with the DATA send committed, as the transport's Python path leaves it."},
+    {"write", sender_write, METH_O,
+     "write(data) -> int.\n\n"
+     "The transport's write() of a bytes object: the core's write_bytes(data), then schedule(); returns the "
+     "bytes now buffered (the core's ``buffered``)."},
+    {"schedule", sender_schedule, METH_NOARGS,
+     "schedule(): call_soon(scheduled_flush) unless a flush is already scheduled (``scheduled``): the writes of "
+     "one loop iteration go out together."},
+    {"scheduled_flush", sender_scheduled_flush, METH_NOARGS,
+     "scheduled_flush(): the flush schedule() queued.  Nothing once the owner is collected or lost "
+     "(``owner()._lost``).  Else flush(); a post_errors exception of it goes to owner()._post_failed(exc); when "
+     "flush() does not take the case, owner()._flush() does the rest; after a post, owner()._after_flush() runs "
+     "only when the owner's protocol is paused (``_protocol_paused``) or close() waits (``_idle`` is set)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef sender_members[] = {
+    {"scheduled", T_BOOL, offsetof(Sender, scheduled), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot sender_slots[] = {
+    {Py_tp_doc, "Sender(core, arena, send_base, slot_size, post_send, segs, cookies, slot_segment, signalled, "
+                "suppress, owner, call_soon, post_errors): a small write's DATA send, from the core's take_data() to "
+                "the post, and the scheduling of the flush of a loop iteration's writes, in C (the stream transport's "
+                "common case).  ``owner`` is a weak reference to the transport, whose Python takes every other "
+                "case."},
+    {Py_tp_new, sender_new},
+    {Py_tp_methods, sender_methods},
+    {Py_tp_members, sender_members},
+    {Py_tp_traverse, sender_traverse},
+    {Py_tp_clear, sender_clear},
+    {Py_tp_dealloc, sender_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec sender_spec = {
+    "aiodat._shim._streamcore.Sender", sizeof(Sender), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, sender_slots,
+};
+
+/* -- Receiver: a batch of completions, and a received DATA message from its completion to the re-post -- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *core, *arena, *view, *owner, *post_recv, *segs, *cookies, *event_type, *post_errors;
     Py_ssize_t slot_size;
     char as_view, open, alive, delivered, protocol_failed;
 } Receiver;
 
-/* the references fixed at construction; ``protocol`` is an attribute set_protocol() changes */
-#define RECEIVER_FIXED(X) X(core) X(arena) X(view) X(post_recv) X(segs) X(cookies) X(event_type) X(post_errors)
-#define RECEIVER_OBJECTS(X) RECEIVER_FIXED(X) X(protocol)
-
-static PyObject *s_cookie, *s_status, *s_transferred_length, *s_r, *s_data_received;
+/* (the transport is reached through ``owner``, a weak reference: the EVD that holds on_events as its
+ * callback must not keep a dropped stream alive) */
+#define RECEIVER_OBJECTS(X) X(core) X(arena) X(view) X(owner) X(post_recv) X(segs) X(cookies) X(event_type) \
+    X(post_errors)
 
 GC_FUNCTIONS(receiver, Receiver, RECEIVER_OBJECTS)
 
 static PyObject *receiver_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *core, *arena, *view, *protocol, *post_recv, *segs, *cookies, *event_type, *post_errors;
+    PyObject *core, *arena, *view, *owner, *post_recv, *segs, *cookies, *event_type, *post_errors;
     Py_ssize_t slot_size;
     int as_view;
-    if (positional_only(kwds, "Receiver") < 0 || !PyArg_ParseTuple(args, "OOOnOpOOOOO:Receiver", &core, &arena, &view, &slot_size, &protocol, &as_view,
-                          &post_recv, &segs, &cookies, &event_type, &post_errors))
+    if (positional_only(kwds, "Receiver") < 0 || !PyArg_ParseTuple(args, "OOOnOpOOOOO:Receiver", &core, &arena, &view,
+                          &slot_size, &owner, &as_view, &post_recv, &segs, &cookies, &event_type, &post_errors))
         return NULL;
     if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs)
         || !PyList_Check(cookies) || !PyType_Check(event_type) || slot_size <= HEADER_SIZE
-        || !PyCallable_Check(post_recv)) {
-        PyErr_SetString(PyExc_TypeError, "Receiver(core: StreamState, arena: bytearray, view, slot_size > 8, protocol, "
-                                         "as_view, post_recv, segs: list, cookies: list, event_type, post_errors)");
+        || !PyCallable_Check(post_recv) || !PyWeakref_CheckRef(owner)) {
+        PyErr_SetString(PyExc_TypeError, "Receiver(core: StreamState, arena: bytearray, view, slot_size > 8, "
+                                         "owner: weakref.ref, as_view, post_recv, segs: list, cookies: list, "
+                                         "event_type, post_errors)");
         return NULL;
     }
     Receiver *self = (Receiver *)alloc_instance(type);
     if (self == NULL)
         return NULL;
-#define KEEP(f) Py_INCREF(f); self->f = f;
     RECEIVER_OBJECTS(KEEP)
     self->slot_size = slot_size;
     self->as_view = (char)as_view;
@@ -462,27 +730,25 @@ static Py_ssize_t own_receive(Receiver *self, PyObject *event)
     return ok ? slot : -1;
 }
 
-/* receive(event) -> True when taken: see the type's doc */
-static PyObject *receiver_receive(PyObject *op, PyObject *event)
+/* receive()'s work for the transport ``owner``: 1 when taken, 0 when not its case (nothing changed), -1 on
+ * an error (protocol_failed set when data_received raised) */
+static int receive_one(Receiver *self, PyObject *owner, PyObject *event)
 {
-    Receiver *self = (Receiver *)op;
     State *core = (State *)self->core;
     self->protocol_failed = 0;
-    if (!self->open RECEIVER_FIXED(IS_NULL))
-        Py_RETURN_FALSE;  /* (closing; or its references were cleared by the collector) */
+    if (!self->open)
+        return 0;  /* (closing: the Python path knows what is still delivered) */
     if (check_members(core) < 0)
-        return NULL;
+        return -1;
     Py_ssize_t slot = own_receive(self, event), length;
     if (slot == -2 || (slot >= 0 && attr_ssize(event, s_transferred_length, &length) < 0))
-        return NULL;
+        return -1;
     if (slot < 0 || slot >= PyList_Size(self->segs) || slot >= PyList_Size(self->cookies))
-        Py_RETURN_FALSE;
+        return 0;
     Py_ssize_t base = slot * self->slot_size;
     long long n = take_message(core, slot, self->arena, base, length);
-    if (n == -2)
-        return NULL;
-    if (n == -1)
-        Py_RETURN_FALSE;
+    if (n < 0)
+        return n == -1 ? 0 : -1;
     base += HEADER_SIZE;
     PyObject *payload;
     if (self->as_view) {
@@ -498,34 +764,109 @@ static PyObject *receiver_receive(PyObject *op, PyObject *event)
             PyErr_SetString(PyExc_ValueError, "Receiver: the payload runs past the arena");
     }
     if (payload == NULL)
-        return NULL;
+        return -1;
     self->delivered = 1;
-    /* looked up each time, as the transport's Python does: a protocol may rebind its data_received */
-    PyObject *data_received = self->protocol ? PyObject_GetAttr(self->protocol, s_data_received) : NULL;
-    if (self->protocol == NULL)
-        PyErr_SetString(PyExc_AttributeError, "Receiver: no protocol");
+    /* looked up each time, as the transport's Python does: set_protocol() may change the protocol, and a
+     * protocol may rebind its data_received */
+    PyObject *protocol = PyObject_GetAttr(owner, s__protocol);
+    PyObject *data_received = protocol ? PyObject_GetAttr(protocol, s_data_received) : NULL;
     PyObject *result = data_received ? PyObject_CallFunctionObjArgs(data_received, payload, NULL) : NULL;
     Py_XDECREF(data_received);
+    Py_XDECREF(protocol);
     Py_DECREF(payload);
     if (result == NULL) {
         self->protocol_failed = 1;
-        return NULL;
+        return -1;
     }
     Py_DECREF(result);
     if (!self->alive)  /* data_received ended the stream: the slot stays unposted, as the Python path leaves it */
-        Py_RETURN_TRUE;
+        return 1;
     result = PyObject_CallFunctionObjArgs(self->post_recv, PyList_GetItem(self->segs, slot),
                                           PyList_GetItem(self->cookies, slot), NULL);
     if (result == NULL) {
         if (!PyErr_ExceptionMatches(self->post_errors))
-            return NULL;
+            return -1;
         PyErr_Clear();  /* the EP left CONNECTED or was freed: the connection's end follows */
-        Py_RETURN_TRUE;
+        return 1;
     }
     Py_DECREF(result);
-    if (consume_message(core, slot, n) < 0)
+    return consume_message(core, slot, n) < 0 ? -1 : 1;
+}
+
+/* receive(event) -> True when taken: see the method's doc */
+static PyObject *receiver_receive(PyObject *op, PyObject *event)
+{
+    Receiver *self = (Receiver *)op;
+    self->protocol_failed = 0;
+    if (!self->open RECEIVER_OBJECTS(IS_NULL))
+        Py_RETURN_FALSE;  /* (closing; or its references were cleared by the collector) */
+    PyObject *owner = owner_of(self->owner);
+    if (owner == NULL)
         return NULL;
-    Py_RETURN_TRUE;
+    int taken = owner == Py_None ? 0 : receive_one(self, owner, event);
+    Py_DECREF(owner);
+    if (taken < 0)
+        return NULL;
+    return PyBool_FromLong(taken);
+}
+
+/* on_events(events): the EVD's callback (see the method's doc) */
+static PyObject *receiver_on_events(PyObject *op, PyObject *events)
+{
+    Receiver *self = (Receiver *)op;
+    if (!PyList_Check(events)) {
+        PyErr_SetString(PyExc_TypeError, "on_events() takes the EVD's list of events");
+        return NULL;
+    }
+    if (0 RECEIVER_OBJECTS(IS_NULL))
+        Py_RETURN_NONE;
+    PyObject *owner = owner_of(self->owner), *result = NULL;
+    if (owner == NULL || owner == Py_None)
+        return owner;  /* (collected: nothing is left to deliver to) */
+    if (!self->alive) {  /* (lost: its events are of no use) */
+        result = new_none();
+        goto done;
+    }
+    self->delivered = 0;
+    for (Py_ssize_t i = 0; i < PyList_Size(events); i++) {
+        PyObject *event = PyList_GetItem(events, i);
+        Py_INCREF(event);
+        int taken = receive_one(self, owner, event);
+        Py_DECREF(event);
+        if (taken < 0) {
+            result = hand_exception(owner, s__batch_failed, PyExc_Exception);
+            goto done;
+        }
+        if (!taken) {  /* the transport's Python takes this event and the rest */
+            PyObject *start = PyLong_FromSsize_t(i);
+            result = start ? PyObject_CallMethodObjArgs(owner, s__on_events, events, start, NULL) : NULL;
+            Py_XDECREF(start);
+            goto done;
+        }
+    }
+    if (!self->alive) {
+        result = new_none();
+        goto done;
+    }
+    /* As the transport's _handle ends a batch: with data delivered, a flush after this loop iteration's
+     * callbacks (the reader woken by data_received replies before it), and one now only for what
+     * data_received wrote itself; with nothing delivered, a flush now. */
+    if (!self->delivered || ((State *)self->core)->pending) {
+        result = call_owner(owner, s__flush, NULL);
+        if (result == NULL || !self->delivered)
+            goto done;
+        Py_DECREF(result);
+        result = NULL;
+    }
+    PyObject *sender = PyObject_GetAttr(owner, s__sender);
+    if (sender != NULL && (PyObject *)Py_TYPE(sender) != sender_type)
+        PyErr_SetString(PyExc_TypeError, "Receiver.on_events(): the owner's _sender is not a Sender");
+    else if (sender != NULL && schedule_flush((Sender *)sender) == 0)
+        result = new_none();
+    Py_XDECREF(sender);
+done:
+    Py_DECREF(owner);
+    return result;
 }
 
 static PyMethodDef receiver_methods[] = {
@@ -533,18 +874,26 @@ static PyMethodDef receiver_methods[] = {
      "receive(event) -> bool.\n\n"
      "Take ``event`` when it is the common case: a successful receive completion of the stream's own (cookie "
      "(\"r\", slot)) holding a DATA message that core.on_data() takes, while the receiver is open.  Hands the "
-     "payload to protocol.data_received (a memoryview of ``view`` when as_view, else bytes), re-posts the slot with "
-     "post_recv(segs[slot], cookies[slot]) and calls the core's data_consumed; True.  False, with nothing "
-     "changed, for anything else.  An exception of data_received propagates with protocol_failed set; a "
-     "post_errors exception of the re-post is swallowed (the slot stays unposted, and the connection's end "
-     "follows); when data_received ends the connection (alive set False), no re-post is made."},
+     "payload to owner()._protocol.data_received (a memoryview of ``view`` when as_view, else bytes), re-posts the "
+     "slot with post_recv(segs[slot], cookies[slot]) and calls the core's data_consumed; True.  False, with "
+     "nothing changed, for anything else, and once the owner was collected.  An exception of data_received "
+     "propagates with protocol_failed set; a post_errors exception of the re-post is swallowed (the slot stays "
+     "unposted, and the connection's end follows); when data_received ends the connection (alive set False), no "
+     "re-post is made."},
+    {"on_events", receiver_on_events, METH_O,
+     "on_events(events).\n\n"
+     "The stream's EVD callback (evd.set_callback): a batch of events, taken with receive() one by one.  "
+     "Nothing once the owner was collected or the connection ended (``alive`` False).  The first event receive() "
+     "does not take goes, with the rest of the batch, to owner()._on_events(events, index); an Exception raised "
+     "in a receive() goes to owner()._batch_failed(exc).  When receive() took the whole batch: owner()._flush() "
+     "when data_received wrote (the core has bytes buffered), and owner()._sender.schedule() (the reply the "
+     "woken reader writes goes out in this loop iteration)."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef receiver_members[] = {
     {"open", T_BOOL, offsetof(Receiver, open), 0, NULL},
     {"alive", T_BOOL, offsetof(Receiver, alive), 0, NULL},
-    {"protocol", T_OBJECT_EX, offsetof(Receiver, protocol), 0, NULL},
     {"as_view", T_BOOL, offsetof(Receiver, as_view), 0, NULL},
     {"delivered", T_BOOL, offsetof(Receiver, delivered), 0, NULL},
     {"protocol_failed", T_BOOL, offsetof(Receiver, protocol_failed), READONLY, NULL},
@@ -552,10 +901,12 @@ static PyMemberDef receiver_members[] = {
 };
 
 static PyType_Slot receiver_slots[] = {
-    {Py_tp_doc, "Receiver(core, arena, view, slot_size, protocol, as_view, post_recv, segs, cookies, "
-                "event_type, post_errors): a received DATA message's steps, from its completion to the re-post, "
-                "in C (the stream transport's common case).  ``open``: set False when the transport starts to "
-                "close (receive() then takes nothing); ``alive``: set False when the connection ends; ``delivered``: set when a payload went to data_received (the transport resets it)."},
+    {Py_tp_doc, "Receiver(core, arena, view, slot_size, owner, as_view, post_recv, segs, cookies, event_type, "
+                "post_errors): the stream's EVD callback and a received DATA message's steps, from its completion "
+                "to the re-post, in C (the stream transport's common case).  ``owner`` is a weak reference to the "
+                "transport, whose Python takes every other case.  ``open``: set False when the transport starts "
+                "to close (receive() then takes nothing); ``alive``: set False when the connection ends; "
+                "``delivered``: set when a payload went to data_received (on_events resets it per batch)."},
     {Py_tp_new, receiver_new},
     {Py_tp_methods, receiver_methods},
     {Py_tp_members, receiver_members},
@@ -570,126 +921,9 @@ static PyType_Spec receiver_spec = {
     receiver_slots,
 };
 
-/* -- Sender: a small write, from the core's take_data to the post ------------------------------------ */
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *core, *take_args, *post_send, *segs, *cookies, *slot_segment, *signalled, *suppress;
-} Sender;
-
-#define SENDER_OBJECTS(X) X(core) X(take_args) X(post_send) X(segs) X(cookies) X(slot_segment) X(signalled) \
-    X(suppress)
-
-static PyObject *s_length;
-
-GC_FUNCTIONS(sender, Sender, SENDER_OBJECTS)
-
-static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    PyObject *core, *arena, *post_send, *segs, *cookies, *slot_segment, *signalled, *suppress;
-    Py_ssize_t send_base, slot_size;
-    if (positional_only(kwds, "Sender") < 0 || !PyArg_ParseTuple(args, "OOnnOOOOOO:Sender", &core, &arena, &send_base, &slot_size, &post_send, &segs,
-                          &cookies, &slot_segment, &signalled, &suppress))
-        return NULL;
-    if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs)
-        || !PyList_Check(cookies) || slot_size <= HEADER_SIZE || send_base < 0 || !PyCallable_Check(post_send)
-        || !PyCallable_Check(slot_segment)) {
-        PyErr_SetString(PyExc_TypeError, "Sender(core: StreamState, arena: bytearray, send_base >= 0, slot_size > 8, "
-                                         "post_send, segs: list, cookies: list, slot_segment, signalled, suppress)");
-        return NULL;
-    }
-    PyObject *take_args = Py_BuildValue("(Onn)", arena, send_base, slot_size);
-    if (take_args == NULL)
-        return NULL;
-    Sender *self = (Sender *)alloc_instance(type);
-    if (self == NULL) {
-        Py_DECREF(take_args);
-        return NULL;
-    }
-    self->take_args = take_args;
-#define KEEP_ARG(f) Py_INCREF(f); self->f = f;
-    KEEP_ARG(core) KEEP_ARG(post_send) KEEP_ARG(segs) KEEP_ARG(cookies) KEEP_ARG(slot_segment) KEEP_ARG(signalled)
-    KEEP_ARG(suppress)
-    return (PyObject *)self;
-}
-
-/* flush() -> True when a DATA send was committed and posted */
-static PyObject *sender_flush(PyObject *op, PyObject *unused)
-{
-    Sender *self = (Sender *)op;
-    if (0 SENDER_OBJECTS(IS_NULL))
-        Py_RETURN_FALSE;  /* (its references were cleared by the collector) */
-    PyObject *taken = take_data(self->core, self->take_args);
-    if (taken == NULL)
-        return NULL;
-    if (taken == Py_None) {  /* not its case */
-        Py_DECREF(taken);
-        Py_RETURN_FALSE;
-    }
-    /* (slot, wire, signalled): committed; from here the send must be posted, or its failure raised */
-    Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GetItem(taken, 0));
-    PyObject *wire = PyTuple_GetItem(taken, 1);  /* borrowed, as long as taken lives */
-    int signalled = PyTuple_GetItem(taken, 2) == Py_True;
-    PyObject *result = NULL, *seg = NULL;
-    if (slot < 0 || slot >= PyList_Size(self->segs) || slot >= PyList_Size(self->cookies)) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_IndexError, "Sender: no send slot %zd among its segments", slot);
-        goto done;
-    }
-    seg = PyList_GetItem(self->segs, slot);
-    Py_INCREF(seg);
-    PyObject *length = PyObject_GetAttr(seg, s_length);
-    int same = length ? PyObject_RichCompareBool(length, wire, Py_EQ) : -1;
-    Py_XDECREF(length);
-    if (same < 0)
-        goto done;
-    if (!same) {  /* a new length: the transport's Segment for it, kept for the next send of the slot */
-        Py_DECREF(seg);
-        seg = PyObject_CallFunctionObjArgs(self->slot_segment, PyTuple_GetItem(taken, 0), wire, NULL);
-        if (seg == NULL)
-            goto done;
-    }
-    result = PyObject_CallFunctionObjArgs(self->post_send, seg, PyList_GetItem(self->cookies, slot),
-                                          signalled ? self->signalled : self->suppress, NULL);
-done:
-    Py_XDECREF(seg);
-    Py_DECREF(taken);
-    if (result == NULL)
-        return NULL;
-    Py_DECREF(result);
-    Py_RETURN_TRUE;
-}
-
-static PyMethodDef sender_methods[] = {
-    {"flush", sender_flush, METH_NOARGS,
-     "flush() -> bool.\n\n"
-     "The core's take_data() into the arena's send slot and its post: post_send(segment, cookies[slot], "
-     "signalled or suppress), where segment is segs[slot] when its length is the wire length, else "
-     "slot_segment(slot, wire) (which the transport keeps in segs).  True when posted; False, with nothing "
-     "changed, when take_data() does not take the case.  An exception of the post (or of slot_segment) "
-     "propagates with the DATA send committed, as the transport's Python path leaves it."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyType_Slot sender_slots[] = {
-    {Py_tp_doc, "Sender(core, arena, send_base, slot_size, post_send, segs, cookies, slot_segment, signalled, "
-                "suppress): a small write's DATA send, from the core's take_data() to the post, in C (the stream "
-                "transport's common case)."},
-    {Py_tp_new, sender_new},
-    {Py_tp_methods, sender_methods},
-    {Py_tp_traverse, sender_traverse},
-    {Py_tp_clear, sender_clear},
-    {Py_tp_dealloc, sender_dealloc},
-    {0, NULL},
-};
-
-static PyType_Spec sender_spec = {
-    "aiodat._shim._streamcore.Sender", sizeof(Sender), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, sender_slots,
-};
-
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "aiodat._shim._streamcore",
-    "StreamState and Receiver: the stream protocol's state and a small message's steps in C (see streams/).", -1, NULL,
+    "StreamState, Sender and Receiver: the stream protocol's state and a small message's steps in C (see streams/).", -1, NULL,
 };
 
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
@@ -699,6 +933,10 @@ PyMODINIT_FUNC PyInit__streamcore(void)
     INTERN(s_data_msgs, "data_msgs"); INTERN(s_bytes_sent, "bytes_sent"); INTERN(s_bytes_received, "bytes_received");
     INTERN(s_cookie, "cookie"); INTERN(s_status, "status"); INTERN(s_transferred_length, "transferred_length");
     INTERN(s_r, "r"); INTERN(s_data_received, "data_received"); INTERN(s_length, "length");
+    INTERN(s__protocol, "_protocol"); INTERN(s__sender, "_sender"); INTERN(s__lost, "_lost"); INTERN(s__flush, "_flush");
+    INTERN(s__on_events, "_on_events"); INTERN(s__batch_failed, "_batch_failed"); INTERN(s__post_failed, "_post_failed");
+    INTERN(s__after_flush, "_after_flush"); INTERN(s__protocol_paused, "_protocol_paused"); INTERN(s__idle, "_idle");
+    INTERN(s_scheduled_flush, "scheduled_flush");
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL)
         return NULL;
@@ -721,5 +959,6 @@ PyMODINIT_FUNC PyInit__streamcore(void)
         Py_DECREF(mod);
         return NULL;
     }
+    sender_type = sender;  /* (the module holds it for good) */
     return mod;
 }

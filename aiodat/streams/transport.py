@@ -166,19 +166,22 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._closing = False
         self._lost = False
         self._conn_lost_writes = 0
-        self._flush_scheduled = False
         self._idle: Optional[asyncio.Future[None]] = None
         self._close_task: Optional[asyncio.Task[None]] = None
         self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
-        # A received DATA message, from its completion to data_received and the re-post, and a small
-        # write's DATA send, from take_data to the post, in C (_shim/streamcore.c).  The Receiver's
+        # The common case in C (_shim/streamcore.c): the Receiver is the EVD's callback and takes a
+        # received DATA message from its completion to data_received and the re-post; the Sender
+        # takes a small write to its post, and schedules the flush.  Each reaches this transport
+        # through a weak reference, for every other case (_on_events, _flush...).  The Receiver's
         # ``delivered`` tells _handle the batch gave the protocol data; its ``open`` is False from
         # close() on and its ``alive`` once the connection is lost: then the Python path
-        # (_completion) takes every completion.  set_protocol() sets its ``protocol``.
-        self._receiver = Receiver(self._core, res.arena, res.view, self._size, protocol, self._stream_protocol,
+        # (_completion) takes every completion.
+        owner = weakref.ref(self)
+        self._receiver = Receiver(self._core, res.arena, res.view, self._size, owner, self._stream_protocol,
                                   res.ep.post_recv, res.recv_segs, res.recv_cookies, DTOCompletionEvent, DATError)
         self._sender = Sender(self._core, res.arena, res.send_base, self._size, res.ep.post_send, res.send_segs,
-                              res.send_cookies, res.slot_segment, self._SIGNALLED, self._SUPPRESS)
+                              res.send_cookies, res.slot_segment, self._SIGNALLED, self._SUPPRESS, owner,
+                              loop.call_soon, DATError)
         #: messages and bytes moved, for tests and benchmarks: sends, window writes, credit messages
         self.stats = self._core.stats
 
@@ -193,15 +196,11 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                                                "exception": exc, "transport": self, "protocol": self._protocol})
             self.abort()
         if not self._lost:
-            # completions come to _on_events from inside the loop's reader callback, as a socket's
-            # bytes come to data_received: no task, no Future per wake-up.  Held weakly, so a stream
-            # the program drops unclosed is collected (see __del__), as it is with a socket.
+            # completions come to the Receiver from inside the loop's reader callback, as a socket's
+            # bytes come to data_received: no task, no Future per wake-up.  This transport is held
+            # weakly there, so a stream the program drops unclosed is collected (see __del__), as it
+            # is with a socket.
             ref = weakref.ref(self)
-
-            def on_events(events: List[Any]) -> None:
-                transport = ref()
-                if transport is not None:
-                    transport._on_events(events)
 
             def on_error(exc: BaseException) -> None:
                 transport = ref()
@@ -215,7 +214,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                     else:
                         transport._finish(ConnectionBroken(f"the RDMA stream's completion queue failed: {exc!r}"))
 
-            self._res.evd.set_callback(on_events, on_error=on_error)
+            self._res.evd.set_callback(self._receiver.on_events, on_error=on_error)
 
     def __del__(self) -> None:
         # Only the warning: the EP, EVD, LMRs and PZ of the stream are freed by their Raw holders
@@ -243,9 +242,8 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         """Hand the connection to another protocol."""
-        self._protocol = protocol
-        self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
-        self._receiver.protocol, self._receiver.as_view = protocol, self._stream_protocol
+        self._protocol = protocol  # (the Receiver reads it per message)
+        self._stream_protocol = self._receiver.as_view = isinstance(protocol, asyncio.StreamReaderProtocol)
 
     def get_protocol(self) -> asyncio.BaseProtocol:
         """The protocol the transport delivers to."""
@@ -293,15 +291,10 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
     def write(self, data: Union[bytes, bytearray, memoryview]) -> None:
         """Buffer ``data``; it is sent, as far as the peer's credits allow, at the end of this loop
         iteration, together with every other write of the iteration.  Never blocks."""
-        core = self._core
-        if type(data) is bytes and data and not (self._closing or core.eof_requested):
+        if type(data) is bytes and data and not (self._closing or self._core.eof_requested):
             # the common case in as few steps as it takes (every small write passes here): the
-            # checks below, then buffer, schedule the flush, and pause the protocol past the mark
-            core.write_bytes(data)
-            if not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon(self._scheduled_flush)
-            if core.buffered > self._high_water:
+            # checks below, then buffer and schedule the flush (in C), and pause past the mark
+            if self._sender.write(data) > self._high_water:
                 self._maybe_pause_protocol()
             return
         if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -356,13 +349,8 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
     def _schedule_flush(self) -> None:
         # Writes of one loop iteration are gathered and posted once, when the iteration's other
         # callbacks have run: several small writes become one DATA message, not one send each.
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._scheduled_flush)
-
-    def _scheduled_flush(self) -> None:
-        self._flush_scheduled = False
-        self._flush()
+        # The Sender's scheduled_flush runs then: a small write's post in C, anything else _flush.
+        self._sender.schedule()
 
     def _flush(self) -> None:
         """Post every send the core allows now (data, window writes, EOF, CREDIT)."""
@@ -403,6 +391,10 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             except (DATError, ValueError) as exc:  # ValueError: the arena's view, released with its LMR
                 self._post_failed(exc)
                 return
+        self._after_flush()
+
+    def _after_flush(self) -> None:
+        """What follows a flush: resume a paused protocol, and wake close() once every send is done."""
         if self._protocol_paused:
             self._maybe_resume_protocol()
         if self._idle is not None:
@@ -444,23 +436,28 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             self._finish(None)
             raise
 
-    # -- receiving: the EVD's callback, then let the core decide -------------------------------------
-    def _on_events(self, events: List[Any]) -> None:
-        """The connection EVD's callback (evd.set_callback): one batch of completions and events."""
+    # -- receiving: what the EVD's callback (the Receiver) leaves, then let the core decide ----------
+    def _on_events(self, events: List[Any], start: int = 0) -> None:
+        """The rest of a batch of completions and events from ``events[start]`` on: the first one
+        the Receiver's on_events (the connection EVD's callback) did not take, and those after it."""
         if self._lost:
             return
         try:
-            self._handle(events)
+            self._handle(events[start:] if start else events)
         except Exception as exc:
-            if self._receiver.protocol_failed:  # (the Receiver's data_received raised)
-                self._data_received_failed(exc)
-            elif not self._lost:  # the connection is unusable; the loop's handler is not the place
-                self._finish(ConnectionBroken(f"the RDMA stream failed: {exc!r}"))
+            self._batch_failed(exc)
+
+    def _batch_failed(self, exc: Exception) -> None:
+        """Taking a batch raised ``exc`` (here or in the Receiver's C)."""
+        if self._receiver.protocol_failed:  # (the Receiver's data_received raised)
+            self._data_received_failed(exc)
+        elif not self._lost:  # the connection is unusable; the loop's handler is not the place
+            self._finish(ConnectionBroken(f"the RDMA stream failed: {exc!r}"))
 
     def _handle(self, events: Sequence[Any]) -> None:
+        # (the Receiver reset its ``delivered`` when the batch began, and set it for what it took)
         lost_event = None
         receiver = self._receiver
-        receiver.delivered = False
         receive = receiver.receive
         for event in events:
             if receive(event):  # a DATA message, handed over and its slot re-posted, in C
