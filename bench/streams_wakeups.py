@@ -121,13 +121,18 @@ def instrument() -> None:
         return post_write(self, *args, **kw)
     post_mod.Posting.post_rdma_write = _post_rdma_write
 
-    Transport = transport_mod.RdmaTransport
-    on_events = Transport._on_events
+    # a delivery is a call of the stream's EVD callback (the transport's Receiver, in C)
+    set_callback = EVD.set_callback
 
-    def _on_events(self: Any, events: List[Any]) -> None:
-        COUNTS["deliveries"] += 1
-        return on_events(self, events)
-    Transport._on_events = _on_events
+    def _set_callback(self: Any, fn: Any, **kw: Any) -> None:
+        if fn is None:
+            return set_callback(self, fn, **kw)
+
+        def counted(events: List[Any]) -> None:
+            COUNTS["deliveries"] += 1
+            fn(events)
+        return set_callback(self, counted, **kw)
+    EVD.set_callback = _set_callback
 
     Core = proto_mod.StreamCore
     on_send_complete, on_received, sent = Core.on_send_complete, Core.on_received, Core.sent
