@@ -41,6 +41,11 @@ class Protocol:
             raise self.fail
 
 
+def not_hot(*args: Any) -> int:
+    """The EP's C hot path (aiodat._shim._posts) saying it does not take the post: the EP's method does."""
+    return -1
+
+
 class Owner:
     """What the Receiver and the Sender reach of the transport (``owner()``): its protocol and
     sender, its flags, and the Python methods they leave the other cases to, recorded here."""
@@ -85,11 +90,12 @@ class Stream:
         self.post_error: Optional[BaseException] = None
         self.segs = [f"seg{i}" for i in range(cfg.slots)]
         self.cookies = [("r", i) for i in range(cfg.slots)]
+        self._qp_address = 0  # (this object is the Receiver's EP too: its post_recv records)
         self.receiver = Receiver(self.core, self.arena, self.view, SIZE, weakref.ref(self.owner), as_view,
-                                 self.post_recv, self.segs, self.cookies, DTOCompletionEvent, DATError)
+                                 self, not_hot, self.segs, self.cookies, DTOCompletionEvent, DATError)
         self.soon: List[Any] = []  # what the Sender's call_soon got
-        self.owner._sender = Sender(self.core, bytearray(2 * SIZE * cfg.slots), SIZE * cfg.slots, SIZE,
-                                    lambda *a: None, [], [], lambda *a: None, 1, 0, weakref.ref(self.owner),
+        self.owner._sender = Sender(self.core, bytearray(2 * SIZE * cfg.slots), SIZE * cfg.slots, SIZE, self,
+                                    not_hot, [], [], lambda *a: None, 1, 0, weakref.ref(self.owner),
                                     self.soon.append, DATError)
 
     def post_recv(self, seg: Any, cookie: Any) -> None:
@@ -248,10 +254,10 @@ def test_a_lost_or_collected_transport_takes_nothing() -> None:
 
 def test_bad_construction_is_refused() -> None:
     s = Stream()
-    good = [s.core, s.arena, s.view, SIZE, weakref.ref(s.owner), True, s.post_recv, s.segs, s.cookies,
+    good = [s.core, s.arena, s.view, SIZE, weakref.ref(s.owner), True, s, not_hot, s.segs, s.cookies,
             DTOCompletionEvent, DATError]
-    for index, bad in ((0, object()), (1, bytes(10)), (3, 8), (4, s.owner), (6, None), (7, tuple(s.segs)),
-                       (9, "type")):
+    for index, bad in ((0, object()), (1, bytes(10)), (3, 8), (4, s.owner), (7, None), (8, tuple(s.segs)),
+                       (10, "type")):
         args = list(good)
         args[index] = bad
         with pytest.raises(TypeError, match="Receiver"):
@@ -285,7 +291,8 @@ class Writer:
         self.owner = Owner()
         self.owner.core = self.core
         self.soon: List[Any] = []  # what call_soon got
-        self.sender = Sender(self.core, self.arena, self.base, SIZE, self.post_send, self.segs, self.cookies,
+        self._qp_address = 0  # (this object is the Sender's EP too: its post_send records)
+        self.sender = Sender(self.core, self.arena, self.base, SIZE, self, not_hot, self.segs, self.cookies,
                              self.slot_segment, self.SIGNALLED, self.SUPPRESS, weakref.ref(self.owner),
                              self.soon.append, DATError)
 
@@ -339,10 +346,10 @@ def test_a_failed_post_propagates_with_the_send_committed() -> None:
 
 def test_the_sender_refuses_bad_construction() -> None:
     w = Writer()
-    good = [w.core, w.arena, w.base, SIZE, w.post_send, w.segs, w.cookies, w.slot_segment, 1, 0,
+    good = [w.core, w.arena, w.base, SIZE, w, not_hot, w.segs, w.cookies, w.slot_segment, 1, 0,
             weakref.ref(w.owner), w.soon.append, DATError]
-    for index, bad in ((0, object()), (1, bytes(8)), (2, -1), (3, 8), (4, None), (5, ()), (7, None), (10, w.owner),
-                       (11, None)):
+    for index, bad in ((0, object()), (1, bytes(8)), (2, -1), (3, 8), (5, None), (6, ()), (8, None), (11, w.owner),
+                       (12, None)):
         args = list(good)
         args[index] = bad
         with pytest.raises(TypeError, match="Sender"):
@@ -407,3 +414,34 @@ def test_a_lost_or_collected_transport_flushes_nothing() -> None:
     w.sender.write(b"hi")
     w.soon[-1]()
     assert w.posts == [] and w.core.buffered == 4
+
+
+def test_posts_take_the_eps_c_hot_path_and_its_method_for_the_rest() -> None:
+    """hot(ep, ep._qp_address, ...) as post.py calls it; 0 is posted, anything else the EP's method."""
+    hot_calls: List[Tuple[Any, ...]] = []
+    answer = [0]
+
+    def hot(*args: Any) -> int:
+        hot_calls.append(args)
+        return answer[0]
+    s = Stream()
+    s._qp_address = 1234
+    s.receiver = Receiver(s.core, s.arena, s.view, SIZE, weakref.ref(s.owner), True, s, hot, s.segs, s.cookies,
+                          DTOCompletionEvent, DATError)
+    assert s.receiver.receive(s.arrive(0, b"a")) is True
+    assert hot_calls == [(s, 1234, "seg0", ("r", 0))] and s.reposts == [] and s.core.owed == 1
+    answer[0] = 12  # refused (an errno): the EP's method says why, or posts
+    assert s.receiver.receive(s.arrive(1, b"b")) is True and s.reposts == [("seg1", ("r", 1))]
+    answer[0] = "not a number"  # type: ignore[list-item]
+    assert s.receiver.receive(s.arrive(2, b"c")) is True and s.reposts[-1] == ("seg2", ("r", 2))
+
+    w = Writer()
+    w._qp_address = 99
+    hot_calls.clear()
+    answer[0] = 0
+    w.sender = Sender(w.core, w.arena, w.base, SIZE, w, hot, w.segs, w.cookies, w.slot_segment, w.SIGNALLED,
+                      w.SUPPRESS, weakref.ref(w.owner), w.soon.append, DATError)
+    w.core.write(b"hi")
+    assert w.sender.flush() is True and w.posts == []
+    (ep, qp, seg, cookie, flags), = hot_calls
+    assert (ep, qp, seg.length, cookie, flags) == (w, 99, HEADER.size + 2, ("s", 0), w.SUPPRESS)

@@ -380,7 +380,7 @@ static PyType_Spec state_spec = {
 
 static PyObject *s_cookie, *s_status, *s_transferred_length, *s_r, *s_data_received, *s_length, *s__protocol,
     *s__sender, *s__lost, *s__flush, *s__on_events, *s__batch_failed, *s__post_failed, *s__after_flush,
-    *s__protocol_paused, *s__idle, *s_scheduled_flush;
+    *s__protocol_paused, *s__idle, *s_scheduled_flush, *s__qp_address, *s_post_recv, *s_post_send;
 static PyObject *sender_type;  /* Sender, set at import */
 
 /* a new reference to None (Py_NewRef is not in the 3.9 limited API) */
@@ -417,34 +417,53 @@ static PyObject *hand_exception(PyObject *owner, PyObject *name, PyObject *kinds
     return result;
 }
 
+/* A post on ``ep``: hot(ep, ep._qp_address, a, b[, c]), the EP's C hot path (aiodat._shim._posts, as post.py
+ * calls it), and when that is not its case (or the post was refused) the EP's Python method ``name``, which
+ * takes every other case and raises what is wrong.  A new reference to None, or NULL. */
+static PyObject *post(PyObject *ep, PyObject *hot, PyObject *name, PyObject *a, PyObject *b, PyObject *c)
+{
+    PyObject *qp = PyObject_GetAttr(ep, s__qp_address);
+    PyObject *err = qp ? PyObject_CallFunctionObjArgs(hot, ep, qp, a, b, c, NULL) : NULL;
+    Py_XDECREF(qp);
+    if (err == NULL)
+        return NULL;
+    long code = PyLong_Check(err) ? PyLong_AsLong(err) : -1;
+    Py_DECREF(err);
+    if (code == 0)
+        return new_none();
+    if (PyErr_Occurred())
+        return NULL;
+    return PyObject_CallMethodObjArgs(ep, name, a, b, c, NULL);
+}
+
 /* -- Sender: a small write, from the core's take_data to the post, and the flush's scheduling ------- */
 
 typedef struct {
     PyObject_HEAD
-    PyObject *core, *take_args, *post_send, *segs, *cookies, *slot_segment, *signalled, *suppress, *owner, *call_soon,
-        *post_errors;
+    PyObject *core, *take_args, *ep, *hot_post, *segs, *cookies, *slot_segment, *signalled, *suppress, *owner,
+        *call_soon, *post_errors;
     char scheduled;
 } Sender;
 
-#define SENDER_OBJECTS(X) X(core) X(take_args) X(post_send) X(segs) X(cookies) X(slot_segment) X(signalled) \
+#define SENDER_OBJECTS(X) X(core) X(take_args) X(ep) X(hot_post) X(segs) X(cookies) X(slot_segment) X(signalled) \
     X(suppress) X(owner) X(call_soon) X(post_errors)
 
 GC_FUNCTIONS(sender, Sender, SENDER_OBJECTS)
 
 static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *core, *arena, *post_send, *segs, *cookies, *slot_segment, *signalled, *suppress, *owner, *call_soon,
+    PyObject *core, *arena, *ep, *hot_post, *segs, *cookies, *slot_segment, *signalled, *suppress, *owner, *call_soon,
         *post_errors;
     Py_ssize_t send_base, slot_size;
-    if (positional_only(kwds, "Sender") < 0 || !PyArg_ParseTuple(args, "OOnnOOOOOOOOO:Sender", &core, &arena, &send_base,
-                          &slot_size, &post_send, &segs, &cookies, &slot_segment, &signalled, &suppress, &owner,
-                          &call_soon, &post_errors))
+    if (positional_only(kwds, "Sender") < 0 || !PyArg_ParseTuple(args, "OOnnOOOOOOOOOO:Sender", &core, &arena,
+                          &send_base, &slot_size, &ep, &hot_post, &segs, &cookies, &slot_segment, &signalled,
+                          &suppress, &owner, &call_soon, &post_errors))
         return NULL;
     if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs)
-        || !PyList_Check(cookies) || slot_size <= HEADER_SIZE || send_base < 0 || !PyCallable_Check(post_send)
+        || !PyList_Check(cookies) || slot_size <= HEADER_SIZE || send_base < 0 || !PyCallable_Check(hot_post)
         || !PyCallable_Check(slot_segment) || !PyWeakref_CheckRef(owner) || !PyCallable_Check(call_soon)) {
         PyErr_SetString(PyExc_TypeError, "Sender(core: StreamState, arena: bytearray, send_base >= 0, slot_size > 8, "
-                                         "post_send, segs: list, cookies: list, slot_segment, signalled, suppress, "
+                                         "ep, hot_post, segs: list, cookies: list, slot_segment, signalled, suppress, "
                                          "owner: weakref.ref, call_soon, post_errors)");
         return NULL;
     }
@@ -458,7 +477,7 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     self->take_args = take_args;
 #define KEEP(f) Py_INCREF(f); self->f = f;
-    KEEP(core) KEEP(post_send) KEEP(segs) KEEP(cookies) KEEP(slot_segment) KEEP(signalled) KEEP(suppress) KEEP(owner)
+    KEEP(core) KEEP(ep) KEEP(hot_post) KEEP(segs) KEEP(cookies) KEEP(slot_segment) KEEP(signalled) KEEP(suppress) KEEP(owner)
     KEEP(call_soon) KEEP(post_errors)
     return (PyObject *)self;
 }
@@ -499,8 +518,8 @@ static PyObject *sender_flush(PyObject *op, PyObject *unused)
         if (seg == NULL)
             goto done;
     }
-    result = PyObject_CallFunctionObjArgs(self->post_send, seg, PyList_GetItem(self->cookies, slot),
-                                          signalled ? self->signalled : self->suppress, NULL);
+    result = post(self->ep, self->hot_post, s_post_send, seg, PyList_GetItem(self->cookies, slot),
+                  signalled ? self->signalled : self->suppress);
 done:
     Py_XDECREF(seg);
     Py_DECREF(taken);
@@ -599,8 +618,8 @@ done:
 static PyMethodDef sender_methods[] = {
     {"flush", sender_flush, METH_NOARGS,
      "flush() -> bool.\n\n"
-     "The core's take_data() into the arena's send slot and its post: post_send(segment, cookies[slot], "
-     "signalled or suppress), where segment is segs[slot] when its length is the wire length, else "
+     "The core's take_data() into the arena's send slot and its post: hot_post(ep, ep._qp_address, segment, "
+     "cookies[slot], signalled or suppress), the EP's C hot path, else (not its case) ep.post_send(the same), where segment is segs[slot] when its length is the wire length, else "
      "slot_segment(slot, wire) (which the transport keeps in segs).  True when posted; False, with nothing "
      "changed, when take_data() does not take the case.  An exception of the post (or of slot_segment) "
      "propagates with the DATA send committed, as the transport's Python path leaves it."},
@@ -625,7 +644,7 @@ static PyMemberDef sender_members[] = {
 };
 
 static PyType_Slot sender_slots[] = {
-    {Py_tp_doc, "Sender(core, arena, send_base, slot_size, post_send, segs, cookies, slot_segment, signalled, "
+    {Py_tp_doc, "Sender(core, arena, send_base, slot_size, ep, hot_post, segs, cookies, slot_segment, signalled, "
                 "suppress, owner, call_soon, post_errors): a small write's DATA send, from the core's take_data() to "
                 "the post, and the scheduling of the flush of a loop iteration's writes, in C (the stream transport's "
                 "common case).  ``owner`` is a weak reference to the transport, whose Python takes every other "
@@ -647,31 +666,31 @@ static PyType_Spec sender_spec = {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *core, *arena, *view, *owner, *post_recv, *segs, *cookies, *event_type, *post_errors;
+    PyObject *core, *arena, *view, *owner, *ep, *hot_post, *segs, *cookies, *event_type, *post_errors;
     Py_ssize_t slot_size;
     char as_view, open, alive, delivered, protocol_failed;
 } Receiver;
 
 /* (the transport is reached through ``owner``, a weak reference: the EVD that holds on_events as its
  * callback must not keep a dropped stream alive) */
-#define RECEIVER_OBJECTS(X) X(core) X(arena) X(view) X(owner) X(post_recv) X(segs) X(cookies) X(event_type) \
+#define RECEIVER_OBJECTS(X) X(core) X(arena) X(view) X(owner) X(ep) X(hot_post) X(segs) X(cookies) X(event_type) \
     X(post_errors)
 
 GC_FUNCTIONS(receiver, Receiver, RECEIVER_OBJECTS)
 
 static PyObject *receiver_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *core, *arena, *view, *owner, *post_recv, *segs, *cookies, *event_type, *post_errors;
+    PyObject *core, *arena, *view, *owner, *ep, *hot_post, *segs, *cookies, *event_type, *post_errors;
     Py_ssize_t slot_size;
     int as_view;
-    if (positional_only(kwds, "Receiver") < 0 || !PyArg_ParseTuple(args, "OOOnOpOOOOO:Receiver", &core, &arena, &view,
-                          &slot_size, &owner, &as_view, &post_recv, &segs, &cookies, &event_type, &post_errors))
+    if (positional_only(kwds, "Receiver") < 0 || !PyArg_ParseTuple(args, "OOOnOpOOOOOO:Receiver", &core, &arena, &view,
+                          &slot_size, &owner, &as_view, &ep, &hot_post, &segs, &cookies, &event_type, &post_errors))
         return NULL;
     if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs)
         || !PyList_Check(cookies) || !PyType_Check(event_type) || slot_size <= HEADER_SIZE
-        || !PyCallable_Check(post_recv) || !PyWeakref_CheckRef(owner)) {
+        || !PyCallable_Check(hot_post) || !PyWeakref_CheckRef(owner)) {
         PyErr_SetString(PyExc_TypeError, "Receiver(core: StreamState, arena: bytearray, view, slot_size > 8, "
-                                         "owner: weakref.ref, as_view, post_recv, segs: list, cookies: list, "
+                                         "owner: weakref.ref, as_view, ep, hot_post, segs: list, cookies: list, "
                                          "event_type, post_errors)");
         return NULL;
     }
@@ -781,8 +800,8 @@ static int receive_one(Receiver *self, PyObject *owner, PyObject *event)
     Py_DECREF(result);
     if (!self->alive)  /* data_received ended the stream: the slot stays unposted, as the Python path leaves it */
         return 1;
-    result = PyObject_CallFunctionObjArgs(self->post_recv, PyList_GetItem(self->segs, slot),
-                                          PyList_GetItem(self->cookies, slot), NULL);
+    result = post(self->ep, self->hot_post, s_post_recv, PyList_GetItem(self->segs, slot),
+                  PyList_GetItem(self->cookies, slot), NULL);
     if (result == NULL) {
         if (!PyErr_ExceptionMatches(self->post_errors))
             return -1;
@@ -875,7 +894,8 @@ static PyMethodDef receiver_methods[] = {
      "Take ``event`` when it is the common case: a successful receive completion of the stream's own (cookie "
      "(\"r\", slot)) holding a DATA message that core.on_data() takes, while the receiver is open.  Hands the "
      "payload to owner()._protocol.data_received (a memoryview of ``view`` when as_view, else bytes), re-posts the "
-     "slot with post_recv(segs[slot], cookies[slot]) and calls the core's data_consumed; True.  False, with "
+     "slot with hot_post(ep, ep._qp_address, segs[slot], cookies[slot]) (the EP's C hot path; else "
+     "ep.post_recv(segs[slot], cookies[slot])) and calls the core's data_consumed; True.  False, with "
      "nothing changed, for anything else, and once the owner was collected.  An exception of data_received "
      "propagates with protocol_failed set; a post_errors exception of the re-post is swallowed (the slot stays "
      "unposted, and the connection's end follows); when data_received ends the connection (alive set False), no "
@@ -901,7 +921,7 @@ static PyMemberDef receiver_members[] = {
 };
 
 static PyType_Slot receiver_slots[] = {
-    {Py_tp_doc, "Receiver(core, arena, view, slot_size, owner, as_view, post_recv, segs, cookies, event_type, "
+    {Py_tp_doc, "Receiver(core, arena, view, slot_size, owner, as_view, ep, hot_post, segs, cookies, event_type, "
                 "post_errors): the stream's EVD callback and a received DATA message's steps, from its completion "
                 "to the re-post, in C (the stream transport's common case).  ``owner`` is a weak reference to the "
                 "transport, whose Python takes every other case.  ``open``: set False when the transport starts "
@@ -936,7 +956,8 @@ PyMODINIT_FUNC PyInit__streamcore(void)
     INTERN(s__protocol, "_protocol"); INTERN(s__sender, "_sender"); INTERN(s__lost, "_lost"); INTERN(s__flush, "_flush");
     INTERN(s__on_events, "_on_events"); INTERN(s__batch_failed, "_batch_failed"); INTERN(s__post_failed, "_post_failed");
     INTERN(s__after_flush, "_after_flush"); INTERN(s__protocol_paused, "_protocol_paused"); INTERN(s__idle, "_idle");
-    INTERN(s_scheduled_flush, "scheduled_flush");
+    INTERN(s_scheduled_flush, "scheduled_flush"); INTERN(s__qp_address, "_qp_address");
+    INTERN(s_post_recv, "post_recv"); INTERN(s_post_send, "post_send");
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL)
         return NULL;

@@ -14,6 +14,8 @@ from asyncio import constants as _asyncio_constants
 from asyncio import transports as _asyncio_transports
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
+from aiodat._shim._posts import post_recv as _hot_post_recv
+from aiodat._shim._posts import post_send as _hot_post_send
 from aiodat._shim._streamcore import Receiver, Sender
 from aiodat.cm import check_timeout, resolve_host
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
@@ -177,11 +179,13 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         # close() on and its ``alive`` once the connection is lost: then the Python path
         # (_completion) takes every completion.
         owner = weakref.ref(self)
+        # (their posts call the EP's C hot paths as post.py does, and its methods for anything else)
         self._receiver = Receiver(self._core, res.arena, res.view, self._size, owner, self._stream_protocol,
-                                  res.ep.post_recv, res.recv_segs, res.recv_cookies, DTOCompletionEvent, DATError)
-        self._sender = Sender(self._core, res.arena, res.send_base, self._size, res.ep.post_send, res.send_segs,
-                              res.send_cookies, res.slot_segment, self._SIGNALLED, self._SUPPRESS, owner,
-                              loop.call_soon, DATError)
+                                  res.ep, _hot_post_recv, res.recv_segs, res.recv_cookies, DTOCompletionEvent,
+                                  DATError)
+        self._sender = Sender(self._core, res.arena, res.send_base, self._size, res.ep, _hot_post_send,
+                              res.send_segs, res.send_cookies, res.slot_segment, self._SIGNALLED, self._SUPPRESS,
+                              owner, loop.call_soon, DATError)
         #: messages and bytes moved, for tests and benchmarks: sends, window writes, credit messages
         self.stats = self._core.stats
 
