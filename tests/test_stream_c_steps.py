@@ -48,11 +48,10 @@ def not_hot(*args: Any) -> int:
 
 class Owner:
     """What the Receiver and the Sender reach of the transport (``owner()``): its protocol and
-    sender, its flags, and the Python methods they leave the other cases to, recorded here."""
+    flags, and the Python methods they leave the other cases to, recorded here."""
 
     def __init__(self, protocol: Any = None) -> None:
         self._protocol = protocol
-        self._sender: Any = None
         self._lost = False
         self._protocol_paused = False
         self._idle: Any = None
@@ -91,12 +90,11 @@ class Stream:
         self.segs = [f"seg{i}" for i in range(cfg.slots)]
         self.cookies = [("r", i) for i in range(cfg.slots)]
         self._qp_address = 0  # (this object is the Receiver's EP too: its post_recv records)
-        self.receiver = Receiver(self.core, self.arena, self.view, SIZE, weakref.ref(self.owner), as_view,
-                                 self, not_hot, self.segs, self.cookies, DTOCompletionEvent, DATError)
         self.soon: List[Any] = []  # what the Sender's call_soon got
-        self.owner._sender = Sender(self.core, bytearray(2 * SIZE * cfg.slots), SIZE * cfg.slots, SIZE, self,
-                                    not_hot, [], [], lambda *a: None, 1, 0, weakref.ref(self.owner),
-                                    self.soon.append, DATError)
+        self.sender = Sender(self.core, bytearray(2 * SIZE * cfg.slots), SIZE * cfg.slots, SIZE, self, not_hot, [],
+                             [], lambda *a: None, 1, 0, weakref.ref(self.owner), self.soon.append, DATError)
+        self.receiver = Receiver(self.core, self.arena, self.view, SIZE, weakref.ref(self.owner), as_view,
+                                 self, not_hot, self.segs, self.cookies, DTOCompletionEvent, DATError, self.sender)
 
     def post_recv(self, seg: Any, cookie: Any) -> None:
         if self.post_error is not None:
@@ -196,11 +194,11 @@ def test_a_batch_taken_whole_schedules_the_flush_once() -> None:
     s.receiver.on_events([s.arrive(0, b"one"), s.arrive(1, b"two")])
     assert s.protocol.got == [b"one", b"two"] and len(s.reposts) == 2 and s.receiver.delivered
     assert s.owner.calls == []  # nothing for the transport's Python
-    assert len(s.soon) == 1 and s.owner._sender.scheduled  # the flush, after the woken reader
+    assert len(s.soon) == 1 and s.sender.scheduled  # the flush, after the woken reader
     s.receiver.on_events([s.arrive(2, b"three")])
     assert len(s.soon) == 1  # already scheduled
     s.soon[0]()  # the scheduled flush: nothing buffered, so the transport's _flush looks
-    assert not s.owner._sender.scheduled and s.owner.calls == [("_flush", 0)]
+    assert not s.sender.scheduled and s.owner.calls == [("_flush", 0)]
 
 
 def test_what_data_received_writes_is_flushed_at_once() -> None:
@@ -255,9 +253,9 @@ def test_a_lost_or_collected_transport_takes_nothing() -> None:
 def test_bad_construction_is_refused() -> None:
     s = Stream()
     good = [s.core, s.arena, s.view, SIZE, weakref.ref(s.owner), True, s, not_hot, s.segs, s.cookies,
-            DTOCompletionEvent, DATError]
+            DTOCompletionEvent, DATError, s.sender]
     for index, bad in ((0, object()), (1, bytes(10)), (3, 8), (4, s.owner), (7, None), (8, tuple(s.segs)),
-                       (10, "type")):
+                       (10, "type"), (12, object())):
         args = list(good)
         args[index] = bad
         with pytest.raises(TypeError, match="Receiver"):
@@ -427,7 +425,7 @@ def test_posts_take_the_eps_c_hot_path_and_its_method_for_the_rest() -> None:
     s = Stream()
     s._qp_address = 1234
     s.receiver = Receiver(s.core, s.arena, s.view, SIZE, weakref.ref(s.owner), True, s, hot, s.segs, s.cookies,
-                          DTOCompletionEvent, DATError)
+                          DTOCompletionEvent, DATError, s.sender)
     assert s.receiver.receive(s.arrive(0, b"a")) is True
     assert hot_calls == [(s, 1234, "seg0", ("r", 0))] and s.reposts == [] and s.core.owed == 1
     answer[0] = 12  # refused (an errno): the EP's method says why, or posts

@@ -379,7 +379,7 @@ static PyType_Spec state_spec = {
 /* -- what the Receiver and the Sender share ------------------------------------------------------- */
 
 static PyObject *s_cookie, *s_status, *s_transferred_length, *s_r, *s_data_received, *s_length, *s__protocol,
-    *s__sender, *s__lost, *s__flush, *s__on_events, *s__batch_failed, *s__post_failed, *s__after_flush,
+    *s__lost, *s__flush, *s__on_events, *s__batch_failed, *s__post_failed, *s__after_flush,
     *s__protocol_paused, *s__idle, *s_scheduled_flush, *s__qp_address, *s_post_recv, *s_post_send;
 static PyObject *sender_type;  /* Sender, set at import */
 
@@ -666,7 +666,7 @@ static PyType_Spec sender_spec = {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *core, *arena, *view, *owner, *ep, *hot_post, *segs, *cookies, *event_type, *post_errors;
+    PyObject *core, *arena, *view, *owner, *ep, *hot_post, *segs, *cookies, *event_type, *post_errors, *sender;
     Py_ssize_t slot_size;
     char as_view, open, alive, delivered, protocol_failed;
 } Receiver;
@@ -674,24 +674,25 @@ typedef struct {
 /* (the transport is reached through ``owner``, a weak reference: the EVD that holds on_events as its
  * callback must not keep a dropped stream alive) */
 #define RECEIVER_OBJECTS(X) X(core) X(arena) X(view) X(owner) X(ep) X(hot_post) X(segs) X(cookies) X(event_type) \
-    X(post_errors)
+    X(post_errors) X(sender)
 
 GC_FUNCTIONS(receiver, Receiver, RECEIVER_OBJECTS)
 
 static PyObject *receiver_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *core, *arena, *view, *owner, *ep, *hot_post, *segs, *cookies, *event_type, *post_errors;
+    PyObject *core, *arena, *view, *owner, *ep, *hot_post, *segs, *cookies, *event_type, *post_errors, *sender;
     Py_ssize_t slot_size;
     int as_view;
-    if (positional_only(kwds, "Receiver") < 0 || !PyArg_ParseTuple(args, "OOOnOpOOOOOO:Receiver", &core, &arena, &view,
-                          &slot_size, &owner, &as_view, &ep, &hot_post, &segs, &cookies, &event_type, &post_errors))
+    if (positional_only(kwds, "Receiver") < 0 || !PyArg_ParseTuple(args, "OOOnOpOOOOOOO:Receiver", &core, &arena, &view,
+                          &slot_size, &owner, &as_view, &ep, &hot_post, &segs, &cookies, &event_type, &post_errors,
+                          &sender))
         return NULL;
     if (PyObject_IsInstance(core, state_type) != 1 || !PyByteArray_CheckExact(arena) || !PyList_Check(segs)
         || !PyList_Check(cookies) || !PyType_Check(event_type) || slot_size <= HEADER_SIZE
-        || !PyCallable_Check(hot_post) || !PyWeakref_CheckRef(owner)) {
+        || !PyCallable_Check(hot_post) || !PyWeakref_CheckRef(owner) || (PyObject *)Py_TYPE(sender) != sender_type) {
         PyErr_SetString(PyExc_TypeError, "Receiver(core: StreamState, arena: bytearray, view, slot_size > 8, "
                                          "owner: weakref.ref, as_view, ep, hot_post, segs: list, cookies: list, "
-                                         "event_type, post_errors)");
+                                         "event_type, post_errors, sender: Sender)");
         return NULL;
     }
     Receiver *self = (Receiver *)alloc_instance(type);
@@ -877,12 +878,8 @@ static PyObject *receiver_on_events(PyObject *op, PyObject *events)
         Py_DECREF(result);
         result = NULL;
     }
-    PyObject *sender = PyObject_GetAttr(owner, s__sender);
-    if (sender != NULL && (PyObject *)Py_TYPE(sender) != sender_type)
-        PyErr_SetString(PyExc_TypeError, "Receiver.on_events(): the owner's _sender is not a Sender");
-    else if (sender != NULL && schedule_flush((Sender *)sender) == 0)
+    if (schedule_flush((Sender *)self->sender) == 0)
         result = new_none();
-    Py_XDECREF(sender);
 done:
     Py_DECREF(owner);
     return result;
@@ -906,7 +903,7 @@ static PyMethodDef receiver_methods[] = {
      "Nothing once the owner was collected or the connection ended (``alive`` False).  The first event receive() "
      "does not take goes, with the rest of the batch, to owner()._on_events(events, index); an Exception raised "
      "in a receive() goes to owner()._batch_failed(exc).  When receive() took the whole batch: owner()._flush() "
-     "when data_received wrote (the core has bytes buffered), and owner()._sender.schedule() (the reply the "
+     "when data_received wrote (the core has bytes buffered), and sender.schedule() (the reply the "
      "woken reader writes goes out in this loop iteration)."},
     {NULL, NULL, 0, NULL},
 };
@@ -922,7 +919,7 @@ static PyMemberDef receiver_members[] = {
 
 static PyType_Slot receiver_slots[] = {
     {Py_tp_doc, "Receiver(core, arena, view, slot_size, owner, as_view, ep, hot_post, segs, cookies, event_type, "
-                "post_errors): the stream's EVD callback and a received DATA message's steps, from its completion "
+                "post_errors, sender): the stream's EVD callback and a received DATA message's steps, from its completion "
                 "to the re-post, in C (the stream transport's common case).  ``owner`` is a weak reference to the "
                 "transport, whose Python takes every other case.  ``open``: set False when the transport starts "
                 "to close (receive() then takes nothing); ``alive``: set False when the connection ends; "
@@ -953,7 +950,7 @@ PyMODINIT_FUNC PyInit__streamcore(void)
     INTERN(s_data_msgs, "data_msgs"); INTERN(s_bytes_sent, "bytes_sent"); INTERN(s_bytes_received, "bytes_received");
     INTERN(s_cookie, "cookie"); INTERN(s_status, "status"); INTERN(s_transferred_length, "transferred_length");
     INTERN(s_r, "r"); INTERN(s_data_received, "data_received"); INTERN(s_length, "length");
-    INTERN(s__protocol, "_protocol"); INTERN(s__sender, "_sender"); INTERN(s__lost, "_lost"); INTERN(s__flush, "_flush");
+    INTERN(s__protocol, "_protocol"); INTERN(s__lost, "_lost"); INTERN(s__flush, "_flush");
     INTERN(s__on_events, "_on_events"); INTERN(s__batch_failed, "_batch_failed"); INTERN(s__post_failed, "_post_failed");
     INTERN(s__after_flush, "_after_flush"); INTERN(s__protocol_paused, "_protocol_paused"); INTERN(s__idle, "_idle");
     INTERN(s_scheduled_flush, "scheduled_flush"); INTERN(s__qp_address, "_qp_address");

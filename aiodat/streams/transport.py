@@ -180,12 +180,12 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         # (_completion) takes every completion.
         owner = weakref.ref(self)
         # (their posts call the EP's C hot paths as post.py does, and its methods for anything else)
-        self._receiver = Receiver(self._core, res.arena, res.view, self._size, owner, self._stream_protocol,
-                                  res.ep, _hot_post_recv, res.recv_segs, res.recv_cookies, DTOCompletionEvent,
-                                  DATError)
         self._sender = Sender(self._core, res.arena, res.send_base, self._size, res.ep, _hot_post_send,
                               res.send_segs, res.send_cookies, res.slot_segment, self._SIGNALLED, self._SUPPRESS,
                               owner, loop.call_soon, DATError)
+        self._receiver = Receiver(self._core, res.arena, res.view, self._size, owner, self._stream_protocol,
+                                  res.ep, _hot_post_recv, res.recv_segs, res.recv_cookies, DTOCompletionEvent,
+                                  DATError, self._sender)
         #: messages and bytes moved, for tests and benchmarks: sends, window writes, credit messages
         self.stats = self._core.stats
 
