@@ -104,10 +104,12 @@ def _flag_bits(name: str, value: Any) -> Tuple[int, bool]:
 
 # the hot paths compare by identity with these
 _NO_FLAGS = CompletionFlags.DEFAULT
-# the hot paths of post_recv and post_send, in C (_shim/posts.c), with what they compare and record
+# the hot paths of post_recv and post_send, and of a batch on one segment, in C (_shim/posts.c), with
+# what they compare and record
 _posts.configure(Segment, CompletionFlags, _SEND_BITS, DTOOp.SEND, EPState.CONNECTED, EPState.DISCONNECTED,
-                 EPState.ERROR)
+                 EPState.ERROR, SendRun, RemoteRegion)
 _c_post_recv, _c_post_send = _posts.post_recv, _posts.post_send
+_c_post_batch, _c_post_recv_batch = _posts.post_batch, _posts.post_recv_batch
 
 
 class Posting(WorkRequests):
@@ -197,6 +199,13 @@ class Posting(WorkRequests):
         Every item is checked first; returns how many were posted (QueueFull
         says how many went if the receive queue fills part way).
         """
+        # a list or tuple of items all on the very same one segment: in C (_shim/posts.c), the checks
+        # and the record of the path below; None when it is not that case
+        done = _c_post_recv_batch(self, self._qp_address, items)
+        if type(done) is int:
+            return done
+        if done is not None:
+            raise self._refused_batch(done, "post_recv_batch", True)
         self._check()
         if self._srq is not None:
             raise InvalidState("this EP receives from an SRQ: post to srq.post_recv_batch")
@@ -218,8 +227,7 @@ class Posting(WorkRequests):
             for seg in first:
                 seg.lmr._inflight += posted
             if err:
-                raise self._post_error(err, f"post_recv_batch (posted {posted} of {n})", len(self._recv_q),
-                                       self.attrs.max_recv_dtos)
+                raise self._refused_batch((posted, n, err), "post_recv_batch", True)
             return posted
         id_gen = self._ids
         wr_ids = [next(id_gen) * 2 + 1 for _ in range(n)]
@@ -239,8 +247,7 @@ class Posting(WorkRequests):
             for seg in segs:
                 seg.lmr._inflight += 1
         if err:
-            raise self._post_error(err, f"post_recv_batch (posted {posted} of {n})", len(self._recv_q),
-                                   self.attrs.max_recv_dtos)
+            raise self._refused_batch((posted, n, err), "post_recv_batch", True)
         return posted
 
     def _checked(self, inputs: Sequence[Segments], limit: int,
@@ -273,6 +280,15 @@ class Posting(WorkRequests):
         if err == 12:  # ENOMEM from a full work queue
             return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding)")
         return error_from_errno(err, what)
+
+    def _refused_batch(self, done: Tuple[int, int, int], what: str, recv: bool = False) -> Exception:
+        """The error of a batch the queue refused part way: ``done`` is (posted, n, errno)."""
+        posted, n, err = done
+        if recv:
+            return self._post_error(err, f"{what} (posted {posted} of {n})", len(self._recv_q),
+                                    self.attrs.max_recv_dtos)
+        return self._post_error(err, f"{what} (posted {posted} of {n})", self._sends_outstanding(),
+                                self.attrs.max_request_dtos)
 
     def _post_one(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookie: Any,
                   flags: CompletionFlags, *, imm_data: Optional[int] = None,
@@ -336,6 +352,12 @@ class Posting(WorkRequests):
         ``last_flags`` (default: ``flags``) are the last request's: ``flags=SUPPRESS,
         last_flags=DEFAULT`` asks for one completion per batch, which also retires the others.
         """
+        # a list or tuple of items all on the very same one segment: in C, as post_recv_batch
+        done = _c_post_batch(self, self._qp_address, WR_SEND, DTOOp.SEND, items, flags, last_flags)
+        if type(done) is int:
+            return done
+        if done is not None:
+            raise self._refused_batch(done, "post send batch")
         inputs, cookies = _columns(items, 2, "post_send_batch", "(segments, cookie) pairs")
         segs_column, same = self._checked(inputs, self.attrs.max_request_iov, "post_send_batch")
         return self._post_many(DTOOp.SEND, WR_SEND, segs_column, cookies, same, flags, last_flags)
@@ -447,6 +469,12 @@ class Posting(WorkRequests):
         is posted.  Returns how many were posted (all of them, or QueueFull is
         raised saying how many went).  ``last_flags`` as in :meth:`post_send_batch`.
         """
+        # every item on the very same one segment and remote region: in C, as post_send_batch
+        done = _c_post_batch(self, self._qp_address, WR_RDMA_WRITE, DTOOp.RDMA_WRITE, items, flags, last_flags)
+        if type(done) is int:
+            return done
+        if done is not None:
+            raise self._refused_batch(done, f"post {DTOOp.RDMA_WRITE.value} batch")
         segs_column, cookies, remotes, same = self._remote_batch(items, self.attrs.max_request_iov,
                                                                  "post_rdma_write_batch")
         return self._post_many(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, segs_column, cookies, same, flags, last_flags,
@@ -460,6 +488,11 @@ class Posting(WorkRequests):
         ``last_flags`` as in :meth:`post_send_batch`."""
         if self.attrs.max_rdma_read_out == 0:
             raise InvalidParameter("post_rdma_read_batch: this EP was created with EPAttr.max_rdma_read_out=0")
+        done = _c_post_batch(self, self._qp_address, WR_RDMA_READ, DTOOp.RDMA_READ, items, flags, last_flags)
+        if type(done) is int:
+            return done
+        if done is not None:
+            raise self._refused_batch(done, f"post {DTOOp.RDMA_READ.value} batch")
         segs_column, cookies, remotes, same = self._remote_batch(items, self._read_iov_limit(), "post_rdma_read_batch")
         return self._post_many(DTOOp.RDMA_READ, WR_RDMA_READ, segs_column, cookies, same, flags, last_flags,
                                remotes)
@@ -528,8 +561,7 @@ class Posting(WorkRequests):
             if quiet if i + 1 < n else last_quiet:
                 self._quiet.add(entry[0])
         if err:
-            raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
-                                   self._sends_outstanding(), self.attrs.max_request_dtos)
+            raise self._refused_batch((posted, n, err), f"post {op.value} batch")
         return posted
 
     def _post_same(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookies: Sequence[Any],
@@ -565,8 +597,7 @@ class Posting(WorkRequests):
         if last_quiet and posted == n:
             self._quiet.add(wr_ids[-1])
         if err:
-            raise self._post_error(err, f"post {op.value} batch (posted {posted} of {n})",
-                                   self._sends_outstanding(), self.attrs.max_request_dtos)
+            raise self._refused_batch((posted, n, err), f"post {op.value} batch")
         return posted
 
     # -- memory windows (called by memory.py) --------------------------------------

@@ -10,7 +10,13 @@
  * also where every bad argument gets its error message.
  *
  * Returns 0 when posted, the errno of a refused post (nothing recorded), -1
- * when it is not the hot path.  Built with the limited API (abi3); verbs'
+ * when it is not the hot path.
+ *
+ * The batch fast paths of post_send_batch, post_rdma_write_batch,
+ * post_rdma_read_batch and post_recv_batch are here too: every item on the very
+ * same one segment (and remote region), as a stream on one buffer posts.  They
+ * return how many were posted, (posted, n, errno) when the queue refused part
+ * of the batch (what went is recorded), or None when it is not their case.  Built with the limited API (abi3); verbs'
  * posting calls are inline functions of the provider's ops, so it links to
  * no library.
  */
@@ -25,15 +31,16 @@
 
 /* set once by configure() */
 static PyObject *segment_type, *flags_type, *send_bits, *op_send, *state_connected, *state_disconnected,
-                *state_error;
+                *state_error, *send_run_type, *remote_type;
+static PyObject *count_type;  /* itertools.count: a batch reserves its request numbers as wr.py's _take_ids */
 static PyObject *s_srq, *s_closed, *s_lmr, *s_pz, *s_conn, *s_state, *s_ids, *s_address, *s_offset,
                 *s_length, *s_lkey, *s_inflight, *s_recv_q, *s_send_q, *s_quiet, *s_rc, *s_max_inline,
-                *s_append, *s_add;
+                *s_append, *s_add, *s_extend, *s_rmr_context;
 
 static PyObject *configure(PyObject *self, PyObject *args)
 {
-    PyObject *seg, *flags, *bits, *send, *conn, *disc, *err;
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &seg, &flags, &bits, &send, &conn, &disc, &err))
+    PyObject *seg, *flags, *bits, *send, *conn, *disc, *err, *run, *remote;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &seg, &flags, &bits, &send, &conn, &disc, &err, &run, &remote))
         return NULL;
     if (segment_type != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._posts is configured once");
@@ -44,9 +51,9 @@ static PyObject *configure(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_INCREF(seg); Py_INCREF(flags); Py_INCREF(bits); Py_INCREF(send);
-    Py_INCREF(conn); Py_INCREF(disc); Py_INCREF(err);
+    Py_INCREF(conn); Py_INCREF(disc); Py_INCREF(err); Py_INCREF(run); Py_INCREF(remote);
     segment_type = seg; flags_type = flags; send_bits = bits; op_send = send;
-    state_connected = conn; state_disconnected = disc; state_error = err;
+    state_connected = conn; state_disconnected = disc; state_error = err; send_run_type = run; remote_type = remote;
     Py_RETURN_NONE;
 }
 
@@ -123,6 +130,17 @@ static long long next_id(PyObject *ep)
     return id;
 }
 
+/* lmr._inflight += n: 0, or -1 on error */
+static int add_inflight(PyObject *lmr, Py_ssize_t n)
+{
+    PyObject *count = PyObject_GetAttr(lmr, s_inflight);
+    PyObject *delta = PyLong_FromSsize_t(n);
+    PyObject *more = count && delta ? PyNumber_Add(count, delta) : NULL;
+    int err = more == NULL || PyObject_SetAttr(lmr, s_inflight, more) < 0;
+    Py_XDECREF(more); Py_XDECREF(delta); Py_XDECREF(count);
+    return err ? -1 : 0;
+}
+
 /* Record a posted request: ep.<queue>.append(entry), lmr._inflight += 1, and the quiet mark.
  * Nothing here fails on real objects; if it did, the post is done and the error is raised. */
 static int record(PyObject *ep, PyObject *queue_name, PyObject *entry, PyObject *lmr, PyObject *quiet_id)
@@ -133,12 +151,7 @@ static int record(PyObject *ep, PyObject *queue_name, PyObject *entry, PyObject 
     if (res == NULL)
         return -1;
     Py_DECREF(res);
-    PyObject *count = PyObject_GetAttr(lmr, s_inflight);
-    PyObject *one = PyLong_FromLong(1);
-    PyObject *more = count && one ? PyNumber_Add(count, one) : NULL;
-    int err = more == NULL || PyObject_SetAttr(lmr, s_inflight, more) < 0;
-    Py_XDECREF(more); Py_XDECREF(one); Py_XDECREF(count);
-    if (err)
+    if (add_inflight(lmr, 1) < 0)
         return -1;
     if (quiet_id != NULL) {
         PyObject *quiet = PyObject_GetAttr(ep, s_quiet);
@@ -191,38 +204,57 @@ static PyObject *post_recv_one(PyObject *ep, PyObject *address, PyObject *seg, P
     return err == -2 ? NULL : PyLong_FromLong(err);
 }
 
-/* post_send's work on its one segment ``seg`` (not NULL: the caller checked) */
-static PyObject *post_send_one(PyObject *ep, PyObject *address, PyObject *seg, PyObject *cookie, PyObject *flags)
+/* (ibv_send_flags, posted UNSIGNALLED) of a request's CompletionFlags, as post.py's _SEND_BITS
+ * has them: 1, or 0 when ``flags`` is not a CompletionFlags (the general path says why), -1 on error */
+static int flag_bits(PyObject *flags, long *send_flags, int *quiet)
 {
-    PyObject *lmr = NULL, *entry = NULL, *quiet_id = NULL;
     if ((PyObject *)Py_TYPE(flags) != flags_type)
-        return PyLong_FromLong(-1);
+        return 0;
     long bits = PyLong_AsLong(flags);
-    if (bits < 0 || bits >= 16) {
-        if (PyErr_Occurred())
-            return NULL;
-        return PyLong_FromLong(-1);
-    }
-    struct ibv_sge sge;
+    if (bits < 0 || bits >= 16)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *pair = PyList_GetItem(send_bits, bits);
+    *send_flags = PyLong_AsLong(PyTuple_GetItem(pair, 0));
+    *quiet = PyObject_IsTrue(PyTuple_GetItem(pair, 1));
+    return *send_flags < 0 || *quiet < 0 ? -1 : 1;
+}
+
+/* The checks of a send-side post on an RC EP: it is connected, the segment is open and of its PZ
+ * (check_segment fills ``lmr`` and ``sge``); and its QP.  1: go on; 0: not the hot path; -1: error. */
+static int send_side_ready(PyObject *ep, PyObject *address, PyObject *seg, PyObject **lmr, struct ibv_sge *sge,
+                           struct ibv_qp **qp)
+{
     int ok = attr_is(ep, s_rc, Py_True);
     if (ok == 1)
         ok = state_allows(ep, 1);
     if (ok == 1)
-        ok = check_segment(ep, seg, &lmr, &sge);
+        ok = check_segment(ep, seg, lmr, sge);
+    if (ok <= 0)
+        return ok;
+    *qp = qp_at(address);
+    if (*qp == NULL) {  /* (an open EP always has its QP's address) */
+        Py_CLEAR(*lmr);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    return 1;
+}
+
+/* post_send's work on its one segment ``seg`` (not NULL: the caller checked) */
+static PyObject *post_send_one(PyObject *ep, PyObject *address, PyObject *seg, PyObject *cookie, PyObject *flags)
+{
+    PyObject *lmr = NULL, *entry = NULL, *quiet_id = NULL;
+    long send_flags;
+    int quiet;
+    struct ibv_sge sge;
+    struct ibv_qp *qp;
+    int ok = flag_bits(flags, &send_flags, &quiet);
+    if (ok == 1)
+        ok = send_side_ready(ep, address, seg, &lmr, &sge, &qp);
     if (ok <= 0)
         return ok < 0 ? NULL : PyLong_FromLong(-1);
-    /* (ibv_send_flags, posted UNSIGNALLED) of these CompletionFlags: post.py's _SEND_BITS */
-    PyObject *pair = PyList_GetItem(send_bits, bits);
-    long send_flags = PyLong_AsLong(PyTuple_GetItem(pair, 0));
-    int quiet = PyObject_IsTrue(PyTuple_GetItem(pair, 1));
     unsigned long long max_inline;
-    struct ibv_qp *qp = qp_at(address);
-    if (qp == NULL) {  /* (an open EP always has its QP's address) */
-        Py_DECREF(lmr);
-        return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
-    }
     long long id = -1;
-    if (send_flags >= 0 && quiet >= 0 && attr_ull(ep, s_max_inline, &max_inline) == 0)
+    if (attr_ull(ep, s_max_inline, &max_inline) == 0)
         id = next_id(ep);
     unsigned long long wr_id = (unsigned long long)id * 2;
     if (id >= 0) {
@@ -280,19 +312,338 @@ static PyObject *post_send(PyObject *self, PyObject *args)
     return res;
 }
 
+/* -- the batch fast paths: every request on the very same one segment (and remote region) -- */
+
+#define CHUNK 64  /* requests chained per ibv_post_* call (as shim.c's AIODAT_CHUNK) */
+
+/* A batch's items when every one is an exact tuple of ``width`` whose first element (and, with width
+ * 3, second) is the very object of the first item's: sets *shared and *remote to those (new
+ * references; *remote NULL with width 2) and returns the cookies (each item's last element) as a
+ * new tuple.  NULL: not the fast path, or an error (then an exception is set).  Nothing here runs
+ * Python, so the items cannot change under the loop. */
+static PyObject *same_items(PyObject *items, Py_ssize_t width, PyObject **shared, PyObject **remote)
+{
+    int is_list = PyList_CheckExact(items);
+    if (!is_list && !PyTuple_CheckExact(items))
+        return NULL;
+    Py_ssize_t n = is_list ? PyList_Size(items) : PyTuple_Size(items);
+    if (n < 1)
+        return NULL;
+    PyObject *cookies = PyTuple_New(n), *first = NULL, *second = NULL;
+    for (Py_ssize_t i = 0; cookies != NULL && i < n; i++) {
+        PyObject *item = is_list ? PyList_GetItem(items, i) : PyTuple_GetItem(items, i);
+        if (!PyTuple_CheckExact(item) || PyTuple_Size(item) != width) {
+            Py_CLEAR(cookies);
+            break;
+        }
+        PyObject *a = PyTuple_GetItem(item, 0), *b = width == 3 ? PyTuple_GetItem(item, 1) : NULL;
+        if (i == 0) {
+            first = a;
+            second = b;
+        } else if (a != first || b != second) {
+            Py_CLEAR(cookies);
+            break;
+        }
+        PyObject *cookie = PyTuple_GetItem(item, width - 1);
+        Py_INCREF(cookie);
+        PyTuple_SetItem(cookies, i, cookie);
+    }
+    if (cookies != NULL) {
+        Py_INCREF(first);
+        Py_XINCREF(second);
+        *shared = first;
+        *remote = second;
+    }
+    return cookies;
+}
+
+/* Reserve ``n`` consecutive request numbers, as wr.py's _take_ids: the first, or -1 on error */
+static long long take_ids(PyObject *ep, Py_ssize_t n)
+{
+    long long first = next_id(ep);
+    if (first < 0)
+        return -1;
+    PyObject *rest = PyObject_CallFunction(count_type, "L", first + (long long)n);
+    int err = rest == NULL || PyObject_SetAttr(ep, s_ids, rest) < 0;
+    Py_XDECREF(rest);
+    return err ? -1 : first;
+}
+
+/* One queue entry per request, wr_ids first, first + 2, ...: (wr_id, cookie, op, segs, None) for a
+ * send (``op`` given) or (wr_id, cookie, segs) for a receive.  A new list, NULL on error. */
+static PyObject *entries(unsigned long long first, PyObject *cookies, Py_ssize_t count, PyObject *op,
+                         PyObject *segs)
+{
+    PyObject *list = PyList_New(count);
+    for (Py_ssize_t i = 0; list != NULL && i < count; i++) {
+        PyObject *wr_id = PyLong_FromUnsignedLongLong(first + 2 * (unsigned long long)i);
+        PyObject *cookie = PyTuple_GetItem(cookies, i), *entry = NULL;
+        if (wr_id != NULL)
+            entry = op ? PyTuple_Pack(5, wr_id, cookie, op, segs, Py_None) : PyTuple_Pack(3, wr_id, cookie, segs);
+        Py_XDECREF(wr_id);
+        if (entry == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SetItem(list, i, entry);
+    }
+    return list;
+}
+
+/* A run's entry (wr.SendRun): (first, cookies, op, segs, SendRun(first, last)); NULL on error */
+static PyObject *run_entry(unsigned long long first, PyObject *cookies, PyObject *op, PyObject *segs)
+{
+    unsigned long long last = first + 2 * (unsigned long long)(PyTuple_Size(cookies) - 1);
+    PyObject *run = PyObject_CallFunction(send_run_type, "KK", first, last);
+    PyObject *wr_id = run ? PyLong_FromUnsignedLongLong(first) : NULL;
+    PyObject *entry = wr_id ? PyTuple_Pack(5, wr_id, cookies, op, segs, run) : NULL;
+    Py_XDECREF(wr_id);
+    Py_XDECREF(run);
+    return entry;
+}
+
+/* ep.<queue>.<method>(arg): 0, or -1 on error */
+static int queue_call(PyObject *ep, PyObject *queue_name, PyObject *method, PyObject *arg)
+{
+    PyObject *queue = PyObject_GetAttr(ep, queue_name);
+    PyObject *res = queue ? PyObject_CallMethodObjArgs(queue, method, arg, NULL) : NULL;
+    Py_XDECREF(queue);
+    Py_XDECREF(res);
+    return res ? 0 : -1;
+}
+
+/* Mark the wr_ids first, first + 2, ... (``count`` of them) UNSIGNALLED: 0, or -1 on error */
+static int mark_quiet(PyObject *ep, unsigned long long first, Py_ssize_t count)
+{
+    PyObject *quiet = PyObject_GetAttr(ep, s_quiet);
+    int err = quiet == NULL;
+    for (Py_ssize_t i = 0; !err && i < count; i++) {
+        PyObject *wr_id = PyLong_FromUnsignedLongLong(first + 2 * (unsigned long long)i);
+        PyObject *res = wr_id ? PyObject_CallMethodObjArgs(quiet, s_add, wr_id, NULL) : NULL;
+        err = res == NULL;
+        Py_XDECREF(res);
+        Py_XDECREF(wr_id);
+    }
+    Py_XDECREF(quiet);
+    return err ? -1 : 0;
+}
+
+/* Post ``n`` copies of ``tmpl`` (a send) or ``rtmpl`` (a receive), wr_ids first, first + 2, ...; a
+ * send's last request gets ``last_flags``.  Returns 0 or the errno of the refused post; *posted says
+ * how many went. */
+static int post_copies(struct ibv_qp *qp, const struct ibv_send_wr *tmpl, const struct ibv_recv_wr *rtmpl,
+                       unsigned int last_flags, unsigned long long first, Py_ssize_t n, Py_ssize_t *posted)
+{
+    struct ibv_send_wr wr[CHUNK], *bad;
+    struct ibv_recv_wr rwr[CHUNK], *rbad;
+    *posted = 0;
+    while (*posted < n) {
+        int count = n - *posted < CHUNK ? (int)(n - *posted) : CHUNK, err;
+        for (int i = 0; i < count; i++) {
+            unsigned long long wr_id = first + 2 * (unsigned long long)(*posted + i);
+            if (tmpl) {
+                wr[i] = *tmpl;
+                wr[i].wr_id = wr_id;
+                wr[i].next = i + 1 < count ? &wr[i + 1] : NULL;
+            } else {
+                rwr[i] = *rtmpl;
+                rwr[i].wr_id = wr_id;
+                rwr[i].next = i + 1 < count ? &rwr[i + 1] : NULL;
+            }
+        }
+        if (tmpl && *posted + count == n)
+            wr[count - 1].send_flags = last_flags;  /* e.g. the one signalled request of a batch */
+        err = tmpl ? ibv_post_send(qp, wr, &bad) : ibv_post_recv(qp, rwr, &rbad);
+        if (err) {
+            Py_ssize_t went = tmpl ? bad - wr : rbad - rwr;
+            *posted += went >= 0 && went < count ? went : 0;
+            return err;
+        }
+        *posted += count;
+    }
+    return 0;
+}
+
+/* What a batch returns once posted: n, or (posted, n, errno) when the queue refused part of it */
+static PyObject *batch_result(Py_ssize_t posted, Py_ssize_t n, int err)
+{
+    return err ? Py_BuildValue("(nni)", posted, n, err) : PyLong_FromSsize_t(n);
+}
+
+/* The checks of a send-side batch beyond send_side_ready: ``remote`` (RDMA) is a RemoteRegion that
+ * holds the segment (fills its address and rkey); the flags.  1: go on; 0: not the fast path; -1. */
+static int batch_ready(PyObject *remote, const struct ibv_sge *sge, unsigned long long *remote_addr,
+                       unsigned long long *rkey)
+{
+    unsigned long long length;
+    if (remote == NULL)
+        return 1;
+    if ((PyObject *)Py_TYPE(remote) != remote_type)
+        return 0;
+    if (attr_ull(remote, s_address, remote_addr) < 0 || attr_ull(remote, s_length, &length) < 0
+            || attr_ull(remote, s_rmr_context, rkey) < 0)
+        return -1;
+    return sge->length <= length;  /* else LengthError, from the general path */
+}
+
+/* post_batch(ep, qp_address, opcode, op, items, flags, last_flags): post_send_batch (items
+ * (segments, cookie)) and post_rdma_write_batch / post_rdma_read_batch (items (segments, remote,
+ * cookie)) on one segment -> n | (posted, n, errno) | None */
+static PyObject *post_batch(PyObject *self, PyObject *args)
+{
+    PyObject *ep, *address, *opcode_obj, *op, *items, *flags, *last_flags;
+    PyObject *segments = NULL, *remote = NULL, *seg = NULL, *lmr = NULL, *segs = NULL, *queued = NULL;
+    PyObject *result = NULL;
+    if (!PyArg_UnpackTuple(args, "post_batch", 7, 7, &ep, &address, &opcode_obj, &op, &items, &flags, &last_flags))
+        return NULL;
+    long opcode = PyLong_AsLong(opcode_obj);
+    if (opcode != IBV_WR_SEND && opcode != IBV_WR_RDMA_WRITE && opcode != IBV_WR_RDMA_READ) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "post_batch: the opcode of a send, RDMA write or RDMA read");
+        return NULL;
+    }
+    PyObject *cookies = same_items(items, opcode == IBV_WR_SEND ? 2 : 3, &segments, &remote);
+    if (cookies == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    long send_flags = 0, last_send_flags = 0;
+    int quiet = 0, last_quiet = 0;
+    unsigned long long remote_addr = 0, rkey = 0, max_inline = 0;
+    struct ibv_sge sge;
+    struct ibv_qp *qp;
+    int ok = flag_bits(flags, &send_flags, &quiet);
+    if (ok == 1 && last_flags == Py_None)
+        last_send_flags = send_flags, last_quiet = quiet;
+    else if (ok == 1)
+        ok = flag_bits(last_flags, &last_send_flags, &last_quiet);
+    if (ok == 1)
+        ok = (seg = one_segment(segments)) != NULL;
+    if (ok == 1)
+        ok = send_side_ready(ep, address, seg, &lmr, &sge, &qp);
+    if (ok == 1)
+        ok = batch_ready(remote, &sge, &remote_addr, &rkey);
+    if (ok == 1 && opcode != IBV_WR_RDMA_READ && attr_ull(ep, s_max_inline, &max_inline) < 0)
+        ok = -1;
+    Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
+    long long id = ok == 1 ? take_ids(ep, n) : -1;
+    if (id >= 0)
+        segs = PyTuple_Pack(1, seg);
+    unsigned long long first = (unsigned long long)id * 2;
+    /* all but the last suppressed: one entry that the last completion retires whole (wr.SendRun) */
+    int as_run = n > 1 && !(send_flags & IBV_SEND_SIGNALED);
+    if (segs != NULL)  /* made before the post: once it is posted, recording it must not need memory */
+        queued = as_run ? run_entry(first, cookies, op, segs) : entries(first, cookies, n, op, segs);
+    if (queued == NULL) {
+        if (ok == 0) {  /* not the fast path: None */
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
+        goto done;
+    }
+    unsigned int inline_bit = opcode != IBV_WR_RDMA_READ && sge.length <= max_inline ? IBV_SEND_INLINE : 0;
+    struct ibv_send_wr tmpl;
+    memset(&tmpl, 0, sizeof(tmpl));
+    tmpl.opcode = (enum ibv_wr_opcode)opcode;
+    tmpl.send_flags = (unsigned int)send_flags | inline_bit;
+    tmpl.sg_list = &sge;
+    tmpl.num_sge = 1;
+    tmpl.wr.rdma.remote_addr = remote_addr;
+    tmpl.wr.rdma.rkey = (uint32_t)rkey;
+    int err = post_copies(qp, &tmpl, NULL, (unsigned int)last_send_flags | inline_bit, first, n, &posted);
+    int failed = 0;
+    if (posted < n && posted > 0) {  /* refused part way (rare): record what went, as post.py does */
+        PyObject *went = PyTuple_GetSlice(cookies, 0, posted);
+        Py_DECREF(queued);
+        queued = went == NULL ? NULL : as_run && posted > 1 ? run_entry(first, went, op, segs)
+                                                            : entries(first, went, posted, op, segs);
+        Py_XDECREF(went);
+        as_run = as_run && posted > 1;
+        failed = queued == NULL;
+    }
+    if (posted > 0 && !failed)
+        failed = queue_call(ep, s_send_q, as_run ? s_append : s_extend, queued) < 0
+                 || add_inflight(lmr, posted) < 0
+                 || (quiet && mark_quiet(ep, first, posted < n ? posted : n - 1) < 0)
+                 || (last_quiet && posted == n && mark_quiet(ep, first + 2 * (unsigned long long)(n - 1), 1) < 0);
+    if (!failed)
+        result = batch_result(posted, n, err);
+done:
+    Py_XDECREF(queued); Py_XDECREF(segs); Py_XDECREF(lmr); Py_XDECREF(seg);
+    Py_XDECREF(segments); Py_XDECREF(remote); Py_DECREF(cookies);
+    return result;
+}
+
+/* post_recv_batch(ep, qp_address, items): post_recv_batch on one segment -> n | (posted, n, errno) | None */
+static PyObject *post_recv_batch(PyObject *self, PyObject *args)
+{
+    PyObject *ep, *address, *items, *segments = NULL, *unused = NULL, *seg = NULL, *lmr = NULL, *segs = NULL;
+    PyObject *queued = NULL, *result = NULL;
+    struct ibv_sge sge;
+    if (!PyArg_UnpackTuple(args, "post_recv_batch", 3, 3, &ep, &address, &items))
+        return NULL;
+    PyObject *cookies = same_items(items, 2, &segments, &unused);
+    if (cookies == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    int ok = (seg = one_segment(segments)) != NULL;
+    if (ok == 1)
+        ok = attr_is(ep, s_srq, Py_None);
+    if (ok == 1)
+        ok = state_allows(ep, 0);
+    if (ok == 1)
+        ok = check_segment(ep, seg, &lmr, &sge);
+    struct ibv_qp *qp = ok == 1 ? qp_at(address) : NULL;
+    if (ok == 1 && qp == NULL)  /* (an open EP always has its QP's address) */
+        ok = PyErr_Occurred() ? -1 : 0;
+    Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
+    long long id = ok == 1 ? take_ids(ep, n) : -1;
+    unsigned long long first = (unsigned long long)id * 2 + 1;
+    if (id >= 0 && (segs = PyTuple_Pack(1, seg)) != NULL)
+        queued = entries(first, cookies, n, NULL, segs);
+    if (queued == NULL) {
+        if (ok == 0) {  /* not the fast path: None */
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
+        goto done;
+    }
+    struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = &sge, .num_sge = 1 };
+    int err = post_copies(qp, NULL, &tmpl, 0, first, n, &posted);
+    PyObject *went = posted < n ? PyList_GetSlice(queued, 0, posted) : (Py_INCREF(queued), queued);
+    if (went != NULL && (posted == 0 || (queue_call(ep, s_recv_q, s_extend, went) == 0
+                                         && add_inflight(lmr, posted) == 0)))
+        result = batch_result(posted, n, err);
+    Py_XDECREF(went);
+done:
+    Py_XDECREF(queued); Py_XDECREF(segs); Py_XDECREF(lmr); Py_XDECREF(seg);
+    Py_XDECREF(segments); Py_DECREF(cookies);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
-     "configure(Segment, CompletionFlags, send_bits, DTOOp.SEND, CONNECTED, DISCONNECTED, ERROR)."},
+     "configure(Segment, CompletionFlags, send_bits, DTOOp.SEND, CONNECTED, DISCONNECTED, ERROR, SendRun, "
+     "RemoteRegion)."},
     {"post_recv", post_recv, METH_VARARGS,
      "post_recv(ep, qp_address, segments, cookie) -> 0 posted, errno refused, -1 not the hot path."},
     {"post_send", post_send, METH_VARARGS,
      "post_send(ep, qp_address, segments, cookie, flags) -> 0 posted, errno refused, -1 not the hot path."},
+    {"post_batch", post_batch, METH_VARARGS,
+     "post_batch(ep, qp_address, opcode, op, items, flags, last_flags) -> n posted, (posted, n, errno) "
+     "refused part way, None not the fast path."},
+    {"post_recv_batch", post_recv_batch, METH_VARARGS,
+     "post_recv_batch(ep, qp_address, items) -> n posted, (posted, n, errno) refused part way, None not the "
+     "fast path."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "aiodat._shim._posts",
-    "The hot paths of EP.post_recv and EP.post_send, in C (see post.py).", -1, methods,
+    "The hot paths of EP.post_recv, EP.post_send and the batch posts on one segment, in C (see post.py).", -1,
+    methods,
 };
 
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
@@ -304,6 +655,14 @@ PyMODINIT_FUNC PyInit__posts(void)
     INTERN(s_offset, "offset"); INTERN(s_length, "length"); INTERN(s_lkey, "lmr_context");
     INTERN(s_inflight, "_inflight"); INTERN(s_recv_q, "_recv_q"); INTERN(s_send_q, "_send_q");
     INTERN(s_quiet, "_quiet"); INTERN(s_rc, "_rc"); INTERN(s_max_inline, "max_inline");
-    INTERN(s_append, "append"); INTERN(s_add, "add");
+    INTERN(s_append, "append"); INTERN(s_add, "add"); INTERN(s_extend, "extend");
+    INTERN(s_rmr_context, "rmr_context");
+    if (count_type == NULL) {
+        PyObject *itertools = PyImport_ImportModule("itertools");
+        count_type = itertools ? PyObject_GetAttrString(itertools, "count") : NULL;
+        Py_XDECREF(itertools);
+        if (count_type == NULL)
+            return NULL;
+    }
     return PyModule_Create(&module);
 }
