@@ -2,8 +2,10 @@
 
 Every post goes through the C shim, one crossing per call (or per batch with
 ``post_*_batch``); the request is then remembered by the tracking of wr.py.
-The hot paths (one segment, default flags) check the same things as the
-general paths in fewer steps and hand scalars to C.
+The hot paths (one segment, default flags; and a batch whose items all share
+one segment) are C (aiodat/_shim/posts.c): they check the same things as the
+general paths and record the same, and leave anything else, and every error
+message, to the general paths.
 
 :class:`Posting` is a mixin of :class:`aiodat.EP`: it owns the scratch request
 and scatter/gather arrays set by :meth:`Posting._init_posting` and reads the
