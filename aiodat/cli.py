@@ -118,10 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     bw.add_argument("--iters", "-n", type=int, default=1000, help="operations (default 1000)")
     bw.add_argument("--batch", type=int, default=16, help="requests per batch post (default 16)")
     rt = bsub.add_parser(
-        "rate", help="small-message send rate vs ib_send_bw -R (polling) and -R -e (events)",
+        "rate", help="small-message send rate vs ib_send_bw -R (polling), -R -e (events) and -R -l BATCH",
         description="aiodat's send message rate (SIZE-byte sends, DEPTH in flight, batched posts) beside "
-                    "ib_send_bw -R and ib_send_bw -R -e (sleeping on its completion channel, as an awaited "
-                    "EVD does) with the same size, depth and iterations; Mpps per round, median ratios.")
+                    "ib_send_bw -R, ib_send_bw -R -e (sleeping on its completion channel, as an awaited "
+                    "EVD does) and ib_send_bw -R -l BATCH (posting BATCH requests per call, as a batch post "
+                    "does) with the same size, depth and iterations; Mpps per round, median ratios.")
     rt.add_argument("--size", "-s", type=int, default=64, help="bytes per message (default 64)")
     rt.add_argument("--depth", "-t", type=int, default=128, help="sends in flight (default 128)")
     rt.add_argument("--iters", "-n", type=int, default=20000, help="messages (default 20000)")

@@ -39,16 +39,18 @@ def test_short_real_run(rdma_device: Any, op: str, processes: int) -> None:
 
 @pytest.mark.rxe
 def test_rate_json_beside_ib_send_bw(rdma_device: Any, request: Any, capsys: Any) -> None:
-    """One round of the rate, await mode, beside ib_send_bw -R (polling) and -R -e (sleeping on its
-    completion channel, as an awaited EVD does): all three finite, and both ratios."""
+    """One round of the rate, await mode, beside ib_send_bw -R (polling), -R -e (sleeping on its
+    completion channel, as an awaited EVD does) and -R -l 8 (posting the batch's 8 requests per
+    call, as aiodat does): all four finite, and the three ratios."""
     loop = request.config.getoption("--aiodat-loop") or "asyncio"
     assert main(["bench", "rate", "--iters", "500", "--depth", "32", "--batch", "8", "--repeat", "1",
                  "--mode", "await", "--loop", loop, "--json", "--device", rdma_device.name]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["command"] == "aiodat bench rate" and data["iters"] == 500 and data["rounds"] == 1
     figures = data["figures"]
-    for key in ("aiodat_await", "perftest"):
+    for key in ("aiodat_await", "perftest", "perftest_list"):
         assert 0 < figures[key]["median"] < math.inf, figures[key]
+    assert figures["perftest_list"]["label"] == "ib_send_bw -R -l 8"
     # -e fails now and then under TCG even after the harness's retry: then it is reported as not
     # measured, with perftest's reason, and its ratio is n/a (never a made-up figure)
     event = figures["perftest_event"]
@@ -57,4 +59,6 @@ def test_rate_json_beside_ib_send_bw(rdma_device: Any, request: Any, capsys: Any
     assert ratios == {
         ("aiodat_await", "perftest"): pytest.approx(figures["aiodat_await"]["median"] / figures["perftest"]["median"]),
         ("aiodat_await", "perftest_event"): None if event["median"] is None else pytest.approx(
-            figures["aiodat_await"]["median"] / event["median"])}
+            figures["aiodat_await"]["median"] / event["median"]),
+        ("aiodat_await", "perftest_list"): pytest.approx(
+            figures["aiodat_await"]["median"] / figures["perftest_list"]["median"])}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from aiodat.errors import InvalidState
 
@@ -317,14 +317,13 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
 
 
 def run_bw_perftest(op: str, size: int, depth: int, iters: int, device: str, address: str,
-                    timeout: float, events: bool = False, figure: Optional[str] = None) -> PerftestResult:
-    """perftest's ``_bw`` tool for ``op`` with the same size, iterations and depth as aiodat's run;
-    with ``events``, ``-e``: it sleeps on the completion channel, as ``await evd.wait()`` does,
-    instead of polling.  ``figure``: the column that counts (run_perftest_pair retries once
-    when it is unusable)."""
-    return run_perftest_pair(BW_TOOLS[op], ["-s", str(size), "-n", str(iters), "-t", str(depth)]
-                             + (["-e"] if events else []), device=device, address=address, timeout=timeout,
-                             figure=figure)
+                    timeout: float, extra: Sequence[str] = (), figure: Optional[str] = None) -> PerftestResult:
+    """perftest's ``_bw`` tool for ``op`` with the same size, iterations and depth as aiodat's run,
+    and ``extra`` options: ``-e`` sleeps on the completion channel, as ``await evd.wait()`` does,
+    instead of polling; ``-l N`` posts N requests per ``ibv_post_send``, as a batch post does.
+    ``figure``: the column that counts (run_perftest_pair retries once when it is unusable)."""
+    return run_perftest_pair(BW_TOOLS[op], ["-s", str(size), "-n", str(iters), "-t", str(depth), *extra],
+                             device=device, address=address, timeout=timeout, figure=figure)
 
 
 def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loop: str, *, batch: int,
@@ -355,16 +354,25 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
               "busypoll": f"aiodat busypoll (busy_poll_us={busy_poll_us})"}
     for mode in modes:
         report.figure(f"aiodat_{mode}", labels[mode], unit)
-    # for the message rate, also perftest sleeping on its completion channel: like with like for await
-    perftests = {"perftest": False, "perftest_event": True} if kind == "rate" else {"perftest": False}
+    # For the message rate, also perftest sleeping on its completion channel (like with like for
+    # await), and perftest posting ``batch`` requests per call (like with like for a batch post:
+    # plain perftest rings rxe's doorbell, a system call, once per message).  The target is
+    # against plain ``-R``.
+    perftests: Dict[str, List[str]] = {"perftest": []}
+    if kind == "rate":
+        perftests.update(perftest_event=["-e"], perftest_list=["-l", str(batch)])
     if perftest:
         report.figure("perftest", f"{tool} -R", unit)
-        if "perftest_event" in perftests:
+        if kind == "rate":
             report.figure("perftest_event", f"{tool} -R -e", unit)
+            report.figure("perftest_list", f"{tool} -R -l {batch}", unit)
         for mode in modes:
             report.compare(f"aiodat_{mode}", "perftest", f"{mode} / {tool}")
-        if "await" in modes and "perftest_event" in perftests:
+        if kind == "rate" and "await" in modes:
             report.compare("aiodat_await", "perftest_event", f"await / {tool} -e")
+        if kind == "rate":
+            for mode in modes:
+                report.compare(f"aiodat_{mode}", "perftest_list", f"{mode} / {tool} -l {batch}")
     for r in range(repeat):
         for mode in modes:
             if progress:
@@ -377,10 +385,12 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
                 fig.record(sample.mpps if kind == "rate" else sample.mib_per_s)
             except (DATError, RuntimeError, AssertionError, AttributeError, TypeError) as exc:
                 fig.record(None, f"{type(exc).__name__}: {exc}")
-        for key, events in perftests.items() if perftest else ():
+        for key, extra in perftests.items() if perftest else ():
             if progress:
-                progress(f"round {r + 1}: {tool}{' -e' if events else ''}")
-            res = run_bw_perftest(op, size, depth, iters, device, address, timeout, events, figure=column)
+                progress(f"round {r + 1}: {' '.join([tool, *extra])}")
+            # (perftest wants the iterations a multiple of its post list: a rate, so round them up)
+            n = -(-iters // batch) * batch if key == "perftest_list" else iters
+            res = run_bw_perftest(op, size, depth, n, device, address, timeout, extra, figure=column)
             report.figures[key].record(res.value(column) if res.ok else None, res.error or None)
     return report
 
