@@ -283,6 +283,15 @@ class Posting(WorkRequests):
             return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding)")
         return error_from_errno(err, what)
 
+    def _batch_in_c(self, opcode: int, op: DTOOp, items: Any, flags: Any, last_flags: Any) -> Optional[int]:
+        """A send-side batch whose items (a list or tuple) are all on the very same one segment (and
+        remote region): checked, posted and recorded in C (_shim/posts.c) as the general path does.
+        How many were posted, or None when it is not that case: then the general path takes it."""
+        done = _c_post_batch(self, self._qp_address, opcode, op, items, flags, last_flags)
+        if done is None or type(done) is int:
+            return done
+        raise self._refused_batch(done, f"post {op.value} batch")
+
     def _refused_batch(self, done: Tuple[int, int, int], what: str, recv: bool = False) -> Exception:
         """The error of a batch the queue refused part way: ``done`` is (posted, n, errno)."""
         posted, n, err = done
@@ -354,12 +363,9 @@ class Posting(WorkRequests):
         ``last_flags`` (default: ``flags``) are the last request's: ``flags=SUPPRESS,
         last_flags=DEFAULT`` asks for one completion per batch, which also retires the others.
         """
-        # a list or tuple of items all on the very same one segment: in C, as post_recv_batch
-        done = _c_post_batch(self, self._qp_address, WR_SEND, DTOOp.SEND, items, flags, last_flags)
-        if type(done) is int:
-            return done
-        if done is not None:
-            raise self._refused_batch(done, "post send batch")
+        posted = self._batch_in_c(WR_SEND, DTOOp.SEND, items, flags, last_flags)
+        if posted is not None:
+            return posted
         inputs, cookies = _columns(items, 2, "post_send_batch", "(segments, cookie) pairs")
         segs_column, same = self._checked(inputs, self.attrs.max_request_iov, "post_send_batch")
         return self._post_many(DTOOp.SEND, WR_SEND, segs_column, cookies, same, flags, last_flags)
@@ -471,12 +477,9 @@ class Posting(WorkRequests):
         is posted.  Returns how many were posted (all of them, or QueueFull is
         raised saying how many went).  ``last_flags`` as in :meth:`post_send_batch`.
         """
-        # every item on the very same one segment and remote region: in C, as post_send_batch
-        done = _c_post_batch(self, self._qp_address, WR_RDMA_WRITE, DTOOp.RDMA_WRITE, items, flags, last_flags)
-        if type(done) is int:
-            return done
-        if done is not None:
-            raise self._refused_batch(done, f"post {DTOOp.RDMA_WRITE.value} batch")
+        posted = self._batch_in_c(WR_RDMA_WRITE, DTOOp.RDMA_WRITE, items, flags, last_flags)
+        if posted is not None:
+            return posted
         segs_column, cookies, remotes, same = self._remote_batch(items, self.attrs.max_request_iov,
                                                                  "post_rdma_write_batch")
         return self._post_many(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, segs_column, cookies, same, flags, last_flags,
@@ -490,11 +493,9 @@ class Posting(WorkRequests):
         ``last_flags`` as in :meth:`post_send_batch`."""
         if self.attrs.max_rdma_read_out == 0:
             raise InvalidParameter("post_rdma_read_batch: this EP was created with EPAttr.max_rdma_read_out=0")
-        done = _c_post_batch(self, self._qp_address, WR_RDMA_READ, DTOOp.RDMA_READ, items, flags, last_flags)
-        if type(done) is int:
-            return done
-        if done is not None:
-            raise self._refused_batch(done, f"post {DTOOp.RDMA_READ.value} batch")
+        posted = self._batch_in_c(WR_RDMA_READ, DTOOp.RDMA_READ, items, flags, last_flags)
+        if posted is not None:
+            return posted
         segs_column, cookies, remotes, same = self._remote_batch(items, self._read_iov_limit(), "post_rdma_read_batch")
         return self._post_many(DTOOp.RDMA_READ, WR_RDMA_READ, segs_column, cookies, same, flags, last_flags,
                                remotes)
