@@ -16,9 +16,10 @@
  * post_rdma_read_batch and post_recv_batch are here too: every item on the very
  * same one segment (and remote region), as a stream on one buffer posts.  They
  * return how many were posted, (posted, n, errno) when the queue refused part
- * of the batch (what went is recorded), or None when it is not their case.  Built with the limited API (abi3); verbs'
- * posting calls are inline functions of the provider's ops, so it links to
- * no library.
+ * of the batch (what went is recorded), or None when it is not their case.
+ *
+ * Built with the limited API (abi3); verbs' posting calls are inline functions
+ * of the provider's ops, so it links to no library.
  */
 #define Py_LIMITED_API 0x03090000
 #define PY_SSIZE_T_CLEAN
@@ -469,8 +470,8 @@ static PyObject *batch_result(Py_ssize_t posted, Py_ssize_t n, int err)
     return err ? Py_BuildValue("(nni)", posted, n, err) : PyLong_FromSsize_t(n);
 }
 
-/* The checks of a send-side batch beyond send_side_ready: ``remote`` (RDMA) is a RemoteRegion that
- * holds the segment (fills its address and rkey); the flags.  1: go on; 0: not the fast path; -1. */
+/* The check of an RDMA batch beyond send_side_ready: ``remote`` (NULL for a send) is a RemoteRegion
+ * long enough for the segment; fills its address and rkey.  1: go on; 0: not the fast path; -1. */
 static int batch_ready(PyObject *remote, const struct ibv_sge *sge, unsigned long long *remote_addr,
                        unsigned long long *rkey)
 {
