@@ -362,15 +362,13 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
     if kind == "rate":
         perftests.update(perftest_event=["-e"], perftest_list=["-l", str(batch)])
     if perftest:
-        report.figure("perftest", f"{tool} -R", unit)
-        if kind == "rate":
-            report.figure("perftest_event", f"{tool} -R -e", unit)
-            report.figure("perftest_list", f"{tool} -R -l {batch}", unit)
+        for key, extra in perftests.items():
+            report.figure(key, " ".join([tool, "-R", *extra]), unit)
         for mode in modes:
             report.compare(f"aiodat_{mode}", "perftest", f"{mode} / {tool}")
-        if kind == "rate" and "await" in modes:
-            report.compare("aiodat_await", "perftest_event", f"await / {tool} -e")
         if kind == "rate":
+            if "await" in modes:
+                report.compare("aiodat_await", "perftest_event", f"await / {tool} -e")
             for mode in modes:
                 report.compare(f"aiodat_{mode}", "perftest_list", f"{mode} / {tool} -l {batch}")
     for r in range(repeat):
