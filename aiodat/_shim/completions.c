@@ -1237,13 +1237,9 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._completions is not configured");
         return NULL;
     }
-    if (get_running_loop == NULL) {
-        PyObject *events = PyImport_ImportModule("asyncio.events");
-        get_running_loop = events ? PyObject_GetAttrString(events, "_get_running_loop") : NULL;
-        Py_XDECREF(events);
-        if (get_running_loop == NULL)
-            return NULL;
-    }
+    if (get_running_loop == NULL
+            && (get_running_loop = module_attr("asyncio.events", "_get_running_loop")) == NULL)
+        return NULL;
     if (!PyLong_CheckExact(threshold))
         Py_RETURN_NONE;
     long wanted = PyLong_AsLong(threshold);

@@ -658,12 +658,7 @@ PyMODINIT_FUNC PyInit__posts(void)
     INTERN(s_quiet, "_quiet"); INTERN(s_rc, "_rc"); INTERN(s_max_inline, "max_inline");
     INTERN(s_append, "append"); INTERN(s_add, "add"); INTERN(s_extend, "extend");
     INTERN(s_rmr_context, "rmr_context");
-    if (count_type == NULL) {
-        PyObject *itertools = PyImport_ImportModule("itertools");
-        count_type = itertools ? PyObject_GetAttrString(itertools, "count") : NULL;
-        Py_XDECREF(itertools);
-        if (count_type == NULL)
-            return NULL;
-    }
+    if (count_type == NULL && (count_type = module_attr("itertools", "count")) == NULL)
+        return NULL;
     return PyModule_Create(&module);
 }

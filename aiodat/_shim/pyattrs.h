@@ -36,4 +36,13 @@ static inline int attr_is(PyObject *obj, PyObject *name, PyObject *expected)
     return same;
 }
 
+/* ``module.name`` (a new reference), or NULL with the exception set: for what a module looks up once */
+static inline PyObject *module_attr(const char *module, const char *name)
+{
+    PyObject *mod = PyImport_ImportModule(module);
+    PyObject *value = mod ? PyObject_GetAttrString(mod, name) : NULL;
+    Py_XDECREF(mod);
+    return value;
+}
+
 #endif
