@@ -502,8 +502,8 @@ class EVD(Handle):
     def _queue_polled(self, got: int) -> bool:
         """Turn the ``got`` completions just polled into ``_wcs`` into events; True if one of them
         notifies.  The leading common-case ones are done in C (aiodat/_shim/completions.c: a
-        success that is the oldest request of its EP's queue), the rest from the first other one
-        on by _queue_completions."""
+        success that is the oldest request of its EP's queue, or a send after suppressed ones),
+        the rest from the first other one on by _queue_completions."""
         taken, notified = _queue_common(self, self._wcs_address, got, self._qpn_refs, self._queue)
         return self._queue_rest(got, taken, notified)
 

@@ -13,7 +13,8 @@ one entry, a run (:class:`SendRun`): its last request's completion, the one that
 normally comes, retires it whole, with no step per request.
 
 The common case of :meth:`WorkRequests._completion_event` (a success that is
-the oldest entry of its queue, or the last request of the run at its head, no
+the oldest entry of its queue, a send after plain requests posted suppressed (retired with it), or
+the last request of the run at its head, no
 UNSIGNALLED requests outstanding, no internal target) is also written in C, in
 aiodat/_shim/completions.c, which reads ``_recv_q``, ``_send_q``, ``_quiet``,
 ``_ud``, the entries' layout and :class:`SendRun`: a change here must be made there too

@@ -150,7 +150,44 @@ def test_a_runs_last_completion_gives_the_python_event(first: int) -> None:
     assert [e[0] for e in c_world[0]._send_q] == [e[0] for e in py_world[0]._send_q] == [18]
 
 
-@pytest.mark.parametrize("case", ["error", "suppressed before", "unsignalled", "drain marker", "rdma read", "srq",
+@pytest.mark.parametrize("wr_id", [2, 6])
+def test_suppressed_sends_before_a_signalled_one_are_retired_as_python_does(wr_id: int) -> None:
+    """Selective signalling: the sends before the completed one were posted suppressed; C retires
+    them with it (their LMRs released), as wr.py's _pop_send does."""
+    c_world, py_world = world()
+    rows = [(wr_id, 0, IBV_WC_SEND, 0, 7, None, 0, 0), (1, 0, IBV_WC_RECV, 64, 7, None, 0, 0)]
+    taken, notified, c_queue = run_c(rows, c_world[4], object())
+    py_queue = python_events(rows, py_world[4], object())
+    assert (taken, notified) == (2, True) and len(c_queue) == len(py_queue) == 2
+    for a, b in zip(c_queue, py_queue):
+        events_equal_ignoring_world(a, b)
+    assert c_queue[0].cookie == f"s{wr_id // 2}" and c_queue[0].transferred_length == 30
+    assert c_world[2]._inflight == py_world[2]._inflight == 12 - 2 * (wr_id // 2 + 1) - 1
+    assert [e[0] for e in c_world[0]._send_q] == [e[0] for e in py_world[0]._send_q] == list(range(wr_id + 2, 8, 2))
+
+
+@pytest.mark.parametrize("case", ["a run before", "a target before", "not in the queue", "unsignalled"])
+def test_c_leaves_a_completion_after_anything_but_plain_suppressed_sends(case: str) -> None:
+    """Before the completed send, a run, a request with a target, or a gap where its entry should
+    be: C takes nothing and changes nothing (wr.py decides)."""
+    c_world, _ = world()
+    ep, lmr = c_world[0], c_world[2]
+    wr_id = 4
+    if case == "a run before":
+        ep._send_q[1] = (2, ("a",), DTOOp.SEND, (Seg(lmr, 8),), SendRun(2, 2))
+    elif case == "a target before":
+        ep._send_q[0] = (0, None, DTOOp.RDMA_WRITE, (), DrainMarker(lambda status: None))
+    elif case == "not in the queue":
+        wr_id = 104  # beyond every entry
+    else:
+        ep._quiet.add(2)
+    send_before, inflight = list(ep._send_q), lmr._inflight
+    taken, _, c_queue = run_c([(wr_id, 0, IBV_WC_SEND, 0, 7, None, 0, 0)], c_world[4], object())
+    assert taken == 0 and not c_queue
+    assert list(ep._send_q) == send_before and lmr._inflight == inflight
+
+
+@pytest.mark.parametrize("case", ["error", "unsignalled", "drain marker", "rdma read", "srq",
                                   "inside a run"])
 def test_c_stops_changing_nothing_where_python_must_decide(case: str) -> None:
     c_world, py_world = world()
@@ -167,7 +204,6 @@ def test_c_stops_changing_nothing_where_python_must_decide(case: str) -> None:
         elif case == "inside a run":
             ep._send_q[0] = (0, ("a", "b", "c"), DTOOp.SEND, (Seg(lmr, 8),), SendRun(0, 4))
     second = {"error": (3, 12, IBV_WC_RECV, 0, 7, None, 0, 1),
-              "suppressed before": (2, 0, IBV_WC_SEND, 0, 7, None, 0, 0),
               "unsignalled": (3, 0, IBV_WC_RECV, 0, 7, None, 0, 0),
               "drain marker": (0, 0, IBV_WC_RDMA_WRITE, 0, 7, None, 0, 0),
               "rdma read": (0, 0, 2, 8, 7, None, 0, 0),
@@ -223,15 +259,23 @@ async def test_a_ping_pong_takes_the_c_path(ep_pair: Any, monkeypatch: pytest.Mo
         assert (sent.cookie, sent.transferred_length, sent.operation) == (("send", i), 10 + i, DTOOp.SEND)
         assert got.ep is pair.server and sent.ep is pair.client and got.evd is s_recv
     assert python_path == []
-    # a suppressed send before a signalled one goes through Python's retirement, and still frees
-    pair.server.post_recv(pair.server_lmr[0:64])
-    pair.server.post_recv(pair.server_lmr[0:64])
-    pair.client.post_send(pair.client_lmr[0:8], None, CompletionFlags.SUPPRESS)
+    # selective signalling: suppressed sends before a signalled one are retired in C with it, and free
+    for _ in range(7):  # the sends below: four, then a run of two and one more
+        pair.server.post_recv(pair.server_lmr[0:64])
+    for _ in range(3):
+        pair.client.post_send(pair.client_lmr[0:8], None, CompletionFlags.SUPPRESS)
     pair.client.post_send(pair.client_lmr[0:8], "last")
     assert [e.cookie for e in await c_req.wait()] == ["last"]
-    assert len(python_path) == 1
+    assert python_path == [] and not pair.client._send_q
+    assert pair.client_lmr._inflight == 0
+    # a run before it (a batch whose requests are suppressed) is still wr.py's
+    pair.client.post_send_batch([(pair.client_lmr[0:8], None)] * 2, CompletionFlags.SUPPRESS,
+                                last_flags=CompletionFlags.SUPPRESS)
+    pair.client.post_send(pair.client_lmr[0:8], "after the run")
+    assert [e.cookie for e in await c_req.wait()] == ["after the run"]
+    assert len(python_path) == 1 and not pair.client._send_q
     events: List[Any] = []
-    while len(events) < 2:
+    while len(events) < 7:
         events += await s_recv.wait()
     pair.client_lmr.free()
     pair.server_lmr.free()  # nothing of either is in flight any more

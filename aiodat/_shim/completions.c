@@ -3,7 +3,8 @@
  * The common case of turning polled completions into events, in C: what
  * EVD._queue_completions (evd.py) and WorkRequests._completion_event (wr.py)
  * do in Python, for a successful completion that is the oldest request of its
- * EP's queue, has no UNSIGNALLED requests beside it and, for a send, has no
+ * EP's queue (or a send after plain sends posted suppressed, retired with it: selective
+ * signalling), has no UNSIGNALLED requests beside it and, for a send, has no
  * internal target.  It stops at the first completion that is anything else and
  * says where; the Python path takes the rest, so the rules live in one place
  * (wr.py) and C only skips the interpreter for the case that dominates a
@@ -162,11 +163,43 @@ static PyObject *make_event(PyObject *evd, PyObject *ep, PyObject *cookie, long 
     return ev;
 }
 
+/* Where wr_id's entry is in a send queue whose entries before it are all plain (a 5-tuple with
+ * a tuple of segments and no target: a request posted suppressed), with wr_ids below it: its
+ * index; 0 when it is not there or anything before it is not plain; -1 on error. */
+static Py_ssize_t suppressed_before(PyObject *q, unsigned long long wr_id)
+{
+    PyObject *it = PyObject_GetIter(q), *entry;
+    Py_ssize_t index = 0, found = 0;
+    if (it == NULL)
+        return -1;
+    while ((entry = PyIter_Next(it)) != NULL) {
+        unsigned long long id = PyTuple_Check(entry) && PyTuple_Size(entry) == 5
+            ? PyLong_AsUnsignedLongLong(PyTuple_GetItem(entry, 0)) : (unsigned long long)-1;
+        int plain = id != (unsigned long long)-1 && PyTuple_GetItem(entry, 4) == Py_None
+                    && PyTuple_Check(PyTuple_GetItem(entry, 3));
+        Py_DECREF(entry);
+        if (PyErr_Occurred()) {
+            found = -1;
+            break;
+        }
+        if (id == wr_id) {
+            found = index;
+            break;
+        }
+        if (!plain || id > wr_id)
+            break;
+        index++;
+    }
+    Py_DECREF(it);
+    return found < 0 || PyErr_Occurred() ? -1 : found;
+}
+
 /* The event of one completion if it is the common case (1), else 0 with nothing changed; -1 on error. */
 static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject **out)
 {
     int recv = (int)(wc->wr_id & 1);
     int taken = 0;
+    Py_ssize_t retire = 0;  /* suppressed sends before this one, retired with it */
     PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL, *imm = NULL, *src = NULL,
              *requests = NULL;
     q = PyObject_GetAttr(ep, recv ? s_recv_q : s_send_q);
@@ -197,7 +230,22 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
         if (requests == NULL)
             goto error;
     } else if (first != wc->wr_id) {
-        goto done;  /* not the oldest request (suppressed sends before it, or out of order) */
+        /* not the oldest request: selective signalling, plain sends posted suppressed before it.
+         * The send queue is ordered, so they finished first: they are retired with it, as wr.py's
+         * _pop_send and _retire do; anything else before it (a run, a target) is wr.py's */
+        Py_ssize_t found = recv || target != Py_None ? 0 : suppressed_before(q, wc->wr_id);
+        if (found <= 0) {
+            if (found < 0)
+                goto error;
+            goto done;
+        }
+        Py_DECREF(head);
+        head = PySequence_GetItem(q, found);
+        if (head == NULL || !PyTuple_Check(head) || PyTuple_Size(head) != 5)
+            goto error;
+        cookie = PyTuple_GetItem(head, 1);
+        target = PyTuple_GetItem(head, 4);
+        retire = found;
     }
     PyObject *op, *segs;
     if (recv) {
@@ -242,6 +290,15 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     *out = make_event(evd, ep, cookie, length, op, imm, wc->vendor_err, src);
     if (*out == NULL)
         goto error;
+    for (Py_ssize_t k = 0; k < retire; k++) {  /* the suppressed sends before it (their segments checked) */
+        PyObject *old = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
+        int failed = old == NULL || release_segments(PyTuple_GetItem(old, 3), one) < 0;
+        Py_XDECREF(old);
+        if (failed) {
+            Py_CLEAR(*out);
+            goto error;
+        }
+    }
     popped = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
     if (popped == NULL || release_segments(segs, requests ? requests : one) < 0) {
         /* (a deque's popleft and an int's decrement do not fail on real objects) */
