@@ -37,7 +37,9 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
 from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
+from aiodat._shim import _posts
 from aiodat.errors import (
+    DATError,
     InvalidHandle,
     InvalidParameter,
     InvalidState,
@@ -69,6 +71,10 @@ class SRQState(enum.Enum):
     OPERATIONAL = "OPERATIONAL"
     #: the device reported IBV_EVENT_SRQ_ERR: the SRQ can no longer be used
     ERROR = "ERROR"
+
+
+_posts.configure_srq(SRQState.OPERATIONAL)
+_c_srq_post_recv_batch = _posts.srq_post_recv_batch
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ class SRQ(Handle):
             raise InvalidParameter(f"max_recv_iov must be an int between 1 and {iov_limit}, got {shown(max_recv_iov)}")
         lw = _check_lw(low_watermark, max_recv_dtos)
         self._srq: Any = ffi.NULL
+        self._srq_address = 0
         super().__init__(pz)
         self._ia, self._pz = ia, pz
         #: the EPs receiving from this SRQ (an insertion-ordered set; ep.py calls _attach and _detach)
@@ -146,7 +153,8 @@ class SRQ(Handle):
             pz._children.pop(self, None)
             raise error_from_errno(err, f"creating an SRQ of {max_recv_dtos} x {max_recv_iov} (ibv_create_srq)")
         self._raw = Raw(self._srq, lib.ibv_destroy_srq, "SRQ", pz._raw)
-        ia._srq_owner[int(ffi.cast("uintptr_t", self._srq))] = self
+        self._srq_address = int(ffi.cast("uintptr_t", self._srq))  # for the batch post in C (_posts)
+        ia._srq_owner[self._srq_address] = self
         self._attr = ffi.new("struct ibv_srq_attr *")
         self._refresh_sizes()
         self._sges = ffi.new("struct aiodat_sge[]", _SHIM_MAX_IOV)
@@ -271,7 +279,17 @@ class SRQ(Handle):
 
         Returns how many were posted; if the SRQ fills part way, the ones
         posted stay posted and :class:`aiodat.QueueFull` says how many.
+
+        A list or tuple of ``(segment, cookie)`` tuples all on the very same single
+        ``Segment``, as a server refilling its receive pool posts, is checked, posted and
+        recorded in one C call (``aiodat._shim._posts``); anything else takes the general path
+        below, which is also where every bad argument gets its error.
         """
+        done = _c_srq_post_recv_batch(self, self._srq_address, items)
+        if type(done) is int:
+            return done
+        if done is not None:
+            raise self._refused(*done)
         self._check_usable("post_recv")
         segs_column, cookies = _columns(items, 2, "post_recv_batch", "(segments, cookie) pairs")
         batch = [(as_segments(segs), cookie) for segs, cookie in zip(segs_column, cookies)]
@@ -312,11 +330,15 @@ class SRQ(Handle):
             for seg in segs:
                 seg.lmr._inflight += 1
         if err:
-            if err == 12:  # ENOMEM: the SRQ is full
-                raise QueueFull(f"post_recv: the SRQ is full ({len(self._posted)} buffers outstanding, "
-                                f"max_recv_dtos {self._max_wr}); posted {posted} of {n}")
-            raise error_from_errno(err, f"post_recv to the SRQ (posted {posted} of {n})")
+            raise self._refused(posted, n, err)
         return posted
+
+    def _refused(self, posted: int, n: int, err: int) -> DATError:
+        """The error of a batch the SRQ took only ``posted`` of ``n`` of (the rest refused with ``err``)."""
+        if err == 12:  # ENOMEM: the SRQ is full
+            return QueueFull(f"post_recv: the SRQ is full ({len(self._posted)} buffers outstanding, "
+                             f"max_recv_dtos {self._max_wr}); posted {posted} of {n}")
+        return error_from_errno(err, f"post_recv to the SRQ (posted {posted} of {n})")
 
     def query(self) -> SRQParam:
         """Return the SRQ's parameters and counters (dat_srq_query); unknown counters are None."""
@@ -465,9 +487,9 @@ class SRQ(Handle):
     def _release(self) -> None:
         self._fail_waiters(InvalidHandle("the SRQ was freed while a task waited for its low watermark"))
         if self._srq != ffi.NULL:
-            self._ia._srq_owner.pop(int(ffi.cast("uintptr_t", self._srq)), None)
+            self._ia._srq_owner.pop(self._srq_address, None)
             err = self._raw.release()
-            self._srq = ffi.NULL
+            self._srq, self._srq_address = ffi.NULL, 0
             if err:
                 raise error_from_errno(err, "destroying the SRQ (ibv_destroy_srq)")
         for _, segs in self._posted.values():

@@ -62,7 +62,7 @@ static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicit
                 *s_arm_retried, *s_note_arm, *s_napi_arm, *s_napi_arm_retry, *s_woken, *s_watch,
                 *s_draining_the_cq;
 static PyObject *get_running_loop;  /* asyncio.events._get_running_loop: the running loop, or None */
-static PyObject *s_base, *s_last;
+static PyObject *s_base, *s_last, *s_srq, *s_eps, *s_eps_seen, *s_posted;
 static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
 static PyObject *k_type, *k_evd, *k_ep, *k_cookie, *k_status, *k_length, *k_operation, *k_imm,
                 *k_vendor_err, *k_src_qp, *k_notify;
@@ -194,20 +194,88 @@ static Py_ssize_t suppressed_before(PyObject *q, unsigned long long wr_id)
     return found < 0 || PyErr_Occurred() ? -1 : found;
 }
 
+/* The event of a receive completion whose entry held ``cookie``: its operation, length, immediate
+ * data and, on UD, source QP; a new reference, NULL on error. */
+static PyObject *recv_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject *cookie)
+{
+    PyObject *op = wc->opcode == WC_RECV_RDMA_WITH_IMM ? op_recv_imm : op_recv, *ev = NULL, *src = NULL;
+    PyObject *imm = wc->wc_flags & WC_WITH_IMM ? PyLong_FromUnsignedLong(wc->imm_data) : (Py_INCREF(Py_None), Py_None);
+    PyObject *ud = imm ? PyObject_GetAttr(ep, s_ud) : NULL;
+    int is_ud = ud ? PyObject_IsTrue(ud) : -1;
+    Py_XDECREF(ud);
+    if (is_ud >= 0)
+        src = is_ud ? PyLong_FromUnsignedLong(wc->src_qp) : (Py_INCREF(Py_None), Py_None);
+    if (src != NULL)
+        ev = make_event(evd, ep, cookie, wc->byte_len, op, imm, wc->vendor_err, src);
+    Py_XDECREF(imm); Py_XDECREF(src);
+    return ev;
+}
+
+/* A receive on an EP of an SRQ (its own receive queue is empty): the SRQ's entry of the request,
+ * taken as srq.py's _complete takes it, while the SRQ knows every EP it has (else _complete
+ * notes their EVDs first).  1, 0 (Python's path, nothing changed) or -1 on error. */
+static int srq_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject **out)
+{
+    int taken = -1;
+    PyObject *eps = NULL, *seen = NULL, *posted = NULL, *key = NULL, *entry = NULL;
+    PyObject *srq = PyObject_GetAttr(ep, s_srq);
+    if (srq == NULL)
+        return -1;
+    if (srq == Py_None) {
+        Py_DECREF(srq);
+        return 0;
+    }
+    eps = PyObject_GetAttr(srq, s_eps);
+    seen = eps ? PyObject_GetAttr(srq, s_eps_seen) : NULL;
+    posted = seen ? PyObject_GetAttr(srq, s_posted) : NULL;
+    key = posted && PyDict_Check(posted) ? PyLong_FromUnsignedLongLong(wc->wr_id) : NULL;
+    Py_ssize_t count = key ? PyObject_Length(eps) : -1;
+    long long noted = count >= 0 ? PyLong_AsLongLong(seen) : -1;
+    if (count < 0 || PyErr_Occurred())
+        goto done;
+    if (count != noted) {
+        taken = 0;  /* an EP came or went since: srq.py notes its EVD */
+        goto done;
+    }
+    entry = PyDict_GetItemWithError(posted, key);
+    if (entry == NULL) {
+        taken = PyErr_Occurred() ? -1 : 0;  /* not the SRQ's: wr.py's */
+        goto done;
+    }
+    Py_INCREF(entry);  /* (the dictionary's reference goes below) */
+    if (!PyTuple_Check(entry) || PyTuple_Size(entry) != 2 || !PyTuple_Check(PyTuple_GetItem(entry, 1)))
+        goto done;
+    *out = recv_event(evd, ep, wc, PyTuple_GetItem(entry, 0));
+    if (*out == NULL)
+        goto done;
+    if (PyDict_DelItem(posted, key) < 0 || release_segments(PyTuple_GetItem(entry, 1), one) < 0) {
+        Py_CLEAR(*out);  /* (a dictionary's delete and an int's decrement do not fail on real objects) */
+        goto done;
+    }
+    taken = 1;
+done:
+    Py_XDECREF(entry); Py_XDECREF(key); Py_XDECREF(posted); Py_XDECREF(seen); Py_XDECREF(eps); Py_DECREF(srq);
+    return taken;
+}
+
 /* The event of one completion if it is the common case (1), else 0 with nothing changed; -1 on error. */
 static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject **out)
 {
     int recv = (int)(wc->wr_id & 1);
     int taken = 0;
     Py_ssize_t retire = 0;  /* suppressed sends before this one, retired with it */
-    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL, *imm = NULL, *src = NULL,
-             *requests = NULL;
+    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL, *requests = NULL;
     q = PyObject_GetAttr(ep, recv ? s_recv_q : s_send_q);
     quiet = q ? PyObject_GetAttr(ep, s_quiet) : NULL;
     if (quiet == NULL)
         goto error;
-    if (PySet_Size(quiet) != 0 || PyObject_Length(q) <= 0)  /* UNSIGNALLED requests about, or an SRQ's EP */
+    if (PySet_Size(quiet) != 0)  /* UNSIGNALLED requests about */
         goto done;
+    Py_ssize_t queued = PyObject_Length(q);
+    if (queued <= 0) {  /* an SRQ's EP (or an error) */
+        taken = queued < 0 ? -1 : recv ? srq_event(evd, ep, wc, out) : 0;
+        goto done;
+    }
     head = PySequence_GetItem(q, 0);
     if (head == NULL || !PyTuple_Check(head))
         goto error;
@@ -251,7 +319,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     if (recv) {
         if (PyTuple_Size(head) != 3)
             goto error;
-        op = wc->opcode == WC_RECV_RDMA_WITH_IMM ? op_recv_imm : op_recv;
+        op = NULL;  /* (recv_event's) */
         segs = PyTuple_GetItem(head, 2);
     } else {
         if (PyTuple_Size(head) != 5)
@@ -270,24 +338,12 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     if (segs == NULL || !PyTuple_Check(segs))
         goto error;
     /* everything that can fail comes before the entry is taken: a failure leaves it for wr.py */
-    long long length;
     if (recv) {
-        length = wc->byte_len;
-        imm = wc->wc_flags & WC_WITH_IMM ? PyLong_FromUnsignedLong(wc->imm_data) : (Py_INCREF(Py_None), Py_None);
-        PyObject *ud = imm ? PyObject_GetAttr(ep, s_ud) : NULL;
-        int is_ud = ud ? PyObject_IsTrue(ud) : -1;
-        Py_XDECREF(ud);
-        if (is_ud < 0)
-            goto error;
-        src = is_ud ? PyLong_FromUnsignedLong(wc->src_qp) : (Py_INCREF(Py_None), Py_None);
+        *out = recv_event(evd, ep, wc, cookie);
     } else {
-        length = segments_length(segs);
-        imm = (Py_INCREF(Py_None), Py_None);
-        src = (Py_INCREF(Py_None), Py_None);
+        long long length = segments_length(segs);
+        *out = length < 0 ? NULL : make_event(evd, ep, cookie, length, op, Py_None, wc->vendor_err, Py_None);
     }
-    if (src == NULL || length < 0)
-        goto error;
-    *out = make_event(evd, ep, cookie, length, op, imm, wc->vendor_err, src);
     if (*out == NULL)
         goto error;
     for (Py_ssize_t k = 0; k < retire; k++) {  /* the suppressed sends before it (their segments checked) */
@@ -310,8 +366,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
 error:
     taken = -1;
 done:
-    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(popped); Py_XDECREF(imm); Py_XDECREF(src);
-    Py_XDECREF(requests);
+    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(popped); Py_XDECREF(requests);
     return taken;
 }
 
@@ -1429,6 +1484,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__completions(void)
 {
     INTERN(s_recv_q, "_recv_q"); INTERN(s_send_q, "_send_q"); INTERN(s_quiet, "_quiet"); INTERN(s_ud, "_ud");
+    INTERN(s_srq, "_srq"); INTERN(s_eps, "_eps"); INTERN(s_eps_seen, "_eps_seen"); INTERN(s_posted, "_posted");
     INTERN(s_lmr, "lmr"); INTERN(s_inflight, "_inflight"); INTERN(s_length, "length");
     INTERN(s_popleft, "popleft"); INTERN(s_append, "append"); INTERN(s_base, "base"); INTERN(s_last, "last");
     INTERN(s_closed, "_closed"); INTERN(s_backlog, "_backlog"); INTERN(s_awaited, "_awaited");

@@ -33,10 +33,11 @@
 /* set once by configure() */
 static PyObject *segment_type, *flags_type, *send_bits, *op_send, *state_connected, *state_disconnected,
                 *state_error, *send_run_type, *remote_type;
+static PyObject *srq_operational;  /* SRQState.OPERATIONAL, set by configure_srq() */
 static PyObject *count_type;  /* itertools.count: a batch reserves its request numbers as wr.py's _take_ids */
 static PyObject *s_srq, *s_closed, *s_lmr, *s_pz, *s_conn, *s_state, *s_ids, *s_address, *s_offset,
                 *s_length, *s_lkey, *s_inflight, *s_recv_q, *s_send_q, *s_quiet, *s_rc, *s_max_inline,
-                *s_append, *s_add, *s_extend, *s_rmr_context;
+                *s_append, *s_add, *s_extend, *s_rmr_context, *s_srq_state, *s_posted;
 
 static PyObject *configure(PyObject *self, PyObject *args)
 {
@@ -428,11 +429,12 @@ static int mark_quiet(PyObject *ep, unsigned long long first, Py_ssize_t count)
     return err ? -1 : 0;
 }
 
-/* Post ``n`` copies of ``tmpl`` (a send) or ``rtmpl`` (a receive), wr_ids first, first + 2, ...; a
- * send's last request gets ``last_flags``.  Returns 0 or the errno of the refused post; *posted says
- * how many went. */
-static int post_copies(struct ibv_qp *qp, const struct ibv_send_wr *tmpl, const struct ibv_recv_wr *rtmpl,
-                       unsigned int last_flags, unsigned long long first, Py_ssize_t n, Py_ssize_t *posted)
+/* Post ``n`` copies of ``tmpl`` (a send) or ``rtmpl`` (a receive, to ``srq`` when it is not NULL),
+ * wr_ids first, first + 2, ...; a send's last request gets ``last_flags``.  Returns 0 or the errno of
+ * the refused post; *posted says how many went. */
+static int post_copies(struct ibv_qp *qp, struct ibv_srq *srq, const struct ibv_send_wr *tmpl,
+                       const struct ibv_recv_wr *rtmpl, unsigned int last_flags, unsigned long long first,
+                       Py_ssize_t n, Py_ssize_t *posted)
 {
     struct ibv_send_wr wr[CHUNK], *bad;
     struct ibv_recv_wr rwr[CHUNK], *rbad;
@@ -453,7 +455,7 @@ static int post_copies(struct ibv_qp *qp, const struct ibv_send_wr *tmpl, const 
         }
         if (tmpl && *posted + count == n)
             wr[count - 1].send_flags = last_flags;  /* e.g. the one signalled request of a batch */
-        err = tmpl ? ibv_post_send(qp, wr, &bad) : ibv_post_recv(qp, rwr, &rbad);
+        err = tmpl ? ibv_post_send(qp, wr, &bad) : srq ? ibv_post_srq_recv(srq, rwr, &rbad) : ibv_post_recv(qp, rwr, &rbad);
         if (err) {
             Py_ssize_t went = tmpl ? bad - wr : rbad - rwr;
             *posted += went >= 0 && went < count ? went : 0;
@@ -551,7 +553,7 @@ static PyObject *post_batch(PyObject *self, PyObject *args)
     tmpl.num_sge = 1;
     tmpl.wr.rdma.remote_addr = remote_addr;
     tmpl.wr.rdma.rkey = (uint32_t)rkey;
-    int err = post_copies(qp, &tmpl, NULL, (unsigned int)last_send_flags | inline_bit, first, n, &posted);
+    int err = post_copies(qp, NULL, &tmpl, NULL, (unsigned int)last_send_flags | inline_bit, first, n, &posted);
     int failed = 0;
     if (posted < n && posted > 0) {  /* refused part way (rare): record what went, as post.py does */
         PyObject *went = PyTuple_GetSlice(cookies, 0, posted);
@@ -612,7 +614,7 @@ static PyObject *post_recv_batch(PyObject *self, PyObject *args)
         goto done;
     }
     struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = &sge, .num_sge = 1 };
-    int err = post_copies(qp, NULL, &tmpl, 0, first, n, &posted);
+    int err = post_copies(qp, NULL, NULL, &tmpl, 0, first, n, &posted);
     PyObject *went = posted < n ? PyList_GetSlice(queued, 0, posted) : (Py_INCREF(queued), queued);
     if (went != NULL && (posted == 0 || (queue_call(ep, s_recv_q, s_extend, went) == 0
                                          && add_inflight(lmr, posted) == 0)))
@@ -622,6 +624,92 @@ done:
     Py_XDECREF(queued); Py_XDECREF(segs); Py_XDECREF(lmr); Py_XDECREF(seg);
     Py_XDECREF(segments); Py_DECREF(cookies);
     return result;
+}
+
+/* srq_post_recv_batch(srq, srq_address, items) -> n | (posted, n, errno) | None: SRQ.post_recv_batch's
+ * fast path (srq.py), every item on the very same one segment: the SRQ open and not in error, the
+ * LMR open and of the SRQ's PZ; it records srq._posted[wr_id] = (cookie, (seg,)) for each request
+ * that went, as the general path does. */
+static PyObject *srq_post_recv_batch(PyObject *self, PyObject *args)
+{
+    PyObject *srq, *address, *items, *segments = NULL, *unused = NULL, *seg = NULL, *lmr = NULL, *segs = NULL;
+    PyObject *result = NULL, *posted_map = NULL;
+    struct ibv_sge sge;
+    if (!PyArg_UnpackTuple(args, "srq_post_recv_batch", 3, 3, &srq, &address, &items))
+        return NULL;
+    if (srq_operational == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._posts: configure_srq() first");
+        return NULL;
+    }
+    PyObject *cookies = same_items(items, 2, &segments, &unused);
+    if (cookies == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    int ok = (seg = one_segment(segments)) != NULL;
+    if (ok == 1)
+        ok = attr_is(srq, s_srq_state, srq_operational);
+    if (ok == 1)
+        ok = check_segment(srq, seg, &lmr, &sge);  /* (the SRQ has _closed and _pz, as an EP) */
+    unsigned long long at = ok == 1 ? PyLong_AsUnsignedLongLong(address) : 0;
+    if (ok == 1 && (at == 0 || at == (unsigned long long)-1))
+        ok = PyErr_Occurred() ? -1 : 0;
+    if (ok == 1) {
+        posted_map = PyObject_GetAttr(srq, s_posted);
+        ok = posted_map == NULL ? -1 : PyDict_Check(posted_map);
+    }
+    Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
+    long long id = ok == 1 ? take_ids(srq, n) : -1;
+    unsigned long long first = (unsigned long long)id * 2 + 1;
+    PyObject **records = NULL;  /* each request's (cookie, segs), made before the post */
+    if (id >= 0 && (segs = PyTuple_Pack(1, seg)) != NULL && (records = PyMem_Calloc((size_t)n, sizeof(*records)))) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            if ((records[i] = PyTuple_Pack(2, PyTuple_GetItem(cookies, i), segs)) == NULL) {
+                id = -1;
+                break;
+            }
+    }
+    if (id < 0 || segs == NULL || records == NULL) {
+        if (ok == 0) {  /* not the fast path: None */
+            Py_INCREF(Py_None);
+            result = Py_None;
+        } else if (ok == 1 && !PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = &sge, .num_sge = 1 };
+    int err = post_copies(NULL, (struct ibv_srq *)(uintptr_t)at, NULL, &tmpl, 0, first, n, &posted);
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < posted && !failed; i++) {
+        PyObject *wr_id = PyLong_FromUnsignedLongLong(first + 2 * (unsigned long long)i);
+        failed = wr_id == NULL || PyDict_SetItem(posted_map, wr_id, records[i]) < 0;
+        Py_XDECREF(wr_id);
+    }
+    if (!failed && (posted == 0 || add_inflight(lmr, posted) == 0))
+        result = batch_result(posted, n, err);
+done:
+    if (records != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(records[i]);
+        PyMem_Free(records);
+    }
+    Py_XDECREF(posted_map); Py_XDECREF(segs); Py_XDECREF(lmr); Py_XDECREF(seg);
+    Py_XDECREF(segments); Py_DECREF(cookies);
+    return result;
+}
+
+/* configure_srq(SRQState.OPERATIONAL): the state srq_post_recv_batch posts in */
+static PyObject *configure_srq(PyObject *self, PyObject *state)
+{
+    if (srq_operational != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._posts.configure_srq is called once");
+        return NULL;
+    }
+    Py_INCREF(state);
+    srq_operational = state;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
@@ -638,6 +726,10 @@ static PyMethodDef methods[] = {
     {"post_recv_batch", post_recv_batch, METH_VARARGS,
      "post_recv_batch(ep, qp_address, items) -> n posted, (posted, n, errno) refused part way, None not the "
      "fast path."},
+    {"configure_srq", configure_srq, METH_O, "configure_srq(SRQState.OPERATIONAL)."},
+    {"srq_post_recv_batch", srq_post_recv_batch, METH_VARARGS,
+     "srq_post_recv_batch(srq, srq_address, items) -> n posted, (posted, n, errno) refused part way, None not "
+     "the fast path."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -657,7 +749,7 @@ PyMODINIT_FUNC PyInit__posts(void)
     INTERN(s_inflight, "_inflight"); INTERN(s_recv_q, "_recv_q"); INTERN(s_send_q, "_send_q");
     INTERN(s_quiet, "_quiet"); INTERN(s_rc, "_rc"); INTERN(s_max_inline, "max_inline");
     INTERN(s_append, "append"); INTERN(s_add, "add"); INTERN(s_extend, "extend");
-    INTERN(s_rmr_context, "rmr_context");
+    INTERN(s_rmr_context, "rmr_context"); INTERN(s_srq_state, "_state"); INTERN(s_posted, "_posted");
     if (count_type == NULL && (count_type = module_attr("itertools", "count")) == NULL)
         return NULL;
     return PyModule_Create(&module);
