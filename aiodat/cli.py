@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="how the sender learns of completions (default: all three)")
         sp.add_argument("--busy-poll-us", type=int, default=50, help="busy_poll_us of --mode busypoll (default 50)")
         sp.add_argument("--no-perftest", action="store_true", help="measure aiodat only")
+        sp.add_argument("--srq", action="store_true",
+                        help="the receiver takes its receives from an SRQ (srq.post_recv_batch), and perftest "
+                             "runs with --use-srq (sends only)")
         sp.add_argument("--processes", type=int, choices=(1, 2), default=2,
                         help="2 (default): the receiving side is a child process, as perftest runs its two "
                              "sides; 1: both sides on one loop")
@@ -495,9 +498,12 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
         _err(f"{name}: error: --size, --depth, --iters, --batch and --repeat must be >= 1, --batch <= --depth, "
              f"--busy-poll-us >= 0")
         return 2
+    if args.srq and args.bench == "bandwidth" and args.op != "send":
+        _err(f"{name}: error: --srq holds receives: it needs --op send")
+        return 2
     modes = tuple(dict.fromkeys(args.mode)) if args.mode else bench.MODES
     common = dict(batch=args.batch, repeat=args.repeat, modes=modes, busy_poll_us=args.busy_poll_us,
-                  perftest=not args.no_perftest, device=args.device, processes=args.processes,
+                  perftest=not args.no_perftest, device=args.device, processes=args.processes, srq=args.srq,
                   progress=_progress(args))
     if args.bench == "rate":
         def run() -> Any:

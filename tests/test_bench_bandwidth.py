@@ -20,6 +20,10 @@ def test_bad_arguments_are_refused(capsys: Any) -> None:
         bench.bandwidth("atomic")
     with pytest.raises(ValueError, match="mode must be"):
         bench.rate(modes=("spin",))
+    assert main(["bench", "bandwidth", "--srq", "--op", "write"]) == 2
+    assert "--srq holds receives" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="srq needs op send"):
+        bench.bandwidth("read", srq=True)
 
 
 def test_sample_units() -> None:
@@ -62,3 +66,25 @@ def test_rate_json_beside_ib_send_bw(rdma_device: Any, request: Any, capsys: Any
             figures["aiodat_await"]["median"] / event["median"]),
         ("aiodat_await", "perftest_list"): pytest.approx(
             figures["aiodat_await"]["median"] / figures["perftest_list"]["median"])}
+
+
+@pytest.mark.rxe
+@pytest.mark.parametrize("processes", [1, 2])
+def test_rate_through_an_srq_beside_ib_send_bw_srq(rdma_device: Any, request: Any, capsys: Any,
+                                                    processes: int) -> None:
+    """``--srq``: the receiver (here or in the child) takes its receives from an SRQ, and perftest
+    runs with --use-srq; both figures finite, and their ratio."""
+    loop = request.config.getoption("--aiodat-loop") or "asyncio"
+    assert main(["bench", "rate", "--srq", "--iters", "500", "--depth", "32", "--batch", "8", "--repeat", "1",
+                 "--mode", "callback", "--processes", str(processes), "--loop", loop, "--json",
+                 "--device", rdma_device.name]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["srq"] is True
+    figures = data["figures"]
+    for key in ("aiodat_callback", "perftest", "perftest_list"):
+        assert 0 < figures[key]["median"] < math.inf, figures[key]
+    assert figures["perftest"]["label"] == "ib_send_bw -R --use-srq"
+    assert figures["perftest_list"]["label"] == "ib_send_bw -R -l 8 --use-srq"
+    ratios = {(r["ours"], r["theirs"]): r["median"] for r in data["ratios"]}
+    assert ratios[("aiodat_callback", "perftest")] == pytest.approx(
+        figures["aiodat_callback"]["median"] / figures["perftest"]["median"])

@@ -101,10 +101,13 @@ class BandwidthReport:
         return "\n".join(lines)
 
 
-def check_args(op: str, size: int, depth: int, iters: int, batch: int) -> None:
-    """ValueError unless ``op`` is known, the counts are ints >= 1 and ``batch <= depth``."""
+def check_args(op: str, size: int, depth: int, iters: int, batch: int, srq: bool = False) -> None:
+    """ValueError unless ``op`` is known, the counts are ints >= 1, ``batch <= depth`` and an SRQ
+    (which holds receives) comes with ``send``."""
     if op not in BW_TOOLS:
         raise ValueError(f"op must be one of {sorted(BW_TOOLS)}, got {op!r}")
+    if srq and op != "send":
+        raise ValueError(f"an SRQ holds receives: srq needs op send, got {op!r}")
     for name, value in (("size", size), ("depth", depth), ("iters", iters), ("batch", batch)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -113,9 +116,10 @@ def check_args(op: str, size: int, depth: int, iters: int, batch: int) -> None:
 
 
 def setup_side(ia: Any, op: str, size: int, depth: int, server: bool,
-               busy_poll_us: Optional[int] = None) -> Tuple[Any, Any, Any, Any]:
+               busy_poll_us: Optional[int] = None, srq: bool = False) -> Tuple[Any, Any, Any, Any]:
     """One side of a bandwidth run: its EP (on one DTO EVD, made with ``busy_poll_us`` when given), the EVD,
-    the buffer and a segment of it."""
+    the buffer and a segment of it.  ``srq``: a receiving server's EP takes its receives from an SRQ
+    of the same depth (``ep.srq``), as ``ib_send_bw --use-srq`` does."""
     from aiodat import EPAttr, EvdFlags, Privileges
 
     pz = ia.create_pz()
@@ -131,18 +135,21 @@ def setup_side(ia: Any, op: str, size: int, depth: int, server: bool,
         evd = ia.create_evd(qlen, EvdFlags.DTO)
     else:
         evd = ia.create_evd(qlen, EvdFlags.DTO, busy_poll_us=busy_poll_us)
-    ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd, attrs=attrs)
+    shared = ia.create_srq(pz, recv_depth) if srq and server and op == "send" else None
+    ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd, srq=shared, attrs=attrs)
     buf = bytearray(size)
     if (op == "read") == server:  # the side whose bytes travel holds the pattern
         buf[:] = bytes(i & 0xFF for i in range(size))
     seg = pz.register(buf, Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_READ)[0:size]
     if server and op == "send":
-        ep.post_recv_batch([(seg, None)] * recv_depth)
+        (shared if shared is not None else ep).post_recv_batch([(seg, None)] * recv_depth)
     return ep, evd, buf, seg
 
 
 async def receive(ep: Any, evd: Any, seg: Any, total: int) -> float:
-    """Receive ``total`` messages, reposting each receive as it completes; the time of the last."""
+    """Receive ``total`` messages, reposting each receive as it completes (to the EP's SRQ, if it
+    has one); the time of the last."""
+    poster = ep.srq if ep.srq is not None else ep
     got = 0
     while got < total:
         events = await evd.wait(1, timeout=120)
@@ -151,21 +158,21 @@ async def receive(ep: Any, evd: Any, seg: Any, total: int) -> float:
                 raise RuntimeError(f"a receive failed: {ev.status}")
         got += len(events)
         try:
-            ep.post_recv_batch([(seg, None)] * len(events))  # (kept posted for the next run on this EP)
+            poster.post_recv_batch([(seg, None)] * len(events))  # (kept posted for the next run on this EP)
         except InvalidState:
             if got < total:
                 raise  # after the last message a sender in another process may already have disconnected
     return time.perf_counter()
 
 
-async def sink_process(device: str, op: str, size: int, depth: int, total: int) -> None:
+async def sink_process(device: str, op: str, size: int, depth: int, total: int, srq: bool = False) -> None:
     """The child of a two-process bandwidth run: accept one connection (handing the client its
-    buffer in the accept private data), receive ``total`` messages if ``op`` is send, wait for the
-    disconnect and check the bytes that landed."""
+    buffer in the accept private data), receive ``total`` messages if ``op`` is send (through an
+    SRQ with ``srq``), wait for the disconnect and check the bytes that landed."""
     from aiodat import EventType, open_ia
 
     with open_ia(device) as ia:
-        server, evd, buf, seg = setup_side(ia, op, size, depth, server=True)
+        server, evd, buf, seg = setup_side(ia, op, size, depth, server=True, srq=srq)
         await accept_one(ia, server, seg.remote().to_bytes())
         if op == "send":
             await receive(server, evd, seg, total)
@@ -178,7 +185,7 @@ async def sink_process(device: str, op: str, size: int, depth: int, total: int) 
 async def bandwidth_stream(device: str, address: str, op: str = "write", size: int = 65536, depth: int = 64,
                            iters: int = 1000, batch: int = 16, warmup: Optional[int] = None,
                            processes: int = 1, loop_name: str = "asyncio", mode: str = "await",
-                           busy_poll_us: int = 50) -> BandwidthSample:
+                           busy_poll_us: int = 50, srq: bool = False) -> BandwidthSample:
     """Stream ``iters`` ``size``-byte operations from a client EP to a server EP of one IA.
 
     Up to ``depth`` requests are in flight.  They are posted ``batch`` at a
@@ -186,8 +193,8 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
     ``post_send_batch``), all but the last of each batch with
     ``CompletionFlags.SUPPRESS``, so each batch costs one completion and one
     wake-up.  For ``send`` the server keeps ``2 * depth`` receives posted and
-    reposts them in batches (``post_recv_batch``) as they complete.  The data
-    is checked at the end.
+    reposts them in batches (``post_recv_batch``) as they complete; with ``srq``
+    it posts them to an SRQ its EP receives from.  The data is checked at the end.
 
     ``processes=1``: both EPs in this process, on one loop; for ``send`` the
     time runs until the server has received the last message.
@@ -204,7 +211,7 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
     from aiodat import CompletionFlags, RemoteRegion, open_ia
     from aiodat.cm import connect_pair
 
-    check_args(op, size, depth, iters, batch)
+    check_args(op, size, depth, iters, batch, srq)
     if processes not in (1, 2):
         raise ValueError(f"processes must be 1 or 2, got {processes!r}")
     if mode not in ("await", "callback", "busypoll"):
@@ -215,12 +222,12 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
                                                  busy_poll_us=busy_poll_us if mode == "busypoll" else None)
         child = None
         if processes == 1:
-            server, s_evd, s_buf, s_seg = setup_side(ia, op, size, depth, server=True)
+            server, s_evd, s_buf, s_seg = setup_side(ia, op, size, depth, server=True, srq=srq)
             await connect_pair(client, server)  # cm.py shortens the RNR timer of every new connection
             remote = s_seg.remote()
         else:
-            child, port = await start_child(["sink", device, op, str(size), str(depth), str(warmup + iters)],
-                                             loop_name)
+            child, port = await start_child(["sink", device, op, str(size), str(depth), str(warmup + iters),
+                                              *(["srq"] if srq else [])], loop_name)
             try:
                 remote = RemoteRegion.from_bytes(await client.connect(address, port, timeout=30))
             except BaseException:
@@ -329,13 +336,14 @@ def run_bw_perftest(op: str, size: int, depth: int, iters: int, device: str, add
 def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loop: str, *, batch: int,
                       repeat: int = 3, modes: Sequence[str] = ("await",), busy_poll_us: int = 50,
                       perftest: bool = True, device: Optional[str] = None, address: Optional[str] = None,
-                      timeout: float = 300.0, processes: int = 2,
+                      timeout: float = 300.0, processes: int = 2, srq: bool = False,
                       progress: Optional[Callable[[str], None]] = None) -> Comparison:
     """``repeat`` rounds of aiodat's streaming ``op`` in each of ``modes``, then perftest's ``_bw`` tool with
-    the same size, depth and iterations; ``kind`` "rate" compares Mpps, "bandwidth" MB/s (2**20 bytes)."""
+    the same size, depth and iterations; ``kind`` "rate" compares Mpps, "bandwidth" MB/s (2**20 bytes).
+    ``srq``: the receiving side takes its receives from an SRQ, and perftest runs with ``--use-srq``."""
     from aiodat import DATError
 
-    check_args(op, size, depth, iters, batch)
+    check_args(op, size, depth, iters, batch, srq)
     if not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
     for mode in modes:
@@ -347,7 +355,7 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
     column = "MsgRate[Mpps]" if kind == "rate" else "BW_average[MB/sec]"  # perftest's figure
     report = Comparison(f"aiodat bench {kind}", {"device": device, "address": address, "loop": loop, "op": op,
                                                  "size": size, "iters": iters, "depth": depth, "batch": batch,
-                                                 "processes": processes}, repeat,
+                                                 "processes": processes, "srq": srq}, repeat,
                         title=f"{'message rate' if kind == 'rate' else 'bandwidth'} ({unit}; MB = 2**20 bytes "
                               f"as perftest's), higher is better")
     labels = {"await": "aiodat await (evd.wait)", "callback": "aiodat callback (set_callback)",
@@ -361,6 +369,8 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
     perftests: Dict[str, List[str]] = {"perftest": []}
     if kind == "rate":
         perftests.update(perftest_event=["-e"], perftest_list=["-l", str(batch)])
+    if srq:
+        perftests = {key: [*extra, "--use-srq"] for key, extra in perftests.items()}
     if perftest:
         for key, extra in perftests.items():
             report.figure(key, " ".join([tool, "-R", *extra]), unit)
@@ -379,7 +389,7 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
             try:
                 sample = run_on_loop(loop, lambda: bandwidth_stream(
                     device, address, op, size, depth, iters, batch, processes=processes, loop_name=loop,
-                    mode=mode, busy_poll_us=busy_poll_us))
+                    mode=mode, busy_poll_us=busy_poll_us, srq=srq))
                 fig.record(sample.mpps if kind == "rate" else sample.mib_per_s)
             except (DATError, RuntimeError, AssertionError, AttributeError, TypeError) as exc:
                 fig.record(None, f"{type(exc).__name__}: {exc}")
@@ -396,11 +406,12 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
 def bandwidth(op: str = "write", size: int = 65536, depth: int = 64, iters: int = 1000, loop: str = "asyncio",
               *, batch: int = 16, repeat: int = 3, modes: Sequence[str] = ("await", "callback", "busypoll"),
               busy_poll_us: int = 50, perftest: bool = True, device: Optional[str] = None,
-              address: Optional[str] = None, timeout: float = 300.0, processes: int = 2,
+              address: Optional[str] = None, timeout: float = 300.0, processes: int = 2, srq: bool = False,
               progress: Optional[Callable[[str], None]] = None) -> Comparison:
     """``aiodat bench bandwidth``: aiodat's streaming ``op`` (write, read, send) beside ``ib_<op>_bw -R``,
     same device, size, depth and iteration count, one after the other, ``repeat`` rounds; ratios of MB/s
-    per round and their median."""
+    per round and their median.  ``srq`` (send only): the receiver posts to an SRQ, perftest runs with
+    ``--use-srq``."""
     return compare_streaming("bandwidth", op, size, depth, iters, loop, batch=batch, repeat=repeat, modes=modes,
                              busy_poll_us=busy_poll_us, perftest=perftest, device=device, address=address,
-                             timeout=timeout, processes=processes, progress=progress)
+                             timeout=timeout, processes=processes, srq=srq, progress=progress)
