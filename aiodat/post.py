@@ -201,8 +201,8 @@ class Posting(WorkRequests):
         Every item is checked first; returns how many were posted (QueueFull
         says how many went if the receive queue fills part way).
         """
-        # a list or tuple of items all on the very same one segment: in C (_shim/posts.c), the checks
-        # and the record of the path below; None when it is not that case
+        # a list or tuple of items each on one segment (the very same one, or one each: a pool): in C
+        # (_shim/posts.c), the checks and the record of the path below; None when it is not that case
         done = _c_post_recv_batch(self, self._qp_address, items)
         if type(done) is int:
             return done

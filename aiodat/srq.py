@@ -280,8 +280,8 @@ class SRQ(Handle):
         Returns how many were posted; if the SRQ fills part way, the ones
         posted stay posted and :class:`aiodat.QueueFull` says how many.
 
-        A list or tuple of ``(segment, cookie)`` tuples all on the very same single
-        ``Segment``, as a server refilling its receive pool posts, is checked, posted and
+        A list or tuple of ``(segment, cookie)`` tuples each on a single ``Segment`` (the very
+        same one, or one each: a pool of buffers being refilled) is checked, posted and
         recorded in one C call (``aiodat._shim._posts``); anything else takes the general path
         below, which is also where every bad argument gets its error.
         """

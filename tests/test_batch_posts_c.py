@@ -150,6 +150,48 @@ async def test_a_receive_batch_records_what_the_general_path_records(ia: Any, mo
         p.close()
 
 
+@pytest.mark.parametrize("n", [2, 70])
+async def test_a_receive_batch_on_a_pool_records_what_the_general_path_records(ia: Any,
+                                                                               monkeypatch: pytest.MonkeyPatch,
+                                                                               n: int) -> None:
+    """Receives each into a slice of its own (a pool of buffers, over two LMRs taken in turn) record
+    the same entries and in-flight counts through C as through the general path, and complete in
+    order with their cookies into their own slices."""
+    p = await make_ep_pair(ia, 64 * 70, EPAttr(max_request_dtos=160, max_recv_dtos=160))
+    second = p.pz.register(bytearray(64 * 70), aiodat.Privileges.ALL)
+    try:
+        calls = counting_as_segments(monkeypatch)
+        pools = (p.server_lmr, second)
+        items = [(pools[i % 2][64 * i:64 * i + 64], f"r{i}") for i in range(n)]
+        seen = []
+        for form in (list, iter):
+            before, steps = len(p.server._recv_q), calls[0]
+            inflight = [lmr._inflight for lmr in pools]
+            assert p.server.post_recv_batch(form(items)) == n
+            new = list(p.server._recv_q)[before:]
+            seen.append((relative(new, new[0][0]), [lmr._inflight - i for lmr, i in zip(pools, inflight)],
+                         calls[0] > steps))
+        assert [s[2] for s in seen] == [False, True], "the list took C, the generator Python"
+        assert seen[0][:2] == seen[1][:2]
+        assert seen[0][1] == [(n + 1) // 2, n // 2] and seen[0][0][1] == (2, "r1", (items[1][0],))
+        payload = [bytes([i]) * 8 for i in range(2 * n)]
+        for i, data in enumerate(payload):
+            p.client_lmr.memoryview()[8 * i:8 * i + 8] = data
+        assert p.client.post_send_batch([(p.client_lmr[8 * i:8 * i + 8], i) for i in range(2 * n)], SUPPRESS,
+                                        DEFAULT) == 2 * n
+        received: List[Any] = []
+        while len(received) < 2 * n:
+            received += await p.server.recv_evd.wait(timeout=T)
+        assert [e.cookie for e in received] == [f"r{i}" for i in range(n)] * 2
+        assert all(event.ok and event.transferred_length == 8 for event in received)
+        for i in range(n):  # each slice holds the bytes of the second round's message to it
+            assert bytes(pools[i % 2].memoryview()[64 * i:64 * i + 8]) == payload[n + i]
+        assert p.server_lmr._inflight == 0 and second._inflight == 0 and not p.server._recv_q
+        await p.client.request_evd.wait(1, timeout=T)
+    finally:
+        p.close()  # (the PZ frees the second LMR with it)
+
+
 async def test_a_batch_the_queue_refuses_part_way_records_what_went(ia: Any) -> None:
     """A batch longer than the queue has room for: QueueFull says how many went, and exactly those
     are recorded (the writes as one run, all suppressed), so they complete and retire normally."""
@@ -240,20 +282,22 @@ async def test_items_emptied_during_the_post_keep_their_segment_and_cookies(ia: 
 SEND_SIDE_MISUSE = ["closed-ep", "freed-lmr", "other-pz", "bad-flags", "bad-last-flags", "unconnected", "not-pairs"]
 MISUSE = ([("send", case) for case in SEND_SIDE_MISUSE]
           + [("write", case) for case in SEND_SIDE_MISUSE + ["short-remote", "not-a-remote"]]
-          + [("recv", case) for case in ["closed-ep", "freed-lmr", "other-pz", "not-pairs"]])
+          + [(recv, case) for recv in ("recv", "recv-each") for case in ["closed-ep", "freed-lmr", "other-pz",
+                                                                         "not-pairs"]])
 
 
 @pytest.mark.parametrize("op,case", MISUSE)
 async def test_misuse_of_a_batch_on_one_segment_is_refused_recording_nothing(ia: Any, op: str, case: str) -> None:
     """Every misuse of a one-segment batch is left by C to the general path, which refuses it with the
-    error it always gave: nothing is posted or recorded, nothing stays in flight."""
+    error it always gave: nothing is posted or recorded, nothing stays in flight.  ``recv-each``: a
+    receive batch on a segment of its own per item, the bad one third among good ones."""
     p = await make_ep_pair(ia)
     other_pz = ia.create_pz()
     other = other_pz.register(bytearray(64), aiodat.Privileges.ALL)
     unconnected = None
     try:
-        ep = p.server if op == "recv" else p.client
-        lmr = p.server_lmr if op == "recv" else p.client_lmr
+        ep = p.server if op.startswith("recv") else p.client
+        lmr = p.server_lmr if op.startswith("recv") else p.client_lmr
         seg, remote, flags, last_flags = lmr[0:32], p.server_lmr.remote()[0:32], DEFAULT, None
         expected: Any = aiodat.InvalidParameter
         match = ""
@@ -284,11 +328,14 @@ async def test_misuse_of_a_batch_on_one_segment_is_refused_recording_nothing(ia:
             ep = unconnected = ia.create_ep(p.pz)
             expected, match = aiodat.InvalidState, "state"
         items: List[Any] = [(seg, remote, i) if op == "write" else (seg, i) for i in range(4)]
+        if op == "recv-each":  # a pool: each item its own slice of the EP's buffer, the case's third
+            items = [(lmr[64 * i:64 * i + 32], i) for i in range(4)]
+            items[2] = (seg, 2)
         if case == "not-pairs":
             items[2] = (seg,)
             match = "items must be"
         outstanding = len(ep._send_q) + len(ep._recv_q) if case != "closed-ep" else 0
-        inflight = seg.lmr._inflight
+        inflight, pool_inflight = seg.lmr._inflight, lmr._inflight
         with pytest.raises(expected, match=match):
             if op == "send":
                 ep.post_send_batch(items, flags, last_flags)
@@ -298,7 +345,7 @@ async def test_misuse_of_a_batch_on_one_segment_is_refused_recording_nothing(ia:
                 ep.post_recv_batch(items)
         if case != "closed-ep":
             assert len(ep._send_q) + len(ep._recv_q) == outstanding
-        assert seg.lmr._inflight == inflight
+        assert seg.lmr._inflight == inflight and lmr._inflight == pool_inflight
     finally:
         if unconnected is not None:
             unconnected.close()

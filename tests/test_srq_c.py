@@ -112,6 +112,39 @@ async def test_an_srq_batch_records_and_completes_as_the_general_path(ia: Any, m
         obj.free()
 
 
+async def test_an_srq_batch_on_a_pool_records_and_completes_as_the_general_path(
+        ia: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool: each receive into a slice of its own, over two LMRs taken in turn (an SRQ refilled
+    with the buffers its completions gave back)."""
+    pz = ia.create_pz()
+    srq = ia.create_srq(pz, 64)
+    pools = (pz.register(bytearray(64 * 16)), pz.register(bytearray(64 * 16)))
+    items = [(pools[i % 2][64 * i:64 * i + 64], i) for i in range(16)]
+    posts, completions = counting(monkeypatch)
+    seen = []
+    for form in (list, iter):
+        before, steps = set(srq._posted), posts[0]
+        inflight = [lmr._inflight for lmr in pools]
+        assert srq.post_recv_batch(form(items)) == 16
+        seen.append((recorded(srq, before), [lmr._inflight - i for lmr, i in zip(pools, inflight)], posts[0] > steps))
+    assert [s[2] for s in seen] == [False, True], "the list took C, the generator Python"
+    assert seen[0][:2] == seen[1][:2] and seen[0][1] == [8, 8]
+    assert seen[0][0][3] == (6, 3, (items[3][0],))
+    client, server = await connected(ia, srq, pz)
+    out = pz.register(bytearray(64))
+    client.post_send_batch([(out[0:8], i) for i in range(32)], aiodat.CompletionFlags.SUPPRESS,
+                           aiodat.CompletionFlags.DEFAULT)
+    received: List[Any] = []
+    while len(received) < 32:
+        received += await server.recv_evd.wait(timeout=T)
+    assert sorted(e.cookie for e in received) == sorted(list(range(16)) * 2)
+    assert not srq._posted and pools[0]._inflight == pools[1]._inflight == 0
+    await client.request_evd.wait(1, timeout=T)
+    await client.disconnect()
+    for obj in (client, server, srq, *pools, out, pz):
+        obj.free()
+
+
 async def test_an_srq_batch_the_srq_refuses_part_way_records_what_went(ia: Any) -> None:
     pz = ia.create_pz()
     srq = ia.create_srq(pz, 8)
@@ -147,11 +180,12 @@ MISUSE: List[Tuple[str, type, str]] = [
 ]
 
 
+@pytest.mark.parametrize("pool", [False, True], ids=["one segment", "a pool"])
 @pytest.mark.parametrize("case,error,match", MISUSE, ids=[m[0] for m in MISUSE])
 async def test_misuse_of_an_srq_batch_is_refused_recording_nothing(ia: Any, case: str, error: type,
-                                                                   match: str) -> None:
+                                                                   match: str, pool: bool) -> None:
     """The list (C's shape) and the generator (the general path's) give the same error, and
-    neither records anything."""
+    neither records anything; ``a pool``: each item its own slice, the bad one third."""
     pz, other = ia.create_pz(), ia.create_pz()
     srq = ia.create_srq(pz, 16)
     lmr = (other if case == "LMR of another PZ" else pz).register(bytearray(256))
@@ -165,12 +199,15 @@ async def test_misuse_of_an_srq_batch_is_refused_recording_nothing(ia: Any, case
         srq._state = SRQState.ERROR  # (what IBV_EVENT_SRQ_ERR does; rxe cannot be made to raise it)
     elif case == "items not pairs":
         items = [(seg,)] * 4
+    good = pz.register(bytearray(256))
+    if pool:
+        items = [(good[64 * i:64 * i + 64], i) for i in range(4)][:2] + [items[2]] + [(good[192:256], 3)]
     for form in (list, iter):  # type: Callable[[Any], Any]
         with pytest.raises(error, match=match):
             srq.post_recv_batch(form(items))
-        assert not srq._posted and lmr._inflight == 0
+        assert not srq._posted and lmr._inflight == 0 and good._inflight == 0
     if case == "SRQ in error":
         srq._state = SRQState.OPERATIONAL
-    for obj in (srq, lmr, pz, other):
+    for obj in (srq, lmr, good, pz, other):
         if not obj.closed:
             obj.free()

@@ -14,9 +14,11 @@
  *
  * The batch fast paths of post_send_batch, post_rdma_write_batch,
  * post_rdma_read_batch and post_recv_batch are here too: every item on the very
- * same one segment (and remote region), as a stream on one buffer posts.  They
- * return how many were posted, (posted, n, errno) when the queue refused part
- * of the batch (what went is recorded), or None when it is not their case.
+ * same one segment (and remote region), as a stream on one buffer posts; and, for
+ * receives (an EP's or an SRQ's), every item on one segment of its own, as a pool
+ * of buffers is refilled.  They return how many were posted, (posted, n, errno)
+ * when the queue refused part of the batch (what went is recorded), or None when
+ * it is not their case.
  *
  * Built with the limited API (abi3); verbs' posting calls are inline functions
  * of the provider's ops, so it links to no library.
@@ -429,12 +431,13 @@ static int mark_quiet(PyObject *ep, unsigned long long first, Py_ssize_t count)
     return err ? -1 : 0;
 }
 
-/* Post ``n`` copies of ``tmpl`` (a send) or ``rtmpl`` (a receive, to ``srq`` when it is not NULL),
- * wr_ids first, first + 2, ...; a send's last request gets ``last_flags``.  Returns 0 or the errno of
- * the refused post; *posted says how many went. */
+/* Post ``n`` copies of ``tmpl`` (a send) or ``rtmpl`` (a receive, to ``srq`` when it is not NULL; with
+ * ``each`` not NULL, receive i scatters to each[i] instead of the template's one element), wr_ids
+ * first, first + 2, ...; a send's last request gets ``last_flags``.  Returns 0 or the errno of the
+ * refused post; *posted says how many went. */
 static int post_copies(struct ibv_qp *qp, struct ibv_srq *srq, const struct ibv_send_wr *tmpl,
-                       const struct ibv_recv_wr *rtmpl, unsigned int last_flags, unsigned long long first,
-                       Py_ssize_t n, Py_ssize_t *posted)
+                       const struct ibv_recv_wr *rtmpl, struct ibv_sge *each, unsigned int last_flags,
+                       unsigned long long first, Py_ssize_t n, Py_ssize_t *posted)
 {
     struct ibv_send_wr wr[CHUNK], *bad;
     struct ibv_recv_wr rwr[CHUNK], *rbad;
@@ -450,6 +453,8 @@ static int post_copies(struct ibv_qp *qp, struct ibv_srq *srq, const struct ibv_
             } else {
                 rwr[i] = *rtmpl;
                 rwr[i].wr_id = wr_id;
+                if (each != NULL)
+                    rwr[i].sg_list = &each[*posted + i];
                 rwr[i].next = i + 1 < count ? &rwr[i + 1] : NULL;
             }
         }
@@ -553,7 +558,8 @@ static PyObject *post_batch(PyObject *self, PyObject *args)
     tmpl.num_sge = 1;
     tmpl.wr.rdma.remote_addr = remote_addr;
     tmpl.wr.rdma.rkey = (uint32_t)rkey;
-    int err = post_copies(qp, NULL, &tmpl, NULL, (unsigned int)last_send_flags | inline_bit, first, n, &posted);
+    int err = post_copies(qp, NULL, &tmpl, NULL, NULL, (unsigned int)last_send_flags | inline_bit, first, n,
+                          &posted);
     int failed = 0;
     if (posted < n && posted > 0) {  /* refused part way (rare): record what went, as post.py does */
         PyObject *went = PyTuple_GetSlice(cookies, 0, posted);
@@ -577,6 +583,137 @@ done:
     return result;
 }
 
+/* An EP's receive batch may go: it has no SRQ, is neither DISCONNECTED nor ERROR; *qp is its QP.
+ * 1: go on; 0: the general path's (which says why); -1: error. */
+static int ep_receives(PyObject *ep, PyObject *address, struct ibv_qp **qp)
+{
+    int ok = attr_is(ep, s_srq, Py_None);
+    if (ok == 1)
+        ok = state_allows(ep, 0);
+    if (ok == 1 && (*qp = qp_at(address)) == NULL)  /* (an open EP always has its QP's address) */
+        ok = PyErr_Occurred() ? -1 : 0;
+    return ok;
+}
+
+/* An SRQ's receive batch may go: it is OPERATIONAL and has its address (0 once freed). */
+static int srq_receives(PyObject *srq, PyObject *address, struct ibv_srq **out)
+{
+    int ok = attr_is(srq, s_srq_state, srq_operational);
+    unsigned long long at = ok == 1 ? PyLong_AsUnsignedLongLong(address) : 0;
+    if (ok == 1 && (at == 0 || at == (unsigned long long)-1))
+        ok = PyErr_Occurred() ? -1 : 0;
+    *out = (struct ibv_srq *)(uintptr_t)at;
+    return ok;
+}
+
+/* each_recv_batch's answer when the batch's owner is not ready (``ready`` 0 or -1) */
+static PyObject *not_ready(int ready)
+{
+    if (ready < 0)
+        return NULL;
+    Py_INCREF(Py_None);
+    return Py_None;
+}
+
+/* A receive batch whose items are each on one segment of their own (a pool of buffers): every
+ * item an exact (segment, cookie) tuple, the segment a Segment or a list of one, checked as
+ * check_segment checks against ``owner`` (the EP, or the SRQ: both have _closed and _pz).  Posted
+ * to ``qp``, or ``srq`` when not NULL, and recorded as the general path records: the EP's
+ * _recv_q entries (wr_id, cookie, (seg,)), or the SRQ's _posted[wr_id] = (cookie, (seg,)), and
+ * each LMR's in-flight count.  n | (posted, n, errno) | None (not this case; nothing done). */
+static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_srq *srq, PyObject *items)
+{
+    PyObject *result = NULL, *snapshot = NULL, *segs = NULL, *lmrs = NULL, *records = NULL, *map = NULL;
+    struct ibv_sge *sges = NULL;
+    if (!PyList_CheckExact(items) && !PyTuple_CheckExact(items))
+        Py_RETURN_NONE;
+    /* a snapshot: the checks read attributes, which may run Python that changes the caller's list */
+    snapshot = PySequence_Tuple(items);
+    Py_ssize_t n = snapshot ? PyTuple_Size(snapshot) : -1, posted = 0;
+    int ok = n > 0 ? 1 : n == 0 ? 0 : -1;
+    if (ok == 1) {
+        segs = PyTuple_New(n);
+        lmrs = PyTuple_New(n);
+        sges = PyMem_Calloc((size_t)n, sizeof(*sges));
+        if (segs == NULL || lmrs == NULL || sges == NULL)
+            ok = -1;
+    }
+    for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
+        PyObject *item = PyTuple_GetItem(snapshot, i), *seg, *lmr = NULL;
+        if (!PyTuple_CheckExact(item) || PyTuple_Size(item) != 2 || (seg = one_segment(PyTuple_GetItem(item, 0))) == NULL) {
+            ok = 0;
+            break;
+        }
+        ok = check_segment(owner, seg, &lmr, &sges[i]);
+        PyObject *one_seg = ok == 1 ? PyTuple_Pack(1, seg) : NULL;
+        Py_DECREF(seg);
+        if (ok == 1 && one_seg == NULL)
+            ok = -1;
+        if (ok == 1) {
+            PyTuple_SetItem(segs, i, one_seg);
+            PyTuple_SetItem(lmrs, i, lmr);
+        } else {
+            Py_XDECREF(lmr);
+        }
+    }
+    if (ok == 1 && srq != NULL) {
+        map = PyObject_GetAttr(owner, s_posted);
+        ok = map == NULL ? -1 : PyDict_Check(map);
+    }
+    long long id = ok == 1 ? take_ids(owner, n) : -1;
+    unsigned long long first = (unsigned long long)id * 2 + 1;
+    if (id >= 0)  /* the records before the post: once it is posted, recording must not need memory */
+        records = PyTuple_New(n);
+    for (Py_ssize_t i = 0; records != NULL && i < n; i++) {
+        PyObject *cookie = PyTuple_GetItem(PyTuple_GetItem(snapshot, i), 1), *record = NULL;
+        PyObject *wr_id = PyLong_FromUnsignedLongLong(first + 2 * (unsigned long long)i);
+        if (wr_id != NULL)
+            record = srq ? PyTuple_Pack(2, cookie, PyTuple_GetItem(segs, i))
+                         : PyTuple_Pack(3, wr_id, cookie, PyTuple_GetItem(segs, i));
+        if (record != NULL && srq != NULL) {  /* (the SRQ's record is keyed by the wr_id: kept beside it) */
+            PyObject *keyed = PyTuple_Pack(2, wr_id, record);
+            Py_DECREF(record);
+            record = keyed;
+        }
+        Py_XDECREF(wr_id);
+        if (record == NULL)
+            Py_CLEAR(records);
+        else
+            PyTuple_SetItem(records, i, record);
+    }
+    if (records == NULL) {
+        if (ok == 0) {
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
+        goto done;
+    }
+    struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = NULL, .num_sge = 1 };
+    int err = post_copies(qp, srq, NULL, &tmpl, sges, 0, first, n, &posted);
+    int failed = 0;
+    for (Py_ssize_t i = 0; srq != NULL && i < posted && !failed; i++) {
+        PyObject *record = PyTuple_GetItem(records, i);
+        failed = PyDict_SetItem(map, PyTuple_GetItem(record, 0), PyTuple_GetItem(record, 1)) < 0;
+    }
+    for (Py_ssize_t i = 0, run; i < posted && !failed; i += run) {  /* once per run of items on one LMR */
+        PyObject *lmr = PyTuple_GetItem(lmrs, i);
+        for (run = 1; i + run < posted && PyTuple_GetItem(lmrs, i + run) == lmr; run++)
+            ;
+        failed = add_inflight(lmr, run) < 0;
+    }
+    if (!failed && srq == NULL && posted > 0) {
+        PyObject *went = PyTuple_GetSlice(records, 0, posted);
+        failed = went == NULL || queue_call(owner, s_recv_q, s_extend, went) < 0;
+        Py_XDECREF(went);
+    }
+    if (!failed)
+        result = batch_result(posted, n, err);
+done:
+    PyMem_Free(sges);
+    Py_XDECREF(records); Py_XDECREF(map); Py_XDECREF(lmrs); Py_XDECREF(segs); Py_XDECREF(snapshot);
+    return result;
+}
+
 /* post_recv_batch(ep, qp_address, items): post_recv_batch on one segment -> n | (posted, n, errno) | None */
 static PyObject *post_recv_batch(PyObject *self, PyObject *args)
 {
@@ -585,22 +722,19 @@ static PyObject *post_recv_batch(PyObject *self, PyObject *args)
     struct ibv_sge sge;
     if (!PyArg_UnpackTuple(args, "post_recv_batch", 3, 3, &ep, &address, &items))
         return NULL;
+    struct ibv_qp *qp = NULL;
     PyObject *cookies = same_items(items, 2, &segments, &unused);
-    if (cookies == NULL) {
+    if (cookies == NULL) {  /* not all on one segment: each on its own? */
         if (PyErr_Occurred())
             return NULL;
-        Py_RETURN_NONE;
+        int ready = ep_receives(ep, address, &qp);
+        return ready == 1 ? each_recv_batch(ep, qp, NULL, items) : not_ready(ready);
     }
     int ok = (seg = one_segment(segments)) != NULL;
     if (ok == 1)
-        ok = attr_is(ep, s_srq, Py_None);
-    if (ok == 1)
-        ok = state_allows(ep, 0);
+        ok = ep_receives(ep, address, &qp);
     if (ok == 1)
         ok = check_segment(ep, seg, &lmr, &sge);
-    struct ibv_qp *qp = ok == 1 ? qp_at(address) : NULL;
-    if (ok == 1 && qp == NULL)  /* (an open EP always has its QP's address) */
-        ok = PyErr_Occurred() ? -1 : 0;
     Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
     long long id = ok == 1 ? take_ids(ep, n) : -1;
     unsigned long long first = (unsigned long long)id * 2 + 1;
@@ -614,7 +748,7 @@ static PyObject *post_recv_batch(PyObject *self, PyObject *args)
         goto done;
     }
     struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = &sge, .num_sge = 1 };
-    int err = post_copies(qp, NULL, NULL, &tmpl, 0, first, n, &posted);
+    int err = post_copies(qp, NULL, NULL, &tmpl, NULL, 0, first, n, &posted);
     PyObject *went = posted < n ? PyList_GetSlice(queued, 0, posted) : (Py_INCREF(queued), queued);
     if (went != NULL && (posted == 0 || (queue_call(ep, s_recv_q, s_extend, went) == 0
                                          && add_inflight(lmr, posted) == 0)))
@@ -641,20 +775,19 @@ static PyObject *srq_post_recv_batch(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._posts: configure_srq() first");
         return NULL;
     }
+    struct ibv_srq *queue = NULL;
     PyObject *cookies = same_items(items, 2, &segments, &unused);
-    if (cookies == NULL) {
+    if (cookies == NULL) {  /* not all on one segment: each on its own? */
         if (PyErr_Occurred())
             return NULL;
-        Py_RETURN_NONE;
+        int ready = srq_receives(srq, address, &queue);
+        return ready == 1 ? each_recv_batch(srq, NULL, queue, items) : not_ready(ready);
     }
     int ok = (seg = one_segment(segments)) != NULL;
     if (ok == 1)
-        ok = attr_is(srq, s_srq_state, srq_operational);
+        ok = srq_receives(srq, address, &queue);
     if (ok == 1)
         ok = check_segment(srq, seg, &lmr, &sge);  /* (the SRQ has _closed and _pz, as an EP) */
-    unsigned long long at = ok == 1 ? PyLong_AsUnsignedLongLong(address) : 0;
-    if (ok == 1 && (at == 0 || at == (unsigned long long)-1))
-        ok = PyErr_Occurred() ? -1 : 0;
     if (ok == 1) {
         posted_map = PyObject_GetAttr(srq, s_posted);
         ok = posted_map == NULL ? -1 : PyDict_Check(posted_map);
@@ -680,7 +813,7 @@ static PyObject *srq_post_recv_batch(PyObject *self, PyObject *args)
         goto done;
     }
     struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = &sge, .num_sge = 1 };
-    int err = post_copies(NULL, (struct ibv_srq *)(uintptr_t)at, NULL, &tmpl, 0, first, n, &posted);
+    int err = post_copies(NULL, queue, NULL, &tmpl, NULL, 0, first, n, &posted);
     int failed = 0;
     for (Py_ssize_t i = 0; i < posted && !failed; i++) {
         PyObject *wr_id = PyLong_FromUnsignedLongLong(first + 2 * (unsigned long long)i);
