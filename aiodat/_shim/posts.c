@@ -615,9 +615,10 @@ static PyObject *not_ready(int ready)
     return Py_None;
 }
 
-/* A receive batch whose items are each on one segment of their own (a pool of buffers): every
- * item an exact (segment, cookie) tuple, the segment a Segment or a list of one, checked as
- * check_segment checks against ``owner`` (the EP, or the SRQ: both have _closed and _pz).  Posted
+/* A receive batch whose items are each on one segment (the very same one, as a stream on one buffer
+ * posts, or one each, as a pool of buffers is refilled): every item an exact (segment, cookie)
+ * tuple, the segment a Segment or a list of one, checked as check_segment checks against
+ * ``owner`` (the EP, or the SRQ: both have _closed and _pz), once while items repeat it.  Posted
  * to ``qp``, or ``srq`` when not NULL, and recorded as the general path records: the EP's
  * _recv_q entries (wr_id, cookie, (seg,)), or the SRQ's _posted[wr_id] = (cookie, (seg,)), and
  * each LMR's in-flight count.  n | (posted, n, errno) | None (not this case; nothing done). */
@@ -638,9 +639,24 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
         if (segs == NULL || lmrs == NULL || sges == NULL)
             ok = -1;
     }
+    PyObject *previous = NULL;  /* the last item's segments object: the same again is checked once */
     for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
         PyObject *item = PyTuple_GetItem(snapshot, i), *seg, *lmr = NULL;
-        if (!PyTuple_CheckExact(item) || PyTuple_Size(item) != 2 || (seg = one_segment(PyTuple_GetItem(item, 0))) == NULL) {
+        if (!PyTuple_CheckExact(item) || PyTuple_Size(item) != 2) {
+            ok = 0;
+            break;
+        }
+        if (PyTuple_GetItem(item, 0) == previous) {
+            sges[i] = sges[i - 1];
+            PyObject *same = PyTuple_GetItem(segs, i - 1), *same_lmr = PyTuple_GetItem(lmrs, i - 1);
+            Py_INCREF(same);
+            Py_INCREF(same_lmr);
+            PyTuple_SetItem(segs, i, same);
+            PyTuple_SetItem(lmrs, i, same_lmr);
+            continue;
+        }
+        previous = PyTuple_GetItem(item, 0);
+        if ((seg = one_segment(previous)) == NULL) {
             ok = 0;
             break;
         }
@@ -714,123 +730,36 @@ done:
     return result;
 }
 
-/* post_recv_batch(ep, qp_address, items): post_recv_batch on one segment -> n | (posted, n, errno) | None */
+/* post_recv_batch(ep, qp_address, items) -> n | (posted, n, errno) | None: EP.post_recv_batch's fast
+ * path (post.py), every item on one segment (each_recv_batch) */
 static PyObject *post_recv_batch(PyObject *self, PyObject *args)
 {
-    PyObject *ep, *address, *items, *segments = NULL, *unused = NULL, *seg = NULL, *lmr = NULL, *segs = NULL;
-    PyObject *queued = NULL, *result = NULL;
-    struct ibv_sge sge;
+    PyObject *ep, *address, *items;
+    struct ibv_qp *qp = NULL;
     if (!PyArg_UnpackTuple(args, "post_recv_batch", 3, 3, &ep, &address, &items))
         return NULL;
-    struct ibv_qp *qp = NULL;
-    PyObject *cookies = same_items(items, 2, &segments, &unused);
-    if (cookies == NULL) {  /* not all on one segment: each on its own? */
-        if (PyErr_Occurred())
-            return NULL;
-        int ready = ep_receives(ep, address, &qp);
-        return ready == 1 ? each_recv_batch(ep, qp, NULL, items) : not_ready(ready);
-    }
-    int ok = (seg = one_segment(segments)) != NULL;
-    if (ok == 1)
-        ok = ep_receives(ep, address, &qp);
-    if (ok == 1)
-        ok = check_segment(ep, seg, &lmr, &sge);
-    Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
-    long long id = ok == 1 ? take_ids(ep, n) : -1;
-    unsigned long long first = (unsigned long long)id * 2 + 1;
-    if (id >= 0 && (segs = PyTuple_Pack(1, seg)) != NULL)
-        queued = entries(first, cookies, n, NULL, segs);
-    if (queued == NULL) {
-        if (ok == 0) {  /* not the fast path: None */
-            Py_INCREF(Py_None);
-            result = Py_None;
-        }
-        goto done;
-    }
-    struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = &sge, .num_sge = 1 };
-    int err = post_copies(qp, NULL, NULL, &tmpl, NULL, 0, first, n, &posted);
-    PyObject *went = posted < n ? PyList_GetSlice(queued, 0, posted) : (Py_INCREF(queued), queued);
-    if (went != NULL && (posted == 0 || (queue_call(ep, s_recv_q, s_extend, went) == 0
-                                         && add_inflight(lmr, posted) == 0)))
-        result = batch_result(posted, n, err);
-    Py_XDECREF(went);
-done:
-    Py_XDECREF(queued); Py_XDECREF(segs); Py_XDECREF(lmr); Py_XDECREF(seg);
-    Py_XDECREF(segments); Py_DECREF(cookies);
-    return result;
+    if (!PyList_CheckExact(items) && !PyTuple_CheckExact(items))
+        Py_RETURN_NONE;
+    int ready = ep_receives(ep, address, &qp);
+    return ready == 1 ? each_recv_batch(ep, qp, NULL, items) : not_ready(ready);
 }
 
 /* srq_post_recv_batch(srq, srq_address, items) -> n | (posted, n, errno) | None: SRQ.post_recv_batch's
- * fast path (srq.py), every item on the very same one segment: the SRQ open and not in error, the
- * LMR open and of the SRQ's PZ; it records srq._posted[wr_id] = (cookie, (seg,)) for each request
- * that went, as the general path does. */
+ * fast path (srq.py), every item on one segment (each_recv_batch), the SRQ not in error */
 static PyObject *srq_post_recv_batch(PyObject *self, PyObject *args)
 {
-    PyObject *srq, *address, *items, *segments = NULL, *unused = NULL, *seg = NULL, *lmr = NULL, *segs = NULL;
-    PyObject *result = NULL, *posted_map = NULL;
-    struct ibv_sge sge;
+    PyObject *srq, *address, *items;
+    struct ibv_srq *queue = NULL;
     if (!PyArg_UnpackTuple(args, "srq_post_recv_batch", 3, 3, &srq, &address, &items))
         return NULL;
     if (srq_operational == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "aiodat._shim._posts: configure_srq() first");
         return NULL;
     }
-    struct ibv_srq *queue = NULL;
-    PyObject *cookies = same_items(items, 2, &segments, &unused);
-    if (cookies == NULL) {  /* not all on one segment: each on its own? */
-        if (PyErr_Occurred())
-            return NULL;
-        int ready = srq_receives(srq, address, &queue);
-        return ready == 1 ? each_recv_batch(srq, NULL, queue, items) : not_ready(ready);
-    }
-    int ok = (seg = one_segment(segments)) != NULL;
-    if (ok == 1)
-        ok = srq_receives(srq, address, &queue);
-    if (ok == 1)
-        ok = check_segment(srq, seg, &lmr, &sge);  /* (the SRQ has _closed and _pz, as an EP) */
-    if (ok == 1) {
-        posted_map = PyObject_GetAttr(srq, s_posted);
-        ok = posted_map == NULL ? -1 : PyDict_Check(posted_map);
-    }
-    Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
-    long long id = ok == 1 ? take_ids(srq, n) : -1;
-    unsigned long long first = (unsigned long long)id * 2 + 1;
-    PyObject **records = NULL;  /* each request's (cookie, segs), made before the post */
-    if (id >= 0 && (segs = PyTuple_Pack(1, seg)) != NULL && (records = PyMem_Calloc((size_t)n, sizeof(*records)))) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            if ((records[i] = PyTuple_Pack(2, PyTuple_GetItem(cookies, i), segs)) == NULL) {
-                id = -1;
-                break;
-            }
-    }
-    if (id < 0 || segs == NULL || records == NULL) {
-        if (ok == 0) {  /* not the fast path: None */
-            Py_INCREF(Py_None);
-            result = Py_None;
-        } else if (ok == 1 && !PyErr_Occurred()) {
-            PyErr_NoMemory();
-        }
-        goto done;
-    }
-    struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = &sge, .num_sge = 1 };
-    int err = post_copies(NULL, queue, NULL, &tmpl, NULL, 0, first, n, &posted);
-    int failed = 0;
-    for (Py_ssize_t i = 0; i < posted && !failed; i++) {
-        PyObject *wr_id = PyLong_FromUnsignedLongLong(first + 2 * (unsigned long long)i);
-        failed = wr_id == NULL || PyDict_SetItem(posted_map, wr_id, records[i]) < 0;
-        Py_XDECREF(wr_id);
-    }
-    if (!failed && (posted == 0 || add_inflight(lmr, posted) == 0))
-        result = batch_result(posted, n, err);
-done:
-    if (records != NULL) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            Py_XDECREF(records[i]);
-        PyMem_Free(records);
-    }
-    Py_XDECREF(posted_map); Py_XDECREF(segs); Py_XDECREF(lmr); Py_XDECREF(seg);
-    Py_XDECREF(segments); Py_DECREF(cookies);
-    return result;
+    if (!PyList_CheckExact(items) && !PyTuple_CheckExact(items))
+        Py_RETURN_NONE;
+    int ready = srq_receives(srq, address, &queue);
+    return ready == 1 ? each_recv_batch(srq, NULL, queue, items) : not_ready(ready);
 }
 
 /* configure_srq(SRQState.OPERATIONAL): the state srq_post_recv_batch posts in */
