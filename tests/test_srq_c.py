@@ -8,13 +8,13 @@ the same events, refuse the same misuse with the same error, and record exactly 
 the SRQ refuses a batch part way."""
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Callable, List, Tuple
 
 import pytest
 
 import aiodat.srq
-from aiodat import EPState, EvdFlags, InvalidHandle, InvalidParameter, ProtectionViolation, QueueFull
+from aiodat import EPState, InvalidHandle, InvalidParameter, ProtectionViolation, QueueFull
+from aiodat.cm import connect_pair
 from aiodat.evd import EVD
 from aiodat.srq import SRQState
 
@@ -47,17 +47,9 @@ async def connected(ia: Any, srq: Any, pz: Any) -> Tuple[Any, Any]:
     """A client EP connected to a server EP that receives from ``srq``."""
     server = ia.create_ep(pz, srq=srq)
     client = ia.create_ep(pz)
-    cr_evd = ia.create_evd(8, EvdFlags.CR)
-    psp = ia.create_psp_any(cr_evd)
-
-    async def accept() -> None:
-        event = await cr_evd.wait_one(timeout=T)
-        await event.cr.accept(server, timeout=T)
-
-    acceptor = asyncio.ensure_future(accept())
-    await client.connect(ia.address, psp.port, timeout=T)
-    await acceptor
+    psp = await connect_pair(client, server)
     psp.close()
+    psp.cr_evd.close()
     assert server.state is EPState.CONNECTED
     return client, server
 
