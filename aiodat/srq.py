@@ -182,7 +182,10 @@ class SRQ(Handle):
         self._max_sge: int = self._attr.max_sge
 
     def _complete(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
-        """ep.py: the cookie and segments of the SRQ buffer a receive completion used."""
+        """ep.py: the cookie and segments of the SRQ buffer a receive completion used.
+
+        completions.c's srq_event does the same in C while ``len(_eps) == _eps_seen``, reading
+        ``_posted``, ``_eps`` and ``_eps_seen``: a change here must be made there too."""
         entry = self._posted.pop(wr_id, None)
         if len(self._eps) != self._eps_seen:  # an EP came or went: remember its recv EVD for the counters
             self._note_evds()
