@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 from aiodat import EPAttr, open_ia
 from aiodat.bench import device_and_address
@@ -37,21 +37,18 @@ def main() -> None:
     args = parser.parse_args()
     device, _ = device_and_address(None, None)
     depth = args.batch * args.batches
-    shapes: Dict[str, Callable[[Any], List[Any]]] = {
-        "one segment, list (C)": lambda lmr: [(lmr[0:SLICE], i) for i in range(args.batch)],
-        "a pool, list (C)": lambda lmr: [(lmr[SLICE * i:SLICE * (i + 1)], i) for i in range(args.batch)],
-        "a pool, generator (general path)": lambda lmr: [(lmr[SLICE * i:SLICE * (i + 1)], i)
-                                                         for i in range(args.batch)],
-    }
     with open_ia(device) as ia:
         pz = ia.create_pz()
         lmr = pz.register(bytearray(SLICE * args.batch))
+        one = lmr[0:SLICE]  # the very same object in every item
+        pool = [(lmr[SLICE * i:SLICE * (i + 1)], i) for i in range(args.batch)]
+        shapes: Dict[str, Tuple[List[Any], Callable[[Any], Any]]] = {
+            "one segment, list (C)": ([(one, i) for i in range(args.batch)], list),
+            "a pool, list (C)": (pool, list),
+            "a pool, generator (general path)": (pool, iter),
+        }
         for queue in ("EP", "SRQ"):
-            for name, make in shapes.items():
-                items = make(lmr)
-                if name == "one segment, list (C)":
-                    items = [(items[0][0], cookie) for _, cookie in items]  # the very same object
-                form: Callable[[Any], Any] = iter if "generator" in name else list
+            for name, (items, form) in shapes.items():
                 times = []
                 for _ in range(args.rounds):
                     if queue == "EP":

@@ -315,11 +315,10 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
         target = PyTuple_GetItem(head, 4);
         retire = found;
     }
-    PyObject *op, *segs;
+    PyObject *op = NULL, *segs;  /* (a receive's operation is recv_event's) */
     if (recv) {
         if (PyTuple_Size(head) != 3)
             goto error;
-        op = NULL;  /* (recv_event's) */
         segs = PyTuple_GetItem(head, 2);
     } else {
         if (PyTuple_Size(head) != 5)

@@ -431,10 +431,9 @@ static int mark_quiet(PyObject *ep, unsigned long long first, Py_ssize_t count)
     return err ? -1 : 0;
 }
 
-/* Post ``n`` copies of ``tmpl`` (a send) or ``rtmpl`` (a receive, to ``srq`` when it is not NULL; with
- * ``each`` not NULL, receive i scatters to each[i] instead of the template's one element), wr_ids
- * first, first + 2, ...; a send's last request gets ``last_flags``.  Returns 0 or the errno of the
- * refused post; *posted says how many went. */
+/* Post ``n`` copies of ``tmpl`` (a send) or ``rtmpl`` (a receive, to ``srq`` when it is not NULL;
+ * receive i scatters to each[i]), wr_ids first, first + 2, ...; a send's last request gets
+ * ``last_flags``.  Returns 0 or the errno of the refused post; *posted says how many went. */
 static int post_copies(struct ibv_qp *qp, struct ibv_srq *srq, const struct ibv_send_wr *tmpl,
                        const struct ibv_recv_wr *rtmpl, struct ibv_sge *each, unsigned int last_flags,
                        unsigned long long first, Py_ssize_t n, Py_ssize_t *posted)
@@ -453,8 +452,7 @@ static int post_copies(struct ibv_qp *qp, struct ibv_srq *srq, const struct ibv_
             } else {
                 rwr[i] = *rtmpl;
                 rwr[i].wr_id = wr_id;
-                if (each != NULL)
-                    rwr[i].sg_list = &each[*posted + i];
+                rwr[i].sg_list = &each[*posted + i];
                 rwr[i].next = i + 1 < count ? &rwr[i + 1] : NULL;
             }
         }
@@ -626,8 +624,7 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
 {
     PyObject *result = NULL, *snapshot = NULL, *segs = NULL, *lmrs = NULL, *records = NULL, *map = NULL;
     struct ibv_sge *sges = NULL;
-    if (!PyList_CheckExact(items) && !PyTuple_CheckExact(items))
-        Py_RETURN_NONE;
+    /* (``items`` is an exact list or tuple: the callers looked before reading the owner's state) */
     /* a snapshot: the checks read attributes, which may run Python that changes the caller's list */
     snapshot = PySequence_Tuple(items);
     Py_ssize_t n = snapshot ? PyTuple_Size(snapshot) : -1, posted = 0;
