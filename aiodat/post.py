@@ -284,9 +284,10 @@ class Posting(WorkRequests):
         return error_from_errno(err, what)
 
     def _batch_in_c(self, opcode: int, op: DTOOp, items: Any, flags: Any, last_flags: Any) -> Optional[int]:
-        """A send-side batch whose items (a list or tuple) are all on the very same one segment (and
-        remote region): checked, posted and recorded in C (_shim/posts.c) as the general path does.
-        How many were posted, or None when it is not that case: then the general path takes it."""
+        """A send-side batch whose items (a list or tuple) are each on one segment, the very same one
+        (and remote region) or one of their own (a pool of buffers): checked, posted and recorded in
+        C (_shim/posts.c) as the general path does.  How many were posted, or None when it is not
+        that case: then the general path takes it."""
         done = _c_post_batch(self, self._qp_address, opcode, op, items, flags, last_flags)
         if done is None or type(done) is int:
             return done

@@ -1,7 +1,7 @@
 """The batch posts on one segment in C (aiodat/_shim/posts.c: post_batch, post_recv_batch), on rxe.
 
-A batch whose items are a list or tuple all on the very same one segment (and remote region) is
-checked, posted and recorded in C.  Each test here puts it beside post.py's general path, which
+A batch whose items are a list or tuple each on one segment, the very same one (and remote region)
+or one of its own (a pool of buffers), is checked, posted and recorded in C.  Each test here puts it beside post.py's general path, which
 takes the same items from a generator: the two must record the same queue entries, in-flight counts
 and UNSIGNALLED marks, give the same events, refuse the same misuse with the same error, and record
 exactly what went when the queue refuses a batch part way."""
@@ -192,6 +192,75 @@ async def test_a_receive_batch_on_a_pool_records_what_the_general_path_records(i
         p.close()  # (the PZ frees the second LMR with it)
 
 
+@pytest.mark.parametrize("op", ["send", "write", "read"])
+@pytest.mark.parametrize("flags,last_flags", FLAGS)
+@pytest.mark.parametrize("n", [2, 70])
+async def test_a_send_side_batch_on_a_pool_records_what_the_general_path_records(
+        ia: Any, monkeypatch: pytest.MonkeyPatch, op: str, flags: Any, last_flags: Any, n: int) -> None:
+    """Sends, RDMA writes and RDMA reads each from a slice of its own (a pool of buffers over two LMRs
+    taken in turn), the RDMA ones each to a remote slice of its own, record the same entries (one per
+    request), UNSIGNALLED marks and in-flight counts through C as through the general path; both
+    batches complete with the same events, and each request's bytes land in their own slice."""
+    p = await make_ep_pair(ia, 64 * 70, EPAttr(max_request_dtos=160, max_recv_dtos=160))
+    second = p.pz.register(bytearray(64 * 70), aiodat.Privileges.ALL)
+    aside = p.pz.register(bytearray(64), aiodat.Privileges.ALL)  # the second sends' and the last write's
+    try:
+        calls = counting_as_segments(monkeypatch)
+        pools = (p.client_lmr, second)
+        local = [pools[i % 2][64 * i:64 * i + 48] for i in range(n)]
+        for i, seg in enumerate(local):
+            seg.lmr.memoryview()[seg.offset:seg.offset + 48] = bytes([i + 1]) * 48
+            p.server_lmr.memoryview()[64 * i:64 * i + 48] = bytes([200 - i]) * 48
+        if op == "send":
+            assert p.server.post_recv_batch([(p.server_lmr[64 * i:64 * i + 64], f"r{i}") for i in range(n)]
+                                            + [(aside[0:64], "again")] * n) == 2 * n
+            items: List[Any] = [(seg, i) for i, seg in enumerate(local)]
+            post = lambda it: p.client.post_send_batch(it, flags, last_flags)  # noqa: E731
+        else:
+            whole = p.server_lmr.remote()
+            items = [(seg, whole[64 * i:64 * i + 48], i) for i, seg in enumerate(local)]
+            batch = p.client.post_rdma_write_batch if op == "write" else p.client.post_rdma_read_batch
+            post = lambda it: batch(it, flags, last_flags)  # noqa: E731
+        seen = []
+        for form in (list, iter):
+            before_q, before_quiet, steps = len(p.client._send_q), set(p.client._quiet), calls[0]
+            inflight = [lmr._inflight for lmr in pools]
+            assert post(form(items)) == n
+            new = list(p.client._send_q)[before_q:]
+            first = new[0][0]
+            seen.append((relative(new, first), sorted(i - first for i in p.client._quiet - before_quiet),
+                         [lmr._inflight - i for lmr, i in zip(pools, inflight)], calls[0] > steps))
+        assert [s[3] for s in seen] == [False, True], "the list took C, the generator Python"
+        assert seen[0][:3] == seen[1][:3]
+        expected_op = {"send": DTOOp.SEND, "write": DTOOp.RDMA_WRITE, "read": DTOOp.RDMA_READ}[op]
+        entries, _, inflight = seen[0][:3]
+        assert len(entries) == n and inflight == [(n + 1) // 2, n // 2]
+        assert all(e[1] == i and e[2] is expected_op and e[3] == (local[i],) for i, e in enumerate(entries))
+        # a signalled write behind both batches: its event comes last, with every event of theirs
+        p.client.post_rdma_write(p.client_lmr[0:8], aside.remote()[0:8], "end")
+        events: List[Any] = []
+        while not events or events[-1].cookie != "end":
+            events += await p.client.request_evd.wait(timeout=T)
+        events.pop()
+        last = flags if last_flags is None else last_flags
+        per_batch = (n - 1) * (not flags & SUPPRESS) + (not last & SUPPRESS)
+        assert len(events) == 2 * per_batch and all(e.ok for e in events)
+        assert [e.cookie for e in events[:per_batch]] == [e.cookie for e in events[per_batch:]]
+        assert p.client.query().outstanding_requests == 0 and not p.client._quiet
+        assert p.client_lmr._inflight == 0 and second._inflight == 0
+        if op == "send":
+            received = await p.server.recv_evd.wait(2 * n, timeout=T)
+            assert [e.cookie for e in received] == [f"r{i}" for i in range(n)] + ["again"] * n
+            assert all(e.transferred_length == 48 for e in received)
+        for i, seg in enumerate(local):  # each request's bytes in their own slice
+            if op == "read":
+                assert bytes(seg.lmr.memoryview()[seg.offset:seg.offset + 48]) == bytes([200 - i]) * 48
+            else:
+                assert bytes(p.server_lmr.memoryview()[64 * i:64 * i + 48]) == bytes([i + 1]) * 48
+    finally:
+        p.close()  # (the PZ frees the other LMRs with it)
+
+
 async def test_a_batch_the_queue_refuses_part_way_records_what_went(ia: Any) -> None:
     """A batch longer than the queue has room for: QueueFull says how many went, and exactly those
     are recorded (the writes as one run, all suppressed), so they complete and retire normally."""
@@ -227,11 +296,35 @@ async def test_a_batch_the_queue_refuses_part_way_records_what_went(ia: Any) -> 
         p.close()
 
 
-@pytest.mark.parametrize("op", ["send", "write", "recv"])
+async def test_a_pool_batch_the_queue_refuses_part_way_records_what_went(ia: Any) -> None:
+    """RDMA writes each from a slice of its own, more than the queue has room for: QueueFull says how
+    many went, exactly those are recorded (an entry each, the LMR counting them in flight), and they
+    complete and retire normally."""
+    p = await make_ep_pair(ia, 8 * 128, EPAttr(max_request_dtos=16, max_recv_dtos=16))
+    try:
+        n = 4 * 16 + 64  # (the device may round a queue up)
+        whole = p.server_lmr.remote()
+        items = [(p.client_lmr[8 * i:8 * i + 8], whole[8 * i:8 * i + 8], i) for i in range(n)]
+        with pytest.raises(QueueFull, match=r"post rdma_write batch \(posted (\d+) of 128\)") as info:
+            p.client.post_rdma_write_batch(items, SUPPRESS, DEFAULT)
+        went = int(str(info.value).split("posted ")[1].split(" ")[0])
+        assert 16 <= went < n
+        assert [(e[1], e[3]) for e in p.client._send_q] == [(i, (items[i][0],)) for i in range(went)]
+        assert p.client.query().outstanding_requests == went and p.client_lmr._inflight == went
+        p.client.post_rdma_write(p.client_lmr[0:8], whole[0:8], "after")  # retires the suppressed ones
+        (ev,) = await p.client.request_evd.wait(1, timeout=T)
+        assert ev.cookie == "after" and ev.ok
+        assert p.client.query().outstanding_requests == 0 and p.client_lmr._inflight == 0
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("op", ["send", "write", "recv", "send-each", "write-each"])
 async def test_items_emptied_during_the_post_keep_their_segment_and_cookies(ia: Any, op: str) -> None:
-    """posts.c holds the batch's segment, remote region and cookies for the whole post: Python that
+    """posts.c holds the batch's segments, remote regions and cookies for the whole post: Python that
     runs inside it (an LMR attribute read, from a subclass) may empty the items list, which held
-    their last references.  The batch is posted and recorded intact, and carries the bytes."""
+    their last references.  The batch is posted and recorded intact, and carries the bytes.
+    ``...-each``: every item has a Segment object of its own (over the same bytes)."""
     p = await make_ep_pair(ia)
     try:
         sender, receiver = p.client, p.server
@@ -251,16 +344,19 @@ async def test_items_emptied_during_the_post_keep_their_segment_and_cookies(ia: 
         p.client_lmr.memoryview()[:16] = b"kept-its-segment"
         if op != "recv":
             receiver.post_recv_batch([(p.server_lmr[0:64], "r")] * 3)
-        seg = lmr[0:16]
-        remote = p.server_lmr.remote()[0:16]
-        items.extend((seg, [f"c{i}"]) if op != "write" else (seg, remote, [f"c{i}"]) for i in range(3))
-        del seg, remote
+        each = op.endswith("-each")
+        segs = [lmr[0:16] for _ in range(3)] if each else [lmr[0:16]] * 3
+        remotes = [p.server_lmr.remote()[0:16] for _ in range(3)] if each else [p.server_lmr.remote()[0:16]] * 3
+        write = op.startswith("write")
+        items.extend((seg, remote, [f"c{i}"]) if write else (seg, [f"c{i}"])
+                     for i, (seg, remote) in enumerate(zip(segs, remotes)))
+        del segs, remotes
         plain = type(lmr)
         lmr.__class__ = EmptiesTheItems
         try:
-            if op == "send":
+            if op.startswith("send"):
                 assert sender.post_send_batch(items) == 3
-            elif op == "write":
+            elif write:
                 assert sender.post_rdma_write_batch(items) == 3
             else:
                 assert receiver.post_recv_batch(items) == 3
@@ -280,8 +376,9 @@ async def test_items_emptied_during_the_post_keep_their_segment_and_cookies(ia: 
 
 
 SEND_SIDE_MISUSE = ["closed-ep", "freed-lmr", "other-pz", "bad-flags", "bad-last-flags", "unconnected", "not-pairs"]
-MISUSE = ([("send", case) for case in SEND_SIDE_MISUSE]
-          + [("write", case) for case in SEND_SIDE_MISUSE + ["short-remote", "not-a-remote"]]
+MISUSE = ([(send, case) for send in ("send", "send-each") for case in SEND_SIDE_MISUSE]
+          + [(write, case) for write in ("write", "write-each")
+             for case in SEND_SIDE_MISUSE + ["short-remote", "not-a-remote"]]
           + [(recv, case) for recv in ("recv", "recv-each") for case in ["closed-ep", "freed-lmr", "other-pz",
                                                                          "not-pairs"]])
 
@@ -289,8 +386,8 @@ MISUSE = ([("send", case) for case in SEND_SIDE_MISUSE]
 @pytest.mark.parametrize("op,case", MISUSE)
 async def test_misuse_of_a_batch_on_one_segment_is_refused_recording_nothing(ia: Any, op: str, case: str) -> None:
     """Every misuse of a one-segment batch is left by C to the general path, which refuses it with the
-    error it always gave: nothing is posted or recorded, nothing stays in flight.  ``recv-each``: a
-    receive batch on a segment of its own per item, the bad one third among good ones."""
+    error it always gave: nothing is posted or recorded, nothing stays in flight.  ``...-each``: a
+    batch on a segment (and remote region) of its own per item, the bad one third among good ones."""
     p = await make_ep_pair(ia)
     other_pz = ia.create_pz()
     other = other_pz.register(bytearray(64), aiodat.Privileges.ALL)
@@ -327,19 +424,22 @@ async def test_misuse_of_a_batch_on_one_segment_is_refused_recording_nothing(ia:
         elif case == "unconnected":
             ep = unconnected = ia.create_ep(p.pz)
             expected, match = aiodat.InvalidState, "state"
-        items: List[Any] = [(seg, remote, i) if op == "write" else (seg, i) for i in range(4)]
-        if op == "recv-each":  # a pool: each item its own slice of the EP's buffer, the case's third
-            items = [(lmr[64 * i:64 * i + 32], i) for i in range(4)]
-            items[2] = (seg, 2)
+        write = op.startswith("write")
+        items: List[Any] = [(seg, remote, i) if write else (seg, i) for i in range(4)]
+        if op.endswith("-each"):  # a pool: each item its own slice of the EP's buffer, the case's third
+            whole = p.server_lmr.remote()
+            items = [(lmr[64 * i:64 * i + 32], whole[64 * i:64 * i + 32], i) if write else (lmr[64 * i:64 * i + 32], i)
+                     for i in range(4)]
+            items[2] = (seg, remote, 2) if write else (seg, 2)
         if case == "not-pairs":
             items[2] = (seg,)
             match = "items must be"
         outstanding = len(ep._send_q) + len(ep._recv_q) if case != "closed-ep" else 0
         inflight, pool_inflight = seg.lmr._inflight, lmr._inflight
         with pytest.raises(expected, match=match):
-            if op == "send":
+            if op.startswith("send"):
                 ep.post_send_batch(items, flags, last_flags)
-            elif op == "write":
+            elif write:
                 ep.post_rdma_write_batch(items, flags, last_flags)
             else:
                 ep.post_recv_batch(items)

@@ -13,12 +13,12 @@
  * when it is not the hot path.
  *
  * The batch fast paths of post_send_batch, post_rdma_write_batch,
- * post_rdma_read_batch and post_recv_batch are here too: every item on the very
- * same one segment (and remote region), as a stream on one buffer posts; and, for
- * receives (an EP's or an SRQ's), every item on one segment of its own, as a pool
- * of buffers is refilled.  They return how many were posted, (posted, n, errno)
- * when the queue refused part of the batch (what went is recorded), or None when
- * it is not their case.
+ * post_rdma_read_batch, post_recv_batch and an SRQ's post_recv_batch are here
+ * too: every item on one segment, the very same one (and remote region), as a
+ * stream on one buffer posts, or one of its own (and a remote region of its
+ * own), as a pool of buffers is used.  They return how many were posted,
+ * (posted, n, errno) when the queue refused part of the batch (what went is
+ * recorded), or None when it is not their case.
  *
  * Built with the limited API (abi3); verbs' posting calls are inline functions
  * of the provider's ops, so it links to no library.
@@ -223,24 +223,24 @@ static int flag_bits(PyObject *flags, long *send_flags, int *quiet)
     return *send_flags < 0 || *quiet < 0 ? -1 : 1;
 }
 
-/* The checks of a send-side post on an RC EP: it is connected, the segment is open and of its PZ
- * (check_segment fills ``lmr`` and ``sge``); and its QP.  1: go on; 0: not the hot path; -1: error. */
-static int send_side_ready(PyObject *ep, PyObject *address, PyObject *seg, PyObject **lmr, struct ibv_sge *sge,
-                           struct ibv_qp **qp)
+/* An RC EP that may post sends now: it is connected; *qp is its QP.  1: go on; 0: not the hot path; -1: error. */
+static int ep_sends(PyObject *ep, PyObject *address, struct ibv_qp **qp)
 {
     int ok = attr_is(ep, s_rc, Py_True);
     if (ok == 1)
         ok = state_allows(ep, 1);
-    if (ok == 1)
-        ok = check_segment(ep, seg, lmr, sge);
-    if (ok <= 0)
-        return ok;
-    *qp = qp_at(address);
-    if (*qp == NULL) {  /* (an open EP always has its QP's address) */
-        Py_CLEAR(*lmr);
-        return PyErr_Occurred() ? -1 : 0;
-    }
-    return 1;
+    if (ok == 1 && (*qp = qp_at(address)) == NULL)  /* (an open EP always has its QP's address) */
+        ok = PyErr_Occurred() ? -1 : 0;
+    return ok;
+}
+
+/* The checks of a send-side post on an RC EP (ep_sends), and its segment open and of its PZ
+ * (check_segment fills ``lmr`` and ``sge``).  1: go on; 0: not the hot path; -1: error. */
+static int send_side_ready(PyObject *ep, PyObject *address, PyObject *seg, PyObject **lmr, struct ibv_sge *sge,
+                           struct ibv_qp **qp)
+{
+    int ok = ep_sends(ep, address, qp);
+    return ok == 1 ? check_segment(ep, seg, lmr, sge) : ok;
 }
 
 /* post_send's work on its one segment ``seg`` (not NULL: the caller checked) */
@@ -373,17 +373,17 @@ static long long take_ids(PyObject *ep, Py_ssize_t n)
     return err ? -1 : first;
 }
 
-/* One queue entry per request, wr_ids first, first + 2, ...: (wr_id, cookie, op, segs, None) for a
- * send (``op`` given) or (wr_id, cookie, segs) for a receive.  A new list, NULL on error. */
+/* One send-queue entry per request, wr_ids first, first + 2, ...: (wr_id, cookie, op, segs, None),
+ * ``segs`` every request's, or with ``each`` a tuple of each request's own.  A new list, NULL on error. */
 static PyObject *entries(unsigned long long first, PyObject *cookies, Py_ssize_t count, PyObject *op,
-                         PyObject *segs)
+                         PyObject *segs, int each)
 {
     PyObject *list = PyList_New(count);
     for (Py_ssize_t i = 0; list != NULL && i < count; i++) {
         PyObject *wr_id = PyLong_FromUnsignedLongLong(first + 2 * (unsigned long long)i);
-        PyObject *cookie = PyTuple_GetItem(cookies, i), *entry = NULL;
+        PyObject *cookie = PyTuple_GetItem(cookies, i), *entry = NULL, *own = each ? PyTuple_GetItem(segs, i) : segs;
         if (wr_id != NULL)
-            entry = op ? PyTuple_Pack(5, wr_id, cookie, op, segs, Py_None) : PyTuple_Pack(3, wr_id, cookie, segs);
+            entry = PyTuple_Pack(5, wr_id, cookie, op, own, Py_None);
         Py_XDECREF(wr_id);
         if (entry == NULL)
             Py_CLEAR(list);
@@ -431,12 +431,22 @@ static int mark_quiet(PyObject *ep, unsigned long long first, Py_ssize_t count)
     return err ? -1 : 0;
 }
 
-/* Post ``n`` copies of ``tmpl`` (a send) or ``rtmpl`` (a receive, to ``srq`` when it is not NULL;
- * receive i scatters to each[i]), wr_ids first, first + 2, ...; a send's last request gets
- * ``last_flags``.  Returns 0 or the errno of the refused post; *posted says how many went. */
+/* Where one RDMA request of a batch goes: its remote address and rkey */
+struct remote_at {
+    unsigned long long addr;
+    uint32_t rkey;
+};
+
+/* Post ``n`` copies of ``tmpl`` (a send) or ``rtmpl`` (a receive, to ``srq`` when it is not NULL),
+ * wr_ids first, first + 2, ...  With ``each``, request i gathers or scatters each[i] (else a send
+ * takes the template's element); with ``remotes``, an RDMA request i goes to remotes[i] (else to
+ * the template's).  A send's last request gets ``last_flags`` (e.g. the one signalled request of a
+ * batch), and a send whose bytes fit ``max_inline`` (-1: none may) goes inline.  Returns 0 or the
+ * errno of the refused post; *posted says how many went. */
 static int post_copies(struct ibv_qp *qp, struct ibv_srq *srq, const struct ibv_send_wr *tmpl,
-                       const struct ibv_recv_wr *rtmpl, struct ibv_sge *each, unsigned int last_flags,
-                       unsigned long long first, Py_ssize_t n, Py_ssize_t *posted)
+                       const struct ibv_recv_wr *rtmpl, struct ibv_sge *each, const struct remote_at *remotes,
+                       long long max_inline, unsigned int last_flags, unsigned long long first, Py_ssize_t n,
+                       Py_ssize_t *posted)
 {
     struct ibv_send_wr wr[CHUNK], *bad;
     struct ibv_recv_wr rwr[CHUNK], *rbad;
@@ -444,20 +454,29 @@ static int post_copies(struct ibv_qp *qp, struct ibv_srq *srq, const struct ibv_
     while (*posted < n) {
         int count = n - *posted < CHUNK ? (int)(n - *posted) : CHUNK, err;
         for (int i = 0; i < count; i++) {
-            unsigned long long wr_id = first + 2 * (unsigned long long)(*posted + i);
+            Py_ssize_t k = *posted + i;
+            unsigned long long wr_id = first + 2 * (unsigned long long)k;
             if (tmpl) {
                 wr[i] = *tmpl;
                 wr[i].wr_id = wr_id;
                 wr[i].next = i + 1 < count ? &wr[i + 1] : NULL;
+                if (each)
+                    wr[i].sg_list = &each[k];
+                if (remotes) {
+                    wr[i].wr.rdma.remote_addr = remotes[k].addr;
+                    wr[i].wr.rdma.rkey = remotes[k].rkey;
+                }
+                if (k + 1 == n)
+                    wr[i].send_flags = last_flags;
+                if (max_inline >= 0 && wr[i].sg_list->length <= (unsigned long long)max_inline)
+                    wr[i].send_flags |= IBV_SEND_INLINE;
             } else {
                 rwr[i] = *rtmpl;
                 rwr[i].wr_id = wr_id;
-                rwr[i].sg_list = &each[*posted + i];
+                rwr[i].sg_list = &each[k];
                 rwr[i].next = i + 1 < count ? &rwr[i + 1] : NULL;
             }
         }
-        if (tmpl && *posted + count == n)
-            wr[count - 1].send_flags = last_flags;  /* e.g. the one signalled request of a batch */
         err = tmpl ? ibv_post_send(qp, wr, &bad) : srq ? ibv_post_srq_recv(srq, rwr, &rbad) : ibv_post_recv(qp, rwr, &rbad);
         if (err) {
             Py_ssize_t went = tmpl ? bad - wr : rbad - rwr;
@@ -475,7 +494,7 @@ static PyObject *batch_result(Py_ssize_t posted, Py_ssize_t n, int err)
     return err ? Py_BuildValue("(nni)", posted, n, err) : PyLong_FromSsize_t(n);
 }
 
-/* The check of an RDMA batch beyond send_side_ready: ``remote`` (NULL for a send) is a RemoteRegion
+/* The check of an RDMA batch's item beyond check_segment: ``remote`` (NULL for a send) is a RemoteRegion
  * long enough for the segment; fills its address and rkey.  1: go on; 0: not the fast path; -1. */
 static int batch_ready(PyObject *remote, const struct ibv_sge *sge, unsigned long long *remote_addr,
                        unsigned long long *rkey)
@@ -491,14 +510,222 @@ static int batch_ready(PyObject *remote, const struct ibv_sge *sge, unsigned lon
     return sge->length <= length;  /* else LengthError, from the general path */
 }
 
+/* A batch's answer when its owner is not ready (``ready`` 0: None, the general path's; -1: the error) */
+static PyObject *not_ready(int ready)
+{
+    if (ready < 0)
+        return NULL;
+    Py_INCREF(Py_None);
+    return Py_None;
+}
+
+/* The items of a batch on one segment each (the same one, or one of their own as a pool of buffers
+ * gives), checked as check_segment checks against ``owner`` (the EP, or the SRQ: both have _closed
+ * and _pz): every item an exact tuple of ``width`` (segments, [remote,] cookie), the segments a
+ * Segment or a list of one; with ``remotes`` (width 3), the remote region a RemoteRegion long
+ * enough for the segment (batch_ready).  An item repeating the previous one's objects is checked
+ * once.  Fills segs[i] ((seg,)), lmrs[i], sges[i] and remotes[i].  1: go on; 0: not this case
+ * (the general path's, which says why); -1: error. */
+static int check_items(PyObject *owner, PyObject *items, Py_ssize_t width, PyObject *segs, PyObject *lmrs,
+                       struct ibv_sge *sges, struct remote_at *remotes)
+{
+    PyObject *previous = NULL, *previous_remote = NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_Size(items); i++) {
+        PyObject *item = PyTuple_GetItem(items, i);
+        if (!PyTuple_CheckExact(item) || PyTuple_Size(item) != width)
+            return 0;
+        PyObject *segments = PyTuple_GetItem(item, 0), *remote = remotes ? PyTuple_GetItem(item, 1) : NULL;
+        PyObject *one = NULL, *lmr = NULL;
+        int ok = 1;
+        if (segments == previous) {  /* checked already: the previous item's */
+            sges[i] = sges[i - 1];
+            one = PyTuple_GetItem(segs, i - 1);
+            lmr = PyTuple_GetItem(lmrs, i - 1);
+            Py_INCREF(one);
+            Py_INCREF(lmr);
+        } else {
+            PyObject *seg = one_segment(segments);
+            if (seg == NULL)
+                return 0;
+            ok = check_segment(owner, seg, &lmr, &sges[i]);
+            one = ok == 1 ? PyTuple_Pack(1, seg) : NULL;
+            Py_DECREF(seg);
+            if (ok == 1 && one == NULL)
+                ok = -1;
+        }
+        if (ok != 1) {
+            Py_XDECREF(one);
+            Py_XDECREF(lmr);
+            return ok;
+        }
+        PyTuple_SetItem(segs, i, one);
+        PyTuple_SetItem(lmrs, i, lmr);
+        if (remotes && segments == previous && remote == previous_remote) {
+            remotes[i] = remotes[i - 1];
+        } else if (remotes) {
+            unsigned long long addr = 0, rkey = 0;
+            ok = batch_ready(remote, &sges[i], &addr, &rkey);
+            if (ok != 1)
+                return ok;
+            remotes[i].addr = addr;
+            remotes[i].rkey = (uint32_t)rkey;
+        }
+        previous = segments;
+        previous_remote = remote;
+    }
+    return 1;
+}
+
+/* lmrs[i]._inflight += 1 for the first ``posted`` items, once per run of items on one LMR: 0 or -1 */
+static int add_inflight_each(PyObject *lmrs, Py_ssize_t posted)
+{
+    for (Py_ssize_t i = 0, run; i < posted; i += run) {
+        PyObject *lmr = PyTuple_GetItem(lmrs, i);
+        for (run = 1; i + run < posted && PyTuple_GetItem(lmrs, i + run) == lmr; run++)
+            ;
+        if (add_inflight(lmr, run) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* What a send-side batch's requests share: the opcode (a send, RDMA write or RDMA read), their
+ * send flags and UNSIGNALLED marks (the last request's apart), and the inline limit (-1: none) */
+struct batch_bits {
+    enum ibv_wr_opcode opcode;
+    unsigned int flags, last_flags;
+    int quiet, last_quiet;
+    long long max_inline;
+};
+
+/* The UNSIGNALLED marks of a send batch of which ``posted`` of ``n`` went: the requests before the
+ * last when they are quiet, the last when it is.  0 or -1. */
+static int mark_batch_quiet(PyObject *ep, unsigned long long first, Py_ssize_t posted, Py_ssize_t n,
+                            const struct batch_bits *bits)
+{
+    if (bits->quiet && mark_quiet(ep, first, posted < n ? posted : n - 1) < 0)
+        return -1;
+    if (bits->last_quiet && posted == n && mark_quiet(ep, first + 2 * (unsigned long long)(n - 1), 1) < 0)
+        return -1;
+    return 0;
+}
+
+/* A send-side batch every item of which is on the very
+ * same one segment (and remote region): the requests are one template posted n times, and when
+ * all but the last are suppressed the batch is one send-queue entry, which its last completion
+ * retires whole (wr.SendRun).  ``cookies``, ``segments`` and ``remote`` are same_items'. */
+static PyObject *same_send_batch(PyObject *ep, struct ibv_qp *qp, const struct batch_bits *bits, PyObject *op,
+                                 PyObject *cookies, PyObject *segments, PyObject *remote)
+{
+    PyObject *seg = one_segment(segments), *lmr = NULL, *segs = NULL, *queued = NULL, *result = NULL;
+    unsigned long long remote_addr = 0, rkey = 0;
+    struct ibv_sge sge;
+    int ok = seg != NULL;
+    if (ok == 1)
+        ok = check_segment(ep, seg, &lmr, &sge);
+    if (ok == 1)
+        ok = batch_ready(remote, &sge, &remote_addr, &rkey);
+    Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
+    long long id = ok == 1 ? take_ids(ep, n) : -1;
+    if (id >= 0)
+        segs = PyTuple_Pack(1, seg);
+    unsigned long long first = (unsigned long long)id * 2;
+    int as_run = n > 1 && !(bits->flags & IBV_SEND_SIGNALED);
+    if (segs != NULL)  /* made before the post: once it is posted, recording it must not need memory */
+        queued = as_run ? run_entry(first, cookies, op, segs) : entries(first, cookies, n, op, segs, 0);
+    if (queued == NULL) {
+        if (ok == 0)
+            result = not_ready(0);  /* not the fast path */
+        goto done;
+    }
+    struct ibv_send_wr tmpl = { .opcode = bits->opcode, .send_flags = bits->flags, .sg_list = &sge, .num_sge = 1,
+                                .wr.rdma.remote_addr = remote_addr, .wr.rdma.rkey = (uint32_t)rkey };
+    int err = post_copies(qp, NULL, &tmpl, NULL, NULL, NULL, bits->max_inline, bits->last_flags, first, n, &posted);
+    int failed = 0;
+    if (posted < n && posted > 0) {  /* refused part way (rare): record what went, as post.py does */
+        PyObject *went = PyTuple_GetSlice(cookies, 0, posted);
+        Py_DECREF(queued);
+        queued = went == NULL ? NULL : as_run && posted > 1 ? run_entry(first, went, op, segs)
+                                                            : entries(first, went, posted, op, segs, 0);
+        Py_XDECREF(went);
+        as_run = as_run && posted > 1;
+        failed = queued == NULL;
+    }
+    if (posted > 0 && !failed)
+        failed = queue_call(ep, s_send_q, as_run ? s_append : s_extend, queued) < 0
+                 || add_inflight(lmr, posted) < 0 || mark_batch_quiet(ep, first, posted, n, bits) < 0;
+    if (!failed)
+        result = batch_result(posted, n, err);
+done:
+    Py_XDECREF(queued); Py_XDECREF(segs); Py_XDECREF(lmr); Py_XDECREF(seg);
+    return result;
+}
+
+/* A send-side batch whose items are each on a segment (and remote region) of their own, as a pool
+ * of buffers gives: checked by check_items, each request its own entry (wr_id, cookie, op, (seg,),
+ * None), as post.py's _post_many records them. */
+static PyObject *each_send_batch(PyObject *ep, struct ibv_qp *qp, const struct batch_bits *bits, PyObject *op,
+                                 PyObject *items)
+{
+    PyObject *result = NULL, *snapshot = NULL, *segs = NULL, *lmrs = NULL, *cookies = NULL, *queued = NULL;
+    struct ibv_sge *sges = NULL;
+    struct remote_at *remotes = NULL;
+    Py_ssize_t width = bits->opcode == IBV_WR_SEND ? 2 : 3;
+    /* a snapshot: the checks read attributes, which may run Python that changes the caller's list */
+    snapshot = PySequence_Tuple(items);
+    Py_ssize_t n = snapshot ? PyTuple_Size(snapshot) : -1, posted = 0;
+    int ok = n > 0 ? 1 : n == 0 ? 0 : -1;
+    if (ok == 1) {
+        segs = PyTuple_New(n);
+        lmrs = PyTuple_New(n);
+        cookies = PyTuple_New(n);
+        sges = PyMem_Calloc((size_t)n, sizeof(*sges));
+        remotes = width == 3 ? PyMem_Calloc((size_t)n, sizeof(*remotes)) : NULL;
+        if (segs == NULL || lmrs == NULL || cookies == NULL || sges == NULL || (width == 3 && remotes == NULL))
+            ok = -1;
+    }
+    if (ok == 1)
+        ok = check_items(ep, snapshot, width, segs, lmrs, sges, remotes);
+    for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
+        PyObject *cookie = PyTuple_GetItem(PyTuple_GetItem(snapshot, i), width - 1);
+        Py_INCREF(cookie);
+        PyTuple_SetItem(cookies, i, cookie);
+    }
+    long long id = ok == 1 ? take_ids(ep, n) : -1;
+    unsigned long long first = (unsigned long long)id * 2;
+    if (id >= 0)  /* made before the post: once it is posted, recording it must not need memory */
+        queued = entries(first, cookies, n, op, segs, 1);
+    if (queued == NULL) {
+        if (ok == 0)
+            result = not_ready(0);
+        goto done;
+    }
+    struct ibv_send_wr tmpl = { .opcode = bits->opcode, .send_flags = bits->flags, .num_sge = 1 };
+    int err = post_copies(qp, NULL, &tmpl, NULL, sges, remotes, bits->max_inline, bits->last_flags, first, n,
+                          &posted);
+    int failed = 0;
+    if (posted > 0) {
+        PyObject *went = PyList_GetSlice(queued, 0, posted);
+        failed = went == NULL || queue_call(ep, s_send_q, s_extend, went) < 0 || add_inflight_each(lmrs, posted) < 0
+                 || mark_batch_quiet(ep, first, posted, n, bits) < 0;
+        Py_XDECREF(went);
+    }
+    if (!failed)
+        result = batch_result(posted, n, err);
+done:
+    PyMem_Free(sges);
+    PyMem_Free(remotes);
+    Py_XDECREF(queued); Py_XDECREF(cookies); Py_XDECREF(lmrs); Py_XDECREF(segs); Py_XDECREF(snapshot);
+    return result;
+}
+
 /* post_batch(ep, qp_address, opcode, op, items, flags, last_flags): post_send_batch (items
  * (segments, cookie)) and post_rdma_write_batch / post_rdma_read_batch (items (segments, remote,
- * cookie)) on one segment -> n | (posted, n, errno) | None */
+ * cookie)), every item on one segment: the very same one (same_send_batch) or one each
+ * (each_send_batch) -> n | (posted, n, errno) | None */
 static PyObject *post_batch(PyObject *self, PyObject *args)
 {
-    PyObject *ep, *address, *opcode_obj, *op, *items, *flags, *last_flags;
-    PyObject *segments = NULL, *remote = NULL, *seg = NULL, *lmr = NULL, *segs = NULL, *queued = NULL;
-    PyObject *result = NULL;
+    PyObject *ep, *address, *opcode_obj, *op, *items, *flags, *last_flags, *segments = NULL, *remote = NULL;
     if (!PyArg_UnpackTuple(args, "post_batch", 7, 7, &ep, &address, &opcode_obj, &op, &items, &flags, &last_flags))
         return NULL;
     long opcode = PyLong_AsLong(opcode_obj);
@@ -507,77 +734,32 @@ static PyObject *post_batch(PyObject *self, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "post_batch: the opcode of a send, RDMA write or RDMA read");
         return NULL;
     }
-    PyObject *cookies = same_items(items, opcode == IBV_WR_SEND ? 2 : 3, &segments, &remote);
-    if (cookies == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
+    if (!PyList_CheckExact(items) && !PyTuple_CheckExact(items))
         Py_RETURN_NONE;
-    }
-    long send_flags = 0, last_send_flags = 0;
-    int quiet = 0, last_quiet = 0;
-    unsigned long long remote_addr = 0, rkey = 0, max_inline = 0;
-    struct ibv_sge sge;
-    struct ibv_qp *qp;
-    int ok = flag_bits(flags, &send_flags, &quiet);
+    long flag_word = 0, last_flag_word = 0;
+    unsigned long long inline_limit = 0;
+    struct batch_bits bits = { .opcode = (enum ibv_wr_opcode)opcode, .max_inline = -1 };
+    struct ibv_qp *qp = NULL;
+    int ok = flag_bits(flags, &flag_word, &bits.quiet);
     if (ok == 1 && last_flags == Py_None)
-        last_send_flags = send_flags, last_quiet = quiet;
+        last_flag_word = flag_word, bits.last_quiet = bits.quiet;
     else if (ok == 1)
-        ok = flag_bits(last_flags, &last_send_flags, &last_quiet);
+        ok = flag_bits(last_flags, &last_flag_word, &bits.last_quiet);
     if (ok == 1)
-        ok = (seg = one_segment(segments)) != NULL;
-    if (ok == 1)
-        ok = send_side_ready(ep, address, seg, &lmr, &sge, &qp);
-    if (ok == 1)
-        ok = batch_ready(remote, &sge, &remote_addr, &rkey);
-    if (ok == 1 && opcode != IBV_WR_RDMA_READ && attr_ull(ep, s_max_inline, &max_inline) < 0)
+        ok = ep_sends(ep, address, &qp);
+    if (ok == 1 && opcode != IBV_WR_RDMA_READ && attr_ull(ep, s_max_inline, &inline_limit) < 0)
         ok = -1;
-    Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
-    long long id = ok == 1 ? take_ids(ep, n) : -1;
-    if (id >= 0)
-        segs = PyTuple_Pack(1, seg);
-    unsigned long long first = (unsigned long long)id * 2;
-    /* all but the last suppressed: one entry that the last completion retires whole (wr.SendRun) */
-    int as_run = n > 1 && !(send_flags & IBV_SEND_SIGNALED);
-    if (segs != NULL)  /* made before the post: once it is posted, recording it must not need memory */
-        queued = as_run ? run_entry(first, cookies, op, segs) : entries(first, cookies, n, op, segs);
-    if (queued == NULL) {
-        if (ok == 0) {  /* not the fast path: None */
-            Py_INCREF(Py_None);
-            result = Py_None;
-        }
-        goto done;
-    }
-    unsigned int inline_bit = opcode != IBV_WR_RDMA_READ && sge.length <= max_inline ? IBV_SEND_INLINE : 0;
-    struct ibv_send_wr tmpl;
-    memset(&tmpl, 0, sizeof(tmpl));
-    tmpl.opcode = (enum ibv_wr_opcode)opcode;
-    tmpl.send_flags = (unsigned int)send_flags | inline_bit;
-    tmpl.sg_list = &sge;
-    tmpl.num_sge = 1;
-    tmpl.wr.rdma.remote_addr = remote_addr;
-    tmpl.wr.rdma.rkey = (uint32_t)rkey;
-    int err = post_copies(qp, NULL, &tmpl, NULL, NULL, (unsigned int)last_send_flags | inline_bit, first, n,
-                          &posted);
-    int failed = 0;
-    if (posted < n && posted > 0) {  /* refused part way (rare): record what went, as post.py does */
-        PyObject *went = PyTuple_GetSlice(cookies, 0, posted);
-        Py_DECREF(queued);
-        queued = went == NULL ? NULL : as_run && posted > 1 ? run_entry(first, went, op, segs)
-                                                            : entries(first, went, posted, op, segs);
-        Py_XDECREF(went);
-        as_run = as_run && posted > 1;
-        failed = queued == NULL;
-    }
-    if (posted > 0 && !failed)
-        failed = queue_call(ep, s_send_q, as_run ? s_append : s_extend, queued) < 0
-                 || add_inflight(lmr, posted) < 0
-                 || (quiet && mark_quiet(ep, first, posted < n ? posted : n - 1) < 0)
-                 || (last_quiet && posted == n && mark_quiet(ep, first + 2 * (unsigned long long)(n - 1), 1) < 0);
-    if (!failed)
-        result = batch_result(posted, n, err);
-done:
-    Py_XDECREF(queued); Py_XDECREF(segs); Py_XDECREF(lmr); Py_XDECREF(seg);
-    Py_XDECREF(segments); Py_XDECREF(remote); Py_DECREF(cookies);
+    if (ok != 1)
+        return not_ready(ok);
+    bits.flags = (unsigned int)flag_word;
+    bits.last_flags = (unsigned int)last_flag_word;
+    if (opcode != IBV_WR_RDMA_READ)
+        bits.max_inline = (long long)inline_limit;
+    PyObject *cookies = same_items(items, opcode == IBV_WR_SEND ? 2 : 3, &segments, &remote);
+    if (cookies == NULL)
+        return PyErr_Occurred() ? NULL : each_send_batch(ep, qp, &bits, op, items);
+    PyObject *result = same_send_batch(ep, qp, &bits, op, cookies, segments, remote);
+    Py_DECREF(segments); Py_XDECREF(remote); Py_DECREF(cookies);
     return result;
 }
 
@@ -604,22 +786,12 @@ static int srq_receives(PyObject *srq, PyObject *address, struct ibv_srq **out)
     return ok;
 }
 
-/* each_recv_batch's answer when the batch's owner is not ready (``ready`` 0 or -1) */
-static PyObject *not_ready(int ready)
-{
-    if (ready < 0)
-        return NULL;
-    Py_INCREF(Py_None);
-    return Py_None;
-}
-
 /* A receive batch whose items are each on one segment (the very same one, as a stream on one buffer
- * posts, or one each, as a pool of buffers is refilled): every item an exact (segment, cookie)
- * tuple, the segment a Segment or a list of one, checked as check_segment checks against
- * ``owner`` (the EP, or the SRQ: both have _closed and _pz), once while items repeat it.  Posted
- * to ``qp``, or ``srq`` when not NULL, and recorded as the general path records: the EP's
- * _recv_q entries (wr_id, cookie, (seg,)), or the SRQ's _posted[wr_id] = (cookie, (seg,)), and
- * each LMR's in-flight count.  n | (posted, n, errno) | None (not this case; nothing done). */
+ * posts, or one each, as a pool of buffers is refilled), checked by check_items against ``owner``
+ * (the EP or the SRQ).  Posted to ``qp``, or ``srq`` when not NULL, and recorded as the general
+ * path records: the EP's _recv_q entries (wr_id, cookie, (seg,)), or the SRQ's
+ * _posted[wr_id] = (cookie, (seg,)), and each LMR's in-flight count.
+ * n | (posted, n, errno) | None (not this case; nothing done). */
 static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_srq *srq, PyObject *items)
 {
     PyObject *result = NULL, *snapshot = NULL, *segs = NULL, *lmrs = NULL, *records = NULL, *map = NULL;
@@ -636,39 +808,8 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
         if (segs == NULL || lmrs == NULL || sges == NULL)
             ok = -1;
     }
-    PyObject *previous = NULL;  /* the last item's segments object: the same again is checked once */
-    for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
-        PyObject *item = PyTuple_GetItem(snapshot, i), *seg, *lmr = NULL;
-        if (!PyTuple_CheckExact(item) || PyTuple_Size(item) != 2) {
-            ok = 0;
-            break;
-        }
-        if (PyTuple_GetItem(item, 0) == previous) {
-            sges[i] = sges[i - 1];
-            PyObject *same = PyTuple_GetItem(segs, i - 1), *same_lmr = PyTuple_GetItem(lmrs, i - 1);
-            Py_INCREF(same);
-            Py_INCREF(same_lmr);
-            PyTuple_SetItem(segs, i, same);
-            PyTuple_SetItem(lmrs, i, same_lmr);
-            continue;
-        }
-        previous = PyTuple_GetItem(item, 0);
-        if ((seg = one_segment(previous)) == NULL) {
-            ok = 0;
-            break;
-        }
-        ok = check_segment(owner, seg, &lmr, &sges[i]);
-        PyObject *one_seg = ok == 1 ? PyTuple_Pack(1, seg) : NULL;
-        Py_DECREF(seg);
-        if (ok == 1 && one_seg == NULL)
-            ok = -1;
-        if (ok == 1) {
-            PyTuple_SetItem(segs, i, one_seg);
-            PyTuple_SetItem(lmrs, i, lmr);
-        } else {
-            Py_XDECREF(lmr);
-        }
-    }
+    if (ok == 1)
+        ok = check_items(owner, snapshot, 2, segs, lmrs, sges, NULL);
     if (ok == 1 && srq != NULL) {
         map = PyObject_GetAttr(owner, s_posted);
         ok = map == NULL ? -1 : PyDict_Check(map);
@@ -695,25 +836,19 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
             PyTuple_SetItem(records, i, record);
     }
     if (records == NULL) {
-        if (ok == 0) {
-            Py_INCREF(Py_None);
-            result = Py_None;
-        }
+        if (ok == 0)
+            result = not_ready(0);
         goto done;
     }
     struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = NULL, .num_sge = 1 };
-    int err = post_copies(qp, srq, NULL, &tmpl, sges, 0, first, n, &posted);
+    int err = post_copies(qp, srq, NULL, &tmpl, sges, NULL, -1, 0, first, n, &posted);
     int failed = 0;
     for (Py_ssize_t i = 0; srq != NULL && i < posted && !failed; i++) {
         PyObject *record = PyTuple_GetItem(records, i);
         failed = PyDict_SetItem(map, PyTuple_GetItem(record, 0), PyTuple_GetItem(record, 1)) < 0;
     }
-    for (Py_ssize_t i = 0, run; i < posted && !failed; i += run) {  /* once per run of items on one LMR */
-        PyObject *lmr = PyTuple_GetItem(lmrs, i);
-        for (run = 1; i + run < posted && PyTuple_GetItem(lmrs, i + run) == lmr; run++)
-            ;
-        failed = add_inflight(lmr, run) < 0;
-    }
+    if (!failed)
+        failed = add_inflight_each(lmrs, posted) < 0;
     if (!failed && srq == NULL && posted > 0) {
         PyObject *went = PyTuple_GetSlice(records, 0, posted);
         failed = went == NULL || queue_call(owner, s_recv_q, s_extend, went) < 0;
