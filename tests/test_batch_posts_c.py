@@ -70,6 +70,22 @@ def post_twice(ep: Any, queue: str, post: Callable[[Any], int], items: List[Any]
     return seen
 
 
+async def both_batches_complete(p: Any, end: Any, n: int, flags: Any, last_flags: Any) -> None:
+    """After two batches of ``n`` on the client (through C, then the general path): a signalled write
+    to ``end`` behind them gives its event last, after every event of theirs (UNSIGNALLED ones do not
+    wake a wait by themselves), the same for both batches, and retires what was suppressed."""
+    p.client.post_rdma_write(p.client_lmr[0:8], end, "end")
+    events: List[Any] = []
+    while not events or events[-1].cookie != "end":
+        events += await p.client.request_evd.wait(timeout=T)
+    events.pop()
+    last = flags if last_flags is None else last_flags
+    per_batch = (n - 1) * (not flags & SUPPRESS) + (not last & SUPPRESS)
+    assert len(events) == 2 * per_batch and all(e.ok for e in events)
+    assert [e.cookie for e in events[:per_batch]] == [e.cookie for e in events[per_batch:]]
+    assert p.client.query().outstanding_requests == 0 and not p.client._quiet
+
+
 FLAGS = [(DEFAULT, None), (SUPPRESS, DEFAULT), (UNSIGNALLED, DEFAULT), (DEFAULT, UNSIGNALLED), (SUPPRESS, SUPPRESS)]
 
 
@@ -104,18 +120,7 @@ async def test_a_send_side_batch_records_what_the_general_path_records(ia: Any, 
         expected_op = {"send": DTOOp.SEND, "write": DTOOp.RDMA_WRITE, "read": DTOOp.RDMA_READ}[op]
         assert all(e[2] is expected_op for e in by_c["entries"])
         assert len(by_c["entries"]) == (1 if n > 1 and flags & SUPPRESS else n)
-        # a signalled write behind both batches: its event comes last, with every event of theirs
-        # (UNSIGNALLED ones do not wake a wait by themselves), and retires what was suppressed
-        p.client.post_rdma_write(p.client_lmr[0:8], p.server_lmr.remote()[256:264], "end")
-        events: List[Any] = []
-        while not events or events[-1].cookie != "end":
-            events += await p.client.request_evd.wait(timeout=T)
-        events.pop()
-        last = flags if last_flags is None else last_flags
-        per_batch = (n - 1) * (not flags & SUPPRESS) + (not last & SUPPRESS)
-        assert len(events) == 2 * per_batch and all(e.ok for e in events)
-        assert [e.cookie for e in events[:per_batch]] == [e.cookie for e in events[per_batch:]]
-        assert p.client.query().outstanding_requests == 0 and not p.client._quiet
+        await both_batches_complete(p, p.server_lmr.remote()[256:264], n, flags, last_flags)
         assert p.client_lmr._inflight == 0
         if op == "send":
             received = await p.server.recv_evd.wait(2 * n, timeout=T)
@@ -236,17 +241,7 @@ async def test_a_send_side_batch_on_a_pool_records_what_the_general_path_records
         entries, _, inflight = seen[0][:3]
         assert len(entries) == n and inflight == [(n + 1) // 2, n // 2]
         assert all(e[1] == i and e[2] is expected_op and e[3] == (local[i],) for i, e in enumerate(entries))
-        # a signalled write behind both batches: its event comes last, with every event of theirs
-        p.client.post_rdma_write(p.client_lmr[0:8], aside.remote()[0:8], "end")
-        events: List[Any] = []
-        while not events or events[-1].cookie != "end":
-            events += await p.client.request_evd.wait(timeout=T)
-        events.pop()
-        last = flags if last_flags is None else last_flags
-        per_batch = (n - 1) * (not flags & SUPPRESS) + (not last & SUPPRESS)
-        assert len(events) == 2 * per_batch and all(e.ok for e in events)
-        assert [e.cookie for e in events[:per_batch]] == [e.cookie for e in events[per_batch:]]
-        assert p.client.query().outstanding_requests == 0 and not p.client._quiet
+        await both_batches_complete(p, aside.remote()[0:8], n, flags, last_flags)
         assert p.client_lmr._inflight == 0 and second._inflight == 0
         if op == "send":
             received = await p.server.recv_evd.wait(2 * n, timeout=T)

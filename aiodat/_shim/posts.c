@@ -576,6 +576,51 @@ static int check_items(PyObject *owner, PyObject *items, Py_ssize_t width, PyObj
     return 1;
 }
 
+/* A batch's items on one segment each, taken apart and checked by take_items */
+struct items {
+    PyObject *snapshot, *segs, *lmrs, *cookies;  /* tuples: the items, then each's (seg,), LMR and cookie */
+    struct ibv_sge *sges;
+    struct remote_at *remotes;  /* an RDMA batch's (width 3), else NULL */
+    Py_ssize_t n;
+};
+
+/* Take ``items`` (an exact list or tuple of tuples of ``width``) apart into ``out``: a snapshot first
+ * (the checks read attributes, which may run Python that changes the caller's list), then every
+ * item checked by check_items against ``owner``, its cookie its last element.  1: go on; 0: not
+ * this case; -1: error.  release_items(out) afterwards in every case. */
+static int take_items(PyObject *owner, PyObject *items, Py_ssize_t width, struct items *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->snapshot = PySequence_Tuple(items);
+    Py_ssize_t n = out->n = out->snapshot ? PyTuple_Size(out->snapshot) : -1;
+    if (n <= 0)
+        return n == 0 ? 0 : -1;
+    out->segs = PyTuple_New(n);
+    out->lmrs = PyTuple_New(n);
+    out->cookies = PyTuple_New(n);
+    out->sges = PyMem_Calloc((size_t)n, sizeof(*out->sges));
+    out->remotes = width == 3 ? PyMem_Calloc((size_t)n, sizeof(*out->remotes)) : NULL;
+    if (!out->segs || !out->lmrs || !out->cookies || !out->sges || (width == 3 && !out->remotes)) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        return -1;
+    }
+    int ok = check_items(owner, out->snapshot, width, out->segs, out->lmrs, out->sges, out->remotes);
+    for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
+        PyObject *cookie = PyTuple_GetItem(PyTuple_GetItem(out->snapshot, i), width - 1);
+        Py_INCREF(cookie);
+        PyTuple_SetItem(out->cookies, i, cookie);
+    }
+    return ok;
+}
+
+static void release_items(struct items *it)
+{
+    PyMem_Free(it->sges);
+    PyMem_Free(it->remotes);
+    Py_XDECREF(it->cookies); Py_XDECREF(it->lmrs); Py_XDECREF(it->segs); Py_XDECREF(it->snapshot);
+}
+
 /* lmrs[i]._inflight += 1 for the first ``posted`` items, once per run of items on one LMR: 0 or -1 */
 static int add_inflight_each(PyObject *lmrs, Py_ssize_t posted)
 {
@@ -667,55 +712,34 @@ done:
 static PyObject *each_send_batch(PyObject *ep, struct ibv_qp *qp, const struct batch_bits *bits, PyObject *op,
                                  PyObject *items)
 {
-    PyObject *result = NULL, *snapshot = NULL, *segs = NULL, *lmrs = NULL, *cookies = NULL, *queued = NULL;
-    struct ibv_sge *sges = NULL;
-    struct remote_at *remotes = NULL;
-    Py_ssize_t width = bits->opcode == IBV_WR_SEND ? 2 : 3;
-    /* a snapshot: the checks read attributes, which may run Python that changes the caller's list */
-    snapshot = PySequence_Tuple(items);
-    Py_ssize_t n = snapshot ? PyTuple_Size(snapshot) : -1, posted = 0;
-    int ok = n > 0 ? 1 : n == 0 ? 0 : -1;
-    if (ok == 1) {
-        segs = PyTuple_New(n);
-        lmrs = PyTuple_New(n);
-        cookies = PyTuple_New(n);
-        sges = PyMem_Calloc((size_t)n, sizeof(*sges));
-        remotes = width == 3 ? PyMem_Calloc((size_t)n, sizeof(*remotes)) : NULL;
-        if (segs == NULL || lmrs == NULL || cookies == NULL || sges == NULL || (width == 3 && remotes == NULL))
-            ok = -1;
-    }
-    if (ok == 1)
-        ok = check_items(ep, snapshot, width, segs, lmrs, sges, remotes);
-    for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
-        PyObject *cookie = PyTuple_GetItem(PyTuple_GetItem(snapshot, i), width - 1);
-        Py_INCREF(cookie);
-        PyTuple_SetItem(cookies, i, cookie);
-    }
+    PyObject *result = NULL, *queued = NULL;
+    struct items it;
+    int ok = take_items(ep, items, bits->opcode == IBV_WR_SEND ? 2 : 3, &it);
+    Py_ssize_t n = it.n, posted = 0;
     long long id = ok == 1 ? take_ids(ep, n) : -1;
     unsigned long long first = (unsigned long long)id * 2;
     if (id >= 0)  /* made before the post: once it is posted, recording it must not need memory */
-        queued = entries(first, cookies, n, op, segs, 1);
+        queued = entries(first, it.cookies, n, op, it.segs, 1);
     if (queued == NULL) {
         if (ok == 0)
             result = not_ready(0);
         goto done;
     }
     struct ibv_send_wr tmpl = { .opcode = bits->opcode, .send_flags = bits->flags, .num_sge = 1 };
-    int err = post_copies(qp, NULL, &tmpl, NULL, sges, remotes, bits->max_inline, bits->last_flags, first, n,
+    int err = post_copies(qp, NULL, &tmpl, NULL, it.sges, it.remotes, bits->max_inline, bits->last_flags, first, n,
                           &posted);
     int failed = 0;
     if (posted > 0) {
         PyObject *went = PyList_GetSlice(queued, 0, posted);
-        failed = went == NULL || queue_call(ep, s_send_q, s_extend, went) < 0 || add_inflight_each(lmrs, posted) < 0
-                 || mark_batch_quiet(ep, first, posted, n, bits) < 0;
+        failed = went == NULL || queue_call(ep, s_send_q, s_extend, went) < 0
+                 || add_inflight_each(it.lmrs, posted) < 0 || mark_batch_quiet(ep, first, posted, n, bits) < 0;
         Py_XDECREF(went);
     }
     if (!failed)
         result = batch_result(posted, n, err);
 done:
-    PyMem_Free(sges);
-    PyMem_Free(remotes);
-    Py_XDECREF(queued); Py_XDECREF(cookies); Py_XDECREF(lmrs); Py_XDECREF(segs); Py_XDECREF(snapshot);
+    Py_XDECREF(queued);
+    release_items(&it);
     return result;
 }
 
@@ -794,22 +818,11 @@ static int srq_receives(PyObject *srq, PyObject *address, struct ibv_srq **out)
  * n | (posted, n, errno) | None (not this case; nothing done). */
 static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_srq *srq, PyObject *items)
 {
-    PyObject *result = NULL, *snapshot = NULL, *segs = NULL, *lmrs = NULL, *records = NULL, *map = NULL;
-    struct ibv_sge *sges = NULL;
+    PyObject *result = NULL, *records = NULL, *map = NULL;
+    struct items it;
     /* (``items`` is an exact list or tuple: the callers looked before reading the owner's state) */
-    /* a snapshot: the checks read attributes, which may run Python that changes the caller's list */
-    snapshot = PySequence_Tuple(items);
-    Py_ssize_t n = snapshot ? PyTuple_Size(snapshot) : -1, posted = 0;
-    int ok = n > 0 ? 1 : n == 0 ? 0 : -1;
-    if (ok == 1) {
-        segs = PyTuple_New(n);
-        lmrs = PyTuple_New(n);
-        sges = PyMem_Calloc((size_t)n, sizeof(*sges));
-        if (segs == NULL || lmrs == NULL || sges == NULL)
-            ok = -1;
-    }
-    if (ok == 1)
-        ok = check_items(owner, snapshot, 2, segs, lmrs, sges, NULL);
+    int ok = take_items(owner, items, 2, &it);
+    Py_ssize_t n = it.n, posted = 0;
     if (ok == 1 && srq != NULL) {
         map = PyObject_GetAttr(owner, s_posted);
         ok = map == NULL ? -1 : PyDict_Check(map);
@@ -819,11 +832,10 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
     if (id >= 0)  /* the records before the post: once it is posted, recording must not need memory */
         records = PyTuple_New(n);
     for (Py_ssize_t i = 0; records != NULL && i < n; i++) {
-        PyObject *cookie = PyTuple_GetItem(PyTuple_GetItem(snapshot, i), 1), *record = NULL;
+        PyObject *cookie = PyTuple_GetItem(it.cookies, i), *segs = PyTuple_GetItem(it.segs, i), *record = NULL;
         PyObject *wr_id = PyLong_FromUnsignedLongLong(first + 2 * (unsigned long long)i);
         if (wr_id != NULL)
-            record = srq ? PyTuple_Pack(2, cookie, PyTuple_GetItem(segs, i))
-                         : PyTuple_Pack(3, wr_id, cookie, PyTuple_GetItem(segs, i));
+            record = srq ? PyTuple_Pack(2, cookie, segs) : PyTuple_Pack(3, wr_id, cookie, segs);
         if (record != NULL && srq != NULL) {  /* (the SRQ's record is keyed by the wr_id: kept beside it) */
             PyObject *keyed = PyTuple_Pack(2, wr_id, record);
             Py_DECREF(record);
@@ -841,14 +853,14 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
         goto done;
     }
     struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = NULL, .num_sge = 1 };
-    int err = post_copies(qp, srq, NULL, &tmpl, sges, NULL, -1, 0, first, n, &posted);
+    int err = post_copies(qp, srq, NULL, &tmpl, it.sges, NULL, -1, 0, first, n, &posted);
     int failed = 0;
     for (Py_ssize_t i = 0; srq != NULL && i < posted && !failed; i++) {
         PyObject *record = PyTuple_GetItem(records, i);
         failed = PyDict_SetItem(map, PyTuple_GetItem(record, 0), PyTuple_GetItem(record, 1)) < 0;
     }
     if (!failed)
-        failed = add_inflight_each(lmrs, posted) < 0;
+        failed = add_inflight_each(it.lmrs, posted) < 0;
     if (!failed && srq == NULL && posted > 0) {
         PyObject *went = PyTuple_GetSlice(records, 0, posted);
         failed = went == NULL || queue_call(owner, s_recv_q, s_extend, went) < 0;
@@ -857,8 +869,8 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
     if (!failed)
         result = batch_result(posted, n, err);
 done:
-    PyMem_Free(sges);
-    Py_XDECREF(records); Py_XDECREF(map); Py_XDECREF(lmrs); Py_XDECREF(segs); Py_XDECREF(snapshot);
+    Py_XDECREF(records); Py_XDECREF(map);
+    release_items(&it);
     return result;
 }
 
