@@ -135,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--srq", action="store_true",
                         help="the receiver takes its receives from an SRQ (srq.post_recv_batch), and perftest "
                              "runs with --use-srq (sends only)")
+        sp.add_argument("--pool", action="store_true",
+                        help="each side's requests take turns over DEPTH buffers of their own, as a server "
+                             "answering from a pool of buffers posts them (perftest posts from one buffer)")
         sp.add_argument("--processes", type=int, choices=(1, 2), default=2,
                         help="2 (default): the receiving side is a child process, as perftest runs its two "
                              "sides; 1: both sides on one loop")
@@ -504,6 +507,7 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     modes = tuple(dict.fromkeys(args.mode)) if args.mode else bench.MODES
     common = dict(batch=args.batch, repeat=args.repeat, modes=modes, busy_poll_us=args.busy_poll_us,
                   perftest=not args.no_perftest, device=args.device, processes=args.processes, srq=args.srq,
+                  pool=args.pool,
                   progress=_progress(args))
     if args.bench == "rate":
         def run() -> Any:

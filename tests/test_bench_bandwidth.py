@@ -88,3 +88,45 @@ def test_rate_through_an_srq_beside_ib_send_bw_srq(rdma_device: Any, request: An
     ratios = {(r["ours"], r["theirs"]): r["median"] for r in data["ratios"]}
     assert ratios[("aiodat_callback", "perftest")] == pytest.approx(
         figures["aiodat_callback"]["median"] / figures["perftest"]["median"])
+
+
+@pytest.mark.rxe
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("op", ["write", "read", "send"])
+def test_a_pool_run_fills_every_slice_through_c(rdma_device: Any, op: str, processes: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pool``: each side's requests take turns over 16 slices of their own, and the checks at the
+    end (here, or in the child for what it received) find the pattern in every slice, so every
+    slice was used.  In one process every post of the run takes C's pool path: post.py's general
+    path (which turns segments with as_segments) never runs."""
+    import aiodat.post
+
+    calls = [0]
+    real = aiodat.post.as_segments
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(aiodat.post, "as_segments", counted)
+    sample = bench.run_on_loop("asyncio", lambda: bench.bandwidth_stream(
+        rdma_device.name, rdma_device.address, op, 4096, 16, 200, 4, processes=processes, pool=True))
+    assert sample.iters == 200 and sample.seconds > 0
+    assert calls[0] == 0, "a pool's batch went to the general path"
+
+
+@pytest.mark.rxe
+def test_rate_from_a_pool_beside_ib_send_bw(rdma_device: Any, request: Any, capsys: Any) -> None:
+    """``--pool``: the sender and the receiving child take turns over DEPTH buffers of their own;
+    the figure is finite, beside perftest's, and their ratio is printed."""
+    loop = request.config.getoption("--aiodat-loop") or "asyncio"
+    assert main(["bench", "rate", "--pool", "--iters", "500", "--depth", "32", "--batch", "8", "--repeat", "1",
+                 "--mode", "await", "--loop", loop, "--json", "--device", rdma_device.name]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["pool"] is True
+    figures = data["figures"]
+    for key in ("aiodat_await", "perftest"):
+        assert 0 < figures[key]["median"] < math.inf, figures[key]
+    ratios = {(r["ours"], r["theirs"]): r["median"] for r in data["ratios"]}
+    assert ratios[("aiodat_await", "perftest")] == pytest.approx(
+        figures["aiodat_await"]["median"] / figures["perftest"]["median"])

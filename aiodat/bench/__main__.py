@@ -1,7 +1,7 @@
 """The child of a two-process benchmark (started by ``aiodat bench``, see :mod:`aiodat.bench.peer`):
 
 ``python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL [MODE BUSY_POLL_US] LOOP``: the server of a ping-pong;
-``python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL [srq] LOOP``: the receiving side of a bandwidth run;
+``python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL [srq] [pool] LOOP``: the receiving side of a bandwidth run;
 ``python -m aiodat.bench stream-server rdma|tcp HOST PORT [BUSY_POLL_US] LOOP``: the streams server (a child, or on host B);
 ``python -m aiodat.bench acceptor DEVICE CONNECTIONS [await|callback] LOOP``: the accepting side of a connect cycle.
 """
@@ -29,10 +29,10 @@ def main(argv: Sequence[str]) -> int:
         busy = int(argv[4]) if len(argv) == 6 else 0
         run_on_loop(loop_name, lambda: stream_server_process(transport, host, int(port), busy))
         return 0
-    if len(argv) in (7, 8) and argv[0] == "sink" and argv[6:-1] in ([], ["srq"]):
+    if 7 <= len(argv) <= 9 and argv[0] == "sink" and argv[6:-1] in ([], ["srq"], ["pool"], ["srq", "pool"]):
         _, device, op, size, depth, total = argv[:6]
-        srq = len(argv) == 8
-        run_on_loop(argv[-1], lambda: sink_process(device, op, int(size), int(depth), int(total), srq))
+        srq, pool = "srq" in argv[6:-1], "pool" in argv[6:-1]
+        run_on_loop(argv[-1], lambda: sink_process(device, op, int(size), int(depth), int(total), srq, pool))
         return 0
     if len(argv) in (4, 5) and argv[0] == "acceptor":
         device, connections, loop_name = argv[1], argv[2], argv[-1]
@@ -40,7 +40,7 @@ def main(argv: Sequence[str]) -> int:
         run_on_loop(loop_name, lambda: acceptor_process(device, int(connections), mode=mode))
         return 0
     print("usage: python -m aiodat.bench pong DEVICE ADDRESS SIZE TOTAL [MODE BUSY_POLL_US] LOOP\n"
-          "       python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL [srq] LOOP\n"
+          "       python -m aiodat.bench sink DEVICE OP SIZE DEPTH TOTAL [srq] [pool] LOOP\n"
           "       python -m aiodat.bench stream-server rdma|tcp HOST PORT [BUSY_POLL_US] LOOP\n"
           "       python -m aiodat.bench acceptor DEVICE CONNECTIONS [await|callback] LOOP  (children of aiodat bench)")
     return 2

@@ -115,11 +115,18 @@ def check_args(op: str, size: int, depth: int, iters: int, batch: int, srq: bool
         raise ValueError(f"batch ({batch}) cannot exceed depth ({depth})")
 
 
-def setup_side(ia: Any, op: str, size: int, depth: int, server: bool,
-               busy_poll_us: Optional[int] = None, srq: bool = False) -> Tuple[Any, Any, Any, Any]:
+def pattern(size: int) -> bytes:
+    """The bytes every ``size``-byte message of a bandwidth run carries."""
+    return bytes(i & 0xFF for i in range(size))
+
+
+def setup_side(ia: Any, op: str, size: int, depth: int, server: bool, busy_poll_us: Optional[int] = None,
+               srq: bool = False, pool: bool = False) -> Tuple[Any, Any, Any, List[Any]]:
     """One side of a bandwidth run: its EP (on one DTO EVD, made with ``busy_poll_us`` when given), the EVD,
-    the buffer and a segment of it.  ``srq``: a receiving server's EP takes its receives from an SRQ
-    of the same depth (``ep.srq``), as ``ib_send_bw --use-srq`` does."""
+    the buffer and its message segments: one, or with ``pool`` ``depth`` slices of their own, one per
+    request in flight, as a server that answers from a pool of buffers posts.  ``srq``: a receiving
+    server's EP takes its receives from an SRQ of the same depth (``ep.srq``), as ``ib_send_bw
+    --use-srq`` does.  A receive's cookie is the index of its segment."""
     from aiodat import EPAttr, EvdFlags, Privileges
 
     pz = ia.create_pz()
@@ -137,19 +144,23 @@ def setup_side(ia: Any, op: str, size: int, depth: int, server: bool,
         evd = ia.create_evd(qlen, EvdFlags.DTO, busy_poll_us=busy_poll_us)
     shared = ia.create_srq(pz, recv_depth) if srq and server and op == "send" else None
     ep = ia.create_ep(pz, recv_evd=evd, request_evd=evd, srq=shared, attrs=attrs)
-    buf = bytearray(size)
+    slices = depth if pool else 1
+    buf = bytearray(size * slices)
     if (op == "read") == server:  # the side whose bytes travel holds the pattern
-        buf[:] = bytes(i & 0xFF for i in range(size))
-    seg = pz.register(buf, Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_READ)[0:size]
+        buf[:] = pattern(size) * slices
+    lmr = pz.register(buf, Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_READ)
+    segs = [lmr[size * i:size * (i + 1)] for i in range(slices)]
     if server and op == "send":
-        (shared if shared is not None else ep).post_recv_batch([(seg, None)] * recv_depth)
-    return ep, evd, buf, seg
+        (shared if shared is not None else ep).post_recv_batch(
+            [(segs[i % slices], i % slices) for i in range(recv_depth)])
+    return ep, evd, buf, segs
 
 
-async def receive(ep: Any, evd: Any, seg: Any, total: int) -> float:
-    """Receive ``total`` messages, reposting each receive as it completes (to the EP's SRQ, if it
-    has one); the time of the last."""
+async def receive(ep: Any, evd: Any, segs: List[Any], total: int) -> float:
+    """Receive ``total`` messages, reposting each receive as it completes into the segment it took
+    (its cookie; to the EP's SRQ, if it has one); the time of the last."""
     poster = ep.srq if ep.srq is not None else ep
+    only = (segs[0], 0) if len(segs) == 1 else None
     got = 0
     while got < total:
         events = await evd.wait(1, timeout=120)
@@ -157,35 +168,39 @@ async def receive(ep: Any, evd: Any, seg: Any, total: int) -> float:
             if ev.status != "IBV_WC_SUCCESS":
                 raise RuntimeError(f"a receive failed: {ev.status}")
         got += len(events)
+        # (kept posted for the next run on this EP)
+        items = [only] * len(events) if only else [(segs[ev.cookie], ev.cookie) for ev in events]
         try:
-            poster.post_recv_batch([(seg, None)] * len(events))  # (kept posted for the next run on this EP)
+            poster.post_recv_batch(items)
         except InvalidState:
             if got < total:
                 raise  # after the last message a sender in another process may already have disconnected
     return time.perf_counter()
 
 
-async def sink_process(device: str, op: str, size: int, depth: int, total: int, srq: bool = False) -> None:
+async def sink_process(device: str, op: str, size: int, depth: int, total: int, srq: bool = False,
+                       pool: bool = False) -> None:
     """The child of a two-process bandwidth run: accept one connection (handing the client its
     buffer in the accept private data), receive ``total`` messages if ``op`` is send (through an
-    SRQ with ``srq``), wait for the disconnect and check the bytes that landed."""
+    SRQ with ``srq``, into a pool of ``depth`` slices with ``pool``), wait for the disconnect and
+    check the bytes that landed (in every slice)."""
     from aiodat import EventType, open_ia
 
     with open_ia(device) as ia:
-        server, evd, buf, seg = setup_side(ia, op, size, depth, server=True, srq=srq)
-        await accept_one(ia, server, seg.remote().to_bytes())
+        server, evd, buf, segs = setup_side(ia, op, size, depth, server=True, srq=srq, pool=pool)
+        await accept_one(ia, server, segs[0].lmr.remote().to_bytes())
         if op == "send":
-            await receive(server, evd, seg, total)
+            await receive(server, evd, segs, total)
         while (await server.connect_evd.wait_one(timeout=600)).type is not EventType.CONNECTION_EVENT_DISCONNECTED:
             pass
-        if op != "read" and bytes(buf) != bytes(i & 0xFF for i in range(size)):
+        if op != "read" and bytes(buf) != pattern(size) * len(segs):
             raise AssertionError(f"the {op} bandwidth run moved other bytes than it should have")
 
 
 async def bandwidth_stream(device: str, address: str, op: str = "write", size: int = 65536, depth: int = 64,
                            iters: int = 1000, batch: int = 16, warmup: Optional[int] = None,
                            processes: int = 1, loop_name: str = "asyncio", mode: str = "await",
-                           busy_poll_us: int = 50, srq: bool = False) -> BandwidthSample:
+                           busy_poll_us: int = 50, srq: bool = False, pool: bool = False) -> BandwidthSample:
     """Stream ``iters`` ``size``-byte operations from a client EP to a server EP of one IA.
 
     Up to ``depth`` requests are in flight.  They are posted ``batch`` at a
@@ -194,7 +209,10 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
     ``CompletionFlags.SUPPRESS``, so each batch costs one completion and one
     wake-up.  For ``send`` the server keeps ``2 * depth`` receives posted and
     reposts them in batches (``post_recv_batch``) as they complete; with ``srq``
-    it posts them to an SRQ its EP receives from.  The data is checked at the end.
+    it posts them to an SRQ its EP receives from.  With ``pool`` each side's
+    requests take turns over ``depth`` slices of their own (an RDMA request to its
+    own slice of the peer's buffer), as a server answering from a pool of buffers
+    posts them.  The data is checked at the end, in every slice.
 
     ``processes=1``: both EPs in this process, on one loop; for ``send`` the
     time runs until the server has received the last message.
@@ -218,16 +236,16 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
         raise ValueError(f"mode must be await, callback or busypoll, got {mode!r}")
     warmup = min(depth * 2, iters) if warmup is None else warmup
     with open_ia(device) as ia:
-        client, c_evd, c_buf, c_seg = setup_side(ia, op, size, depth, server=False,
-                                                 busy_poll_us=busy_poll_us if mode == "busypoll" else None)
+        client, c_evd, c_buf, c_segs = setup_side(ia, op, size, depth, server=False, pool=pool,
+                                                  busy_poll_us=busy_poll_us if mode == "busypoll" else None)
         child = None
         if processes == 1:
-            server, s_evd, s_buf, s_seg = setup_side(ia, op, size, depth, server=True, srq=srq)
+            server, s_evd, s_buf, s_segs = setup_side(ia, op, size, depth, server=True, srq=srq, pool=pool)
             await connect_pair(client, server)  # cm.py shortens the RNR timer of every new connection
-            remote = s_seg.remote()
+            remote = s_segs[0].lmr.remote()
         else:
             child, port = await start_child(["sink", device, op, str(size), str(depth), str(warmup + iters),
-                                              *(["srq"] if srq else [])], loop_name)
+                                              *(["srq"] if srq else []), *(["pool"] if pool else [])], loop_name)
             try:
                 remote = RemoteRegion.from_bytes(await client.connect(address, port, timeout=30))
             except BaseException:
@@ -237,22 +255,25 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
 
         # n requests in one call, only the last signalled: its cookie says how many it completes
         suppress, signal = CompletionFlags.SUPPRESS, CompletionFlags.DEFAULT
-        if op == "write":
+        batch_post = {"write": client.post_rdma_write_batch, "read": client.post_rdma_read_batch,
+                      "send": client.post_send_batch}[op]
+        # each request's (segment, [remote]): one pair for all, or a slice each in turn
+        pairs = [(seg, remote[size * i:size * (i + 1)]) if op != "send" else (seg,) for i, seg in enumerate(c_segs)]
+        turn = [0]  # the pool's next slice
+        if len(pairs) == 1:
             def post(n: int) -> int:
-                return client.post_rdma_write_batch([(c_seg, remote, None)] * (n - 1) + [(c_seg, remote, n)],
-                                                    suppress, signal)
-        elif op == "read":
-            def post(n: int) -> int:
-                return client.post_rdma_read_batch([(c_seg, remote, None)] * (n - 1) + [(c_seg, remote, n)],
-                                                   suppress, signal)
+                return batch_post([(*pairs[0], None)] * (n - 1) + [(*pairs[0], n)], suppress, signal)
         else:
             def post(n: int) -> int:
-                return client.post_send_batch([(c_seg, None)] * (n - 1) + [(c_seg, n)], suppress, signal)
+                first = turn[0]
+                turn[0] = (first + n) % len(pairs)
+                picks = [pairs[(first + j) % len(pairs)] for j in range(n)]
+                return batch_post([(*pick, None) for pick in picks[:-1]] + [(*picks[-1], n)], suppress, signal)
 
         async def stream(total: int) -> Tuple[float, float]:
             recv_task = None
             if op == "send" and child is None:
-                recv_task = asyncio.ensure_future(receive(server, s_evd, s_seg, total))
+                recv_task = asyncio.ensure_future(receive(server, s_evd, s_segs, total))
             start = time.perf_counter()
             if mode == "callback":
                 await stream_callback(total)
@@ -311,7 +332,7 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
             if warmup:
                 await stream(warmup)
             start, end = await stream(iters)
-            expected = bytes(i & 0xFF for i in range(size))
+            expected = pattern(size) * len(c_segs)
             if (op == "read" or child is None) and bytes(c_buf if op == "read" else s_buf) != expected:
                 raise AssertionError(f"the {op} bandwidth run moved other bytes than it should have")
             await client.disconnect()
@@ -336,11 +357,13 @@ def run_bw_perftest(op: str, size: int, depth: int, iters: int, device: str, add
 def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loop: str, *, batch: int,
                       repeat: int = 3, modes: Sequence[str] = ("await",), busy_poll_us: int = 50,
                       perftest: bool = True, device: Optional[str] = None, address: Optional[str] = None,
-                      timeout: float = 300.0, processes: int = 2, srq: bool = False,
+                      timeout: float = 300.0, processes: int = 2, srq: bool = False, pool: bool = False,
                       progress: Optional[Callable[[str], None]] = None) -> Comparison:
     """``repeat`` rounds of aiodat's streaming ``op`` in each of ``modes``, then perftest's ``_bw`` tool with
     the same size, depth and iterations; ``kind`` "rate" compares Mpps, "bandwidth" MB/s (2**20 bytes).
-    ``srq``: the receiving side takes its receives from an SRQ, and perftest runs with ``--use-srq``."""
+    ``srq``: the receiving side takes its receives from an SRQ, and perftest runs with ``--use-srq``.
+    ``pool``: each side's requests take turns over ``depth`` buffers of their own (perftest, which
+    has no such mode, posts from one buffer as always)."""
     from aiodat import DATError
 
     check_args(op, size, depth, iters, batch, srq)
@@ -355,7 +378,7 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
     column = "MsgRate[Mpps]" if kind == "rate" else "BW_average[MB/sec]"  # perftest's figure
     report = Comparison(f"aiodat bench {kind}", {"device": device, "address": address, "loop": loop, "op": op,
                                                  "size": size, "iters": iters, "depth": depth, "batch": batch,
-                                                 "processes": processes, "srq": srq}, repeat,
+                                                 "processes": processes, "srq": srq, "pool": pool}, repeat,
                         title=f"{'message rate' if kind == 'rate' else 'bandwidth'} ({unit}; MB = 2**20 bytes "
                               f"as perftest's), higher is better")
     labels = {"await": "aiodat await (evd.wait)", "callback": "aiodat callback (set_callback)",
@@ -389,7 +412,7 @@ def compare_streaming(kind: str, op: str, size: int, depth: int, iters: int, loo
             try:
                 sample = run_on_loop(loop, lambda: bandwidth_stream(
                     device, address, op, size, depth, iters, batch, processes=processes, loop_name=loop,
-                    mode=mode, busy_poll_us=busy_poll_us, srq=srq))
+                    mode=mode, busy_poll_us=busy_poll_us, srq=srq, pool=pool))
                 fig.record(sample.mpps if kind == "rate" else sample.mib_per_s)
             except (DATError, RuntimeError, AssertionError, AttributeError, TypeError) as exc:
                 fig.record(None, f"{type(exc).__name__}: {exc}")
@@ -407,11 +430,11 @@ def bandwidth(op: str = "write", size: int = 65536, depth: int = 64, iters: int 
               *, batch: int = 16, repeat: int = 3, modes: Sequence[str] = ("await", "callback", "busypoll"),
               busy_poll_us: int = 50, perftest: bool = True, device: Optional[str] = None,
               address: Optional[str] = None, timeout: float = 300.0, processes: int = 2, srq: bool = False,
-              progress: Optional[Callable[[str], None]] = None) -> Comparison:
+              pool: bool = False, progress: Optional[Callable[[str], None]] = None) -> Comparison:
     """``aiodat bench bandwidth``: aiodat's streaming ``op`` (write, read, send) beside ``ib_<op>_bw -R``,
     same device, size, depth and iteration count, one after the other, ``repeat`` rounds; ratios of MB/s
     per round and their median.  ``srq`` (send only): the receiver posts to an SRQ, perftest runs with
-    ``--use-srq``."""
+    ``--use-srq``.  ``pool``: each side's requests take turns over ``depth`` buffers of their own."""
     return compare_streaming("bandwidth", op, size, depth, iters, loop, batch=batch, repeat=repeat, modes=modes,
                              busy_poll_us=busy_poll_us, perftest=perftest, device=device, address=address,
-                             timeout=timeout, processes=processes, srq=srq, progress=progress)
+                             timeout=timeout, processes=processes, srq=srq, pool=pool, progress=progress)
