@@ -73,24 +73,34 @@ static PyObject *one_segment(PyObject *segments)
     return segments;
 }
 
-/* What every hot post checks: the EP is open, the segment's LMR is open and of the EP's PZ.
- * Fills the LMR (a new reference) and the scatter/gather element.  1: go on; 0: not the hot path. */
-static int check_segment(PyObject *ep, PyObject *seg, PyObject **lmr, struct ibv_sge *sge)
+/* The last LMR a post's segments were checked on (borrowed: the caller holds it): open and of the
+ * owner's PZ, with its address and lkey, so that the segments of a pool on one LMR check it once */
+struct lmr_seen {
+    PyObject *lmr;
+    unsigned long long address, lkey;
+};
+
+/* A segment's checks once its owner (EP or SRQ) is known open, ``pz`` its PZ: its LMR open and of
+ * that PZ (unless it is ``seen``'s, which is then updated).  Fills the LMR (a new reference) and the
+ * scatter/gather element.  1: go on; 0: not the hot path; -1: error. */
+static int segment_sge(PyObject *pz, PyObject *seg, PyObject **lmr, struct ibv_sge *sge, struct lmr_seen *seen)
 {
-    unsigned long long address = 0, offset = 0, length = 0, lkey = 0;  /* (set below; -O1 cannot tell) */
-    int open = attr_is(ep, s_closed, Py_False);
-    if (open <= 0)
-        return open;
+    unsigned long long offset = 0, length = 0;  /* (set below; -O1 cannot tell) */
     *lmr = PyObject_GetAttr(seg, s_lmr);
     if (*lmr == NULL)
         return -1;
-    PyObject *pz = PyObject_GetAttr(ep, s_pz);
-    int ok = pz ? attr_is(*lmr, s_pz, pz) : -1;
-    Py_XDECREF(pz);
-    if (ok == 1)
-        ok = attr_is(*lmr, s_closed, Py_False);
-    if (ok == 1 && (attr_ull(*lmr, s_address, &address) < 0 || attr_ull(seg, s_offset, &offset) < 0
-                    || attr_ull(seg, s_length, &length) < 0 || attr_ull(*lmr, s_lkey, &lkey) < 0))
+    int ok = 1;
+    if (*lmr != seen->lmr) {
+        seen->lmr = NULL;
+        ok = attr_is(*lmr, s_pz, pz);
+        if (ok == 1)
+            ok = attr_is(*lmr, s_closed, Py_False);
+        if (ok == 1 && (attr_ull(*lmr, s_address, &seen->address) < 0 || attr_ull(*lmr, s_lkey, &seen->lkey) < 0))
+            ok = -1;
+        if (ok == 1)
+            seen->lmr = *lmr;
+    }
+    if (ok == 1 && (attr_ull(seg, s_offset, &offset) < 0 || attr_ull(seg, s_length, &length) < 0))
         ok = -1;
     if (ok == 1 && length > UINT32_MAX)
         ok = 0;  /* more than one scatter/gather element holds: the general path says so */
@@ -98,10 +108,34 @@ static int check_segment(PyObject *ep, PyObject *seg, PyObject **lmr, struct ibv
         Py_CLEAR(*lmr);
         return ok;
     }
-    sge->addr = address + offset;
+    sge->addr = seen->address + offset;
     sge->length = (uint32_t)length;
-    sge->lkey = (uint32_t)lkey;
+    sge->lkey = (uint32_t)seen->lkey;
     return 1;
+}
+
+/* The owner (an EP or an SRQ: both have _closed and _pz) is open: its PZ (a new reference), or NULL
+ * with *ok 0 (closed: not the hot path) or -1 (error). */
+static PyObject *open_owner_pz(PyObject *owner, int *ok)
+{
+    *ok = attr_is(owner, s_closed, Py_False);
+    PyObject *pz = *ok == 1 ? PyObject_GetAttr(owner, s_pz) : NULL;
+    if (*ok == 1 && pz == NULL)
+        *ok = -1;
+    return pz;
+}
+
+/* What every hot post checks: the EP is open, the segment's LMR is open and of the EP's PZ.
+ * Fills the LMR (a new reference) and the scatter/gather element.  1: go on; 0: not the hot path. */
+static int check_segment(PyObject *ep, PyObject *seg, PyObject **lmr, struct ibv_sge *sge)
+{
+    int ok;
+    PyObject *pz = open_owner_pz(ep, &ok);
+    struct lmr_seen seen = { NULL, 0, 0 };
+    if (ok == 1)
+        ok = segment_sge(pz, seg, lmr, sge, &seen);
+    Py_XDECREF(pz);
+    return ok;
 }
 
 /* The EP's connection state, checked: 1 when ``connected_only`` and CONNECTED, or when not
@@ -529,25 +563,27 @@ static PyObject *not_ready(int ready)
 static int check_items(PyObject *owner, PyObject *items, Py_ssize_t width, PyObject *segs, PyObject *lmrs,
                        struct ibv_sge *sges, struct remote_at *remotes)
 {
-    PyObject *previous = NULL, *previous_remote = NULL;
-    for (Py_ssize_t i = 0; i < PyTuple_Size(items); i++) {
+    int ok;
+    PyObject *pz = open_owner_pz(owner, &ok), *previous = NULL, *previous_remote = NULL;
+    struct lmr_seen seen = { NULL, 0, 0 };
+    for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_Size(items); i++) {
         PyObject *item = PyTuple_GetItem(items, i);
-        if (!PyTuple_CheckExact(item) || PyTuple_Size(item) != width)
-            return 0;
+        if (!PyTuple_CheckExact(item) || PyTuple_Size(item) != width) {
+            ok = 0;
+            break;
+        }
         PyObject *segments = PyTuple_GetItem(item, 0), *remote = remotes ? PyTuple_GetItem(item, 1) : NULL;
-        PyObject *one = NULL, *lmr = NULL;
-        int ok = 1;
+        PyObject *one = NULL, *lmr = NULL, *seg = NULL;
         if (segments == previous) {  /* checked already: the previous item's */
             sges[i] = sges[i - 1];
             one = PyTuple_GetItem(segs, i - 1);
             lmr = PyTuple_GetItem(lmrs, i - 1);
             Py_INCREF(one);
             Py_INCREF(lmr);
+        } else if ((seg = one_segment(segments)) == NULL) {
+            ok = 0;
         } else {
-            PyObject *seg = one_segment(segments);
-            if (seg == NULL)
-                return 0;
-            ok = check_segment(owner, seg, &lmr, &sges[i]);
+            ok = segment_sge(pz, seg, &lmr, &sges[i], &seen);
             one = ok == 1 ? PyTuple_Pack(1, seg) : NULL;
             Py_DECREF(seg);
             if (ok == 1 && one == NULL)
@@ -556,24 +592,23 @@ static int check_items(PyObject *owner, PyObject *items, Py_ssize_t width, PyObj
         if (ok != 1) {
             Py_XDECREF(one);
             Py_XDECREF(lmr);
-            return ok;
+            break;
         }
         PyTuple_SetItem(segs, i, one);
-        PyTuple_SetItem(lmrs, i, lmr);
+        PyTuple_SetItem(lmrs, i, lmr);  /* (holds the LMR ``seen`` borrows) */
         if (remotes && segments == previous && remote == previous_remote) {
             remotes[i] = remotes[i - 1];
         } else if (remotes) {
             unsigned long long addr = 0, rkey = 0;
             ok = batch_ready(remote, &sges[i], &addr, &rkey);
-            if (ok != 1)
-                return ok;
             remotes[i].addr = addr;
             remotes[i].rkey = (uint32_t)rkey;
         }
         previous = segments;
         previous_remote = remote;
     }
-    return 1;
+    Py_XDECREF(pz);
+    return ok;
 }
 
 /* A batch's items on one segment each, taken apart and checked by take_items */
@@ -655,10 +690,10 @@ static int mark_batch_quiet(PyObject *ep, unsigned long long first, Py_ssize_t p
     return 0;
 }
 
-/* A send-side batch every item of which is on the very
- * same one segment (and remote region): the requests are one template posted n times, and when
- * all but the last are suppressed the batch is one send-queue entry, which its last completion
- * retires whole (wr.SendRun).  ``cookies``, ``segments`` and ``remote`` are same_items'. */
+/* A send-side batch every item of which is on the very same one segment (and remote region): the
+ * requests are one template posted n times, and when all but the last are suppressed the batch is
+ * one send-queue entry, which its last completion retires whole (wr.SendRun).  ``cookies``,
+ * ``segments`` and ``remote`` are same_items'. */
 static PyObject *same_send_batch(PyObject *ep, struct ibv_qp *qp, const struct batch_bits *bits, PyObject *op,
                                  PyObject *cookies, PyObject *segments, PyObject *remote)
 {
@@ -675,7 +710,7 @@ static PyObject *same_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
     if (id >= 0)
         segs = PyTuple_Pack(1, seg);
     unsigned long long first = (unsigned long long)id * 2;
-    int as_run = n > 1 && !(bits->flags & IBV_SEND_SIGNALED);
+    int as_run = n > 1 && !(bits->flags & IBV_SEND_SIGNALED);  /* all but the last suppressed: a run */
     if (segs != NULL)  /* made before the post: once it is posted, recording it must not need memory */
         queued = as_run ? run_entry(first, cookies, op, segs) : entries(first, cookies, n, op, segs, 0);
     if (queued == NULL) {
