@@ -166,6 +166,32 @@ def test_suppressed_sends_before_a_signalled_one_are_retired_as_python_does(wr_i
     assert [e[0] for e in c_world[0]._send_q] == [e[0] for e in py_world[0]._send_q] == list(range(wr_id + 2, 8, 2))
 
 
+def test_retired_sends_on_several_lmrs_release_each_lmr_as_python_does() -> None:
+    """The suppressed sends C retires with a signalled one may be on several LMRs, in any order (a
+    pool over two buffers, a request gathering from both): C counts them per run of one LMR, and
+    every LMR ends where wr.py leaves it."""
+    c_world, py_world = world()
+    extras = []
+    for ep, lmr in ((c_world[0], c_world[2]), (py_world[0], py_world[2])):
+        other = LMR()
+        other._inflight = 50
+        lmr._inflight = 50
+        ep._send_q.clear()
+        layouts = [(lmr, other), (other,), (other, lmr, lmr), (lmr,), (other, other)]
+        for i, lmrs in enumerate(layouts):
+            ep._send_q.append((2 * i, f"s{i}", DTOOp.SEND, tuple(Seg(m, 10) for m in lmrs), None))
+        extras.append(other)
+    rows = [(8, 0, IBV_WC_SEND, 0, 7, None, 0, 0)]
+    taken, notified, c_queue = run_c(rows, c_world[4], object())
+    py_queue = python_events(rows, py_world[4], object())
+    assert (taken, notified) == (1, True) and len(c_queue) == len(py_queue) == 1
+    events_equal_ignoring_world(c_queue[0], py_queue[0])
+    assert c_queue[0].cookie == "s4" and c_queue[0].transferred_length == 20
+    assert c_world[2]._inflight == py_world[2]._inflight == 50 - 4
+    assert extras[0]._inflight == extras[1]._inflight == 50 - 5
+    assert not c_world[0]._send_q and not py_world[0]._send_q
+
+
 @pytest.mark.parametrize("case", ["a run before", "a target before", "not in the queue", "unsignalled"])
 def test_c_leaves_a_completion_after_anything_but_plain_suppressed_sends(case: str) -> None:
     """Before the completed send, a run, a request with a target, or a gap where its entry should

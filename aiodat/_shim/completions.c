@@ -139,6 +139,51 @@ static int release_segments(PyObject *segs, PyObject *requests)
     return 0;
 }
 
+/* lmr._inflight -= n: 0, or -1 on error */
+static int release_lmr(PyObject *lmr, Py_ssize_t n)
+{
+    PyObject *count = PyObject_GetAttr(lmr, s_inflight), *by = PyLong_FromSsize_t(n);
+    PyObject *less = count && by ? PyNumber_Subtract(count, by) : NULL;
+    int err = less == NULL || PyObject_SetAttr(lmr, s_inflight, less) < 0;
+    Py_XDECREF(less); Py_XDECREF(by); Py_XDECREF(count);
+    return err ? -1 : 0;
+}
+
+/* Pop the ``count`` suppressed sends at the head of ``q`` and release their segments, one update of
+ * an LMR's in-flight count per run of segments on it (the buffers of a pool are mostly one LMR's).
+ * 0, or -1 on error (a deque's popleft and an int's decrement do not fail on real objects). */
+static int retire_head(PyObject *q, Py_ssize_t count)
+{
+    PyObject *popleft = PyObject_GetAttr(q, s_popleft), *run_lmr = NULL;
+    Py_ssize_t run = 0;
+    int err = popleft == NULL;
+    for (Py_ssize_t k = 0; k < count && !err; k++) {
+        PyObject *old = PyObject_CallObject(popleft, NULL);
+        PyObject *segs = old && PyTuple_Check(old) && PyTuple_Size(old) == 5 ? PyTuple_GetItem(old, 3) : NULL;
+        err = segs == NULL || !PyTuple_Check(segs);
+        for (Py_ssize_t j = 0; !err && j < PyTuple_Size(segs); j++) {
+            PyObject *lmr = PyObject_GetAttr(PyTuple_GetItem(segs, j), s_lmr);
+            if (lmr == NULL) {
+                err = 1;
+            } else if (lmr == run_lmr) {
+                run++;
+                Py_DECREF(lmr);
+            } else {
+                err = run_lmr != NULL && release_lmr(run_lmr, run) < 0;
+                Py_XDECREF(run_lmr);
+                run_lmr = lmr;
+                run = 1;
+            }
+        }
+        Py_XDECREF(old);
+    }
+    if (!err && run_lmr != NULL)
+        err = release_lmr(run_lmr, run) < 0;
+    Py_XDECREF(run_lmr);
+    Py_XDECREF(popleft);
+    return err ? -1 : 0;
+}
+
 /* a DTOCompletionEvent made as DTOCompletionEvent._completed makes it: no __init__, one __dict__
  * (a copy of the template, with only the fields that vary set) */
 static PyObject *make_event(PyObject *evd, PyObject *ep, PyObject *cookie, long long length, PyObject *op,
@@ -345,14 +390,9 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     }
     if (*out == NULL)
         goto error;
-    for (Py_ssize_t k = 0; k < retire; k++) {  /* the suppressed sends before it (their segments checked) */
-        PyObject *old = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
-        int failed = old == NULL || release_segments(PyTuple_GetItem(old, 3), one) < 0;
-        Py_XDECREF(old);
-        if (failed) {
-            Py_CLEAR(*out);
-            goto error;
-        }
+    if (retire > 0 && retire_head(q, retire) < 0) {  /* the suppressed sends before it */
+        Py_CLEAR(*out);
+        goto error;
     }
     popped = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
     if (popped == NULL || release_segments(segs, requests ? requests : one) < 0) {
