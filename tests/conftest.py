@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import AsyncIterator, List
+from typing import Any, AsyncIterator, List
 
 import pytest
 
@@ -18,6 +18,23 @@ async def loop_errors() -> AsyncIterator[List[dict]]:
     yield errors
     loop.set_exception_handler(old)
     assert not errors, f"exceptions escaped into the event loop: {errors}"
+
+
+@pytest.fixture
+def general_path_calls(monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    """Counts post.py's general-path steps (every one of its batch paths turns segments with
+    as_segments): ``[0]`` stays 0 while every post takes C's batch paths (aiodat/_shim/posts.c)."""
+    import aiodat.post
+
+    calls = [0]
+    real = aiodat.post.as_segments
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(aiodat.post, "as_segments", counted)
+    return calls
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
 """The batch posts on one segment in C (aiodat/_shim/posts.c: post_batch, post_recv_batch), on rxe.
 
 A batch whose items are a list or tuple each on one segment, the very same one (and remote region)
-or one of its own (a pool of buffers), is checked, posted and recorded in C.  Each test here puts it beside post.py's general path, which
-takes the same items from a generator: the two must record the same queue entries, in-flight counts
-and UNSIGNALLED marks, give the same events, refuse the same misuse with the same error, and record
-exactly what went when the queue refuses a batch part way."""
+or one of its own (a pool of buffers), is checked, posted and recorded in C.  Each test here puts
+it beside post.py's general path, which takes the same items from a generator: the two must
+record the same queue entries, in-flight counts and UNSIGNALLED marks, give the same events,
+refuse the same misuse with the same error, and record exactly what went when the queue refuses
+a batch part way."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Tuple
@@ -21,19 +22,6 @@ pytestmark = pytest.mark.rxe
 
 T = 30
 SUPPRESS, UNSIGNALLED, DEFAULT = CompletionFlags.SUPPRESS, CompletionFlags.UNSIGNALLED, CompletionFlags.DEFAULT
-
-
-def counting_as_segments(monkeypatch: pytest.MonkeyPatch) -> List[int]:
-    """Count the general path's steps: every one of its batch paths turns segments with as_segments."""
-    calls = [0]
-    real = aiodat.post.as_segments
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(aiodat.post, "as_segments", counted)
-    return calls
 
 
 def relative(entries: List[Tuple[Any, ...]], first: int) -> List[Tuple[Any, ...]]:
@@ -92,7 +80,7 @@ FLAGS = [(DEFAULT, None), (SUPPRESS, DEFAULT), (UNSIGNALLED, DEFAULT), (DEFAULT,
 @pytest.mark.parametrize("op", ["send", "write", "read"])
 @pytest.mark.parametrize("flags,last_flags", FLAGS)
 @pytest.mark.parametrize("n", [1, 70])
-async def test_a_send_side_batch_records_what_the_general_path_records(ia: Any, monkeypatch: pytest.MonkeyPatch,
+async def test_a_send_side_batch_records_what_the_general_path_records(ia: Any, general_path_calls: List[int],
                                                                        op: str, flags: Any, last_flags: Any,
                                                                        n: int) -> None:
     """Sends, RDMA writes and RDMA reads on one segment (70: more than one chained post of 64) record
@@ -101,7 +89,7 @@ async def test_a_send_side_batch_records_what_the_general_path_records(ia: Any, 
     nothing stays in flight."""
     p = await make_ep_pair(ia, 4096, EPAttr(max_request_dtos=160, max_recv_dtos=160))
     try:
-        calls = counting_as_segments(monkeypatch)
+        calls = general_path_calls
         seg = p.client_lmr[0:48]
         p.client_lmr.memoryview()[0:48] = bytes(range(48))
         p.server_lmr.memoryview()[0:48] = bytes(range(100, 148))
@@ -135,13 +123,13 @@ async def test_a_send_side_batch_records_what_the_general_path_records(ia: Any, 
 
 
 @pytest.mark.parametrize("n", [1, 70])
-async def test_a_receive_batch_records_what_the_general_path_records(ia: Any, monkeypatch: pytest.MonkeyPatch,
+async def test_a_receive_batch_records_what_the_general_path_records(ia: Any, general_path_calls: List[int],
                                                                      n: int) -> None:
     """Receives into one segment record the same entries and in-flight counts as the general path,
     and complete in order with their cookies."""
     p = await make_ep_pair(ia, 4096, EPAttr(max_request_dtos=160, max_recv_dtos=160))
     try:
-        calls = counting_as_segments(monkeypatch)
+        calls = general_path_calls
         items = [(p.server_lmr[0:64], f"r{i}") for i in range(n)]
         items = [(items[0][0], cookie) for _, cookie in items]  # the very same segment object
         by_c, by_python = post_twice(p.server, "_recv_q", p.server.post_recv_batch, items, calls)
@@ -157,7 +145,7 @@ async def test_a_receive_batch_records_what_the_general_path_records(ia: Any, mo
 
 @pytest.mark.parametrize("n", [2, 70])
 async def test_a_receive_batch_on_a_pool_records_what_the_general_path_records(ia: Any,
-                                                                               monkeypatch: pytest.MonkeyPatch,
+                                                                               general_path_calls: List[int],
                                                                                n: int) -> None:
     """Receives each into a slice of its own (a pool of buffers, over two LMRs taken in turn) record
     the same entries and in-flight counts through C as through the general path, and complete in
@@ -165,7 +153,7 @@ async def test_a_receive_batch_on_a_pool_records_what_the_general_path_records(i
     p = await make_ep_pair(ia, 64 * 70, EPAttr(max_request_dtos=160, max_recv_dtos=160))
     second = p.pz.register(bytearray(64 * 70), aiodat.Privileges.ALL)
     try:
-        calls = counting_as_segments(monkeypatch)
+        calls = general_path_calls
         pools = (p.server_lmr, second)
         items = [(pools[i % 2][64 * i:64 * i + 64], f"r{i}") for i in range(n)]
         seen = []
@@ -201,7 +189,7 @@ async def test_a_receive_batch_on_a_pool_records_what_the_general_path_records(i
 @pytest.mark.parametrize("flags,last_flags", FLAGS)
 @pytest.mark.parametrize("n", [2, 70])
 async def test_a_send_side_batch_on_a_pool_records_what_the_general_path_records(
-        ia: Any, monkeypatch: pytest.MonkeyPatch, op: str, flags: Any, last_flags: Any, n: int) -> None:
+        ia: Any, general_path_calls: List[int], op: str, flags: Any, last_flags: Any, n: int) -> None:
     """Sends, RDMA writes and RDMA reads each from a slice of its own (a pool of buffers over two LMRs
     taken in turn), the RDMA ones each to a remote slice of its own, record the same entries (one per
     request), UNSIGNALLED marks and in-flight counts through C as through the general path; both
@@ -210,7 +198,7 @@ async def test_a_send_side_batch_on_a_pool_records_what_the_general_path_records
     second = p.pz.register(bytearray(64 * 70), aiodat.Privileges.ALL)
     aside = p.pz.register(bytearray(64), aiodat.Privileges.ALL)  # the second sends' and the last write's
     try:
-        calls = counting_as_segments(monkeypatch)
+        calls = general_path_calls
         pools = (p.client_lmr, second)
         local = [pools[i % 2][64 * i:64 * i + 48] for i in range(n)]
         for i, seg in enumerate(local):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, List
 
 import pytest
 
@@ -94,25 +94,15 @@ def test_rate_through_an_srq_beside_ib_send_bw_srq(rdma_device: Any, request: An
 @pytest.mark.parametrize("processes", [1, 2])
 @pytest.mark.parametrize("op", ["write", "read", "send"])
 def test_a_pool_run_fills_every_slice_through_c(rdma_device: Any, op: str, processes: int,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                general_path_calls: List[int]) -> None:
     """``pool``: each side's requests take turns over 16 slices of their own, and the checks at the
     end (here, or in the child for what it received) find the pattern in every slice, so every
     slice was used.  In one process every post of the run takes C's pool path: post.py's general
-    path (which turns segments with as_segments) never runs."""
-    import aiodat.post
-
-    calls = [0]
-    real = aiodat.post.as_segments
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(aiodat.post, "as_segments", counted)
+    path never runs."""
     sample = bench.run_on_loop("asyncio", lambda: bench.bandwidth_stream(
         rdma_device.name, rdma_device.address, op, 4096, 16, 200, 4, processes=processes, pool=True))
     assert sample.iters == 200 and sample.seconds > 0
-    assert calls[0] == 0, "a pool's batch went to the general path"
+    assert general_path_calls[0] == 0, "a pool's batch went to the general path"
 
 
 @pytest.mark.rxe
