@@ -49,7 +49,6 @@ static int (*poll_fn)(struct ibv_cq *cq, struct aiodat_wc *out, int max);
 /* the shim's aiodat_cq_drain: a wake-up's read of the channel event, and an arm, with its poll */
 static int (*drain_fn)(struct ibv_comp_channel *channel, struct ibv_cq *cq, int arm, struct aiodat_wc *out,
                        int max, int *status);
-static PyObject *one;
 static PyObject *s_closed, *s_backlog, *s_awaited, *s_cq_address, *s_wcs_address, *s_qlen, *s_queue,
                 *s_qpn_refs, *s_polled;
 static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited_hit, *s_busy_poll_us,
@@ -124,29 +123,23 @@ static long long segments_length(PyObject *segs)
     return total;
 }
 
+/* lmr._inflight -= n: 0, or -1 on error */
+static int release_lmr(PyObject *lmr, Py_ssize_t n)
+{
+    return attr_add(lmr, s_inflight, -n);
+}
+
 /* lmr._inflight -= requests for each segment: they are the hardware's no more. */
-static int release_segments(PyObject *segs, PyObject *requests)
+static int release_segments(PyObject *segs, Py_ssize_t requests)
 {
     for (Py_ssize_t k = 0; k < PyTuple_Size(segs); k++) {
         PyObject *lmr = PyObject_GetAttr(PyTuple_GetItem(segs, k), s_lmr);
-        PyObject *count = lmr ? PyObject_GetAttr(lmr, s_inflight) : NULL;
-        PyObject *less = count ? PyNumber_Subtract(count, requests) : NULL;
-        int err = less == NULL || PyObject_SetAttr(lmr, s_inflight, less) < 0;
-        Py_XDECREF(less); Py_XDECREF(count); Py_XDECREF(lmr);
+        int err = lmr == NULL || release_lmr(lmr, requests) < 0;
+        Py_XDECREF(lmr);
         if (err)
             return -1;
     }
     return 0;
-}
-
-/* lmr._inflight -= n: 0, or -1 on error */
-static int release_lmr(PyObject *lmr, Py_ssize_t n)
-{
-    PyObject *count = PyObject_GetAttr(lmr, s_inflight), *by = PyLong_FromSsize_t(n);
-    PyObject *less = count && by ? PyNumber_Subtract(count, by) : NULL;
-    int err = less == NULL || PyObject_SetAttr(lmr, s_inflight, less) < 0;
-    Py_XDECREF(less); Py_XDECREF(by); Py_XDECREF(count);
-    return err ? -1 : 0;
 }
 
 /* Pop the ``count`` suppressed sends at the head of ``q`` and release their segments, one update of
@@ -293,7 +286,7 @@ static int srq_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, Py
     *out = recv_event(evd, ep, wc, PyTuple_GetItem(entry, 0));
     if (*out == NULL)
         goto done;
-    if (PyDict_DelItem(posted, key) < 0 || release_segments(PyTuple_GetItem(entry, 1), one) < 0) {
+    if (PyDict_DelItem(posted, key) < 0 || release_segments(PyTuple_GetItem(entry, 1), 1) < 0) {
         Py_CLEAR(*out);  /* (a dictionary's delete and an int's decrement do not fail on real objects) */
         goto done;
     }
@@ -309,7 +302,8 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     int recv = (int)(wc->wr_id & 1);
     int taken = 0;
     Py_ssize_t retire = 0;  /* suppressed sends before this one, retired with it */
-    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL, *requests = NULL;
+    Py_ssize_t requests = 0;  /* a run's: how many requests its last completion takes */
+    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL;
     q = PyObject_GetAttr(ep, recv ? s_recv_q : s_send_q);
     quiet = q ? PyObject_GetAttr(ep, s_quiet) : NULL;
     if (quiet == NULL)
@@ -339,9 +333,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
             || (last - base) / 2 >= (unsigned long long)PyTuple_Size(cookie))
             goto done;  /* a completion inside the run: an error or a flush, wr.py's */
         cookie = PyTuple_GetItem(cookie, (Py_ssize_t)((last - base) / 2));
-        requests = PyLong_FromUnsignedLongLong((last - first) / 2 + 1);
-        if (requests == NULL)
-            goto error;
+        requests = (Py_ssize_t)((last - first) / 2 + 1);
     } else if (first != wc->wr_id) {
         /* not the oldest request: selective signalling, plain sends posted suppressed before it.
          * The send queue is ordered, so they finished first: they are retired with it, as wr.py's
@@ -370,7 +362,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
             goto error;
         op = PyTuple_GetItem(head, 2);
         segs = PyTuple_GetItem(head, 3);
-        if (requests == NULL && target != Py_None)
+        if (requests == 0 && target != Py_None)
             goto done;  /* a drain marker or a window bind: wr.py's business */
         int plain = PySet_Contains(plain_send_ops, op);
         if (plain <= 0) {
@@ -395,7 +387,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
         goto error;
     }
     popped = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
-    if (popped == NULL || release_segments(segs, requests ? requests : one) < 0) {
+    if (popped == NULL || release_segments(segs, requests ? requests : 1) < 0) {
         /* (a deque's popleft and an int's decrement do not fail on real objects) */
         Py_CLEAR(*out);
         goto error;
@@ -405,7 +397,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
 error:
     taken = -1;
 done:
-    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(popped); Py_XDECREF(requests);
+    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(popped);
     return taken;
 }
 
@@ -1552,8 +1544,6 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_napi_arm_retry, "_napi_arm_retry"); INTERN(s_woken, "_woken"); INTERN(s_watch, "_watch");
     INTERN(s_draining_the_cq, "draining the CQ");
     INTERN(k_notify, "notify"); INTERN(success, "IBV_WC_SUCCESS");
-    if ((one = PyLong_FromLong(1)) == NULL)
-        return NULL;
     PyObject *mod = PyModule_Create(&module);
     if (mod != NULL && PyModule_AddIntConstant(mod, "CALLBACK_ROUNDS", CALLBACK_ROUNDS) < 0)
         Py_CLEAR(mod);

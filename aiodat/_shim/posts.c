@@ -171,12 +171,7 @@ static long long next_id(PyObject *ep)
 /* lmr._inflight += n: 0, or -1 on error */
 static int add_inflight(PyObject *lmr, Py_ssize_t n)
 {
-    PyObject *count = PyObject_GetAttr(lmr, s_inflight);
-    PyObject *delta = PyLong_FromSsize_t(n);
-    PyObject *more = count && delta ? PyNumber_Add(count, delta) : NULL;
-    int err = more == NULL || PyObject_SetAttr(lmr, s_inflight, more) < 0;
-    Py_XDECREF(more); Py_XDECREF(delta); Py_XDECREF(count);
-    return err ? -1 : 0;
+    return attr_add(lmr, s_inflight, n);
 }
 
 /* Record a posted request: ep.<queue>.append(entry), lmr._inflight += 1, and the quiet mark.

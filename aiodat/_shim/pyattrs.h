@@ -1,5 +1,6 @@
 /* aiodat/_shim/pyattrs.h: reading a Python object's attributes in the hot-path modules
- * (completions.c, posts.c), on the limited API.  Each returns -1 with the exception set on error. */
+ * (completions.c, posts.c), on the limited API, and writing the counts they keep.  Each returns -1
+ * with the exception set on error. */
 #ifndef AIODAT_PYATTRS_H
 #define AIODAT_PYATTRS_H
 
@@ -34,6 +35,16 @@ static inline int attr_is(PyObject *obj, PyObject *name, PyObject *expected)
     int same = value == expected;
     Py_DECREF(value);
     return same;
+}
+
+/* obj.<name> += delta (an int attribute, such as an LMR's in-flight count): 0, or -1 */
+static inline int attr_add(PyObject *obj, PyObject *name, Py_ssize_t delta)
+{
+    PyObject *value = PyObject_GetAttr(obj, name), *by = PyLong_FromSsize_t(delta);
+    PyObject *sum = value && by ? PyNumber_Add(value, by) : NULL;
+    int err = sum == NULL || PyObject_SetAttr(obj, name, sum) < 0;
+    Py_XDECREF(sum); Py_XDECREF(by); Py_XDECREF(value);
+    return err ? -1 : 0;
 }
 
 /* ``module.name`` (a new reference), or NULL with the exception set: for what a module looks up once */
