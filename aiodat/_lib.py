@@ -13,7 +13,7 @@ INSTALL_HINT = (
 )
 
 
-def _load():  # type: ignore[no-untyped-def]
+def _load():
     try:
         from aiodat._shim import _core
     except ImportError as exc:

@@ -450,9 +450,10 @@ def _run_bench(name: str, args: argparse.Namespace, run: Callable[[], Any],
         except ImportError:
             _err(f"{name}: --loop uvloop needs uvloop (pip install uvloop)")
             return 1
+    failures: Tuple[Type[BaseException], ...] = (DATError, *errors)  # (mypy takes no starred tuple in except)
     try:
         report = run()
-    except (DATError, *errors) as exc:
+    except failures as exc:
         _err(f"{name}: {exc}")
         return 1
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.format())

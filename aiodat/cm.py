@@ -141,7 +141,7 @@ def _sockaddr(host: str, port: int) -> Any:
                 f"event loop: pass the address, or use the awaitable call (await ep.connect(...)), which "
                 f"looks names up off the loop")
         try:  # a host name, with no loop to block: resolve it the ordinary way
-            host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+            host = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
         except (OSError, UnicodeError) as exc:
             raise _not_found(host, exc) from None
         lib.aiodat_sockaddr(host.encode(), port, addr)
@@ -367,7 +367,7 @@ class _Route(weakref.ref):
         return super().__new__(cls, owner, _drop_route)
 
     def __init__(self, owner: Any, key: int, raw: Raw, routes: Dict[int, "_Route"]) -> None:
-        super().__init__(owner, _drop_route)
+        super().__init__(owner, _drop_route)  # type: ignore[call-arg]  # (typeshed: ref has no __init__)
         self.key, self.raw, self.routes = key, raw, routes
 
 
@@ -696,8 +696,8 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
     drain = graceful and bool(ep._send_q) and loop is not None
     # The loop must watch the channel (and, to drain, the request EVD): InvalidState if another
     # loop owns them, raised here, before the QP goes to ERR or the DREQ goes.
-    if drain:
-        ep.request_evd._attach(loop)  # type: ignore[arg-type]  (its IA's fds too)
+    if drain and loop is not None:  # (drain implies a loop)
+        ep.request_evd._attach(loop)  # (its IA's fds too)
     else:
         ep._ia._attach_loop()
     if not graceful:
@@ -806,6 +806,7 @@ async def connect_pair(client: "EP", server: "EP", timeout: float = 30.0) -> "PS
 
     async def accept() -> None:
         event = await cr_evd.wait_one(timeout=timeout)
+        assert isinstance(event, ConnectionRequestEvent)  # (a CR EVD takes nothing else)
         await event.cr.accept(server, timeout=timeout)
 
     acceptor = asyncio.ensure_future(accept())
@@ -853,8 +854,9 @@ class Listener(Handle):
         bound = _address(lib.rdma_get_local_addr(self._cm_id))
         #: the port (connection qualifier) listened on
         self.port: int = bound[1] if bound else port
+        assert ia.address is not None  # (the caller's sockaddr came from listen_address, which checks)
         #: the address listened on
-        self.address: Optional[str] = ia.address
+        self.address: str = ia.address
 
     def free(self) -> None:
         """Stop listening (dat_psp_free); requests not yet answered are rejected."""

@@ -159,6 +159,7 @@ class _Resolution:
 
 
 class _Resolver(_Resolution):
+    address: Tuple[str, int]  # the peer's (host, port): resolve_datagram sets it before the id's first event
     def _on_cm_event(self, ev: Any, pdata: bytes) -> None:
         if self.fut.done():  # cancelled or timed out: drop what arrived
             self.destroy()
@@ -231,7 +232,7 @@ async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes =
     fut: "asyncio.Future[AddressHandle]" = asyncio.get_running_loop().create_future()
     res = _Resolver(ep, fut, f"resolve_datagram {host}:{port}")
     res.pdata = pdata
-    res.address = (host, port)  # type: ignore[attr-defined]
+    res.address = (host, port)
     if lib.rdma_resolve_addr(res.cm_id, ia._cm.source(), dst, _RESOLVE_MS):
         err = ffi.errno
         res.destroy()
@@ -415,7 +416,7 @@ def post_recv_datagram(ep: "EP", segments: Any, cookie: Any, flags: Any) -> None
             f"{1 + len(segs)} for {len(segs)} segment(s), this EP has {ep.attrs.max_recv_iov}")
     grh = getattr(ep, "_grh_lmr", None)  # the EP's scratch for GRHs, made on first use
     if grh is None or grh.closed:
-        grh = ep._grh_lmr = ep._pz.register(bytearray(GRH_SIZE), Privileges.LOCAL_WRITE)
+        grh = ep._grh_lmr = ep._pz.register(bytearray(GRH_SIZE), Privileges.LOCAL_WRITE)  # type: ignore[attr-defined]
     ep.post_recv([grh.segment(), *segs], cookie, flags)
 
 

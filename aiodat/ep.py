@@ -146,7 +146,7 @@ class EP(Posting, Handle):
         if qlen > limit:
             raise InvalidParameter(f"the EP's own {what} would need {qlen} entries, more than max_evd_qlen "
                                    f"{limit}: lower the EPAttr queue depth or pass an EVD")
-        evd = EVD(self._ia, max(qlen, 1), streams, comp_vector=self.attrs.comp_vector)
+        evd: "EVD[Any]" = EVD(self._ia, max(qlen, 1), streams, comp_vector=self.attrs.comp_vector)
         evd._warn_if_dropped = False  # part of the EP: dropped with it, the EP's warning says so
         self._own_evds.append(evd)
         return evd

@@ -163,6 +163,8 @@ class DATError(Exception):
     message: str
     subtype: Optional[str]
     status: Optional[str]
+    errno: Optional[int]
+    strerror: Optional[str]  # set (OSError's own slot) on the OSError-based classes only
 
     def __init__(
         self,
@@ -210,8 +212,8 @@ class DATError(Exception):
             state["strerror"] = self.strerror
         return (type(self), (self.message,), state)
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        for key, value in state.items():
+    def __setstate__(self, state: Optional[Dict[str, Any]]) -> None:
+        for key, value in (state or {}).items():
             setattr(self, key, value)
 
 
@@ -346,7 +348,7 @@ class TimeoutExpired(DATError, TimeoutError):
     """DAT_TIMEOUT_EXPIRED: a wait ended because its timeout expired."""
 
     code = "DAT_TIMEOUT_EXPIRED"
-    type_value = 0x000F0000
+    type_value: ClassVar[Optional[int]] = 0x000F0000  # (ConnectionTimedOut, an event, has None)
 
 
 class ProviderAlreadyRegistered(DATError, ValueError):

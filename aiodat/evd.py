@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Deque, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Deque, Generic, List, Optional, Tuple, TypeVar
 
 from aiodat._fdwatch import FdWatch
 from aiodat._handle import Handle, Raw
@@ -163,7 +163,7 @@ class DTOCompletionEvent(Event):
     notify: bool = field(default=True, repr=False, compare=False)
 
     @classmethod
-    def _completed(cls, evd: "EVD", ep: "EP", cookie: Any, status: str, length: int, op: DTOOp,
+    def _completed(cls, evd: "EVD", ep: Any, cookie: Any, status: str, length: int, op: DTOOp,
                    imm: Optional[int], vendor_err: int, src_qp: Optional[int],
                    notify: bool) -> "DTOCompletionEvent":
         """Build one event per completion on the hot path: a single dict update instead of the
@@ -217,8 +217,8 @@ class RMRBindEvent(Event):
 class ConnectionRequestEvent(Event):
     """A peer asks to connect (DAT_CONNECTION_REQUEST_EVENT); answer ``cr`` with accept or reject."""
 
-    cr: Optional["CR"] = None
-    psp: Optional["PSP"] = None
+    cr: "CR"
+    psp: "PSP"
 
     @classmethod
     def _made(cls, evd: "EVD", cr: "CR", psp: "PSP") -> "ConnectionRequestEvent":
@@ -262,8 +262,19 @@ class AsyncEvent(Event):
     reason: str = ""
 
 
-class EVD(Handle):
-    """An Event Dispatcher (dat_evd_create): a queue of events from one or more streams."""
+#: the events an EVD yields, for a type checker: ``ia.create_evd(n, EvdFlags.DTO)`` is an
+#: ``EVD[DTOCompletionEvent]``, an EVD of several streams an ``EVD[Event]`` (narrow with isinstance)
+E = TypeVar("E", bound=Event, covariant=True)
+
+
+class EVD(Handle, Generic[E]):
+    """An Event Dispatcher (dat_evd_create): a queue of events from one or more streams.
+
+    For a type checker an EVD is generic in the events it yields: an EVD of one stream
+    (``EvdFlags.DTO``, ``CR``, ``CONNECTION``, ``RMR_BIND`` or ``SOFTWARE``) yields that stream's
+    event class only, so ``(await evd.wait_one()).raise_for_status()`` type-checks; an EVD of
+    several streams is an ``EVD[Event]``.
+    """
 
     _kind = "evd"
     _close_rank = 20  # after PZs (and the EPs inside them), so QPs go before their CQs
@@ -297,7 +308,7 @@ class EVD(Handle):
         self._poller: Optional[Poller] = None  # the poller of the loop watching the channel
         self._arm_retried = False  # the poller's arm failed once and is being tried again
         #: set_callback's function and the loop it runs in; None: events wait for wait()/dequeue()
-        self._callback: Optional[Callable[[List[Event]], Any]] = None
+        self._callback: Optional[Callable[[List[Any]], Any]] = None
         self._callback_loop: Optional[asyncio.AbstractEventLoop] = None
         self._on_error: Optional[Callable[[BaseException], Any]] = None
         self._cq_bound: Optional[int] = None  # an upper bound of what may complete at once (cqsize.py)
@@ -307,7 +318,7 @@ class EVD(Handle):
         self._is_async = _is_async
         #: other IAs whose async events this (async) EVD receives: open_ia(..., async_evd=this)
         self._sharers: List["IA"] = []
-        self._queue: Deque[Event] = deque()
+        self._queue: Deque[Any] = deque()  # (Any: what E each EVD holds is the type checker's business)
         self._waiter: Optional["asyncio.Future[None]"] = None
         #: the task of a spinning wait (see wait): cancelling it ends the wait at once
         self._spinner: Optional["asyncio.Task[Any]"] = None
@@ -332,7 +343,7 @@ class EVD(Handle):
         # channel and the drain's status, the IA's table of EPs by QP number, and where it leaves
         # a poll it did not finish
         self._cq_address = self._wcs_address = self._channel_address = self._status_address = 0
-        self._qpn_refs = ia._qpn_owner.data  # (WeakValueDictionary's own dict of weak references)
+        self._qpn_refs = ia._qpn_owner.data  # type: ignore[attr-defined]  # (WeakValueDictionary's own dict of weak refs)
         self._polled: Tuple[int, int, int] = (0, 0, 0)
         #: completions polled from the CQ whose events could not be made yet (a failure halfway)
         self._backlog: List[Any] = []
@@ -517,7 +528,7 @@ class EVD(Handle):
         """Turn polled completions (struct aiodat_wc tuples, see _WC) into events; True if one
         of them notifies.  If one raises, the ones after it are kept in ``_backlog``."""
         notified = False
-        queue, refs = self._queue, self._ia._qpn_owner.data  # WeakValueDictionary's table of weak refs
+        queue, refs = self._queue, self._ia._qpn_owner.data  # type: ignore[attr-defined]  # (its table of weak refs)
         qpn = ep = None  # a batch mostly comes from one QP: look its EP up once
         for wc in wcs:
             if wc[_WC_QP_NUM] != qpn:
@@ -695,7 +706,7 @@ class EVD(Handle):
         spinner = self._spinner
         return spinner is None or not spinner.cancelling()
 
-    def _take(self, max_events: Optional[int]) -> List[Event]:
+    def _take(self, max_events: Optional[int]) -> List[Any]:
         queue = self._queue
         if max_events is None or max_events >= len(queue):
             events = list(queue)
@@ -718,7 +729,7 @@ class EVD(Handle):
         """The streams this EVD accepts."""
         return self._streams
 
-    def dequeue(self) -> Optional[Event]:
+    def dequeue(self) -> Optional[E]:
         """Return the next event, or None if there is none; never blocks (dat_evd_dequeue).
 
         A failure of the EVD's wake-up that no waiting task received is raised
@@ -743,7 +754,7 @@ class EVD(Handle):
         *,
         max_events: Optional[int] = None,
         solicited_only: bool = False,
-    ) -> List[Event]:
+    ) -> List[E]:
         """Wait until at least ``threshold`` events are queued and return them (dat_evd_wait).
 
         Returns every queued event (at most ``max_events`` if given).  Raises
@@ -903,7 +914,7 @@ class EVD(Handle):
             self._attached_loop = loop
 
     # -- callback delivery ---------------------------------------------------
-    def set_callback(self, fn: Optional[Callable[[List[Event]], Any]], *,
+    def set_callback(self, fn: Optional[Callable[[List[E]], Any]], *,
                      on_error: Optional[Callable[[BaseException], Any]] = None) -> None:
         """Deliver events to ``fn(events)`` instead of waits; ``None`` goes back to waits.
 
@@ -1026,15 +1037,15 @@ class EVD(Handle):
                 exc, what = handler_exc, f"{what} failed, and its on_error {on_error!r}"
         loop.call_exception_handler({"message": f"aiodat: {self!r}: {what} failed", "exception": exc, "evd": self})
 
-    async def wait_one(self, timeout: Optional[float] = None) -> Event:
+    async def wait_one(self, timeout: Optional[float] = None) -> E:
         """Wait for and return exactly one event."""
         events = await self.wait(1, timeout, max_events=1)
         return events[0]
 
-    def __aiter__(self) -> AsyncIterator[Event]:
+    def __aiter__(self) -> AsyncIterator[E]:
         return self._iterate()
 
-    async def _iterate(self) -> AsyncIterator[Event]:
+    async def _iterate(self) -> AsyncIterator[E]:
         while not self._closed:
             try:
                 events = await self.wait(1)
@@ -1158,7 +1169,7 @@ def _task_getter() -> Optional[Callable[[asyncio.AbstractEventLoop], Optional["a
     try:  # asyncio.current_task in C (3.12), or 3.11's own table of running tasks
         import _asyncio
 
-        return getattr(_asyncio, "current_task", None) or _asyncio._current_tasks.get  # type: ignore[no-any-return]
+        return getattr(_asyncio, "current_task", None) or _asyncio._current_tasks.get  # type: ignore[attr-defined]
     except (ImportError, AttributeError):
         return asyncio.current_task
 

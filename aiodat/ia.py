@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, MutableMapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, MutableMapping, Optional, Sequence, Tuple, overload
 
 from aiodat._handle import Raw, RootHandle
 from aiodat._lib import ffi, lib
@@ -37,6 +37,8 @@ from aiodat.srq import SRQ
 
 if TYPE_CHECKING:
     from aiodat.attrs import IAQuery
+    from aiodat.evd import (ConnectionEvent, ConnectionRequestEvent, DTOCompletionEvent, Event, RMRBindEvent,
+                            SoftwareEvent)
 
 __all__ = ["IA", "PZ", "Provider", "list_providers", "open_ia", "port_state_name", "RO_AWARE_PREFIX"]
 
@@ -327,8 +329,28 @@ class IA(RootHandle):
         self._check()
         return PZ(self)
 
+    # For a type checker: an EVD of one stream yields that stream's events only (see EVD)
+    @overload
+    def create_evd(self, qlen: int, streams: Literal[EvdFlags.DTO], comp_vector: Optional[int] = None, *,
+                   busy_poll_us: int = 0) -> "EVD[DTOCompletionEvent]": ...
+    @overload
+    def create_evd(self, qlen: int, streams: Literal[EvdFlags.CR], comp_vector: Optional[int] = None, *,
+                   busy_poll_us: int = 0) -> "EVD[ConnectionRequestEvent]": ...
+    @overload
+    def create_evd(self, qlen: int, streams: Literal[EvdFlags.CONNECTION], comp_vector: Optional[int] = None, *,
+                   busy_poll_us: int = 0) -> "EVD[ConnectionEvent]": ...
+    @overload
+    def create_evd(self, qlen: int, streams: Literal[EvdFlags.RMR_BIND], comp_vector: Optional[int] = None, *,
+                   busy_poll_us: int = 0) -> "EVD[RMRBindEvent]": ...
+    @overload
+    def create_evd(self, qlen: int, streams: Literal[EvdFlags.SOFTWARE], comp_vector: Optional[int] = None, *,
+                   busy_poll_us: int = 0) -> "EVD[SoftwareEvent]": ...
+    @overload
+    def create_evd(self, qlen: int, streams: Optional["EvdFlags"] = None, comp_vector: Optional[int] = None, *,
+                   busy_poll_us: int = 0) -> "EVD[Event]": ...
+
     def create_evd(self, qlen: int, streams: Optional["EvdFlags"] = None,
-                   comp_vector: Optional[int] = None, *, busy_poll_us: int = 0) -> "EVD":
+                   comp_vector: Optional[int] = None, *, busy_poll_us: int = 0) -> "EVD[Any]":
         """Create an Event Dispatcher of at least ``qlen`` entries fed by ``streams`` (dat_evd_create).
 
         ``streams`` defaults to every stream (DTO, RMR bind, connection,

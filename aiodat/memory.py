@@ -22,7 +22,7 @@ from aiodat._handle import Handle, Raw
 from aiodat._lib import ffi, lib
 from aiodat.epattr import EPState
 from aiodat.errors import InsufficientResources, InvalidParameter, InvalidState, LengthError, error_from_errno, shown
-from aiodat.evd import DTOOp, EventType, RMRBindEvent
+from aiodat.evd import DTOOp, EvdFlags, EventType, RMRBindEvent
 
 if TYPE_CHECKING:
     from aiodat.ia import IA
@@ -401,11 +401,16 @@ class RMR(Handle):
             raise InvalidParameter("the EP belongs to another PZ than the RMR")
         if ep.state is not EPState.CONNECTED:
             raise InvalidState(f"binding a type-2 window needs a connected EP; this one is {ep.state.value}")
+        if not int.__and__(ep.request_evd.streams, EvdFlags.RMR_BIND):  # (plain ints: no enum member built)
+            raise InvalidParameter(f"the EP's request_evd does not accept the RMR_BIND stream, where a bind's "
+                                   f"event goes: create it with EvdFlags.RMR_BIND (its streams: "
+                                   f"{ep.request_evd.streams!r})")
         if waiter is not None:
             # the completion must be drained by the waiter's loop: InvalidState if another loop owns
             # the request EVD, raised here, before the bind goes
             ep.request_evd._attach(waiter.get_loop())
         if op is DTOOp.BIND:
+            assert segment is not None  # (bind_nowait passes one; an unbind passes None)
             if self._bound is not None or any(p[1] is DTOOp.BIND for p in self._pending):
                 raise InvalidState("the window is bound (or a bind is pending): unbind it first "
                                    "(type-2 windows cannot be rebound in place)")
@@ -506,12 +511,12 @@ class RMR(Handle):
             evd._awaited -= 1
         ok = status == "IBV_WC_SUCCESS"
         if pop_op is DTOOp.BIND:
-            if segment is not None:
-                segment.lmr._inflight -= 1
+            assert segment is not None  # (a bind always names its segment: bind_nowait)
+            segment.lmr._inflight -= 1
             if ok:
                 self._rkey = new_rkey
                 self._mw.rkey = new_rkey  # verbs leaves this to the consumer; the next bind names it
-                self._bound = (segment, privileges)  # type: ignore[assignment]
+                self._bound = (segment, privileges)
                 segment.lmr._inflight += 1  # held while bound
         elif ok and self._bound is not None:
             self._bound[0].lmr._inflight -= 1

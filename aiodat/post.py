@@ -261,14 +261,14 @@ class Posting(WorkRequests):
             segs = as_segments(inputs[0])
             self._check_post(segs, limit, what)
             return [segs] * len(inputs), True
-        column = []
+        column: List[Tuple[Segment, ...]] = []
         last_in: Any = column  # a sentinel no item is
         checked: Tuple[Segment, ...] = ()
-        for segs in inputs:
-            if segs is not last_in:  # the same segments again: checked already
-                checked = as_segments(segs)
+        for item in inputs:
+            if item is not last_in:  # the same segments again: checked already
+                checked = as_segments(item)
                 self._check_post(checked, limit, what)
-                last_in = segs
+                last_in = item
             column.append(checked)
         return column, False
 
@@ -619,7 +619,7 @@ class Posting(WorkRequests):
         self._windows.discard(rmr)
 
     # -- the drain of a graceful disconnect (called by cm.py) ------------------------
-    def _post_drain_marker(self, callback: Callable[[str], None]) -> DrainMarker:
+    def _post_drain_marker(self, callback: Callable[[str], object]) -> DrainMarker:
         """Post a signalled zero-length RDMA write behind everything posted; ``callback(status)``
         runs when it completes, i.e. once every earlier request of the send queue has.
 

@@ -111,7 +111,7 @@ class DrainMarker:
 
     __slots__ = ("callback", "status")
 
-    def __init__(self, callback: Callable[[str], None]) -> None:
+    def __init__(self, callback: Callable[[str], object]) -> None:
         self.callback = callback
         self.status: Optional[str] = None
 
@@ -146,6 +146,7 @@ class WorkRequests:
     _ud: bool
     recv_evd: "EVD"
     _on_async_error: Callable[[str], None]  # the EP's: a failed completion breaks the connection
+    _check: Callable[[], None]  # the EP's (a Handle's): InvalidHandle once it is closed
 
     def _init_tracking(self) -> None:
         self._ids = itertools.count(1)
@@ -320,8 +321,8 @@ class WorkRequests:
         for entry in self._send_q:
             run = entry[4]
             self._track(entry[3], -(run.size(entry[0]) if type(run) is SendRun else 1))
-        for entry in self._recv_q:
-            self._track(entry[2], -1)
+        for posted in self._recv_q:
+            self._track(posted[2], -1)
         self._send_q.clear()
         self._recv_q.clear()
         self._quiet.clear()

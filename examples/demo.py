@@ -23,13 +23,15 @@ def main() -> int:
     args = parser.parse_args()
     server = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "echo_server.py"), "--port", str(args.port),
                                "--clients", "1"], stdout=subprocess.PIPE, text=True)
-    first = server.stdout.readline()  # "server: listening on ADDR:PORT" once the PSP is up
+    out = server.stdout
+    assert out is not None  # (stdout=PIPE)
+    first = out.readline()  # "server: listening on ADDR:PORT" once the PSP is up
     print(first, end="", flush=True)
     if "listening" not in first:
         server.kill()
         print("demo: the echo server did not start", file=sys.stderr)
         return 1
-    relay = threading.Thread(target=lambda: [print(line, end="", flush=True) for line in server.stdout])
+    relay = threading.Thread(target=lambda: [print(line, end="", flush=True) for line in out])
     relay.start()
     client = subprocess.run([sys.executable, os.path.join(HERE, "echo_client.py"), "--port", str(args.port),
                              "--count", str(args.count), "--size", str(args.size)], timeout=120)

@@ -7,9 +7,10 @@ Run it where an RDMA device is up, e.g. `aiodat rxe run -- python examples/demo.
 import argparse
 import asyncio
 import os
+from typing import List
 
 import aiodat
-from aiodat import EventType, EvdFlags, Privileges
+from aiodat import EvdFlags, Privileges
 
 SIZE = 4096  # the largest message a client may send
 
@@ -32,7 +33,7 @@ async def echo(ia: aiodat.IA, pz: aiodat.PZ, cr: aiodat.CR) -> None:
     await cr.accept(ep)
     print(f"server: client {cr.remote_address} connected", flush=True)
     async for ev in evd:  # until DISCONNECTED (or a receive it flushed)
-        if ev.type != EventType.DTO_COMPLETION or not ev.ok:
+        if not isinstance(ev, aiodat.DTOCompletionEvent) or not ev.ok:  # (a mixed EVD: narrow the event)
             break
         if ev.operation is aiodat.DTOOp.RECV:
             n = ev.transferred_length
@@ -54,7 +55,7 @@ async def main() -> None:
         cr_evd = ia.create_evd(16, EvdFlags.CR)
         ia.create_psp(args.port, cr_evd)
         print(f"server: listening on {args.host or ia.address}:{args.port}", flush=True)
-        clients = []
+        clients: List["asyncio.Future[None]"] = []
         while not args.clients or len(clients) < args.clients:
             request = await cr_evd.wait_one()
             clients.append(asyncio.ensure_future(echo(ia, pz, request.cr)))

@@ -61,10 +61,12 @@ class Greeter:
 
     async def SayHello(self, stream: grpclib.server.Stream) -> None:
         request = await stream.recv_message()
+        assert request is not None  # (a unary call always carries its request)
         await stream.send_message(HelloReply(message=f"Hello, {request.name}!", blob=request.blob))
 
     async def Countdown(self, stream: grpclib.server.Stream) -> None:
         request = await stream.recv_message()
+        assert request is not None
         for i in (3, 2, 1):
             await stream.send_message(HelloReply(message=f"{request.name} {i}"))
 
@@ -89,9 +91,10 @@ class GreeterStub:
 
 async def main(transport: str, host: str, calls: int, repeats: int) -> None:
     if transport == "rdma":
-        server: grpclib.server.Server = RdmaServer([Greeter()])           # <- RDMA
-        await server.start(host, 0)
-        port = server.sockets[0].getsockname()[1]
+        rdma_server = RdmaServer([Greeter()])                             # <- RDMA
+        await rdma_server.start(host, 0)
+        port = rdma_server.sockets[0].getsockname()[1]
+        server: grpclib.server.Server = rdma_server
         channel: grpclib.client.Channel = RdmaChannel(host, port)         # <- RDMA
     else:
         server = grpclib.server.Server([Greeter()])

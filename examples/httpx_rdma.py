@@ -45,6 +45,7 @@ async def main(transport: str, host: str, requests: int, repeats: int) -> None:
     runner = web.AppRunner(make_app(), access_log=None)
     await runner.setup()
     assert runner.server is not None
+    server: aiodat.streams.Server | asyncio.Server  # (the same methods: aiodat's is a drop-in)
     if transport == "rdma":
         server = await aiodat.streams.create_server(runner.server, host, 0)   # <- RDMA
         client = httpx.AsyncClient(transport=RdmaHTTPTransport())            # <- RDMA

@@ -39,6 +39,7 @@ async def client(ia: aiodat.IA, port: int, me: int, increments: int) -> Tuple[Li
     pz = ia.create_pz()
     result = pz.register(bytearray(8), Privileges.LOCAL_WRITE)
     ep = ia.create_ep(pz)
+    assert ia.address is not None  # (the server's PSP listens there: open_ia found an address)
     table = aiodat.RemoteRegion.from_bytes(await ep.connect(ia.address, port))
     counter, leader = table[0:8], table[8:16]
     seen = []

@@ -31,7 +31,7 @@ import hashlib
 import os
 import sys
 from types import ModuleType
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Coroutine, Dict, List, Optional, Sequence
 
 MAX_LINE = 1 << 16
 
@@ -205,6 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     host = args.host or ("127.0.0.1" if args.transport == "tcp" else os.environ.get("AIODAT_RXE_ADDR"))
     if host is None:
         parser.error("--host is needed for rdma (or run under `aiodat rxe run`, which sets AIODAT_RXE_ADDR)")
+    coro: Coroutine[Any, Any, Any]
     if args.mode == "serve":
         coro = serve(streams, host, args.port)
     elif args.mode == "client":

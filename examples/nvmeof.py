@@ -278,8 +278,8 @@ class Queue:
             while True:
                 for event in await self.evd.wait():
                     if not event.ok:   # a failed send or receive: the connection is broken
-                        raise aiodat.DTOError(f"queue {self.qid}: {event.operation.value} {event.status}",
-                                              status=event.status)
+                        op = event.operation.value if event.operation else "request"
+                        raise aiodat.DTOError(f"queue {self.qid}: {op} {event.status}", status=event.status)
                     if event.operation is not DTOOp.RECV:
                         continue       # a send completed: nothing to do, its slot is freed by the CQE
                     slot = self._cqe_slot(event.cookie)

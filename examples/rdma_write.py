@@ -58,6 +58,7 @@ async def client(ia: aiodat.IA, port: int, size: int, chunk: int) -> None:
     data = bytearray(content(size))
     lmr = pz.register(data, Privileges.LOCAL_WRITE)
     ep = ia.create_ep(pz, attrs=EPAttr(max_request_dtos=64))
+    assert ia.address is not None  # (the server's PSP listens there: open_ia found an address)
     remote = aiodat.RemoteRegion.from_bytes(await ep.connect(ia.address, port))
     print(f"client: writing {size} bytes to {remote.address:#x} in {chunk}-byte chunks", flush=True)
     offsets = list(range(0, size, chunk))

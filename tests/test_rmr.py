@@ -218,3 +218,28 @@ async def test_freeing_the_binding_ep_unbinds_fast(ia: Any) -> None:
     assert time.monotonic() - start < 20
     assert rmr2.closed and exposed2.closed
     exposed.free()  # the first window no longer pins it
+
+
+async def test_bind_needs_a_request_evd_that_takes_binds(ia: Any) -> None:
+    """A bind's event goes to the EP's request EVD: one without the RMR_BIND stream is refused before
+    anything is posted (an EVD of the DTO stream alone yields DTO completions only), and the window
+    still binds through an EP whose request EVD takes binds."""
+    from aiodat import EvdFlags
+    from aiodat.cm import connect_pair
+
+    pz = ia.create_pz()
+    dto_only = ia.create_evd(8, EvdFlags.DTO)
+    client, server = ia.create_ep(pz, request_evd=dto_only), ia.create_ep(pz)
+    psp = await connect_pair(client, server, timeout=T)
+    exposed = pz.register(bytearray(4096), WINDOWED)
+    rmr = pz.create_rmr()
+    with pytest.raises(aiodat.InvalidParameter, match="RMR_BIND"):
+        await rmr.bind(exposed[0:64], Privileges.REMOTE_WRITE, client)
+    with pytest.raises(aiodat.InvalidParameter, match="RMR_BIND"):
+        rmr.bind_nowait(exposed[0:64], Privileges.REMOTE_WRITE, client)
+    assert not rmr.bound and client.query().outstanding_requests == 0 and dto_only.dequeue() is None
+    await rmr.bind(exposed[0:64], Privileges.REMOTE_WRITE, server)
+    assert rmr.bound
+    await rmr.unbind(server)
+    assert not rmr.bound
+    psp.free()

@@ -83,7 +83,7 @@ def _rss_kib() -> int:
 
 async def _soak(device: str, address: str, seconds: float, connections: int, interval: float,
                 report: SoakReport) -> None:
-    from aiodat import DATError, EvdFlags, Privileges, open_ia
+    from aiodat import ConnectionRequestEvent, DATError, EvdFlags, Privileges, open_ia
 
     ia = open_ia(device)
     try:
@@ -95,6 +95,7 @@ async def _soak(device: str, address: str, seconds: float, connections: int, int
         async def acceptor() -> None:
             while True:
                 ev = await cr_evd.wait_one()
+                assert isinstance(ev, ConnectionRequestEvent)  # (a CR EVD takes nothing else)
                 key = int.from_bytes(ev.cr.private_data[:4], "big")
                 fut = pending.pop(key, None)
                 if fut is None:

@@ -52,6 +52,7 @@ def _find_device() -> Optional[Tuple[str, str]]:
 
 def run_on_loop(loop_name: str, factory: Callable[[], Awaitable[T]]) -> T:
     """Run ``factory()`` to completion on a new ``asyncio`` or ``uvloop`` event loop, then close it."""
+    loop: asyncio.AbstractEventLoop
     if loop_name == "uvloop":
         import uvloop
 

@@ -105,6 +105,7 @@ class Side:
     def wait_recv_event(self) -> None:
         """Sleep on the completion channel until this side's receive has completed."""
         cq, channel = self.cq, self.channel
+        assert channel is not None  # (the event mode's wait: its CQ has a channel)
         while True:
             n, wcs = cq.poll(8)
             if self._consume(n, wcs):

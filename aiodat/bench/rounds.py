@@ -147,7 +147,7 @@ class Comparison:
 
 
 def _missing(figures: Iterable[Figure]) -> List[str]:
-    out = []
+    out: List[str] = []
     for f in figures:
         seen = []
         for err in f.errors:

@@ -140,7 +140,7 @@ class RdmaServer(grpclib.server.Server):
         self._rdma_handlers.add(handler)
         return _server_protocol(handler, self._rdma_config)
 
-    async def start(self, host: Optional[str] = None, port: Optional[int] = None, *,  # type: ignore[override]
+    async def start(self, host: Optional[str] = None, port: Optional[int] = None, *,
                     backlog: int = 100, ssl: Any = None, ia: Any = None, **stream_options: Any) -> None:
         """Listen on ``host:port`` over RDMA (``port`` 0 or None: a free port, see :attr:`sockets`).
 

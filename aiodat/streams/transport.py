@@ -12,14 +12,14 @@ import warnings
 import weakref
 from asyncio import constants as _asyncio_constants
 from asyncio import transports as _asyncio_transports
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from aiodat._shim._posts import post_recv as _hot_post_recv
 from aiodat._shim._posts import post_send as _hot_post_send
 from aiodat._shim._streamcore import Receiver, Sender
 from aiodat.cm import check_timeout, resolve_host
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
-from aiodat.evd import ConnectionEvent, DTOCompletionEvent, EventType
+from aiodat.evd import EVD, ConnectionEvent, DTOCompletionEvent, EventType
 from aiodat.streams.pool import IARef
 from aiodat.streams.protocol import (
     DEFAULT_LIMIT,
@@ -57,7 +57,7 @@ class Resources:
         self.nrecv = self.nsend = cfg.slots
         size = cfg.buffer_size
         self.pz = ia.create_pz()
-        self.evd = None
+        self.evd: Optional[EVD] = None  # (None only until made: close() after a failed __init__)
         try:
             # one arena: receive slots, then send slots, then the staging buffer for RDMA writes
             self.arena = bytearray(size * (self.nrecv + self.nsend) + cfg.window_size)
@@ -137,6 +137,19 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
     # asyncio's loop.sendfile() reads this: no native sendfile, use the read-and-write() fallback
     _sendfile_compatible = _asyncio_constants._SendfileMode.FALLBACK
 
+    if TYPE_CHECKING:
+        # set and defined at runtime by asyncio's BaseTransport and _FlowControlMixin, whose stubs
+        # list them only in __slots__ (or not at all)
+        _extra: Mapping[str, Any]
+        _loop: asyncio.AbstractEventLoop
+        _protocol_paused: bool
+        _high_water: int
+        _low_water: int
+
+        def _maybe_pause_protocol(self) -> None: ...
+        def _maybe_resume_protocol(self) -> None: ...
+        def _set_write_buffer_limits(self, high: Optional[int] = None, low: Optional[int] = None) -> None: ...
+
     def __init__(self, loop: asyncio.AbstractEventLoop, res: Resources, iaref: IARef, peer: PeerParams,
                  protocol: asyncio.BaseProtocol,
                  on_lost: Optional[Callable[["RdmaTransport"], None]] = None) -> None:
@@ -155,7 +168,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._on_lost = on_lost
         self._core = StreamCore(res.cfg, peer)
         self._size = res.cfg.buffer_size
-        self._peer_window = None
+        self._peer_window: Optional[RemoteRegion] = None
         if self._core.window_length and peer.window is not None:
             self._peer_window = RemoteRegion(peer.window.address, self._core.window_length, peer.window.rkey)
         if self._core.window_length >= res.cfg.rdma_threshold:
@@ -212,13 +225,17 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                     # the EVD under the connection failed (its CQ could not be polled or armed), or
                     # was freed (the IA closed under the stream): nothing more would arrive, so the
                     # connection ends now, with the cause
-                    if transport._res.evd.closed:
+                    evd = transport._res.evd
+                    assert evd is not None  # (a transport's Resources are complete)
+                    if evd.closed:
                         transport._finish(ConnectionBroken(f"the RDMA stream's EVD was freed under it (was its IA "
                                                            f"closed while the stream was open?): {exc!r}"))
                     else:
                         transport._finish(ConnectionBroken(f"the RDMA stream's completion queue failed: {exc!r}"))
 
-            self._res.evd.set_callback(self._receiver.on_events, on_error=on_error)
+            evd = self._res.evd
+            assert evd is not None  # (a transport's Resources are complete)
+            evd.set_callback(self._receiver.on_events, on_error=on_error)
 
     def __del__(self) -> None:
         # Only the warning: the EP, EVD, LMRs and PZ of the stream are freed by their Raw holders
@@ -382,6 +399,8 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                     else:
                         if send.type == MSG_WINDOW:
                             at = send.offset  # the staging buffer mirrors the peer's window
+                            # (the core plans window writes only with a window: window_length > 0)
+                            assert self._peer_window is not None
                             staging = res.staging_base + at
                             core.copy_pending(view[staging:staging + n], n)
                             # unsignalled: the WINDOW send after it is signalled and covers it
@@ -478,6 +497,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if lost_event is not None:
             # take every completion still in the CQ first: data the peer sent before leaving
             evd = self._res.evd
+            assert evd is not None  # (a transport's Resources are complete)
             evd.set_callback(None)  # (dequeue refuses while a callback is set)
             while True:
                 more = evd.dequeue()
@@ -512,9 +532,11 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                                           f"failed: {event.status}"))
             return
         if kind in ("s", "w"):
+            assert slot is not None  # (a stream cookie: a pair)
             self._core.on_send_complete((kind, slot))
             self._check_idle()
         elif kind == "r":
+            assert slot is not None  # (a stream cookie: a pair)
             base = slot * self._size
             res, core = self._res, self._core
             n = core.on_data(slot, res.arena, base, event.transferred_length)
@@ -568,7 +590,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             return  # as asyncio: no data_received after close()
         self._receiver.delivered = True
         try:
-            self._protocol.data_received(view if self._stream_protocol else bytes(view))  # type: ignore
+            self._protocol.data_received(view if self._stream_protocol else bytes(view))  # type: ignore[attr-defined]
         except Exception as exc:
             self._data_received_failed(exc)
 
@@ -585,7 +607,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             return
         keep_open = False
         try:
-            keep_open = bool(self._protocol.eof_received())  # type: ignore[union-attr]
+            keep_open = bool(self._protocol.eof_received())  # type: ignore[attr-defined]
         except Exception as exc:
             self._loop.call_exception_handler({"message": "protocol.eof_received() failed",
                                                "exception": exc, "transport": self, "protocol": self._protocol})
@@ -599,7 +621,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         reason = self._core.disconnect_error(broken, self._closing)
         self._finish(None if reason is None else ConnectionBroken(reason))
 
-    def _finish(self, exc: Optional[BaseException]) -> None:
+    def _finish(self, exc: Optional[Exception]) -> None:
         """Tear down: cancel the tasks, free EP/PZ/LMRs/EVD, release the IA, tell the protocol."""
         if self._lost:
             return
@@ -610,8 +632,10 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         task = self._close_task
         if task is not None and task is not current and not task.done():
             task.cancel()
-        if not self._res.evd.closed:
-            self._res.evd.set_callback(None)
+        evd = self._res.evd
+        assert evd is not None  # (a transport's Resources are complete)
+        if not evd.closed:
+            evd.set_callback(None)
         idle = self._idle
         if idle is not None and not idle.done():
             idle.set_result(None)
@@ -622,7 +646,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             self._protocol_paused = False
         self._loop.call_soon(self._call_connection_lost, exc)
 
-    def _call_connection_lost(self, exc: Optional[BaseException]) -> None:
+    def _call_connection_lost(self, exc: Optional[Exception]) -> None:
         try:
             self._protocol.connection_lost(exc)
         finally:

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import threading
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, TypedDict
 
 from ._common import msg
 from .runner import run
@@ -27,6 +27,17 @@ run     run CMD where an rxe device is up; exit with CMD's status
 """
 
 
+class _RunOptions(TypedDict):
+    """``rxe run``'s options, as :func:`aiodat.testbed.runner.run` takes them."""
+
+    timeout: float
+    memory: str
+    cpus: int
+    method: Optional[str]
+    verbose: bool
+    hosts: int
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``rxe status`` / ``rxe run ... -- CMD`` (``aiodat rxe ...``)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -44,8 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if sub != "run":
         msg("rxe: unknown subcommand %r\n%s" % (sub, USAGE))
         return 2
-    opts = {"timeout": 3000.0, "memory": "2G", "cpus": 2, "method": None, "verbose": False,
-            "hosts": 1}
+    opts: _RunOptions = {"timeout": 3000.0, "memory": "2G", "cpus": 2, "method": None, "verbose": False, "hosts": 1}
     shares: List[str] = []
     i = 0
     try:
@@ -82,8 +92,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     raise ValueError("--hosts must be 1 or 2")
             elif name == "--share":
                 shares.append(os.path.abspath(val))
-            else:
-                opts[name[2:]] = val
+            elif name == "--memory":
+                opts["memory"] = val
+            else:  # --method
+                opts["method"] = val
     except ValueError as e:
         msg("rxe run: %s\n%s" % (e, USAGE))
         return 2

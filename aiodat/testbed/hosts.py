@@ -196,6 +196,7 @@ class RemoteProcess:
         end = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if end is not None and time.monotonic() > end:
+                assert timeout is not None  # (end is set only with a timeout)
                 raise TimeoutError("process %s on host %d still runs after %g s" % (self.argv, self.host, timeout))
             time.sleep(POLL)
         return Result(self._rc, self.stdout(), self.stderr())  # type: ignore[arg-type]
@@ -205,6 +206,7 @@ class RemoteProcess:
         end = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if end is not None and time.monotonic() > end:
+                assert timeout is not None  # (end is set only with a timeout)
                 raise TimeoutError("process %s on host %d still runs after %g s" % (self.argv, self.host, timeout))
             await asyncio.sleep(POLL * 5)
         return Result(self._rc, self.stdout(), self.stderr())  # type: ignore[arg-type]
@@ -239,6 +241,7 @@ class RemoteProcess:
                 out = self.stdout()
                 if text in out:
                     return out
+                assert self._rc is not None  # (poll() returned it)
                 raise RuntimeError("process %s on host %d ended (%d) before printing %r\n%s\n%s"
                                    % (self.argv, self.host, self._rc, text, out[-2000:], self.stderr()[-4000:]))
             if time.monotonic() > end:
@@ -313,6 +316,7 @@ def agent(directory: str, index: int) -> int:
         os.makedirs(os.path.join(directory, sub), exist_ok=True)
     procs: Dict[str, subprocess.Popen] = {}
     files: Dict[str, List[Any]] = {}
+    p: Optional[subprocess.Popen]  # a request's process (a kill's may be gone: None)
     prefix_other = "%d-" % (1 - index)
     _write_atomic(os.path.join(directory, "ready-%d" % index), str(os.getpid()))
     sys.stderr.write("aiodat hosts agent: host %d serving %s\n" % (index, directory))

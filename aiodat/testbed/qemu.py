@@ -209,6 +209,7 @@ class Guest:
             self.diagnose(who + "the guest could not bring rxe up, the command did not run: " + err.strip())
             return EXIT_TESTBED_FAILED
         if exit_file is None:
+            assert self.proc is not None  # (a result is asked only after start() succeeded)
             self.diagnose(who + "QEMU exited (status %s) after %.1f s without the command's exit status%s"
                            % (self.proc.returncode, elapsed, "" if ready else "; rxe never came up"))
             return EXIT_TESTBED_FAILED
@@ -227,6 +228,7 @@ class Guest:
         """Boot, wait for the end or the deadline, and return the exit status."""
         if not self.start():
             return EXIT_TESTBED_FAILED
+        assert self.proc is not None  # (start() succeeded)
         timed_out = False
         try:
             self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))

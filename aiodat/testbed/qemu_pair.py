@@ -77,6 +77,7 @@ def run_qemu_hosts(cmd: List[str], deadline: float, timeout: float, memory: str,
     try:
         if not a.start():
             return EXIT_TESTBED_FAILED
+        assert a.proc is not None  # (start() succeeded)
         # host B connects to host A's listening socket: wait until it is there
         while not os.path.exists(sock):
             if a.proc.poll() is not None or time.monotonic() > min(deadline, t0 + 60):
@@ -89,6 +90,7 @@ def run_qemu_hosts(cmd: List[str], deadline: float, timeout: float, memory: str,
         if not b.start(b_sink):
             a.kill()
             return EXIT_TESTBED_FAILED
+        assert b.proc is not None  # (start() succeeded)
         while True:
             if a.proc.poll() is not None:
                 break
@@ -110,6 +112,7 @@ def run_qemu_hosts(cmd: List[str], deadline: float, timeout: float, memory: str,
         shutil.rmtree(netdir, ignore_errors=True)
     elapsed = time.monotonic() - t0
     if b_died:
+        assert b.proc is not None  # (B ended, so it had started)
         err = b.read_ctl("setup-error")
         b_report("QEMU of host B ended while host A was still running (%s); host A killed"
                  % ("set-up failed: " + err.strip() if err else "status %s" % b.proc.returncode))
