@@ -150,11 +150,11 @@ class DTOCompletionEvent(Event):
     For UD receives, ``src_qp`` is the sender's QP number.
     """
 
-    ep: Optional["EP"] = None
-    cookie: Any = None
-    status: str = "IBV_WC_SUCCESS"
-    transferred_length: int = 0
-    operation: Optional[DTOOp] = None
+    ep: "EP"  # (always there: completions of an EP the program dropped are not turned into events)
+    cookie: Any
+    status: str
+    transferred_length: int
+    operation: DTOOp
     imm_data: Optional[int] = None
     vendor_err: int = 0
     src_qp: Optional[int] = None
@@ -201,7 +201,7 @@ class DTOCompletionEvent(Event):
 class RMRBindEvent(Event):
     """A memory window bind or unbind completed (DAT_RMR_BIND_COMPLETION_EVENT)."""
 
-    rmr: Optional["RMR"] = None
+    rmr: "RMR"
     cookie: Any = None
     status: str = "IBV_WC_SUCCESS"
     rmr_context: Optional[int] = None
@@ -232,7 +232,7 @@ class ConnectionRequestEvent(Event):
 class ConnectionEvent(Event):
     """A connection changed state (DAT_CONNECTION_EVENT_*); ``private_data`` is the peer's, if any."""
 
-    ep: Optional["EP"] = None
+    ep: "EP"
     private_data: bytes = b""
     reason: str = ""
 

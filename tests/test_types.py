@@ -36,12 +36,17 @@ USER_PROGRAM = '''
         assert_type(dto, EVD[DTOCompletionEvent])
         done = await dto.wait_one()
         done.raise_for_status()  # an EVD of one stream yields that stream's events
+        assert_type(done.ep, aiodat.EP)
+        assert_type(done.operation, aiodat.DTOOp)
         assert_type(await dto.wait(2), List[DTOCompletionEvent])
         cr_evd = ia.create_evd(8, EvdFlags.CR)
         request = await cr_evd.wait_one()
         assert_type(request, ConnectionRequestEvent)
         await request.cr.accept(ia.create_ep(ia.create_pz()))
-        assert_type(ia.create_evd(8, EvdFlags.CONNECTION).dequeue(), "ConnectionEvent | None")
+        changed = ia.create_evd(8, EvdFlags.CONNECTION).dequeue()
+        assert_type(changed, "ConnectionEvent | None")
+        if changed is not None:
+            assert_type(changed.ep, aiodat.EP)
         mixed = ia.create_evd(8, EvdFlags.DTO | EvdFlags.CONNECTION)
         assert_type(mixed, EVD[Event])
         async for event in mixed:
