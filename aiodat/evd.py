@@ -343,7 +343,7 @@ class EVD(Handle, Generic[E]):
         # channel and the drain's status, the IA's table of EPs by QP number, and where it leaves
         # a poll it did not finish
         self._cq_address = self._wcs_address = self._channel_address = self._status_address = 0
-        self._qpn_refs = ia._qpn_owner.data  # type: ignore[attr-defined]  # (WeakValueDictionary's own dict of weak refs)
+        self._qpn_refs = ia._qpn_owner.data  # type: ignore[attr-defined]  # (the WeakValueDictionary's weak refs)
         self._polled: Tuple[int, int, int] = (0, 0, 0)
         #: completions polled from the CQ whose events could not be made yet (a failure halfway)
         self._backlog: List[Any] = []
