@@ -100,9 +100,23 @@ def run_c(rows: List[Tuple[Any, ...]], refs: dict, evd: Any) -> Tuple[int, bool,
 
 def events_equal_ignoring_world(a: Any, b: Any) -> None:
     """Fields of two events made in the two worlds (their ep differs by construction)."""
+    assert type(a) is type(b)
     for name in ("type", "cookie", "status", "transferred_length", "operation", "imm_data", "vendor_err",
                  "src_qp", "notify"):
         assert getattr(a, name) == getattr(b, name), name
+
+
+def both_paths(rows: List[Tuple[Any, ...]], c_world: Tuple[Any, ...], py_world: Tuple[Any, ...],
+               evd: Any = None) -> Tuple[int, bool, deque]:
+    """Turn ``rows`` into events in C (in ``c_world``) and in wr.py (in ``py_world``), check that both
+    gave the same events, and return C's (taken, notified, queue)."""
+    evd = object() if evd is None else evd
+    taken, notified, c_queue = run_c(rows, c_world[4], evd)
+    py_queue = python_events(rows, py_world[4], evd)
+    assert len(c_queue) == len(py_queue)
+    for a, b in zip(c_queue, py_queue):
+        events_equal_ignoring_world(a, b)
+    return taken, notified, c_queue
 
 
 def test_receives_and_sends_give_the_python_events() -> None:
@@ -113,19 +127,16 @@ def test_receives_and_sends_give_the_python_events() -> None:
             (3, 0, IBV_WC_RECV_RDMA_WITH_IMM, 0, 7, 0xDEADBEEF, 0, 0),
             (1, 0, IBV_WC_RECV, 100, 8, 5, 77, 0),    # UD: src_qp
             (5, 0, IBV_WC_RECV, 1, 99, None, 0, 0)]   # a QP nobody owns: no event
-    taken, notified, c_queue = run_c(rows, c_world[4], evd)
-    py_queue = python_events(rows, py_world[4], evd)
+    taken, notified, c_queue = both_paths(rows, c_world, py_world, evd)
     assert (taken, notified) == (5, True)
-    assert len(c_queue) == len(py_queue) == 4
-    for a, b in zip(c_queue, py_queue):
-        events_equal_ignoring_world(a, b)
+    assert len(c_queue) == 4
     assert [e.transferred_length for e in c_queue] == [64, 30, 0, 100]
     assert [e.imm_data for e in c_queue] == [None, None, 0xDEADBEEF, 5]
     assert [e.src_qp for e in c_queue] == [None, None, None, 77]
     assert c_queue[2].operation is DTOOp.RECV_RDMA_WRITE_IMM and c_queue[1].operation is DTOOp.SEND
     assert c_world[2]._inflight == py_world[2]._inflight == 12 - 1 - 2 - 1
     assert [e[0] for e in c_world[0]._recv_q] == [5, 7] and [e[0] for e in c_world[0]._send_q] == [2, 4, 6]
-    assert type(c_queue[0]) is type(py_queue[0]) and c_queue[0].evd is evd
+    assert c_queue[0].evd is evd
     with pytest.raises(Exception):  # frozen, as the Python-made events are
         c_queue[0].cookie = "x"  # type: ignore[misc]
 
@@ -140,11 +151,8 @@ def test_a_runs_last_completion_gives_the_python_event(first: int) -> None:
         ep._send_q.append((first, ("c10", "c12", "c14", "c16"), DTOOp.RDMA_WRITE, (Seg(lmr, 8),), SendRun(10, 16)))
         ep._send_q.append((18, "after", DTOOp.SEND, (Seg(lmr, 8),), None))
         lmr._inflight = 100
-    rows = [(16, 0, IBV_WC_RDMA_WRITE, 0, 7, None, 0, 0)]
-    taken, notified, c_queue = run_c(rows, c_world[4], object())
-    py_queue = python_events(rows, py_world[4], object())
-    assert (taken, notified) == (1, True) and len(c_queue) == len(py_queue) == 1
-    events_equal_ignoring_world(c_queue[0], py_queue[0])
+    taken, notified, c_queue = both_paths([(16, 0, IBV_WC_RDMA_WRITE, 0, 7, None, 0, 0)], c_world, py_world)
+    assert (taken, notified) == (1, True) and len(c_queue) == 1
     assert c_queue[0].cookie == "c16" and c_queue[0].transferred_length == 8
     assert c_world[2]._inflight == py_world[2]._inflight == 100 - (16 - first) // 2 - 1
     assert [e[0] for e in c_world[0]._send_q] == [e[0] for e in py_world[0]._send_q] == [18]
@@ -156,11 +164,8 @@ def test_suppressed_sends_before_a_signalled_one_are_retired_as_python_does(wr_i
     them with it (their LMRs released), as wr.py's _pop_send does."""
     c_world, py_world = world()
     rows = [(wr_id, 0, IBV_WC_SEND, 0, 7, None, 0, 0), (1, 0, IBV_WC_RECV, 64, 7, None, 0, 0)]
-    taken, notified, c_queue = run_c(rows, c_world[4], object())
-    py_queue = python_events(rows, py_world[4], object())
-    assert (taken, notified) == (2, True) and len(c_queue) == len(py_queue) == 2
-    for a, b in zip(c_queue, py_queue):
-        events_equal_ignoring_world(a, b)
+    taken, notified, c_queue = both_paths(rows, c_world, py_world)
+    assert (taken, notified) == (2, True) and len(c_queue) == 2
     assert c_queue[0].cookie == f"s{wr_id // 2}" and c_queue[0].transferred_length == 30
     assert c_world[2]._inflight == py_world[2]._inflight == 12 - 2 * (wr_id // 2 + 1) - 1
     assert [e[0] for e in c_world[0]._send_q] == [e[0] for e in py_world[0]._send_q] == list(range(wr_id + 2, 8, 2))
@@ -181,11 +186,8 @@ def test_retired_sends_on_several_lmrs_release_each_lmr_as_python_does() -> None
         for i, lmrs in enumerate(layouts):
             ep._send_q.append((2 * i, f"s{i}", DTOOp.SEND, tuple(Seg(m, 10) for m in lmrs), None))
         extras.append(other)
-    rows = [(8, 0, IBV_WC_SEND, 0, 7, None, 0, 0)]
-    taken, notified, c_queue = run_c(rows, c_world[4], object())
-    py_queue = python_events(rows, py_world[4], object())
-    assert (taken, notified) == (1, True) and len(c_queue) == len(py_queue) == 1
-    events_equal_ignoring_world(c_queue[0], py_queue[0])
+    taken, notified, c_queue = both_paths([(8, 0, IBV_WC_SEND, 0, 7, None, 0, 0)], c_world, py_world)
+    assert (taken, notified) == (1, True) and len(c_queue) == 1
     assert c_queue[0].cookie == "s4" and c_queue[0].transferred_length == 20
     assert c_world[2]._inflight == py_world[2]._inflight == 50 - 4
     assert extras[0]._inflight == extras[1]._inflight == 50 - 5
