@@ -57,6 +57,18 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def fail_waiter(fut: Any, exc: BaseException) -> None:
+    """Fail a task's future with ``exc`` unless it is done already or its loop is closed.
+
+    Closing an object fails the futures of the tasks waiting on it.  A program may close it
+    after the loop those tasks ran in has ended (``asyncio.run`` is over, say), where
+    ``set_exception`` itself would raise and stop the close half-way, leaving verbs objects
+    behind: there is nobody left to tell, so nothing is set.
+    """
+    if fut is not None and not fut.done() and not fut.get_loop().is_closed():
+        fut.set_exception(exc)
+
+
 def fork_support() -> str:
     """How registered memory behaves across ``fork()`` here (``ibv_is_fork_initialized``).
 

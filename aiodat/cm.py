@@ -35,10 +35,10 @@ import ipaddress
 import os
 import socket
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple, Union
 
 from aiodat._fdwatch import FdWatch
-from aiodat._handle import Handle, Raw
+from aiodat._handle import Handle, Raw, fail_waiter
 from aiodat._lib import ffi, lib
 from aiodat.errors import (
     AcceptCompletionError,
@@ -351,6 +351,8 @@ class CMChannel:
                 owner = owner.ep
             if isinstance(owner, Handle):
                 owner.close()
+            elif owner is not None and hasattr(owner, "fail"):  # a datagram resolution or join (datagram.py) its EP's close missed
+                owner.fail(InvalidHandle("the IA was closed while a datagram resolution or multicast join waited"))
         if self.channel != ffi.NULL:
             self._raw.release()
             self.channel = ffi.NULL
@@ -394,7 +396,7 @@ class Connection:
     """
 
     __slots__ = ("ep", "state", "cm_id", "waiter", "timer", "pending_private", "drain", "drain_timer",
-                 "__weakref__")
+                 "resolutions", "__weakref__")
 
     def __init__(self, ep: "EP") -> None:
         self.ep = ep
@@ -406,6 +408,9 @@ class Connection:
         self.pending_private = b""  # the connect private data, sent once the route is resolved
         self.drain: Optional[object] = None  # the graceful disconnect under way, if any
         self.drain_timer: Optional[asyncio.TimerHandle] = None
+        #: a UD EP's datagram resolutions and multicast joins under way (datagram.py): the EP's
+        #: close fails them (each has ``fail(exc)``), so no task waits on an EP that is gone
+        self.resolutions: Optional[Set[Any]] = None
 
     def __repr__(self) -> str:
         return f"<aiodat.cm.Connection {self.state.value}>"
@@ -429,8 +434,10 @@ def freed(ep: "EP") -> None:
     """EP.free/close: a task waiting on the connection learns the EP is gone."""
     conn = ep._conn
     waiter, conn.waiter = conn.waiter, None
-    if waiter is not None and not waiter.done():
-        waiter.set_exception(InvalidHandle("the EP was freed while a connection call waited on it"))
+    fail_waiter(waiter, InvalidHandle("the EP was freed while a connection call waited on it"))
+    pending, conn.resolutions = conn.resolutions, None
+    for resolution in list(pending or ()):
+        resolution.fail(InvalidHandle("the EP was freed while a datagram resolution or multicast join waited on it"))
 
 
 # -- the active side and the events of an EP ---------------------------------------
@@ -565,7 +572,7 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
     if kind == DISCONNECTED:
         draining = ep._conn.drain is not None  # our DREQ had not gone yet: this is the peer's
         _cancel_timer(ep)
-        if ep._conn.state is EPState.CONNECTED or draining:
+        if ep._conn.state in (EPState.CONNECTED, EPState.ERROR) or draining:
             _disconnect(ep)  # the peer's DREQ: our QP to ERR, flushing what is posted, and the DREP
         ep._conn.state = EPState.DISCONNECTED
         _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED, pdata)
@@ -790,6 +797,9 @@ def _drop_connection(ep: "EP") -> None:
 def detach_cm_id(ep: "EP") -> None:
     """Used by EP.reset/free: end any connection and destroy the EP's cm_id."""
     _cancel_timer(ep)
+    # a disconnect awaited when the QP broke (ERROR, which reset allows) would wait for ever
+    waiter, ep._conn.waiter = ep._conn.waiter, None
+    fail_waiter(waiter, InvalidState("the EP was reset while a connection call waited on it"))
     _drop_connection(ep)
 
 

@@ -40,7 +40,7 @@ import asyncio
 import ipaddress
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
-from aiodat._handle import Handle, Raw
+from aiodat._handle import Handle, Raw, fail_waiter
 from aiodat._lib import ffi, lib
 from aiodat.cm import (
     Listener,
@@ -57,6 +57,7 @@ from aiodat.cm import (
 from aiodat.ep import EP, CompletionFlags, Segments
 from aiodat.epattr import ServiceType
 from aiodat.errors import (
+    InvalidHandle,
     InvalidParameter,
     TimeoutExpired,
     Unreachable,
@@ -146,15 +147,20 @@ class _Resolution:
         self.cm = ia._cm
         self.cm_id = self.cm.create_id(self, lib.RDMA_PS_UDP)
         self.pdata = b""
+        conn = ep._conn  # the EP's close fails what is under way (cm.freed)
+        if conn.resolutions is None:
+            conn.resolutions = set()
+        conn.resolutions.add(self)
 
     def fail(self, exc: BaseException) -> None:
-        if not self.fut.done():
-            self.fut.set_exception(exc)
+        fail_waiter(self.fut, exc)
         self.destroy()
 
     def destroy(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.ep._conn.resolutions is not None:
+                self.ep._conn.resolutions.discard(self)
             self.cm.destroy_id(self.cm_id)
 
 
@@ -348,7 +354,8 @@ class MulticastGroup(Handle):
         if joiner is not None and not joiner.closed:
             if self.joined:
                 lib.rdma_leave_multicast(joiner.cm_id, ffi.cast("struct sockaddr *", self._sockaddr))
-            joiner.destroy()
+            # (a join still under way fails: its task learns the group is gone, and waits no more)
+            joiner.fail(InvalidHandle(f"multicast group {self.group} was left (or its EP closed) during the join"))
         self.joined = False
         ah, self.address_handle = self.address_handle, None
         if ah is not None:

@@ -39,13 +39,14 @@ import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Deque, Generic, List, Optional, Tuple, TypeVar
 
 from aiodat._fdwatch import FdWatch
-from aiodat._handle import Handle, Raw
+from aiodat._handle import Handle, Raw, fail_waiter
 from aiodat._lib import ffi, lib
 from aiodat._shim import _completions
 from aiodat.poller import MAX_BUSY_POLL_US, Poller, poller_for
 from aiodat.errors import (
     DTOError,
     InsufficientResources,
+    InvalidHandle,
     InvalidParameter,
     InvalidState,
     QueueFull,
@@ -1080,12 +1081,16 @@ class EVD(Handle, Generic[E]):
                         is_async=self._is_async, waiting=self._waited())
 
     def resize(self, qlen: int) -> None:
-        """Change the queue length (dat_evd_resize); below the number of queued events raises."""
+        """Change the queue length (dat_evd_resize); below the number of queued events, or below the
+        threshold a waiting task waits for, raises InvalidState."""
         self._check()
         if not isinstance(qlen, int) or qlen < 1:
             raise InvalidParameter(f"qlen must be an int >= 1, got {qlen!r}")
         if qlen < len(self._queue):
             raise InvalidState(f"cannot resize to {qlen}: {len(self._queue)} events are queued")
+        if self._waiter is not None and not self._waiter.done() and qlen < self._threshold:
+            # (the queue stops filling at qlen: the wait would never end)
+            raise InvalidState(f"cannot resize to {qlen}: a task waits for {self._threshold} events")
         if self._cq != ffi.NULL and lib.ibv_resize_cq(self._cq, qlen):
             raise error_from_errno(ffi.errno, f"resizing the CQ to {qlen}")
         self._qlen = qlen
@@ -1093,26 +1098,36 @@ class EVD(Handle, Generic[E]):
     def free(self) -> None:
         """Free the EVD (dat_evd_free); refused while an EP or PSP still uses it."""
         self._check()
-        users = [ep for ep in self._ia._qpn_owner.values() if self in ep._evds()]
-        self._refuse_close_while(bool(users), f"{len(users)} endpoint(s) still use it")
-        # PSPs are the IA's children with a cr_evd (duck-typed: cm.py is above this module)
-        psps = [c for c in self._ia._children if getattr(c, "cr_evd", None) is self and not c.closed]
+        eps, psps = self._users()
+        self._refuse_close_while(bool(eps), f"{len(eps)} endpoint(s) still use it")
         self._refuse_close_while(bool(psps), f"{len(psps)} PSP(s) still deliver connection requests to it")
         self.close()
 
-    def _release(self) -> None:
-        fut = self._waiter
-        if fut is not None and not fut.done():
-            from aiodat.errors import InvalidHandle
+    def close(self) -> None:
+        """Free the EVD and what cannot work without it: the endpoints that feed it and the PSPs
+        that deliver connection requests to it are closed first, as pyverbs closes the QPs of a
+        CQ it closes (a QP cannot outlive its CQ).  Idempotent.  :meth:`free` refuses instead."""
+        if not self._closed:
+            eps, psps = self._users()
+            for user in (*eps, *psps):
+                user.close()
+        super().close()
 
-            fut.set_exception(InvalidHandle("the EVD was freed while a task waited on it"))
+    def _users(self) -> Tuple[List["EP"], List[Any]]:
+        """The open endpoints whose QP completes on this EVD or sends it connection events, and the
+        open PSPs whose requests come to it."""
+        eps = [ep for ep in self._ia._qpn_owner.values() if self in ep._evds()]
+        # PSPs are the IA's children with a cr_evd (duck-typed: cm.py is above this module)
+        psps = [c for c in self._ia._children if getattr(c, "cr_evd", None) is self and not c.closed]
+        return eps, psps
+
+    def _release(self) -> None:
+        fail_waiter(self._waiter, InvalidHandle("the EVD was freed while a task waited on it"))
         on_error, loop, self._on_error = self._on_error, self._callback_loop, None
         if on_error is not None and loop is not None and not loop.is_closed():
             # freed under its callback (its IA or EP closed): nothing more will come, and the
             # callback's owner (a stream transport) would wait for ever; tell it as a failure of
             # the EVD, from the loop (not from inside the close that freed it)
-            from aiodat.errors import InvalidHandle
-
             loop.call_soon(on_error, InvalidHandle("the EVD was freed while its callback was set"))
         self._attached_loop = None
         self._cancel_timer()

@@ -16,12 +16,14 @@ import struct
 from collections import deque
 from dataclasses import dataclass
 import os
-from typing import TYPE_CHECKING, Any, Deque, Optional, Sequence, Tuple, Union
+import threading
+from typing import TYPE_CHECKING, Any, Deque, Optional, Sequence, Set, Tuple, Union
 
-from aiodat._handle import Handle, Raw
+from aiodat._handle import Handle, Raw, fail_waiter
 from aiodat._lib import ffi, lib
 from aiodat.epattr import EPState
-from aiodat.errors import InsufficientResources, InvalidParameter, InvalidState, LengthError, error_from_errno, shown
+from aiodat.errors import (InsufficientResources, InvalidHandle, InvalidParameter, InvalidState, LengthError,
+                           error_from_errno, shown)
 from aiodat.evd import DTOOp, EvdFlags, EventType, RMRBindEvent
 
 if TYPE_CHECKING:
@@ -530,15 +532,13 @@ class RMR(Handle):
 
     def _forget(self, why: str) -> None:
         """Drop every pending request and the binding (their LMR pins too); wake waiters with InvalidHandle."""
-        from aiodat.errors import InvalidHandle
 
         bound_through = getattr(self, "_ep", None)
         evd = bound_through.request_evd if bound_through is not None else None
         for waiter, _op, _key, segment, _priv in self._pending:
             if waiter is not None and evd is not None and evd._awaited > 0:
                 evd._awaited -= 1
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(InvalidHandle(why))
+            fail_waiter(waiter, InvalidHandle(why))
             if segment is not None:
                 segment.lmr._inflight -= 1
         self._pending.clear()
@@ -625,13 +625,45 @@ def as_segments(segments: Segments, what: str = "segments") -> Tuple[Segment, ..
     return tuple(out)
 
 
-def _unpin_if_registered(pinning: "asyncio.Future[Tuple[Any, Any, Any, Privileges]]") -> None:
-    """register_async was cancelled while its registration ran: undo the registration."""
-    if not pinning.cancelled() and pinning.exception() is None:
-        view, cdata, mr, _ = pinning.result()
-        lib.ibv_dereg_mr(mr)
-        ffi.release(cdata)
-        view.release()
+class _Pin:
+    """One register_async's registration, pinned in an executor thread.
+
+    The PZ knows its pins in flight.  Its close takes each pin's lock, so it waits for a
+    registration under way (one ``ibv_reg_mr``) and a pin that starts afterwards finds the PZ
+    closed; then it undoes what was registered, before the PD goes.  So no thread registers
+    on a PD being freed, and nothing registered is left behind."""
+
+    def __init__(self, pz: "PZ", buffer: Any, privileges: Optional[Privileges]) -> None:
+        self.pz, self.buffer, self.privileges = pz, buffer, privileges
+        self.pinned: Optional[Tuple[Any, Any, Any, Privileges]] = None
+        self.lock = threading.Lock()
+        pz._pins.add(self)
+
+    def run(self) -> None:
+        """In the executor thread: check the PZ and register (the PZ's close waits for this)."""
+        with self.lock:
+            self.pinned = LMR._pin(self.pz, self.buffer, self.privileges)
+
+    def undo(self) -> None:
+        """In the loop's thread: the registration is not wanted (cancelled, failed, or its PZ closed)."""
+        self.pz._pins.discard(self)
+        with self.lock:  # (a registration still under way ends first)
+            pinned, self.pinned = self.pinned, None
+        if pinned is not None:
+            view, cdata, mr, _ = pinned
+            lib.ibv_dereg_mr(mr)
+            ffi.release(cdata)
+            view.release()
+
+    def adopt(self) -> "LMR":
+        """In the loop's thread, once ``run`` has returned: the LMR, or InvalidHandle if the PZ's
+        close undid the registration meanwhile."""
+        self.pz._pins.discard(self)
+        pinned, self.pinned = self.pinned, None
+        if pinned is None:
+            raise InvalidHandle("pz is closed: it was closed while register_async pinned the buffer",
+                                subtype="DAT_INVALID_HANDLE_PZ")
+        return LMR(self.pz, self.buffer, _pinned=pinned)
 
 
 class PZ(Handle):
@@ -649,6 +681,7 @@ class PZ(Handle):
             ia._children.pop(self, None)
             raise InsufficientResources(f"ibv_alloc_pd failed: {os.strerror(ffi.errno)}")
         self._raw = Raw(self._pd, lib.ibv_dealloc_pd, "PD", ia._raw)
+        self._pins: Set[_Pin] = set()  # register_async's registrations in flight
 
     @property
     def ia(self) -> "IA":
@@ -674,13 +707,17 @@ class PZ(Handle):
         """
         self._check()
         loop = asyncio.get_running_loop()
-        pinning = loop.run_in_executor(executor, LMR._pin, self, buffer, privileges)
+        pin = _Pin(self, buffer, privileges)
+        pinning = loop.run_in_executor(executor, pin.run)
         try:
-            pinned = await asyncio.shield(pinning)
+            await asyncio.shield(pinning)
         except asyncio.CancelledError:
-            pinning.add_done_callback(_unpin_if_registered)
+            pinning.add_done_callback(lambda _done: pin.undo())
             raise
-        return LMR(self, buffer, _pinned=pinned)
+        except BaseException:
+            pin.undo()
+            raise
+        return pin.adopt()
 
     def create_rmr(self) -> RMR:
         """Create a Remote Memory Region: a memory window to bind to an LMR range (dat_rmr_create)."""
@@ -693,6 +730,8 @@ class PZ(Handle):
         self.close()
 
     def _release(self) -> None:
+        for pin in list(self._pins):  # before the PD goes: see _Pin
+            pin.undo()
         if self._pd != ffi.NULL:
             self._raw.release()
             self._pd = ffi.NULL

@@ -35,7 +35,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
-from aiodat._handle import Handle, Raw
+from aiodat._handle import Handle, Raw, fail_waiter
 from aiodat._lib import ffi, lib
 from aiodat._shim import _posts
 from aiodat.errors import (
@@ -213,8 +213,7 @@ class SRQ(Handle):
     def _fail_waiters(self, exc: BaseException) -> None:
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
-            if not fut.done():
-                fut.set_exception(exc)
+            fail_waiter(fut, exc)
 
     def _note_evds(self) -> None:
         for ep in self._eps:
@@ -460,7 +459,8 @@ class SRQ(Handle):
             if fut in self._waiters:
                 self._waiters.remove(fut)
             if not fut.done():
-                fut.cancel()
+                if not loop.is_closed():  # (closed: a coroutine finalized after its loop ended)
+                    fut.cancel()
             elif not taken and not fut.cancelled() and fut.exception() is None:
                 # the event fired for this call, which was cancelled or timed out before it
                 # could return: keep it for the next call (cancelling loses nothing)
