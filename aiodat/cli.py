@@ -325,8 +325,8 @@ async def ping_server(device: str, port: int, max_clients: Optional[int] = None,
     with open_ia(device) as ia:
         pz = ia.create_pz()
         cr_evd = ia.create_evd(16, EvdFlags.CR)
-        ia.create_psp(port, cr_evd)
-        print(f"aiodat ping: listening on {ia.address}:{port}", flush=True)
+        psp = ia.create_psp(port, cr_evd)
+        print(f"aiodat ping: listening on {ia.address}:{psp.port}", flush=True)  # (port 0: the one picked)
         if ready is not None:
             ready.set_result(None)
         tasks = set()
@@ -404,10 +404,17 @@ def cmd_ping(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``aiodat ping HOST PORT`` / ``aiodat ping --server PORT``."""
     from aiodat import DATError
 
+    usage = "usage: aiodat ping HOST PORT [--count N] [--size N] | aiodat ping --server PORT\n"
     if args.server is None and (args.host is None or args.port is None):
-        _err("usage: aiodat ping HOST PORT [--count N] [--size N] | aiodat ping --server PORT\n"
-             "aiodat ping: error: HOST and PORT are required (or --server PORT)")
+        _err(usage + "aiodat ping: error: HOST and PORT are required (or --server PORT)")
         return 2
+    if args.server is not None and (args.host is not None or args.port is not None):
+        _err(usage + "aiodat ping: error: --server PORT listens: it takes no HOST or PORT")
+        return 2
+    for what, port in (("PORT", args.port), ("--server PORT", args.server)):
+        if port is not None and not 0 <= port <= 65535:
+            _err(usage + f"aiodat ping: error: {what} must be between 0 and 65535, got {port}")
+            return 2
     if not 1 <= args.size <= PING_MAX:
         _err(f"aiodat ping: error: --size must be between 1 and {PING_MAX}")
         return 2

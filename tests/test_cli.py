@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -38,6 +37,9 @@ def run_module(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     ["bench", "latency", "--loop", "trio"],
     ["ping"],
     ["ping", "169.254.77.1"],
+    ["ping", "169.254.77.1", "99999"],  # checked before any device is looked for
+    ["ping", "--server", "-1"],
+    ["ping", "169.254.77.1", "7471", "--server", "7000"],  # a server takes no HOST or PORT
 ])
 def test_usage_errors_exit_2(argv, capsys):
     assert main(argv) == 2
@@ -143,11 +145,14 @@ def test_query_unknown_name(capsys):
 
 @pytest.mark.rxe
 def test_ping_against_ping_server(rdma_device, capsys):
-    port = random.randint(8000, 8999)
-    server = subprocess.Popen([sys.executable, "-u", "-m", "aiodat", "ping", "--server", str(port)],
+    # port 0: the server prints the port it was given (it used to print ":0")
+    server = subprocess.Popen([sys.executable, "-u", "-m", "aiodat", "ping", "--server", "0"],
                               stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        assert "listening" in server.stdout.readline()
+        line = server.stdout.readline()
+        assert "listening" in line, line
+        port = int(line.rsplit(":", 1)[1])
+        assert port > 0, line
         assert main(["ping", rdma_device.address, str(port), "--count", "3", "--size", "100"]) == 0
         out = capsys.readouterr().out
         assert len(re.findall(r"100 bytes from .*seq=\d rtt=[\d.]+ us", out)) == 3, out

@@ -165,6 +165,38 @@ async def test_a_cancelled_read_aborts_the_comm(echo: Tuple[Any, List[Any]]) -> 
         await asyncio.sleep(0.05)
 
 
+async def test_a_write_cancelled_mid_rdma_write_frees_the_queue_pair_before_the_memory(
+        echo: Tuple[Any, List[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A comm.write cancelled while its RDMA write is in flight aborts the comm with the queue pair
+    destroyed before the frames' LMRs are deregistered (it may still read them).  The LMRs used to
+    be closed first, the queue pair still alive."""
+    listener, _ = echo
+    comm = await connect(listener.contact_address)
+    ep = comm._ep
+    task: "asyncio.Future[Any]"
+    real_write = ep.post_rdma_write
+
+    def write_then_cancel(*args: Any, **kwargs: Any) -> Any:
+        real_write(*args, **kwargs)
+        task.cancel()  # lands at the write's next await: the ACK
+
+    closed_with_ep_open: List[Any] = []
+    real_close = rdma_dask._close_quietly
+
+    def close_quietly(handle: Any) -> None:
+        if not ep.closed:
+            closed_with_ep_open.append(handle)
+        real_close(handle)
+
+    monkeypatch.setattr(ep, "post_rdma_write", write_then_cancel)
+    monkeypatch.setattr(rdma_dask, "_close_quietly", close_quietly)
+    task = asyncio.ensure_future(comm.write(to_serialize(_array(1 << 20, 7))))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert comm.closed() and ep.closed
+    assert closed_with_ep_open == []
+
+
 async def test_errors_name_what_was_wrong(address: str) -> None:
     # nothing listens on that port: distributed retries, then times out naming the address and aiodat's error
     with pytest.raises(OSError, match=rf"rdma://{address}:1\b"):

@@ -224,6 +224,38 @@ async def test_network_backend_stream(rdma_url: str) -> None:
 
 
 @pytest.mark.rxe
+async def test_bytes_sent_to_an_idle_connection_make_it_readable(rdma_device: Any) -> None:
+    """A server that writes to an idle keep-alive connection (a 408, say) makes it ``is_readable``,
+    so httpcore drops it instead of reading those bytes as the next response's; it used to stay
+    "not readable" until the EOF.  A connect that fails with an aiodat error (no such device here)
+    is httpcore.ConnectError, as for any failed connect."""
+    sent = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        sent.set()
+        await reader.read()  # keeps the connection open until the client goes
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_device.address, 0)
+    port = server.sockets[0].getsockname()[1]
+    stream = await RdmaNetworkBackend().connect_tcp(rdma_device.address, port, timeout=30)
+    await asyncio.wait_for(sent.wait(), 30)
+    for _ in range(100):
+        if stream.get_extra_info("is_readable"):
+            break
+        await asyncio.sleep(0.05)
+    assert stream.get_extra_info("is_readable") is True
+    assert not stream._reader.at_eof()  # readable for the bytes, not for an EOF
+    await stream.aclose()
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(httpcore.ConnectError, match="nosuchdevice"):
+        await RdmaNetworkBackend(ia="nosuchdevice").connect_tcp(rdma_device.address, port, timeout=30)
+
+
+@pytest.mark.rxe
 async def test_rdma_transport_errors(rdma_url: str, rdma_device: Any) -> None:
     """https and a closed transport are refused clearly; nothing listening is httpx.ConnectError,
     no answer within the connect timeout httpx.ConnectTimeout."""

@@ -152,6 +152,31 @@ def test_user_suite_passes_on_rxe(pytester: pytest.Pytester, request: pytest.Fix
     result.assert_outcomes(passed=7)
 
 
+STRICT_SUITE = '''
+import pytest
+
+
+@pytest.mark.rxe
+@pytest.mark.asyncio
+async def test_ep_pair_in_strict_mode(ep_pair):
+    ep_pair.server.post_recv(ep_pair.server_lmr[0:8], cookie="rx")
+    ep_pair.client.post_send(ep_pair.client_lmr[0:8], cookie="tx")
+    got = await ep_pair.server_evds[0].wait_one(timeout=10)
+    assert got.raise_for_status().cookie == "rx"
+'''
+
+
+@pytest.mark.rxe
+def test_ep_pair_in_pytest_asyncio_strict_mode(pytester: pytest.Pytester, request: pytest.FixtureRequest) -> None:
+    """``ep_pair`` is an async fixture pytest-asyncio runs in its default strict mode as well (it was
+    a plain ``pytest.fixture``, which only auto mode runs: strict mode failed the test)."""
+    pytester.makeini(INI.replace("asyncio_mode = auto", "asyncio_mode = strict"))
+    pytester.makepyfile(test_strict=STRICT_SUITE)
+    loop = request.config.getoption("--aiodat-loop") or "asyncio"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--aiodat-loop={loop}", timeout=600)
+    result.assert_outcomes(passed=1)
+
+
 def test_user_suite_skips_without_device(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a device (host-side), device tests skip saying how to run them; the rest still runs."""
     if not _no_device():

@@ -693,6 +693,10 @@ def test_disconnect_outcome() -> None:
     core.on_received(0, encode_header(MSG_EOF, 0, 0, 0), 8)
     assert core.disconnect_error(broken=False, closing=False) is None
     assert "broke" in core.disconnect_error(broken=True, closing=False)
+    # bytes written here and never sent are lost: a reset, however politely the peer went
+    core.write(b"unsent")
+    assert "with 6 bytes written here not yet sent" in core.disconnect_error(broken=False, closing=False)
+    assert "with 6 bytes written here not yet sent" in core.disconnect_error(broken=False, closing=True)
 
 
 def test_a_stale_send_cannot_be_committed() -> None:

@@ -325,6 +325,102 @@ async def test_peer_abort_is_connection_reset(rdma_host: str) -> None:
 
 
 @pytest.mark.rxe
+async def test_a_peer_gone_before_a_closing_writer_sent_everything_is_a_reset(rdma_host: str) -> None:
+    """close() with bytes still buffered (the peer is not reading), then the peer aborts: the
+    writer's wait_closed() raises ConnectionResetError, as over TCP.  It used to end cleanly,
+    the unsent bytes lost without a word, since the writer was closing when the peer went."""
+    writers: List[asyncio.StreamWriter] = []
+    gate = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await gate.wait()  # never reads
+
+    server = await aiodat.start_server(handler, rdma_host, 0, window_size=262144)
+    reader, writer = await aiodat.open_connection(rdma_host, server.sockets[0].getsockname()[1],
+                                                  window_size=262144)
+    writer.write(b"w" * (2 * 1024 * 1024))  # far more than the peer's buffers take
+    writer.close()
+    for _ in range(100):
+        if writers and writer.transport.get_write_buffer_size() > 0:
+            break
+        await asyncio.sleep(0.05)
+    assert writers and writer.transport.get_write_buffer_size() > 0
+    writers[0].transport.abort()
+    with pytest.raises(ConnectionResetError, match="not yet sent"):
+        await asyncio.wait_for(writer.wait_closed(), 60)
+    gate.set()
+    server.close()
+    await server.wait_closed()
+
+
+class _Buffered(asyncio.BufferedProtocol):
+    """A BufferedProtocol with a small buffer (so one message fills several), recording calls."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray(1000)
+        self.got = bytearray()
+        self.sizes: List[int] = []
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        self.sizes.append(sizehint)
+        return memoryview(self.buffer)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got += self.buffer[:nbytes]
+
+
+class _Plain(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.got = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self.got += data
+
+
+@pytest.mark.rxe
+async def test_a_buffered_protocol_is_fed_through_its_buffers(rdma_host: str) -> None:
+    """An asyncio.BufferedProtocol gets its data through get_buffer()/buffer_updated(), small
+    messages and window writes alike, as asyncio's transports feed one; set_protocol() switches
+    between the two kinds.  It used to fail at the first message (no data_received)."""
+    payloads = [b"small", bytes(range(256)) * 40, random.Random(5).randbytes(300_000)]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(1)  # the client has its protocol in place
+        for p in payloads:
+            writer.write(p)
+            await writer.drain()
+        await reader.readexactly(1)  # the client switched to a plain protocol
+        writer.write(b"plain again")
+        writer.write_eof()
+        await writer.drain()
+
+    server = await aiodat.start_server(handler, rdma_host, 0)
+    transport, proto = await aiodat_streams.create_connection(_Buffered, rdma_host,
+                                                             server.sockets[0].getsockname()[1])
+    assert isinstance(proto, _Buffered)
+    transport.write(b"1")
+    want = b"".join(payloads)
+    for _ in range(600):
+        if len(proto.got) >= len(want):
+            break
+        await asyncio.sleep(0.05)
+    assert bytes(proto.got) == want
+    assert len(proto.sizes) > len(want) // 1000  # every 1000 bytes took a buffer of its own
+    plain = _Plain()
+    transport.set_protocol(plain)
+    transport.write(b"2")
+    for _ in range(600):
+        if plain.got == b"plain again":
+            break
+        await asyncio.sleep(0.05)
+    assert plain.got == b"plain again" and bytes(proto.got) == want
+    transport.close()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.rxe
 async def test_killed_peer_process_is_connection_reset(rdma_host: str) -> None:
     """A client process killed with SIGKILL mid-message: the server's readexactly raises ConnectionResetError."""
     result: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()

@@ -334,6 +334,12 @@ class RDMAComm(Comm):
                                           f"got {_NAMES.get(kind, kind)} for {got}")
         except DATError as exc:
             raise CommClosedError(f"{self!r}: RDMA write failed: {exc}") from exc
+        except BaseException:
+            if lmrs and self._inbox.closed is None:
+                # (cancelled, say, while a write was in flight: the queue pair may still read these
+                # LMRs, so it goes first; the comm is aborted anyway, see _abort_on_failure)
+                self._transport.abort()
+            raise
         finally:
             for task in pinning:
                 if not task.done():

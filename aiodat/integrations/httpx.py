@@ -35,7 +35,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("aiodat.integrations.httpx needs httpx and httpcore: pip install 'aiodat[httpx]'") from exc
 
-from aiodat.errors import ModelNotSupported
+from aiodat.errors import DATError, ModelNotSupported
 from aiodat.streams import open_connection, split_kwds
 
 __all__ = ["RdmaNetworkBackend", "RdmaNetworkStream", "RdmaHTTPTransport"]
@@ -131,9 +131,10 @@ class RdmaNetworkStream(httpcore.AsyncNetworkStream):
         (``aiodat_ep``, ``aiodat_config``, ...)."""
         transport = self._writer.transport
         if info == "is_readable":
-            # httpcore asks this of an idle keep-alive connection: readable then means "closed by the server"
+            # httpcore asks this of an idle keep-alive connection: readable (EOF, an error, or bytes the
+            # server sent unasked, a 408 say) means it must not be used again, as its socket backends say
             return (self._closed or transport.is_closing() or self._reader.at_eof()
-                    or self._reader.exception() is not None)
+                    or self._reader.exception() is not None or len(getattr(self._reader, "_buffer", b"")) > 0)
         if info == "server_addr":
             return transport.get_extra_info("peername")
         if info == "client_addr":
@@ -184,7 +185,7 @@ class RdmaNetworkBackend(httpcore.AsyncNetworkBackend):
                 timeout)
         except asyncio.TimeoutError as exc:  # asyncio's own, and aiodat's TimeoutExpired
             raise httpcore.ConnectTimeout(f"no RDMA connection to {host}:{port} within {timeout} s") from exc
-        except (ConnectionError, OSError) as exc:
+        except (ConnectionError, OSError, DATError) as exc:  # (DATError: no device, no resources...)
             raise httpcore.ConnectError(f"RDMA connection to {host}:{port} failed: {exc}") from exc
         self.connections_opened += 1
         return RdmaNetworkStream(reader, writer)

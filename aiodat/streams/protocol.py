@@ -722,10 +722,15 @@ class StreamCore(StreamState):
 
     def disconnect_error(self, broken: bool, closing: bool) -> Optional[str]:
         """The peer disconnected: None if that is a clean end (its EOF came first, or we were closing and it
-        answered), else why the reader sees a reset."""
-        if not broken and (self.eof_received or closing):
+        answered, and nothing written here is left unsent), else why the reader and writer see a reset."""
+        if not broken and (self.eof_received or closing) and not self._pending:
             return None
-        reason = "broke" if broken else "was closed by the peer without EOF"
+        if broken:
+            reason = "broke"
+        elif self._pending:  # (as TCP resets a connection whose peer goes with data unread)
+            reason = f"was closed by the peer with {self._pending} bytes written here not yet sent"
+        else:
+            reason = "was closed by the peer without EOF"
         return f"Connection reset by peer (the RDMA connection {reason})"
 
     def __repr__(self) -> str:

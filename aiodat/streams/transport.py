@@ -118,6 +118,19 @@ class Resources:
                     pass
 
 
+def _feed_buffered(protocol: asyncio.BufferedProtocol, data: memoryview) -> None:
+    """Copy ``data`` into the buffers ``protocol.get_buffer()`` hands out, calling
+    ``buffer_updated()`` for each, as asyncio's own transports feed a BufferedProtocol."""
+    while data:
+        buffer = memoryview(protocol.get_buffer(len(data))).cast("B")
+        n = min(len(buffer), len(data))
+        if not n:
+            raise RuntimeError("protocol.get_buffer() returned an empty buffer")
+        buffer[:n] = data[:n]
+        protocol.buffer_updated(n)
+        data = data[n:]
+
+
 class RdmaTransport(_asyncio_transports._FlowControlMixin):
     """An :class:`asyncio.Transport` over one RDMA RC connection (docs/streams.md has the protocol).
 
@@ -184,6 +197,8 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._idle: Optional[asyncio.Future[None]] = None
         self._close_task: Optional[asyncio.Task[None]] = None
         self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
+        #: an asyncio.BufferedProtocol: fed through get_buffer()/buffer_updated() by the Python path
+        self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
         # The common case in C (_shim/streamcore.c): the Receiver is the EVD's callback and takes a
         # received DATA message from its completion to data_received and the re-post; the Sender
         # takes a small write to its post, and schedules the flush.  Each reaches this transport
@@ -199,6 +214,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._receiver = Receiver(self._core, res.arena, res.view, self._size, owner, self._stream_protocol,
                                   res.ep, _hot_post_recv, res.recv_segs, res.recv_cookies, DTOCompletionEvent,
                                   DATError, self._sender)
+        self._receiver.open = not self._buffered  # (the C path calls data_received only)
         #: messages and bytes moved, for tests and benchmarks: sends, window writes, credit messages
         self.stats = self._core.stats
 
@@ -265,6 +281,9 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         """Hand the connection to another protocol."""
         self._protocol = protocol  # (the Receiver reads it per message)
         self._stream_protocol = self._receiver.as_view = isinstance(protocol, asyncio.StreamReaderProtocol)
+        self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
+        if not self._closing:
+            self._receiver.open = not self._buffered
 
     def get_protocol(self) -> asyncio.BaseProtocol:
         """The protocol the transport delivers to."""
@@ -590,7 +609,10 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             return  # as asyncio: no data_received after close()
         self._receiver.delivered = True
         try:
-            self._protocol.data_received(view if self._stream_protocol else bytes(view))  # type: ignore[attr-defined]
+            if self._buffered:  # as asyncio's transports feed one (get_buffer, copy, buffer_updated)
+                _feed_buffered(self._protocol, view)  # type: ignore[arg-type]
+            else:
+                self._protocol.data_received(view if self._stream_protocol else bytes(view))  # type: ignore[attr-defined]
         except Exception as exc:
             self._data_received_failed(exc)
 

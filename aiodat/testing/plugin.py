@@ -25,6 +25,14 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterator, Mapping, Option
 
 import pytest
 
+_async_fixture: Any = pytest.fixture
+try:  # an async fixture pytest-asyncio runs in its strict mode too, not only in auto mode
+    import pytest_asyncio
+
+    _async_fixture = pytest_asyncio.fixture
+except ImportError:  # (no pytest-asyncio: no async test could use it anyway)
+    pass
+
 HOW_TO_RUN = (
     "no RDMA device here; run the device tests on Soft-RoCE with "
     "`aiodat rxe run -- python -m pytest -m rxe` (boots a QEMU guest when the host kernel has no rxe)"
@@ -235,22 +243,22 @@ async def make_ep_pair(ia: Any, buffer_size: int = 4096, attrs: Any = None) -> E
     from aiodat.cm import connect_pair
 
     pz = ia.create_pz()
-    privileges = Privileges.ALL
-    client_lmr = pz.register(bytearray(buffer_size), privileges)
-    server_lmr = pz.register(bytearray(buffer_size), privileges)
-    client = ia.create_ep(pz, attrs=attrs)
-    server = ia.create_ep(pz, attrs=attrs)
-    pair = EPPair(ia, pz, client, server, client_lmr, server_lmr, None, None)
-    try:
+    try:  # (a failure part way frees what was made: the PZ's close takes its LMRs and EPs)
+        privileges = Privileges.ALL
+        client_lmr = pz.register(bytearray(buffer_size), privileges)
+        server_lmr = pz.register(bytearray(buffer_size), privileges)
+        client = ia.create_ep(pz, attrs=attrs)
+        server = ia.create_ep(pz, attrs=attrs)
+        pair = EPPair(ia, pz, client, server, client_lmr, server_lmr, None, None)
         pair.psp = await connect_pair(client, server)
     except BaseException:
-        pair.close()
+        pz.close()
         raise
     pair.cr_evd = pair.psp.cr_evd
     return pair
 
 
-@pytest.fixture
+@_async_fixture
 async def ep_pair(ia: Any) -> AsyncIterator[EPPair]:
     """Two endpoints connected to each other on ``ia`` (see :class:`EPPair`), freed after the test."""
     pair = await make_ep_pair(ia)
