@@ -348,6 +348,8 @@ static PyObject *post_send(PyObject *self, PyObject *args)
 /* -- the batch fast paths: every request on the very same one segment (and remote region) -- */
 
 #define CHUNK 64  /* requests chained per ibv_post_* call (as shim.c's AIODAT_CHUNK) */
+/* as shim.c's: of the ``count`` chained requests from ``wr``, those a failed post took (before ``bad``) */
+#define TAKEN(bad, wr, count) ((bad) != NULL && (bad) >= (wr) && (bad) < (wr) + (count) ? (int)((bad) - (wr)) : 0)
 
 /* A batch's items when every one is an exact tuple of ``width`` whose first element (and, with width
  * 3, second) is the very object of the first item's: sets *shared and *remote to those (new
@@ -506,10 +508,11 @@ static int post_copies(struct ibv_qp *qp, struct ibv_srq *srq, const struct ibv_
                 rwr[i].next = i + 1 < count ? &rwr[i + 1] : NULL;
             }
         }
+        bad = NULL;
+        rbad = NULL;
         err = tmpl ? ibv_post_send(qp, wr, &bad) : srq ? ibv_post_srq_recv(srq, rwr, &rbad) : ibv_post_recv(qp, rwr, &rbad);
         if (err) {
-            Py_ssize_t went = tmpl ? bad - wr : rbad - rwr;
-            *posted += went >= 0 && went < count ? went : 0;
+            *posted += tmpl ? TAKEN(bad, wr, count) : TAKEN(rbad, rwr, count);
             return err;
         }
         *posted += count;

@@ -19,6 +19,9 @@
 #include "shim.h"
 
 #define AIODAT_CHUNK 64   /* requests chained per ibv_post_* call */
+/* how many of the ``count`` chained requests from ``wr`` an ibv_post_* that failed took: those before
+ * ``bad``; none when it left ``bad`` NULL or out of the chain (rxe 44 does, for some errors) */
+#define TAKEN(bad, wr, count) ((bad) != NULL && (bad) >= (wr) && (bad) < (wr) + (count) ? (int)((bad) - (wr)) : 0)
 
 int aiodat_set_nonblocking(int fd)
 {
@@ -99,9 +102,10 @@ int aiodat_post_send(struct ibv_qp *qp, const struct aiodat_send_wr *wrs, int n,
                 wr[count - 1].next = d;
             count++;
         }
+        bad = NULL;
         int rc = ibv_post_send(qp, wr, &bad);
         if (rc) {
-            *n_posted = done + (int)(bad - wr);
+            *n_posted = done + TAKEN(bad, wr, count);
             return rc;
         }
         done += count;
@@ -158,9 +162,10 @@ int aiodat_post_recv_same(struct ibv_qp *qp, struct ibv_srq *srq, uint64_t first
             wr[i].num_sge = num_sge;
             wr[i].next = i + 1 < count ? &wr[i + 1] : NULL;
         }
+        bad = NULL;
         int rc = srq ? ibv_post_srq_recv(srq, wr, &bad) : ibv_post_recv(qp, wr, &bad);
         if (rc) {
-            *n_posted = done + (int)(bad - wr);
+            *n_posted = done + TAKEN(bad, wr, count);
             return rc;
         }
         done += count;
@@ -226,9 +231,10 @@ int aiodat_post_recv(struct ibv_qp *qp, struct ibv_srq *srq, const uint64_t *wr_
                 wr[count - 1].next = &wr[count];
             count++;
         }
+        bad = NULL;
         int rc = srq ? ibv_post_srq_recv(srq, wr, &bad) : ibv_post_recv(qp, wr, &bad);
         if (rc) {
-            *n_posted = done + (int)(bad - wr);
+            *n_posted = done + TAKEN(bad, wr, count);
             return rc;
         }
         done += count;
