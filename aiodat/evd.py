@@ -680,7 +680,7 @@ class EVD(Handle, Generic[E]):
 
     def _wake(self, exc: Optional[BaseException] = None) -> None:
         fut = self._waiter
-        if fut is None or fut.done():
+        if fut is None or fut.done() or fut.get_loop().is_closed():
             if exc is not None and self._pending_error is None:
                 self._pending_error = exc  # nobody waits: the next wait or dequeue raises it
             return
@@ -702,7 +702,7 @@ class EVD(Handle, Generic[E]):
         spinning wait (which awaits no future while it spins), the moment its task is cancelled.
         (C's twin: waiter_gone in _completions.)"""
         fut = self._waiter
-        if fut is None or fut.done():
+        if fut is None or fut.done() or fut.get_loop().is_closed():  # (closed: its task never runs again)
             return False
         spinner = self._spinner
         return spinner is None or not spinner.cancelling()
@@ -738,6 +738,8 @@ class EVD(Handle, Generic[E]):
         """
         self._check()
         self._refuse_if_callback("dequeue")
+        if self._waited():  # (DAT_INVALID_STATE: the events are the waiting task's)
+            raise InvalidState("dequeue: a task is waiting on this EVD")
         self._raise_pending()
         if not self._queue:
             self._pump()
@@ -794,6 +796,8 @@ class EVD(Handle, Generic[E]):
             raise InvalidParameter(f"threshold must be between 1 and qlen ({self._qlen}), got {shown(threshold)}")
         if timeout is not None and not is_timeout(timeout):
             raise InvalidParameter(f"timeout must be None or >= 0 seconds, got {shown(timeout)}")
+        if max_events is not None and (type(max_events) is not int or max_events < 1):
+            raise InvalidParameter(f"max_events must be None or an int >= 1, got {shown(max_events)}")
         if self._waited():
             raise InvalidState("another task is already waiting on this EVD")
         if self._pending_error is not None:
@@ -811,11 +815,13 @@ class EVD(Handle, Generic[E]):
                 # Hot path: poll the CQ, no system call.  The CQ is armed, or with the loop's poller
                 # (poller.py), which arms it when nothing comes.  Connection and async events need
                 # no look here: the loop runs their fds' reader callbacks before anyone sleeps long.
+                self._solicited = False  # (a cancelled solicited wait whose task never ran again left it)
                 self._poll()
             if len(self._queue) >= threshold:
                 return self._take(max_events)
             fut: "asyncio.Future[None]" = loop.create_future()
             self._waiter, self._spinner, self._threshold = fut, None, threshold
+            self._deadline = None  # (not a cancelled wait's, whose task never ran again)
             try:
                 if timeout is not None:  # (inside the try: if it fails, the EVD is free again)
                     self._set_deadline(loop, timeout)
@@ -882,6 +888,8 @@ class EVD(Handle, Generic[E]):
             self._pump()  # a last look: completions may sit in the CQ while the EVD was full
         except Exception as exc:
             look_error = exc
+        if fut.done():  # (the look queued an event that woke the wait)
+            return
         if look_error is None and len(self._queue) >= self._threshold:
             fut.set_result(None)
             return
@@ -1048,14 +1056,13 @@ class EVD(Handle, Generic[E]):
 
     async def _iterate(self) -> AsyncIterator[E]:
         while not self._closed:
-            try:
-                events = await self.wait(1)
+            try:  # (one event per step: a loop that breaks leaves the rest queued, not taken)
+                events = await self.wait(1, max_events=1)
             except Exception:
                 if self._closed:
                     return
                 raise
-            for event in events:
-                yield event
+            yield events[0]
 
     def post_se(self, payload: Any = None) -> None:
         """Post a software event carrying ``payload`` (dat_evd_post_se)."""
@@ -1064,6 +1071,16 @@ class EVD(Handle, Generic[E]):
             raise InvalidParameter("this EVD was not created with the SOFTWARE stream")
         if len(self._queue) >= self._qlen:
             raise QueueFull(f"EVD is full ({self._qlen} events queued)")
+        served_by = self._callback_loop if self._callback is not None else (
+            self._waiter.get_loop() if self._waited() else None)  # type: ignore[union-attr]
+        if served_by is not None:
+            try:
+                here: Optional[asyncio.AbstractEventLoop] = _get_running_loop()
+            except RuntimeError:
+                here = None
+            if here is not served_by:  # (its waiter or callback would never learn: not thread-safe)
+                raise InvalidState("post_se: this EVD is served by another event loop's task or callback; "
+                                   "call it there, e.g. loop.call_soon_threadsafe(evd.post_se, payload)")
         self._queue.append(SoftwareEvent(EventType.SOFTWARE_EVENT, self, payload))
         if self._callback is not None:
             self._schedule_delivery()

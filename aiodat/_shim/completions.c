@@ -56,7 +56,7 @@ static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
 static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicited, *s_unarmed, *s_poller,
                 *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest,
-                *s_deadline, *s_spinner, *s_cancelling, *s_future_blocking, *s_result, *s_decide, *s_is_closed,
+                *s_deadline, *s_spinner, *s_cancelling, *s_get_loop, *s_future_blocking, *s_result, *s_decide, *s_is_closed,
                 *s_turn, *s_call_soon, *s_channel_address, *s_status_address, *s_arm_error, *s_rearms,
                 *s_arm_retried, *s_note_arm, *s_napi_arm, *s_napi_arm_retry, *s_woken, *s_watch,
                 *s_draining_the_cq;
@@ -1110,12 +1110,20 @@ static PyObject *wakeup(PyObject *self, PyObject *evd)
 
 /* The EVD's waiter (not None) no longer waits: 1, it still does: 0, an error: -1 (EVD._waited's
  * test).  A done waiter is a wait cancelled or woken that has not run again yet; a spinning wait
- * (spin_look) is gone the moment its task is cancelled, as an awaited Future is cancelled with it. */
+ * (spin_look) is gone the moment its task is cancelled, as an awaited Future is cancelled with it;
+ * a waiter of a closed loop is gone (its task never runs again). */
 static int waiter_gone(PyObject *evd, PyObject *waiter)
 {
     PyObject *done = PyObject_CallMethodObjArgs(waiter, s_done, NULL);
     int gone = done ? PyObject_IsTrue(done) : -1;
     Py_XDECREF(done);
+    if (gone != 0)
+        return gone;
+    PyObject *loop = PyObject_CallMethodObjArgs(waiter, s_get_loop, NULL);
+    PyObject *closed = loop ? PyObject_CallMethodObjArgs(loop, s_is_closed, NULL) : NULL;
+    gone = closed ? PyObject_IsTrue(closed) : -1;
+    Py_XDECREF(closed);
+    Py_XDECREF(loop);
     if (gone != 0)
         return gone;
     PyObject *spinner = PyObject_GetAttr(evd, s_spinner);
@@ -1421,6 +1429,8 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
         PyObject *res = PyObject_CallMethodObjArgs(evd, s_set_deadline, loop, timeout, NULL);
         napi = res ? 0 : -1;
         Py_XDECREF(res);
+    } else if (napi == 0) {  /* no deadline: not a cancelled wait's, whose task never ran again */
+        napi = PyObject_SetAttr(evd, s_deadline, Py_None);
     }
     int state = SPIN_SLEEPING;
     if (napi == 0) {
@@ -1537,7 +1547,7 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_set_deadline, "_set_deadline"); INTERN(s_napi_add, "_napi_add"); INTERN(s_poll_rest, "_poll_rest");
     INTERN(s_deadline, "_deadline"); INTERN(s_spinner, "_spinner"); INTERN(s_cancelling, "cancelling");
     INTERN(s_future_blocking, "_asyncio_future_blocking"); INTERN(s_result, "result");
-    INTERN(s_decide, "_decide"); INTERN(s_is_closed, "is_closed"); INTERN(s_turn, "_turn");
+    INTERN(s_decide, "_decide"); INTERN(s_is_closed, "is_closed"); INTERN(s_get_loop, "get_loop"); INTERN(s_turn, "_turn");
     INTERN(s_call_soon, "call_soon"); INTERN(s_channel_address, "_channel_address");
     INTERN(s_status_address, "_status_address"); INTERN(s_arm_error, "_arm_error"); INTERN(s_rearms, "_rearms");
     INTERN(s_arm_retried, "_arm_retried"); INTERN(s_note_arm, "_note_arm"); INTERN(s_napi_arm, "_napi_arm");

@@ -1,0 +1,133 @@
+"""EVD waits that race with other takers, cancellation, other threads and closed loops (real rxe).
+
+Each test is a sequence the audit of 2026-11-28 found losing events, hanging a waiter or failing
+without a clear error: the events an EVD holds go to exactly one taker, once, and a misuse is an
+aiodat error naming what was wrong."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, List
+
+import pytest
+
+import aiodat
+from aiodat import EvdFlags
+
+pytestmark = pytest.mark.rxe
+
+T = 30.0
+
+
+async def _until(condition: Any, what: str) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_breaking_out_of_async_for_leaves_the_rest_queued(ia: Any, loop_errors: List[dict]) -> None:
+    """``async for event in evd: break`` takes one event; the rest stay queued (the iterator used
+    to take a whole batch and drop what it had not yielded)."""
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    for n in range(4):
+        evd.post_se(n)
+    async for event in evd:
+        assert event.payload == 0
+        break
+    assert [evd.dequeue().payload for _ in range(3)] == [1, 2, 3]  # type: ignore[union-attr]
+    assert evd.dequeue() is None
+
+
+async def test_dequeue_while_a_task_waits_is_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """DAT: a dequeue while a task waits on the EVD is DAT_INVALID_STATE; the events are the
+    waiter's.  It used to take one, and could leave the waiter asleep with events queued."""
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    task = asyncio.ensure_future(evd.wait(threshold=2, timeout=T))
+    await _until(lambda: evd._waiter is not None, "the wait started")
+    evd.post_se("a")
+    with pytest.raises(aiodat.InvalidState, match="dequeue: a task is waiting"):
+        evd.dequeue()
+    evd.post_se("b")
+    assert [e.payload for e in await asyncio.wait_for(task, T)] == ["a", "b"]
+    assert evd.dequeue() is None  # nobody waits: allowed again
+
+
+async def test_a_cancelled_waits_deadline_is_not_the_next_waits(ia: Any, loop_errors: List[dict]) -> None:
+    """A wait with a timeout, cancelled, then at once a wait without one: the second waits for its
+    event.  It used to time out at the first wait's deadline."""
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    first = asyncio.ensure_future(evd.wait(timeout=0.3))
+    await _until(lambda: evd._waiter is not None, "the first wait started")
+    first.cancel()
+    second = asyncio.ensure_future(evd.wait())  # before the first task ran again
+    await asyncio.sleep(0)
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await asyncio.sleep(0.8)  # past the first wait's deadline
+    assert not second.done(), second
+    evd.post_se("late")
+    assert [e.payload for e in await asyncio.wait_for(second, T)] == ["late"]
+
+
+async def test_a_wait_left_in_a_closed_loop_does_not_hold_the_evd(ia: Any, loop_errors: List[dict]) -> None:
+    """A task of another loop waited on the EVD and that loop was closed without cancelling it:
+    the EVD is free for this loop's waits and post_se.  It used to say another task was waiting
+    (for ever), and post_se raised "Event loop is closed" with its event queued anyway."""
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    stale: List[Any] = []
+
+    def other_loop() -> None:
+        loop = asyncio.new_event_loop()
+
+        async def start() -> None:
+            stale.append(asyncio.ensure_future(evd.wait(timeout=None)))
+            await asyncio.sleep(0.05)
+
+        loop.run_until_complete(start())
+        loop.close()
+
+    thread = threading.Thread(target=other_loop)
+    thread.start()
+    thread.join(T)
+    assert stale and not stale[0].done()
+    stale[0]._log_destroy_pending = False
+    evd.post_se("here")
+    assert [e.payload for e in await evd.wait(timeout=T)] == ["here"]
+
+
+async def test_post_se_from_another_thread_to_a_waited_evd_is_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """post_se from another thread while a task of this loop waits raises InvalidState saying how
+    to hand it over (call_soon_threadsafe), and queues nothing; it used to queue the event without
+    waking the waiter.  Handed over that way, it wakes the wait."""
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    task = asyncio.ensure_future(evd.wait(timeout=T))
+    await _until(lambda: evd._waiter is not None, "the wait started")
+    outcome: List[BaseException] = []
+
+    def from_thread() -> None:
+        try:
+            evd.post_se("wrong thread")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=from_thread)
+    thread.start()
+    thread.join(T)
+    assert len(outcome) == 1 and isinstance(outcome[0], aiodat.InvalidState), outcome
+    assert "call_soon_threadsafe" in str(outcome[0]) and not task.done()
+    loop = asyncio.get_running_loop()
+    threading.Thread(target=lambda: loop.call_soon_threadsafe(evd.post_se, "handed over")).start()
+    assert [e.payload for e in await asyncio.wait_for(task, T)] == ["handed over"]
+
+
+async def test_max_events_must_be_a_positive_int(ia: Any, loop_errors: List[dict]) -> None:
+    """wait(max_events=0) used to return [] at once (a loop over it spins) and "x" raised TypeError;
+    both are InvalidParameter, and nothing is taken."""
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    evd.post_se(1)
+    for bad in (0, -1, "x", 1.5):
+        with pytest.raises(aiodat.InvalidParameter, match="max_events"):
+            await evd.wait(max_events=bad)  # type: ignore[arg-type]
+    assert [e.payload for e in await evd.wait(max_events=1)] == [1]
