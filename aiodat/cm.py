@@ -52,6 +52,7 @@ from aiodat.errors import (
     InvalidParameter,
     InvalidState,
     QueueFull,
+    TimeoutExpired,
     Unreachable,
     error_from_errno,
     shown,
@@ -168,22 +169,37 @@ def _is_numeric(host: str) -> bool:
         return False
 
 
-async def resolve_host(host: str, family: int = 0) -> str:
+async def resolve_host(host: str, family: int = 0, timeout: Optional[float] = None) -> str:
     """``host`` as a numeric address: a name is looked up with ``loop.getaddrinfo``, off the loop.
 
-    ``family`` (socket.AF_INET or AF_INET6) prefers addresses of the IA's own family.
+    ``family`` (socket.AF_INET or AF_INET6) prefers addresses of the IA's own family.  A lookup
+    longer than ``timeout`` seconds raises TimeoutExpired.
     """
     if not isinstance(host, str):
         raise InvalidParameter(f"host must be an IP address or host name string, not {type(host).__name__}")
     _refuse_nul(host)
     if _is_numeric(host):
         return host
+    lookup = asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        infos = await (lookup if timeout is None else asyncio.wait_for(lookup, timeout))
+    except asyncio.TimeoutError:
+        raise TimeoutExpired(f"looking up the address of {host!r} took more than {timeout} s") from None
     except (OSError, UnicodeError) as exc:
         raise _not_found(host, exc) from None
     same = [info for info in infos if info[0] == family]
     return str((same or infos)[0][4][0])
+
+
+async def resolve_within(host: str, family: int, timeout: Optional[float]) -> Tuple[str, Optional[float]]:
+    """:func:`resolve_host` as the first part of a call bounded by ``timeout``: the address, and
+    what is left of the timeout for the rest (a connect's or a resolution's own timer)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    address = await resolve_host(host, family, timeout)
+    if timeout is None:
+        return address, None
+    return address, max(timeout - (loop.time() - started), 1e-3)
 
 
 def _family(host: str) -> int:
@@ -649,8 +665,8 @@ async def connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     """``await ep.connect(...)``: see :meth:`aiodat.EP.connect`."""
     _check_can_connect(ep)
     _check_port(port)
-    check_timeout(timeout)
-    host = await resolve_host(host, _family(ep._ia.address or ""))
+    timeout = check_timeout(timeout)
+    host, timeout = await resolve_within(host, _family(ep._ia.address or ""), timeout)
     fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
     start_connect(ep, host, port, private_data, timeout, fut)
     try:

@@ -52,7 +52,7 @@ from aiodat.cm import (
     _sockaddr,
     listen_address,
     request_addresses,
-    resolve_host,
+    resolve_within,
 )
 from aiodat.ep import EP, CompletionFlags, Segments
 from aiodat.epattr import ServiceType
@@ -231,7 +231,7 @@ async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes =
     pdata = _private(private_data, RESOLVE_PRIVATE_DATA_MAX, "resolve_datagram")
     timeout = check_timeout(timeout)
     ia = ep._ia
-    host = await resolve_host(host, _family(ia.address or ""))
+    host, timeout = await resolve_within(host, _family(ia.address or ""), timeout)
     _check_family(ia, host)
     dst = ia._cm.sockaddr(host, port)
     ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)

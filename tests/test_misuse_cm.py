@@ -247,3 +247,39 @@ def test_connect_nowait_outside_a_loop_looks_the_name_up(rdma_device: Any) -> No
         assert ep.state is EPState.UNCONNECTED and _routes(ia) == routes
     finally:
         ia.close()
+
+
+
+def test_a_connect_timeout_bounds_the_name_lookup(rdma_device: Any) -> None:
+    """connect(host_name, timeout=t) raises TimeoutExpired after about t seconds when the lookup of
+    the name itself takes longer (a DNS server that does not answer); the lookup used to run
+    outside the timeout, which then bounded only the connection.  The lookup here is the real
+    getaddrinfo, held up behind a busy one-thread default executor, as behind a slow resolver:
+    asyncio's loop looks names up in that executor (uvloop in libuv's own pool, which a test
+    cannot hold up), so this runs on a loop of its own, asyncio's, whatever --aiodat-loop says."""
+    import concurrent.futures
+    import threading
+    import time
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        release = threading.Event()
+        executor.submit(release.wait, 20)  # the one worker is busy: every lookup waits
+        loop.set_default_executor(executor)
+        with aiodat.open_ia(rdma_device.name) as ia:
+            pz = ia.create_pz()
+            ep = ia.create_ep(pz)
+            routes = _routes(ia)
+            try:
+                started = time.monotonic()
+                with pytest.raises(aiodat.TimeoutExpired, match="looking up the address of 'localhost'"):
+                    await ep.connect("localhost", 4791, timeout=0.5)
+                assert time.monotonic() - started < 5
+                assert ep.state is EPState.UNCONNECTED and _routes(ia) == routes
+            finally:
+                release.set()
+            pair = await make_ep_pair(ia)  # the IA still connects afterwards
+            pair.close()
+
+    asyncio.run(scenario())

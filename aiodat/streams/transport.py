@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Mapping, Option
 from aiodat._shim._posts import post_recv as _hot_post_recv
 from aiodat._shim._posts import post_send as _hot_post_send
 from aiodat._shim._streamcore import Receiver, Sender
-from aiodat.cm import check_timeout, resolve_host
+from aiodat.cm import check_timeout, resolve_within
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
 from aiodat.evd import EVD, ConnectionEvent, DTOCompletionEvent, EventType
 from aiodat.streams.pool import IARef
@@ -700,14 +700,14 @@ async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol]
         raise TypeError(f"create_connection() got unexpected keyword argument(s): {', '.join(sorted(rest))}")
     if host is None or port is None:
         raise InvalidAddress("aiodat streams need both host and port (there is no sock= form)")
-    check_timeout(connect_timeout, "connect_timeout")
+    timeout = check_timeout(connect_timeout, "connect_timeout")
     loop = asyncio.get_running_loop()
-    host = await resolve_host(host)
+    host, timeout = await resolve_within(host, 0, timeout)  # (the lookup counts against the timeout)
     iaref = IARef(ia, host)
     res = None
     try:
         res = Resources(iaref.ia, cfg)
-        reply = await res.ep.connect(host, int(port), res.params(), timeout=connect_timeout)
+        reply = await res.ep.connect(host, int(port), res.params(), timeout=timeout)
         peer = parse_params(reply)
         protocol = protocol_factory()  # (a factory that raises must not leave the connection behind)
         transport = RdmaTransport(loop, res, iaref, peer, protocol)
