@@ -134,8 +134,12 @@ def _sockaddr(host: str, port: int) -> Any:
         raise InvalidParameter(f"host must be an IP address string, not {type(host).__name__}")
     _refuse_nul(host)
     _check_port(port)
+    try:
+        encoded = host.encode()
+    except UnicodeError:  # (a lone surrogate: no address or name has one)
+        raise InvalidAddress(f"host {host!r} is not an address or a host name") from None
     addr = ffi.new("struct sockaddr_storage *")
-    if lib.aiodat_sockaddr(host.encode(), port, addr):
+    if lib.aiodat_sockaddr(encoded, port, addr):
         if asyncio._get_running_loop() is not None:
             raise InvalidAddress(
                 f"host {host!r} is not a numeric address, and looking it up here would block the running "
@@ -538,7 +542,8 @@ def _send_conn(ep: "EP", cm_id: Any, accept: bool, pdata: bytes, responder: int,
 
 def _ready_qp(ep: "EP", cm_id: Any, responder: int = -1, initiator: int = -1) -> int:
     """The EP's QP through INIT, RTR and RTS as rdma_cm negotiated it, with the EP's RNR timer
-    and ACK timeout (-1: the CM's RDMA read depths).  0, or an errno with the QP in ERR."""
+    and ACK timeout (-1: the CM's RDMA read depths).  0; an errno with the QP in ERR; or minus
+    an errno when the cm_id refused the first step, the QP untouched."""
     a, ia = ep.attrs, ep._ia
     return lib.aiodat_cm_ready_qp(cm_id, ep._qp, responder, initiator, a.min_rnr_timer,
                                   -1 if a.ack_timeout is None else a.ack_timeout, ia.port, ia._link_layer)
@@ -558,7 +563,7 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
             _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE, f"rdma_connect: errno {err}")
         return
     if kind == CONNECT_RESPONSE:  # the REP: ready the QP, then the RTU (rdma_establish)
-        err = _ready_qp(ep, cm_id)
+        err = abs(_ready_qp(ep, cm_id))
         if err:
             lib.rdma_reject(cm_id, ffi.NULL, 0)
             _fail_connect(ep, EventType.CONNECTION_EVENT_UNREACHABLE,
@@ -703,6 +708,7 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
     as rsockets' shutdown does: the peer has every byte before the DREQ.
     """
     ep._check()
+    timeout = check_timeout(timeout)  # (refused before anything is torn down, in every state)
     conn = ep._conn
     if conn.state in (EPState.ACTIVE_CONNECTION_PENDING, EPState.PASSIVE_CONNECTION_PENDING):
         _abandon(ep)
@@ -711,7 +717,6 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
         return
     if conn.state is not EPState.CONNECTED:
         raise InvalidState(f"cannot disconnect an EP in state {conn.state.value}")
-    timeout = check_timeout(timeout)
     try:
         loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
     except RuntimeError:
@@ -789,6 +794,7 @@ def _send_dreq(ep: "EP", timeout: Optional[float]) -> None:
 
 async def disconnect(ep: "EP", graceful: bool, timeout: Optional[float]) -> None:
     """``await ep.disconnect()``: see :meth:`aiodat.EP.disconnect`."""
+    check_timeout(timeout)
     if ep._conn.state in (EPState.DISCONNECTED, EPState.UNCONNECTED) and not ep.closed:
         return  # already down (the peer may have disconnected first)
     fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
@@ -929,6 +935,12 @@ class PSP(Listener):
         return {"ia": self._ia, "port": self.port, "address": self.address, "cr_evd": self.cr_evd}
 
 
+#: why rdma_cm refuses to answer a request: the kernel drops the events of a request not yet
+#: accepted, so a peer's give-up shows only when the accept is refused
+_GONE = ("the connection request is gone: most likely its peer gave it up before it was answered (its "
+         "connect timed out or was cancelled, or its process ended)")
+
+
 class CR(Handle):
     """A connection request (DAT_CR_HANDLE): answer it with :meth:`accept` or :meth:`reject`, once."""
 
@@ -972,7 +984,6 @@ class CR(Handle):
         _outcome(ep, event, "accept")
 
     def _accept(self, ep: "EP", private_data: bytes, waiter: Any, timeout: Optional[float] = None) -> None:
-
         self._check()
         timeout = check_timeout(timeout)  # before the REP goes: a bad one leaves the CR answerable
         if not isinstance(getattr(ep, "_conn", None), Connection):  # an EP (ep.py is above this module)
@@ -987,12 +998,20 @@ class CR(Handle):
         # The QP must be ready (RTS) before the REP goes: the peer may send once it has it.
         # A failure from here on leaves the QP in ERR, so the EP ends DISCONNECTED (reset() reuses it).
         err = _ready_qp(ep, self._cm_id, responder, initiator)
+        if err < 0:  # the request's id took no QP: the QP was not touched
+            self.close()
+            raise AcceptCompletionError(f"accept: {_GONE} ({os.strerror(-err)}); nothing was sent and the EP is "
+                                        "unchanged")
         if err == errno.EXDEV:
             raise InvalidParameter("accepting on an EP of another device than the request's")
         if not err:
             err = _send_conn(ep, self._cm_id, True, pdata, responder, initiator)
         if err:
             ep._conn.state = EPState.DISCONNECTED
+            if err == errno.EINVAL:  # (every argument was checked above)
+                self.close()
+                raise AcceptCompletionError(f"accept: {_GONE} (rdma_cm: EINVAL); the request is closed, the EP "
+                                            "DISCONNECTED (ep.reset() makes it reusable)")
             raise error_from_errno(err, "accepting the connection (rdma_accept)")
         # The request's cm_id now belongs to the EP.
         ep._conn.cm_id, self._cm_id = self._cm_id, ffi.NULL

@@ -283,3 +283,67 @@ def test_a_connect_timeout_bounds_the_name_lookup(rdma_device: Any) -> None:
             pair.close()
 
     asyncio.run(scenario())
+
+
+async def test_a_bad_disconnect_timeout_is_refused_in_every_state(ia: Any, loop_errors: List[dict]) -> None:
+    """disconnect(timeout=bad) on an EP still connecting, or already down, raises InvalidParameter
+    and changes nothing; it used to be checked only on a connected EP, so the pending connection
+    was abandoned (and the down EP's call returned) as if the timeout were good."""
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)  # nobody accepts: the connect stays pending
+    client = ia.create_ep(pz)
+    client.connect_nowait(ia.address, psp.port, timeout=T)
+    await cr_evd.wait_one(timeout=T)  # the request arrived
+    assert client.state is EPState.ACTIVE_CONNECTION_PENDING
+    for bad in (float("nan"), -1, "x"):
+        with pytest.raises(aiodat.InvalidParameter, match="timeout"):
+            await client.disconnect(timeout=bad)
+        with pytest.raises(aiodat.InvalidParameter, match="timeout"):
+            await client.disconnect(graceful=False, timeout=bad)
+        assert client.state is EPState.ACTIVE_CONNECTION_PENDING
+    await client.disconnect(timeout=T)
+    assert client.state is EPState.DISCONNECTED
+    with pytest.raises(aiodat.InvalidParameter, match="timeout"):
+        await client.disconnect(timeout=float("nan"))
+
+
+async def test_a_host_no_encoding_takes_is_invalid_address(ia: Any, loop_errors: List[dict]) -> None:
+    """A host string with a lone surrogate (from a badly decoded name) is InvalidAddress, in the
+    awaitable and the _nowait call; it raised UnicodeEncodeError."""
+    pz = ia.create_pz()
+    ep = ia.create_ep(pz)
+    routes = _routes(ia)
+    with pytest.raises(aiodat.InvalidAddress, match="not an address or a host name"):
+        ep.connect_nowait("\udcff", 4791)
+    with pytest.raises(aiodat.DATError):
+        await ep.connect("\udcff", 4791, timeout=T)
+    assert ep.state is EPState.UNCONNECTED and _routes(ia) == routes
+
+
+async def test_accepting_a_request_its_peer_gave_up_says_so(ia: Any, loop_errors: List[dict]) -> None:
+    """A request whose client gave up (its connect timed out: the CM's REJ reached the request)
+    is refused by accept with AcceptCompletionError saying the peer most likely gave it up (the
+    kernel tells no one before an accept), and the CR is closed; the EP is reusable as documented
+    (reset() if the QP was touched).  It used to fail with InvalidParameter "rdma_accept failed:
+    Invalid argument", which names neither the request nor the cause."""
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    with pytest.raises(aiodat.TimeoutExpired):
+        await client.connect(ia.address, psp.port, timeout=0.5)
+    event = await cr_evd.wait_one(timeout=T)
+    await asyncio.sleep(0.5)  # the client's REJ reaches the request (the kernel tells no one)
+    with pytest.raises(aiodat.AcceptCompletionError, match="peer gave it up before it was answered"):
+        await event.cr.accept(server, timeout=T)
+    assert event.cr.closed and server.state in (EPState.UNCONNECTED, EPState.DISCONNECTED)
+    if server.state is EPState.DISCONNECTED:
+        server.reset()
+    # the same EP accepts the next request
+    client.reset()
+    connecting = asyncio.ensure_future(client.connect(ia.address, psp.port, timeout=T))
+    await (await cr_evd.wait_one(timeout=T)).cr.accept(server, timeout=T)
+    await connecting
+    assert server.state is EPState.CONNECTED and client.state is EPState.CONNECTED
+    await client.disconnect(timeout=T)

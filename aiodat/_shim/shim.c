@@ -501,8 +501,8 @@ int aiodat_cm_ready_qp(struct rdma_cm_id *id, struct ibv_qp *qp, int resp_res, i
         return EXDEV;
     memset(&attr, 0, sizeof(attr));
     attr.qp_state = IBV_QPS_INIT;
-    if (rdma_init_qp_attr(id, &attr, &mask))
-        return errno ? errno : EINVAL;
+    if (rdma_init_qp_attr(id, &attr, &mask))  /* negative: the QP is untouched (see shim.h) */
+        return -(errno ? errno : EINVAL);
     if (!(qp->state == IBV_QPS_INIT && (mask & ~init_mask) == 0 && attr.port_num == port_num &&
           attr.pkey_index == 0 && attr.qp_access_flags == all_remote) &&
         (err = ibv_modify_qp(qp, &attr, mask)))

@@ -270,6 +270,8 @@ struct ibv_qp *aiodat_create_qp(struct ibv_pd *pd, struct ibv_cq *send_cq, struc
                                 int *out);
 int aiodat_cm_connect(struct rdma_cm_id *id, int accept, const char *pdata, int plen, int responder,
                       int initiator, int retry_count, int rnr_retry_count, uint32_t qp_num, int srq);
+/* 0; an errno with the QP in ERR; or minus an errno when the id refused the first step, the QP
+ * untouched (on the passive side: a request its peer gave up, which the kernel does not report) */
 int aiodat_cm_ready_qp(struct rdma_cm_id *id, struct ibv_qp *qp, int resp_res, int init_depth,
                        int min_rnr_timer, int ack_timeout, int port_num, int link_layer);
 int aiodat_mcast_attach(struct ibv_qp *qp, const struct aiodat_cm_event *ev, int attach);
