@@ -201,8 +201,8 @@ async def resolve_within(host: str, family: int, timeout: Optional[float]) -> Tu
     loop = asyncio.get_running_loop()
     started = loop.time()
     address = await resolve_host(host, family, timeout)
-    if timeout is None:
-        return address, None
+    if timeout is None or address is host:  # (a numeric host: nothing was looked up)
+        return address, timeout
     return address, max(timeout - (loop.time() - started), 1e-3)
 
 
@@ -715,7 +715,12 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
         _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED,
                 reason="disconnected before the connection was established")
         return
-    if conn.state is not EPState.CONNECTED:
+    if conn.state is EPState.DISCONNECT_PENDING:
+        _join_disconnect(ep, graceful, waiter, timeout)
+        return
+    if conn.state is EPState.ERROR:
+        graceful = False  # the QP broke: nothing posted on it completes any more; the DREQ goes at once
+    elif conn.state is not EPState.CONNECTED:
         raise InvalidState(f"cannot disconnect an EP in state {conn.state.value}")
     try:
         loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
@@ -777,6 +782,24 @@ def _start_drain(ep: "EP", loop: asyncio.AbstractEventLoop, drain_timeout: float
     conn.drain_timer = loop.call_later(drain_timeout, finish)
     # (start_disconnect attached the request EVD, and with it the IA, to the loop: it must drain
     # the CQ for the marker's completion to be seen, and read the DREP from the channel)
+
+
+def _join_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[ConnectionEvent]"],
+                     timeout: Optional[float]) -> None:
+    """A disconnect while one is under way (DISCONNECT_PENDING): an awaited call takes its outcome
+    (one task at a time: the first awaited call may have been cancelled, or the disconnect started
+    with disconnect_nowait), and an abrupt one cuts a graceful drain short (QP to ERR, the DREQ now)."""
+    conn = ep._conn
+    if waiter is not None:
+        if conn.waiter is not None and not conn.waiter.done():
+            raise InvalidState("a task already awaits this EP's disconnect")
+        conn.waiter = waiter
+    if not graceful and conn.drain is not None:
+        conn.drain = None  # (the drain's completion or timer then does nothing)
+        if conn.drain_timer is not None:
+            conn.drain_timer.cancel()
+            conn.drain_timer = None
+        _send_dreq(ep, timeout)
 
 
 def _send_dreq(ep: "EP", timeout: Optional[float]) -> None:

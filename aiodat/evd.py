@@ -1033,6 +1033,11 @@ class EVD(Handle, Generic[E]):
         """Report a failure of a callback EVD: the EVD's own (``own``) to ``on_error`` if set,
         else (and the callback's exceptions) to the loop's exception handler."""
         loop = self._callback_loop
+        if loop is None and not own:  # the callback took itself off, then raised: still its loop's
+            try:
+                loop = _get_running_loop()
+            except RuntimeError:
+                pass
         if loop is None:
             self._pending_error = self._pending_error or exc
             return

@@ -131,3 +131,30 @@ async def test_max_events_must_be_a_positive_int(ia: Any, loop_errors: List[dict
         with pytest.raises(aiodat.InvalidParameter, match="max_events"):
             await evd.wait(max_events=bad)  # type: ignore[arg-type]
     assert [e.payload for e in await evd.wait(max_events=1)] == [1]
+
+
+async def test_a_callback_that_removes_itself_and_raises_reports_to_the_loop(ia: Any) -> None:
+    """A callback that calls set_callback(None) and then raises: the exception goes to the loop's
+    exception handler, as any callback's does.  It used to be kept for the next wait(), which
+    then raised the callback's own error."""
+    loop = asyncio.get_running_loop()
+    seen: List[dict] = []
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    try:
+        evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+
+        def once(events: List[Any]) -> None:
+            evd.set_callback(None)
+            raise ValueError("the callback's own")
+
+        evd.set_callback(once)
+        evd.post_se(1)
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        assert len(seen) == 1 and isinstance(seen[0]["exception"], ValueError), seen
+        evd.post_se(2)
+        assert [e.payload for e in await evd.wait(timeout=T)] == [2]  # no stale error
+    finally:
+        loop.set_exception_handler(None)

@@ -347,3 +347,52 @@ async def test_accepting_a_request_its_peer_gave_up_says_so(ia: Any, loop_errors
     await connecting
     assert server.state is EPState.CONNECTED and client.state is EPState.CONNECTED
     await client.disconnect(timeout=T)
+
+
+async def test_a_disconnect_under_way_can_be_joined_or_cut_short(ia: Any, loop_errors: List[dict]) -> None:
+    """A graceful disconnect stuck behind a send the peer never takes (RNR, retried for ever):
+    its awaited call cancelled, the EP stays DISCONNECT_PENDING; a second awaited call takes the
+    outcome, one at a time (a third is InvalidState), and ``graceful=False`` cuts the drain short.
+    Every such call used to raise InvalidState, leaving only free() until the drain timed out."""
+    pair = await make_ep_pair(ia)
+    try:
+        pair.client.post_send(pair.client_lmr[0:64], cookie="stuck")  # the server posted no receive
+        first = asyncio.ensure_future(pair.client.disconnect(timeout=None))
+        for _ in range(100):
+            if pair.client.state is EPState.DISCONNECT_PENDING:
+                break
+            await asyncio.sleep(0.01)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert pair.client.state is EPState.DISCONNECT_PENDING
+        joined = asyncio.ensure_future(pair.client.disconnect(timeout=T))  # joins: the drain goes on
+        await asyncio.sleep(0.2)
+        assert not joined.done() and pair.client.state is EPState.DISCONNECT_PENDING
+        with pytest.raises(aiodat.InvalidState, match="a task already awaits this EP's disconnect"):
+            await pair.client.disconnect(timeout=T)
+        pair.client.disconnect_nowait(graceful=False)  # cuts the drain short: the DREQ goes now
+        await asyncio.wait_for(joined, T)
+        assert pair.client.state is EPState.DISCONNECTED
+        ev = await pair.server.connect_evd.wait_one(timeout=T)
+        assert ev.type is EventType.CONNECTION_EVENT_DISCONNECTED
+    finally:
+        pair.close()
+
+
+async def test_disconnecting_an_ep_in_error(ia: Any, loop_errors: List[dict]) -> None:
+    """An EP whose QP broke (ERROR) disconnects: the DREQ goes at once and the call returns when
+    the peer answers.  It raised InvalidState (only reset() or free() were left).  ``cm.broken``
+    stands in for the device's fatal QP event, which rxe cannot be made to raise."""
+    from aiodat import cm
+
+    pair = await make_ep_pair(ia)
+    try:
+        cm.broken(pair.client, "test: the QP broke")
+        assert (await pair.client.connect_evd.wait_one(timeout=T)).type is EventType.CONNECTION_EVENT_BROKEN
+        await pair.client.disconnect(timeout=T)
+        assert pair.client.state is EPState.DISCONNECTED
+        ev = await pair.server.connect_evd.wait_one(timeout=T)
+        assert ev.type is EventType.CONNECTION_EVENT_DISCONNECTED
+    finally:
+        pair.close()
