@@ -17,6 +17,7 @@ import aiodat
 import aiodat._handle as handle
 from aiodat import EPAttr, EPState, EvdFlags, Privileges, ServiceType
 from aiodat.testing.plugin import make_ep_pair
+from turns import until
 
 pytestmark = pytest.mark.rxe
 
@@ -26,15 +27,6 @@ UD = EPAttr(service_type=ServiceType.UD, max_recv_iov=2, max_request_iov=2)
 
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-async def _until(condition: Any, what: str) -> None:
-    """Let the loop run until ``condition()`` holds (a few turns; bounded)."""
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"never happened: {what}")
 
 
 async def test_closing_an_evd_closes_the_endpoints_and_psps_that_use_it(ia: Any, loop_errors: List[dict]) -> None:
@@ -79,7 +71,7 @@ async def test_closing_the_pz_under_a_datagram_resolution_fails_it(ia: Any, loop
     client = ia.create_ep(client_pz, attrs=UD)
     routes = len(ia._cm._routes)
     task = asyncio.ensure_future(client.resolve_datagram(ia.address, psp.port, timeout=T))
-    await _until(lambda: len(ia._cm._routes) > routes, "the resolution started")
+    await until(lambda: len(ia._cm._routes) > routes, "the resolution started")
     client_pz.close()
     with pytest.raises(aiodat.InvalidHandle, match="datagram resolution"):
         await asyncio.wait_for(task, 5)
@@ -103,7 +95,7 @@ async def test_closing_the_ia_under_a_datagram_resolution_fails_it(rdma_device: 
     client = ia.create_ep(pz, attrs=UD)
     routes = len(ia._cm._routes)
     task = asyncio.ensure_future(client.resolve_datagram(ia.address, psp.port, timeout=None))
-    await _until(lambda: len(ia._cm._routes) > routes, "the resolution started")
+    await until(lambda: len(ia._cm._routes) > routes, "the resolution started")
     ia.close()
     with pytest.raises(aiodat.InvalidHandle):
         await asyncio.wait_for(task, 5)
@@ -119,7 +111,7 @@ async def test_a_join_under_way_fails_when_its_ep_closes(ia: Any, loop_errors: L
     ep = ia.create_ep(pz, attrs=UD)
     routes = len(ia._cm._routes)
     task = asyncio.ensure_future(ep.join_multicast("239.1.2.9", timeout=None))
-    await _until(lambda: len(ia._cm._routes) > routes, "the join started")
+    await until(lambda: len(ia._cm._routes) > routes, "the join started")
     ep.close()
     with pytest.raises(aiodat.InvalidHandle, match="239.1.2.9"):
         await asyncio.wait_for(task, 5)
@@ -174,7 +166,7 @@ async def test_resizing_below_what_a_task_waits_for_is_refused(ia: Any, loop_err
     queue stops filling at its length, so the wait would never end (it used to be accepted)."""
     evd = ia.create_evd(16, EvdFlags.SOFTWARE)
     task = asyncio.ensure_future(evd.wait(threshold=8, timeout=T))
-    await _until(lambda: evd._waiter is not None, "the wait started")
+    await until(lambda: evd._waiter is not None, "the wait started")
     with pytest.raises(aiodat.InvalidState, match="a task waits for 8 events"):
         evd.resize(4)
     evd.resize(8)  # as many as it waits for: fine
@@ -195,7 +187,7 @@ async def test_reset_under_an_awaited_disconnect_fails_it(ia: Any, loop_errors: 
         # a send the peer never receives keeps the graceful drain waiting
         pair.client.post_send(pair.client_lmr[0:64], cookie="stuck")
         task = asyncio.ensure_future(pair.client.disconnect(timeout=None))
-        await _until(lambda: pair.client.state is EPState.DISCONNECT_PENDING, "the drain started")
+        await until(lambda: pair.client.state is EPState.DISCONNECT_PENDING, "the drain started")
         cm.broken(pair.client, "test: the QP broke")
         assert pair.client.state is EPState.ERROR
         pair.client.reset()

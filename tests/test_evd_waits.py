@@ -13,18 +13,11 @@ import pytest
 
 import aiodat
 from aiodat import EvdFlags
+from turns import until
 
 pytestmark = pytest.mark.rxe
 
 T = 30.0
-
-
-async def _until(condition: Any, what: str) -> None:
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"never happened: {what}")
 
 
 async def test_breaking_out_of_async_for_leaves_the_rest_queued(ia: Any, loop_errors: List[dict]) -> None:
@@ -45,7 +38,7 @@ async def test_dequeue_while_a_task_waits_is_refused(ia: Any, loop_errors: List[
     waiter's.  It used to take one, and could leave the waiter asleep with events queued."""
     evd = ia.create_evd(8, EvdFlags.SOFTWARE)
     task = asyncio.ensure_future(evd.wait(threshold=2, timeout=T))
-    await _until(lambda: evd._waiter is not None, "the wait started")
+    await until(lambda: evd._waiter is not None, "the wait started")
     evd.post_se("a")
     with pytest.raises(aiodat.InvalidState, match="dequeue: a task is waiting"):
         evd.dequeue()
@@ -59,7 +52,7 @@ async def test_a_cancelled_waits_deadline_is_not_the_next_waits(ia: Any, loop_er
     event.  It used to time out at the first wait's deadline."""
     evd = ia.create_evd(8, EvdFlags.SOFTWARE)
     first = asyncio.ensure_future(evd.wait(timeout=0.3))
-    await _until(lambda: evd._waiter is not None, "the first wait started")
+    await until(lambda: evd._waiter is not None, "the first wait started")
     first.cancel()
     second = asyncio.ensure_future(evd.wait())  # before the first task ran again
     await asyncio.sleep(0)
@@ -103,7 +96,7 @@ async def test_post_se_from_another_thread_to_a_waited_evd_is_refused(ia: Any, l
     waking the waiter.  Handed over that way, it wakes the wait."""
     evd = ia.create_evd(8, EvdFlags.SOFTWARE)
     task = asyncio.ensure_future(evd.wait(timeout=T))
-    await _until(lambda: evd._waiter is not None, "the wait started")
+    await until(lambda: evd._waiter is not None, "the wait started")
     outcome: List[BaseException] = []
 
     def from_thread() -> None:
