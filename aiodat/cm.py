@@ -122,7 +122,7 @@ def _check_port(port: int) -> None:
         raise InvalidParameter(f"port must be an int between 0 and 65535, got {shown(port)}")
 
 
-def _sockaddr(host: str, port: int) -> Any:
+def _sockaddr(host: str, port: int, family: int = 0) -> Any:
     """A numeric IPv4 or IPv6 address (``"fe80::1%netdev"`` for a scoped one) as a sockaddr.
 
     A host name is resolved here, blocking, but only where no event loop runs in this thread
@@ -139,16 +139,22 @@ def _sockaddr(host: str, port: int) -> Any:
     except UnicodeError:  # (a lone surrogate: no address or name has one)
         raise InvalidAddress(f"host {host!r} is not an address or a host name") from None
     addr = ffi.new("struct sockaddr_storage *")
-    if lib.aiodat_sockaddr(encoded, port, addr):
+    err = lib.aiodat_sockaddr(encoded, port, addr)
+    if err == errno.ENODEV:  # a numeric IPv6 address whose scope names no interface here
+        raise InvalidAddress(f"host {host!r}: no network interface {host.partition('%')[2]!r} here "
+                             "(the IPv6 scope after '%' names an interface or its index)")
+    if err:
         if asyncio._get_running_loop() is not None:
             raise InvalidAddress(
                 f"host {host!r} is not a numeric address, and looking it up here would block the running "
                 f"event loop: pass the address, or use the awaitable call (await ep.connect(...)), which "
                 f"looks names up off the loop")
         try:  # a host name, with no loop to block: resolve it the ordinary way
-            host = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError) as exc:
             raise _not_found(host, exc) from None
+        same = [info for info in infos if info[0] == family]  # (``family``'s first, as resolve_host)
+        host = str((same or infos)[0][4][0])
         lib.aiodat_sockaddr(host.encode(), port, addr)
     return addr
 
@@ -286,7 +292,7 @@ class CMChannel:
         key = (host, port) if type(host) is str and type(port) is int else None  # (else _sockaddr says why not)
         kept = self._sockaddrs.get(key) if key is not None else None
         if kept is None:
-            storage = _sockaddr(host, port)
+            storage = _sockaddr(host, port, _family(self._ia.address or ""))
             kept = (storage, ffi.cast("struct sockaddr *", storage))
             if key is not None and _is_numeric(host):
                 if len(self._sockaddrs) >= 256:

@@ -68,6 +68,40 @@ def test_scoped_ipv6_sockaddr_round_trips() -> None:
     assert _address(ffi.cast("struct sockaddr *", sa)) == ("10.1.2.3", 7)
 
 
+def test_an_unknown_ipv6_scope_is_named() -> None:
+    """A numeric IPv6 address whose scope names no interface here is InvalidAddress naming the
+    interface, in a loop or out of one; it used to be taken for a host name (in a running loop:
+    "not a numeric address ... use the awaitable call", the call being made)."""
+    import asyncio
+
+    import aiodat
+    from aiodat.cm import _sockaddr
+
+    async def in_a_loop() -> None:
+        with pytest.raises(aiodat.InvalidAddress, match="no network interface 'no-such-netdev' here"):
+            _sockaddr("fe80::1%no-such-netdev", 7)
+
+    with pytest.raises(aiodat.InvalidAddress, match="no network interface 'no-such-netdev' here"):
+        _sockaddr("fe80::1%no-such-netdev", 7)
+    asyncio.run(in_a_loop())
+    assert _sockaddr("fe80::1%lo", 7) is not None
+
+
+def test_a_name_looked_up_outside_a_loop_prefers_the_ias_family() -> None:
+    """connect_nowait outside a loop looks a name up itself (nothing to block): of a dual-stack
+    name's addresses it takes one of the IA's family, as the awaitable calls do.  It took the
+    first, so an IPv4 IA could be handed an IPv6 peer, which rdma_cm then refused unclearly."""
+    import socket
+
+    from aiodat._lib import ffi
+    from aiodat.cm import _address, _family, _sockaddr
+
+    families = {info[0] for info in socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)}
+    for family in (socket.AF_INET, socket.AF_INET6):
+        host, port = _address(ffi.cast("struct sockaddr *", _sockaddr("localhost", 7, family)))
+        assert port == 7 and _family(host) == (family if family in families else next(iter(families))), host
+
+
 # -- on rxe ---------------------------------------------------------------------------------
 
 
