@@ -589,6 +589,10 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
         _fail_connect(ep, etype, f"{_event_name(kind)} (status {status})")
         return
     if kind == REJECTED:
+        if ep._conn.state is EPState.PASSIVE_CONNECTION_PENDING:  # our REP went; the peer gave up (DAT's
+            _fail_connect(ep, EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR,  # accept outcome)
+                          f"the peer rejected the accepted connection (reason {status})", pdata)
+            return
         etype = (EventType.CONNECTION_EVENT_PEER_REJECTED if status == _CONSUMER_REJECT
                  else EventType.CONNECTION_EVENT_NON_PEER_REJECTED)
         _fail_connect(ep, etype, f"rejected (reason {status})", pdata)
@@ -598,11 +602,16 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
         return
     if kind == DISCONNECTED:
         draining = ep._conn.drain is not None  # our DREQ had not gone yet: this is the peer's
+        accepting = ep._conn.state is EPState.PASSIVE_CONNECTION_PENDING  # (its DREQ overtook its RTU)
         _cancel_timer(ep)
-        if ep._conn.state in (EPState.CONNECTED, EPState.ERROR) or draining:
+        if ep._conn.state in (EPState.CONNECTED, EPState.ERROR) or draining or accepting:
             _disconnect(ep)  # the peer's DREQ: our QP to ERR, flushing what is posted, and the DREP
         ep._conn.state = EPState.DISCONNECTED
-        _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED, pdata)
+        if accepting:
+            _notify(ep, EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR, pdata,
+                    "the peer disconnected before the connection was established")
+        else:
+            _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED, pdata)
         return
     # TIMEWAIT_EXIT, multicast: nothing to do here
 

@@ -396,3 +396,22 @@ async def test_disconnecting_an_ep_in_error(ia: Any, loop_errors: List[dict]) ->
         assert ev.type is EventType.CONNECTION_EVENT_DISCONNECTED
     finally:
         pair.close()
+
+
+async def test_a_client_gone_after_the_accept_is_an_accept_completion_error(ia: Any, loop_errors: List[dict]) -> None:
+    """The client's EP freed right after our REP went (its id's destruction sends a REJ): the
+    accept's outcome is ACCEPT_COMPLETION_ERROR, DAT's outcome of a failed accept; it was
+    NON_PEER_REJECTED, the connecting side's "is anything listening there?"."""
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    client.connect_nowait(ia.address, psp.port, timeout=T)
+    event = await cr_evd.wait_one(timeout=T)
+    event.cr.accept_nowait(server)  # the REP goes now
+    client.free()  # before this loop reads the REP: the client's id goes, and with it a REJ
+    outcome = await server.connect_evd.wait_one(timeout=T)
+    assert outcome.type is EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR, outcome
+    assert server.state is EPState.DISCONNECTED
+    server.reset()
+    assert server.state is EPState.UNCONNECTED
