@@ -401,7 +401,7 @@ async def test_disconnecting_an_ep_in_error(ia: Any, loop_errors: List[dict]) ->
 async def test_a_client_gone_after_the_accept_is_an_accept_completion_error(ia: Any, loop_errors: List[dict]) -> None:
     """The client's EP freed right after our REP went (its id's destruction sends a REJ): the
     accept's outcome is ACCEPT_COMPLETION_ERROR, DAT's outcome of a failed accept; it was
-    NON_PEER_REJECTED, the connecting side's "is anything listening there?"."""
+    PEER_REJECTED, a connecting side's outcome (an awaited accept raised ConnectionRejected)."""
     pz = ia.create_pz()
     cr_evd = ia.create_evd(8, EvdFlags.CR)
     psp = ia.create_psp_any(cr_evd)
