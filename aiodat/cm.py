@@ -207,7 +207,7 @@ async def resolve_within(host: str, family: int, timeout: Optional[float]) -> Tu
     loop = asyncio.get_running_loop()
     started = loop.time()
     address = await resolve_host(host, family, timeout)
-    if timeout is None or address is host:  # (a numeric host: nothing was looked up)
+    if timeout is None or _is_numeric(host):  # (nothing was looked up)
         return address, timeout
     return address, max(timeout - (loop.time() - started), 1e-3)
 
@@ -377,7 +377,7 @@ class CMChannel:
                 owner = owner.ep
             if isinstance(owner, Handle):
                 owner.close()
-            elif owner is not None and hasattr(owner, "fail"):  # a datagram resolution or join (datagram.py) its EP's close missed
+            elif owner is not None and hasattr(owner, "fail"):  # a datagram resolution or join (datagram.py)
                 owner.fail(InvalidHandle("the IA was closed while a datagram resolution or multicast join waited"))
         if self.channel != ffi.NULL:
             self._raw.release()
@@ -589,8 +589,8 @@ def _ep_event(ep: "EP", kind: int, status: int, pdata: bytes) -> None:
         _fail_connect(ep, etype, f"{_event_name(kind)} (status {status})")
         return
     if kind == REJECTED:
-        if ep._conn.state is EPState.PASSIVE_CONNECTION_PENDING:  # our REP went; the peer gave up (DAT's
-            _fail_connect(ep, EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR,  # accept outcome)
+        if ep._conn.state is EPState.PASSIVE_CONNECTION_PENDING:  # our REP went, the peer gave up: DAT's
+            _fail_connect(ep, EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR,  # failed-accept outcome
                           f"the peer rejected the accepted connection (reason {status})", pdata)
             return
         etype = (EventType.CONNECTION_EVENT_PEER_REJECTED if status == _CONSUMER_REJECT

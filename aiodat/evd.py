@@ -1110,7 +1110,7 @@ class EVD(Handle, Generic[E]):
             raise InvalidParameter(f"qlen must be an int >= 1, got {qlen!r}")
         if qlen < len(self._queue):
             raise InvalidState(f"cannot resize to {qlen}: {len(self._queue)} events are queued")
-        if self._waiter is not None and not self._waiter.done() and qlen < self._threshold:
+        if self._waited() and qlen < self._threshold:
             # (the queue stops filling at qlen: the wait would never end)
             raise InvalidState(f"cannot resize to {qlen}: a task waits for {self._threshold} events")
         if self._cq != ffi.NULL and lib.ibv_resize_cq(self._cq, qlen):

@@ -532,7 +532,6 @@ class RMR(Handle):
 
     def _forget(self, why: str) -> None:
         """Drop every pending request and the binding (their LMR pins too); wake waiters with InvalidHandle."""
-
         bound_through = getattr(self, "_ep", None)
         evd = bound_through.request_evd if bound_through is not None else None
         for waiter, _op, _key, segment, _priv in self._pending:
