@@ -321,8 +321,9 @@ class EVD(Handle, Generic[E]):
         self._sharers: List["IA"] = []
         self._queue: Deque[Any] = deque()  # (Any: what E each EVD holds is the type checker's business)
         self._waiter: Optional["asyncio.Future[None]"] = None
-        #: the task of a spinning wait (see wait): cancelling it ends the wait at once
-        self._spinner: Optional["asyncio.Task[Any]"] = None
+        #: the task of the current wait (None if it was being cancelled already when the wait
+        #: began): once it is being cancelled the EVD is free for another wait (see _waited)
+        self._waiter_task: Optional["asyncio.Task[Any]"] = None
         self._threshold = 1
         # The waits' timeout timer, kept across waits (see _set_deadline): the current wait's
         # deadline and timeout, the timer and when it fires (None: no timer pending)
@@ -697,15 +698,17 @@ class EVD(Handle, Generic[E]):
         self._drain_cq()
 
     def _waited(self) -> bool:
-        """A task waits on this EVD now.  A done waiter is a wait that was cancelled or woken and has
-        not run again yet: the EVD is free the moment task.cancel() cancels its future, or, for a
-        spinning wait (which awaits no future while it spins), the moment its task is cancelled.
+        """A task waits on this EVD now: its wait sleeps, spins, or was woken and has not run again
+        yet (the events queued are the woken wait's until it takes them).  The EVD is free once the
+        wait's Future is cancelled, or its task is being cancelled (a spinning wait awaits no Future
+        that task.cancel() could cancel, a woken one's Future is already done: either way its task
+        raises CancelledError and takes nothing), or its loop is closed (its task never runs again).
         (C's twin: waiter_gone in _completions.)"""
         fut = self._waiter
-        if fut is None or fut.done() or fut.get_loop().is_closed():  # (closed: its task never runs again)
+        if fut is None or fut.cancelled() or fut.get_loop().is_closed():
             return False
-        spinner = self._spinner
-        return spinner is None or not spinner.cancelling()
+        task = self._waiter_task
+        return task is None or not task.cancelling()
 
     def _take(self, max_events: Optional[int]) -> List[Any]:
         queue = self._queue
@@ -820,7 +823,7 @@ class EVD(Handle, Generic[E]):
             if len(self._queue) >= threshold:
                 return self._take(max_events)
             fut: "asyncio.Future[None]" = loop.create_future()
-            self._waiter, self._spinner, self._threshold = fut, None, threshold
+            self._waiter, self._waiter_task, self._threshold = fut, _task_of_wait(loop), threshold
             self._deadline = None  # (not a cancelled wait's, whose task never ran again)
             try:
                 if timeout is not None:  # (inside the try: if it fails, the EVD is free again)
@@ -839,7 +842,7 @@ class EVD(Handle, Generic[E]):
                 await fut
             finally:
                 if self._waiter is fut:  # else a new wait has taken the EVD since this one was cancelled
-                    self._waiter = self._spinner = None
+                    self._waiter = self._waiter_task = None
                     self._deadline = None  # (its timer stays, for the next wait: see _set_deadline)
             return self._take(max_events)
         finally:
@@ -1197,10 +1200,10 @@ _wakeup = _completions.wakeup
 
 
 def _task_getter() -> Optional[Callable[[asyncio.AbstractEventLoop], Optional["asyncio.Task[Any]"]]]:
-    """What a wait on a CQ the loop's poller holds records before it spins: the loop's running task.
-    None (waits never spin, they sleep on their Future at once) where a task cannot say it is
-    being cancelled (Task.cancelling, Python 3.11): a spinning wait awaits no Future that
-    task.cancel() could cancel, and the EVD must be free the moment its task is cancelled."""
+    """What a wait records as its task: the loop's running task.  None (no task is recorded, and
+    waits never spin: they sleep on their Future at once) where a task cannot say it is being
+    cancelled (Task.cancelling, Python 3.11): a spinning or woken wait's Future is not cancelled
+    with its task, and the EVD must be free the moment that task is cancelled (see _waited)."""
     if not hasattr(asyncio.Task, "cancelling"):
         return None
     try:  # asyncio.current_task in C (3.12), or 3.11's own table of running tasks
@@ -1211,7 +1214,18 @@ def _task_getter() -> Optional[Callable[[asyncio.AbstractEventLoop], Optional["a
         return asyncio.current_task
 
 
-_completions.configure_waits(_task_getter())
+_running_task = _task_getter()
+
+
+def _task_of_wait(loop: asyncio.AbstractEventLoop) -> Optional["asyncio.Task[Any]"]:
+    """The task a wait beginning now records (C's twin: waiting_task in _completions): the running
+    task, unless it is being cancelled already (a clean-up that waits, or a cancel it swallowed),
+    whose wait would otherwise count as gone from its start."""
+    task = _running_task(loop) if _running_task is not None else None
+    return None if task is None or task.cancelling() else task
+
+
+_completions.configure_waits(_running_task)
 _NULL = ffi.NULL
 
 

@@ -496,7 +496,7 @@ async def test_a_task_cancelled_while_its_wait_spins_frees_the_evd_at_once(
         evd = await hot_recv_evd(pair)
         first = asyncio.ensure_future(evd.wait(timeout=T))
         await asyncio.sleep(0)
-        assert evd._spinner is first and evd.query().waiting and evd._unarmed
+        assert evd._waiter_task is first and evd.query().waiting and evd._unarmed
         with pytest.raises(aiodat.InvalidState):
             evd.set_callback(lambda events: None)
         second = asyncio.ensure_future(evd.wait(timeout=T))  # its first step is queued now ...
@@ -504,7 +504,7 @@ async def test_a_task_cancelled_while_its_wait_spins_frees_the_evd_at_once(
         assert not evd.query().waiting
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        assert evd.query().waiting and not second.done() and evd._spinner is second
+        assert evd.query().waiting and not second.done() and evd._waiter_task is second
         pair.eps[0].post_send(put(pair.lmrs[0], b"x"))
         (ev,) = await asyncio.wait_for(second, T)
         assert ev.ok and ev.cookie == "next"
@@ -529,7 +529,7 @@ async def test_a_spinning_wait_sleeps_once_the_poller_arms_the_cq(ia: Any, monke
             await evd.wait(timeout=0.5)
         cpu, wall = time.process_time() - cpu, time.monotonic() - wall
         assert wall >= 0.5 and cpu < 0.5 * wall, f"the wait used {cpu:.3f} s of CPU in {wall:.3f} s"
-        assert not evd._unarmed and evd._spinner is None
+        assert not evd._unarmed and evd._waiter_task is None
         waiter = asyncio.ensure_future(evd.wait(timeout=T))
         await asyncio.sleep(0.1)
         assert not waiter.done()
@@ -548,7 +548,7 @@ async def test_an_evd_freed_under_a_spinning_wait_fails_it(ia: Any, monkeypatch:
         evd = await hot_recv_evd(pair)
         waiter = asyncio.ensure_future(evd.wait(timeout=T))
         await asyncio.sleep(0)
-        assert evd._spinner is waiter and evd._unarmed
+        assert evd._waiter_task is waiter and evd._unarmed
     finally:
         pair.close()
     with pytest.raises(aiodat.InvalidHandle):

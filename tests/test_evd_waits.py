@@ -47,6 +47,52 @@ async def test_dequeue_while_a_task_waits_is_refused(ia: Any, loop_errors: List[
     assert evd.dequeue() is None  # nobody waits: allowed again
 
 
+def _woken_wait(evd: Any, how: str) -> "asyncio.Future[List[Any]]":
+    """A wait on a software EVD (attached to this loop), in C's common path or Python's general one."""
+    return asyncio.ensure_future(evd.wait(timeout=T) if how == "c" else evd.wait(timeout=T, max_events=4))
+
+
+@pytest.mark.parametrize("how", ["c", "python"])
+async def test_a_woken_wait_keeps_its_events_until_it_runs(ia: Any, loop_errors: List[dict], how: str) -> None:
+    """Between the event that wakes a wait and its task's next step, a dequeue or a second wait is
+    refused: the events are the woken wait's.  They used to be taken, and the woken wait returned
+    [] (fewer events than its threshold)."""
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    evd.post_se("attach")
+    assert [e.payload for e in await evd.wait(timeout=T)] == ["attach"]  # (the EVD takes this loop)
+    task = _woken_wait(evd, how)
+    await until(lambda: evd._waiter is not None, "the wait started")
+    evd.post_se("mine")  # wakes the wait; its task runs at a later turn
+    assert evd._waiter.done() and not task.done()
+    with pytest.raises(aiodat.InvalidState, match="dequeue: a task is waiting"):
+        evd.dequeue()
+    with pytest.raises(aiodat.InvalidState, match="another task is already waiting"):
+        await evd.wait(timeout=T)
+    assert evd.query().waiting
+    assert [e.payload for e in await asyncio.wait_for(task, T)] == ["mine"]
+    assert not evd.query().waiting and evd.dequeue() is None
+
+
+@pytest.mark.skipif(not hasattr(asyncio.Task, "cancelling"), reason="needs Task.cancelling (Python 3.11)")
+@pytest.mark.parametrize("how", ["c", "python"])
+async def test_a_woken_wait_whose_task_is_cancelled_leaves_its_events(ia: Any, loop_errors: List[dict],
+                                                                      how: str) -> None:
+    """A wait woken, then its task cancelled before it ran: the EVD is free at once and the events
+    are still queued for the next taker; the cancelled task takes nothing."""
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    evd.post_se("attach")
+    await evd.wait(timeout=T)
+    task = _woken_wait(evd, how)
+    await until(lambda: evd._waiter is not None, "the wait started")
+    evd.post_se("kept")
+    task.cancel()
+    assert not evd.query().waiting
+    assert evd.dequeue().payload == "kept"  # type: ignore[union-attr]
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert evd.dequeue() is None
+
+
 async def test_a_cancelled_waits_deadline_is_not_the_next_waits(ia: Any, loop_errors: List[dict]) -> None:
     """A wait with a timeout, cancelled, then at once a wait without one: the second waits for its
     event.  It used to time out at the first wait's deadline."""

@@ -56,7 +56,7 @@ static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
 static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicited, *s_unarmed, *s_poller,
                 *s_loop, *s_hot, *s_scheduled, *s_create_future, *s_set_deadline, *s_napi_add, *s_poll_rest,
-                *s_deadline, *s_spinner, *s_cancelling, *s_get_loop, *s_future_blocking, *s_result, *s_decide, *s_is_closed,
+                *s_deadline, *s_waiter_task, *s_cancelling, *s_cancelled, *s_get_loop, *s_future_blocking, *s_result, *s_decide, *s_is_closed,
                 *s_turn, *s_call_soon, *s_channel_address, *s_status_address, *s_arm_error, *s_rearms,
                 *s_arm_retried, *s_note_arm, *s_napi_arm, *s_napi_arm_retry, *s_woken, *s_watch,
                 *s_draining_the_cq;
@@ -1108,15 +1108,19 @@ static PyObject *wakeup(PyObject *self, PyObject *evd)
     Py_RETURN_NONE;
 }
 
+/* the loop's running task: configure_waits() sets it; NULL: no wait records its task, none spins */
+static PyObject *task_of;
+
 /* The EVD's waiter (not None) no longer waits: 1, it still does: 0, an error: -1 (EVD._waited's
- * test).  A done waiter is a wait cancelled or woken that has not run again yet; a spinning wait
- * (spin_look) is gone the moment its task is cancelled, as an awaited Future is cancelled with it;
- * a waiter of a closed loop is gone (its task never runs again). */
+ * test).  A wait sleeping, spinning, or woken and not run again yet still waits (the events are
+ * the woken wait's until it takes them).  It is gone once its Future is cancelled, or its task is
+ * being cancelled (a spinning wait awaits no Future, a woken one's is done: its task raises
+ * CancelledError and takes nothing), or its loop is closed (its task never runs again). */
 static int waiter_gone(PyObject *evd, PyObject *waiter)
 {
-    PyObject *done = PyObject_CallMethodObjArgs(waiter, s_done, NULL);
-    int gone = done ? PyObject_IsTrue(done) : -1;
-    Py_XDECREF(done);
+    PyObject *cancelled = PyObject_CallMethodObjArgs(waiter, s_cancelled, NULL);
+    int gone = cancelled ? PyObject_IsTrue(cancelled) : -1;
+    Py_XDECREF(cancelled);
     if (gone != 0)
         return gone;
     PyObject *loop = PyObject_CallMethodObjArgs(waiter, s_get_loop, NULL);
@@ -1126,16 +1130,38 @@ static int waiter_gone(PyObject *evd, PyObject *waiter)
     Py_XDECREF(loop);
     if (gone != 0)
         return gone;
-    PyObject *spinner = PyObject_GetAttr(evd, s_spinner);
-    if (spinner == NULL)
+    PyObject *task = PyObject_GetAttr(evd, s_waiter_task);
+    if (task == NULL)
         return -1;
-    if (spinner != Py_None) {
-        PyObject *count = PyObject_CallMethodObjArgs(spinner, s_cancelling, NULL);
+    if (task != Py_None) {
+        PyObject *count = PyObject_CallMethodObjArgs(task, s_cancelling, NULL);
         gone = count ? PyObject_IsTrue(count) : -1;
         Py_XDECREF(count);
     }
-    Py_DECREF(spinner);
+    Py_DECREF(task);
     return gone;
+}
+
+/* The task a wait beginning in loop records (EVD._task_of_wait's twin): the running task, or None
+ * when it is being cancelled already (a clean-up that waits, a cancel it swallowed: its wait would
+ * count as gone from its start) or none can be told (task_of NULL).  A new reference; NULL: an
+ * error. */
+static PyObject *waiting_task(PyObject *loop)
+{
+    if (task_of == NULL)
+        Py_RETURN_NONE;
+    PyObject *task = PyObject_CallFunctionObjArgs(task_of, loop, NULL);
+    if (task == NULL || task == Py_None)
+        return task;
+    PyObject *count = PyObject_CallMethodObjArgs(task, s_cancelling, NULL);
+    int cancelling = count ? PyObject_IsTrue(count) : -1;
+    Py_XDECREF(count);
+    if (cancelling == 0)
+        return task;
+    Py_DECREF(task);
+    if (cancelling < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /* The checks of EVD.wait that let the common case through: 1 (go on), 0 (Python's general path),
@@ -1223,7 +1249,6 @@ typedef struct {
 enum { SPIN_FIRST, SPIN_LOOKING, SPIN_SLEEPING };
 
 static PyTypeObject *spin_type;
-static PyObject *task_of;  /* the loop's running task: configure_waits() sets it; NULL: waits never spin */
 
 static PyObject *spin_make(PyObject *evd, PyObject *fut, int state)
 {
@@ -1279,7 +1304,7 @@ static int spin_release(Spin *spin)
     int mine = attr_is(spin->evd, s_waiter, spin->fut);
     if (mine != 1)
         return mine;
-    return PyObject_SetAttr(spin->evd, s_waiter, Py_None) < 0 || PyObject_SetAttr(spin->evd, s_spinner, Py_None) < 0
+    return PyObject_SetAttr(spin->evd, s_waiter, Py_None) < 0 || PyObject_SetAttr(spin->evd, s_waiter_task, Py_None) < 0
            || PyObject_SetAttr(spin->evd, s_deadline, Py_None) < 0 ? -1 : 0;
 }
 
@@ -1423,7 +1448,8 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
     PyObject *fut = PyObject_CallMethodObjArgs(loop, s_create_future, NULL);
     if (fut == NULL)
         goto out;
-    int napi = PyObject_SetAttr(evd, s_waiter, fut) < 0 || PyObject_SetAttr(evd, s_spinner, Py_None) < 0
+    PyObject *task = waiting_task(loop);
+    int napi = task == NULL || PyObject_SetAttr(evd, s_waiter, fut) < 0 || PyObject_SetAttr(evd, s_waiter_task, task) < 0
                || PyObject_SetAttr(evd, s_threshold, threshold) < 0 ? -1 : 0;
     if (napi == 0 && timeout != Py_None) {
         PyObject *res = PyObject_CallMethodObjArgs(evd, s_set_deadline, loop, timeout, NULL);
@@ -1440,31 +1466,19 @@ static PyObject *wait_begin(PyObject *self, PyObject *args)
             napi = -1;
         else if (unarmed || busy_us)
             napi = napi_add(evd, loop, busy_us);
-        if (napi == 0 && unarmed && task_of != NULL) {  /* the CQ is with the poller: spin */
-            PyObject *task = PyObject_CallFunctionObjArgs(task_of, loop, NULL);
-            /* A task already being cancelled (a clean-up that waits, a cancel it swallowed) does not
-             * spin: a spinning wait counts as gone while its task is cancelled (waiter_gone), so
-             * another wait would take the EVD and this one, never woken, would outlive its timeout.
-             * It sleeps on its Future instead, which the poller completes. */
-            int cancelling = 0;
-            if (task != NULL && task != Py_None) {
-                PyObject *count = PyObject_CallMethodObjArgs(task, s_cancelling, NULL);
-                cancelling = count ? PyObject_IsTrue(count) : -1;
-                Py_XDECREF(count);
-            }
-            if (task == NULL || cancelling < 0)
-                napi = -1;
-            else if (task != Py_None && !cancelling)
-                napi = PyObject_SetAttr(evd, s_spinner, task) < 0 ? -1 : (state = SPIN_FIRST, 0);
-            Py_XDECREF(task);
-        }
+        /* the CQ is with the poller: spin, if the wait has a task whose cancel frees the EVD (a task
+         * being cancelled already sleeps on its Future instead, which the poller completes: a
+         * spinning wait of no task, never woken, would outlive its timeout) */
+        if (napi == 0 && unarmed && task != Py_None)
+            state = SPIN_FIRST;
     }
+    Py_XDECREF(task);
     result = napi == 0 ? spin_make(evd, fut, state) : NULL;
     if (result == NULL) {  /* as the general path's finally: the EVD is free again, with no deadline */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         if (PyObject_SetAttr(evd, s_waiter, Py_None) < 0 || PyObject_SetAttr(evd, s_deadline, Py_None) < 0
-            || PyObject_SetAttr(evd, s_spinner, Py_None) < 0)
+            || PyObject_SetAttr(evd, s_waiter_task, Py_None) < 0)
             PyErr_Clear();
         PyErr_Restore(type, value, tb);
     }
@@ -1545,7 +1559,8 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_unarmed, "_unarmed"); INTERN(s_poller, "_poller"); INTERN(s_loop, "_loop"); INTERN(s_hot, "_hot");
     INTERN(s_scheduled, "_scheduled"); INTERN(s_create_future, "create_future");
     INTERN(s_set_deadline, "_set_deadline"); INTERN(s_napi_add, "_napi_add"); INTERN(s_poll_rest, "_poll_rest");
-    INTERN(s_deadline, "_deadline"); INTERN(s_spinner, "_spinner"); INTERN(s_cancelling, "cancelling");
+    INTERN(s_deadline, "_deadline"); INTERN(s_waiter_task, "_waiter_task"); INTERN(s_cancelling, "cancelling");
+    INTERN(s_cancelled, "cancelled");
     INTERN(s_future_blocking, "_asyncio_future_blocking"); INTERN(s_result, "result");
     INTERN(s_decide, "_decide"); INTERN(s_is_closed, "is_closed"); INTERN(s_get_loop, "get_loop"); INTERN(s_turn, "_turn");
     INTERN(s_call_soon, "call_soon"); INTERN(s_channel_address, "_channel_address");
