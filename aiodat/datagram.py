@@ -327,11 +327,12 @@ class MulticastGroup(Handle):
     _parent_holds = True
 
     def __init__(self, ep: "EP", group: str) -> None:
+        sockaddr = _sockaddr(group, 0)  # (first: a group that fails here leaves nothing in the EP)
         super().__init__(ep)
         self.ep = ep
         #: the group's IP address
         self.group = group
-        self._sockaddr = _sockaddr(group, 0)
+        self._sockaddr = sockaddr
         self._joiner: Optional[_Joiner] = None
         self._join_event: Any = None  # the MULTICAST_JOIN event the QP was attached by
         #: the handle multicast sends go to (set once joined)
@@ -369,6 +370,8 @@ class MulticastGroup(Handle):
 async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) -> MulticastGroup:
     """``await ep.join_multicast(group)``: see :meth:`aiodat.EP.join_multicast`."""
     _check_ud(ep, "join_multicast")
+    if not isinstance(group, str):  # (ipaddress also takes ints and packed bytes, which rdma_cm does not)
+        raise InvalidParameter(f"group must be an IP address as a str, not {type(group).__name__}")
     try:
         is_multicast = ipaddress.ip_address(group).is_multicast
     except ValueError:

@@ -24,7 +24,7 @@ from aiodat._lib import ffi, lib
 from aiodat.cm import Connection
 from aiodat.cqsize import cq_entries, fit_cqs
 from aiodat.epattr import EPAttr, EPParam, EPRecvInfo, EPState, ServiceType
-from aiodat.errors import InvalidParameter, InvalidState, ModelNotSupported, error_from_errno
+from aiodat.errors import DATError, InvalidParameter, InvalidState, ModelNotSupported, error_from_errno
 from aiodat.evd import EVD, EvdFlags
 from aiodat.memory import PZ, Segments, as_segments  # noqa: F401  (as_segments: re-exported)
 from aiodat.post import (  # noqa: F401  (re-exported: other modules and users import them from here)
@@ -92,6 +92,8 @@ class EP(Posting, Handle):
         for name, evd, stream in (("recv_evd", recv_evd, _DTO), ("request_evd", request_evd, _DTO),
                                   ("connect_evd", connect_evd, _CONNECTION)):
             if evd is not None:
+                if not isinstance(evd, EVD):
+                    raise InvalidParameter(f"{name} must be an EVD, not {type(evd).__name__}")
                 evd._check()
                 if evd._ia is not ia:
                     raise InvalidParameter(f"{name} belongs to another IA")
@@ -129,12 +131,12 @@ class EP(Posting, Handle):
         try:  # EVDs passed in may be shared: grow their CQs so what feeds them fits (docs/events.md)
             own = self._own_evds  # fed by this EP alone: checked without looking at the IA's other EPs
             fit_cqs(ia, [share for share in self._cq_shares() if share[0] not in own or share[2] > cq_entries(share[0])])
+            self._qp = self._create_qp()
         except BaseException:
             self._destroy_own_evds()
             self._closed = True
             pz._children.pop(self, None)
             raise
-        self._qp = self._create_qp()
         self._qp_address = int(ffi.cast("uintptr_t", self._qp))  # for the C hot paths (post.py)
         self.qp_num: int = self._qp.qp_num
         ia._qpn_owner[self.qp_num] = self
@@ -164,9 +166,6 @@ class EP(Posting, Handle):
                                   ud, self._ia.port, out)
         if qp == ffi.NULL:
             err = ffi.errno
-            self._destroy_own_evds()
-            self._closed = True
-            self._pz._children.pop(self, None)
             if out[1] == 0:
                 raise error_from_errno(err, f"creating the queue pair ({a})")
             raise error_from_errno(err, "moving the new UD queue pair to RTS" if ud
@@ -359,11 +358,21 @@ class EP(Posting, Handle):
         err = lib.ibv_modify_qp(self._qp, attr, lib.IBV_QP_STATE)
         if err:
             raise error_from_errno(err, "resetting the queue pair")
+        self._poll_srq_receives()
         self._retire_all()
         self._drop_windows()
-        self._raw.release()
+        for held in list(self._held or ()):  # its multicast groups: a QP attached to one cannot be destroyed
+            held.close()
+        err = self._raw.release()
+        if err:  # (the old QP is kept, and its destruction tried again later: see _handle.Raw)
+            raise error_from_errno(err, "destroying the queue pair (ibv_destroy_qp)")
         self._ia._qpn_owner.pop(self.qp_num, None)
-        self._qp = self._create_qp()
+        try:
+            self._qp = self._create_qp()
+        except BaseException:  # no QP: the EP cannot go on; free it whole (its SRQ, its own EVDs)
+            self._qp, self._qp_address = ffi.NULL, 0
+            self.close()
+            raise
         self._qp_address = int(ffi.cast("uintptr_t", self._qp))
         self.qp_num = self._qp.qp_num
         self._ia._qpn_owner[self.qp_num] = self
@@ -386,6 +395,21 @@ class EP(Posting, Handle):
         for rmr in list(self._windows):
             rmr._qp_gone(self)
 
+    def _poll_srq_receives(self) -> None:
+        """Before the QP goes: poll its recv EVD, so that receives it took from its SRQ and completed
+        unpolled come back to the SRQ's count (and their events to a shared EVD) while their QP
+        number still names this EP.  rxe keeps them in the CQ after the QP is destroyed, where no
+        EP claims them, and the SRQ would count their buffers as posted for ever."""
+        evd = self.recv_evd
+        if self._srq is None or evd.closed:
+            return
+        try:
+            notified = evd._drain_cq(rearm=False, arm_if_unarmed=False)
+        except DATError:
+            return  # (the close goes on; the EVD's next wait meets the broken CQ itself)
+        if notified and evd not in self._own_evds:
+            evd._queued_aside()
+
     def free(self) -> None:
         """Free the endpoint (dat_ep_free): an open connection is dropped abruptly first."""
         self._check()
@@ -401,6 +425,7 @@ class EP(Posting, Handle):
         if self._qp != ffi.NULL:
             cm.detach_cm_id(self)  # QP before its cm_id, but librdmacm must forget the QP first
             self._drop_windows()
+            self._poll_srq_receives()
             self._raw.release()
             self._qp, self._qp_address = ffi.NULL, 0
         self._retire_all()

@@ -76,6 +76,9 @@ class EPAttr:
     comp_vector: Optional[int] = None
 
     def _validate(self, ia: "IA") -> None:
+        if not isinstance(self.service_type, ServiceType):
+            raise InvalidParameter(f"EPAttr.service_type must be a ServiceType (RC or UD), "
+                                   f"got {self.service_type!r}")
         dev = ia._device_attr
         limits = {
             "max_recv_dtos": dev.max_qp_wr, "max_request_dtos": dev.max_qp_wr,

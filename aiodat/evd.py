@@ -318,7 +318,7 @@ class EVD(Handle, Generic[E]):
         self._streams = streams
         self._is_async = _is_async
         #: other IAs whose async events this (async) EVD receives: open_ia(..., async_evd=this)
-        self._sharers: List["IA"] = []
+        self._sharers: "weakref.WeakSet[IA]" = weakref.WeakSet()  # (weak: a dropped IA is released, as any)
         self._queue: Deque[Any] = deque()  # (Any: what E each EVD holds is the type checker's business)
         self._waiter: Optional["asyncio.Future[None]"] = None
         #: the task of the current wait (None if it was being cancelled already when the wait
@@ -368,31 +368,36 @@ class EVD(Handle, Generic[E]):
         return cls(ia, qlen, EvdFlags.ASYNC, _is_async=True)
 
     def _create_cq(self) -> None:
+        """Make the channel, the CQ and what the drain uses; a failure at any step closes the EVD
+        (what was made is freed, and the IA lets go of it) and raises."""
         ia = self._ia
-        self._channel = lib.ibv_create_comp_channel(ia._context)
-        if self._channel == ffi.NULL:
-            self._fail(error_from_errno(ffi.errno, "creating a completion channel"))
-        self._raw_channel = Raw(self._channel, lib.ibv_destroy_comp_channel, "completion channel", ia._raw)
-        self._cq = lib.ibv_create_cq(ia._context, self._qlen, ffi.NULL, self._channel, self.comp_vector)
-        if self._cq == ffi.NULL:
-            self._fail(InsufficientResources(f"ibv_create_cq({self._qlen}) failed (errno {ffi.errno})"))
-        self._raw_cq = Raw(self._cq, lib.ibv_destroy_cq, "CQ", self._raw_channel)  # the CQ goes first
-        # the loop keeps the channel (its fd) while it watches it, even if this EVD is dropped
-        self._watch = FdWatch(self._channel.fd, self._on_readable, "completion channel", keep=self._raw_channel)
+        # the drain's arrays first: _release drains the CQ it destroys
         self._wcs = ffi.new("struct aiodat_wc[]", 64)
         self._wc_bytes = ffi.buffer(self._wcs)
         self._wcs_address = int(ffi.cast("uintptr_t", self._wcs))
-        self._cq_address = int(ffi.cast("uintptr_t", self._cq))
         self._status = ffi.new("int[2]")  # channel events read, arm errno (aiodat_cq_drain)
         self._status_address = int(ffi.cast("uintptr_t", self._status))
-        self._channel_address = int(ffi.cast("uintptr_t", self._channel))
-        ia._cq_owner[int(ffi.cast("uintptr_t", self._cq))] = self
-        if lib.ibv_req_notify_cq(self._cq, 0):
-            self._fail(error_from_errno(ffi.errno, "arming the CQ"))
-
-    def _fail(self, exc: BaseException) -> None:
-        self.close()
-        raise exc
+        try:
+            channel = lib.ibv_create_comp_channel(ia._context)
+            if channel == ffi.NULL:
+                raise error_from_errno(ffi.errno, "creating a completion channel")
+            self._raw_channel = Raw(channel, lib.ibv_destroy_comp_channel, "completion channel", ia._raw)
+            self._channel = channel  # (set once its Raw is: _release frees what is set)
+            cq = lib.ibv_create_cq(ia._context, self._qlen, ffi.NULL, channel, self.comp_vector)
+            if cq == ffi.NULL:
+                raise InsufficientResources(f"ibv_create_cq({self._qlen}) failed (errno {ffi.errno})")
+            self._raw_cq = Raw(cq, lib.ibv_destroy_cq, "CQ", self._raw_channel)  # the CQ goes first
+            self._cq = cq
+            ia._cq_owner[int(ffi.cast("uintptr_t", self._cq))] = self
+            self._cq_address = int(ffi.cast("uintptr_t", self._cq))
+            self._channel_address = int(ffi.cast("uintptr_t", self._channel))
+            # the loop keeps the channel (its fd) while it watches it, even if this EVD is dropped
+            self._watch = FdWatch(self._channel.fd, self._on_readable, "completion channel", keep=self._raw_channel)
+            if lib.ibv_req_notify_cq(self._cq, 0):
+                raise error_from_errno(ffi.errno, "arming the CQ")
+        except BaseException:
+            self.close()
+            raise
 
     # -- feeding the queue -------------------------------------------------
     def _drain_cq(self, rearm: bool = True, spin_us: int = 0, arm_if_unarmed: bool = True,
@@ -649,6 +654,16 @@ class EVD(Handle, Generic[E]):
             if self._queue:
                 self._deliver()
         elif notified:
+            self._wake()
+
+    def _queued_aside(self) -> None:
+        """Events were queued outside the reader callback and the poller (an EP's close polled the
+        CQ): hand them to the callback at the loop's next turn, or wake the waiting task."""
+        if self._callback is not None:
+            loop = self._callback_loop
+            if loop is not None and not loop.is_closed():
+                self._schedule_delivery()
+        else:
             self._wake()
 
     def _napi_failed(self, exc: BaseException, what: str) -> None:
@@ -1162,8 +1177,10 @@ class EVD(Handle, Generic[E]):
             self._watch.detach()
         if self._cq != ffi.NULL:
             self._ia._cq_owner.pop(int(ffi.cast("uintptr_t", self._cq)), None)
-            # ack every event the channel still holds, then destroy CQ before channel
-            lib.aiodat_cq_drain(self._channel, self._cq, -1, self._wcs, 0, self._status)
+            # ack every event the channel still holds, then destroy CQ before channel (a channel
+            # never watched is still blocking, and was never armed: nothing to read from it)
+            channel = self._channel if self._watch is not None else ffi.NULL
+            lib.aiodat_cq_drain(channel, self._cq, -1, self._wcs, 0, self._status)
             self._cq_address = self._channel_address = 0
             self._raw_cq.release()
             self._cq = ffi.NULL

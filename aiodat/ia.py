@@ -178,7 +178,7 @@ def _parse_name(name: str) -> Tuple[str, int, bool]:
     device, sep, port_text = name.partition(":")
     port = 1
     if sep:
-        if not port_text.isdigit() or int(port_text) < 1:
+        if not (port_text.isascii() and port_text.isdecimal()) or int(port_text) < 1:  # ('²' is a digit)
             raise InvalidParameter(f"IA name {name!r}: the port after ':' must be a number >= 1")
         port = int(port_text)
     return device, port, ro_aware
@@ -267,7 +267,7 @@ class IA(RootHandle):
                         f"async_evd belongs to an IA of {async_evd._ia.device_name}, not {device}"
                     )
                 self.async_evd = async_evd
-                async_evd._sharers.append(self)  # its waits now watch this IA's async fd too
+                async_evd._sharers.add(self)  # its waits now watch this IA's async fd too
             self._cm = CMChannel(self)
         except BaseException:
             self.close()
@@ -293,8 +293,8 @@ class IA(RootHandle):
 
     def _release(self) -> None:
         shared = getattr(self, "async_evd", None)
-        if shared is not None and self in shared._sharers:
-            shared._sharers.remove(self)
+        if shared is not None:
+            shared._sharers.discard(self)
         if getattr(self, "_cm", None) is not None:
             self._cm.destroy()
         if getattr(self, "_async_source", None) is not None:

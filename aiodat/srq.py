@@ -43,6 +43,7 @@ from aiodat.errors import (
     InvalidHandle,
     InvalidParameter,
     InvalidState,
+    LengthError,
     ModelNotSupported,
     ProtectionViolation,
     QueueFull,
@@ -55,6 +56,9 @@ from aiodat.epattr import EPState
 from aiodat.evd import DTOCompletionEvent, DTOOp, is_timeout
 from aiodat.memory import PZ, Segment, Segments, as_segments
 from aiodat.wr import _columns
+
+#: the longest segment one scatter/gather element holds (ibv_sge.length is a uint32_t)
+_SGE_MAX = 0xFFFFFFFF
 
 if TYPE_CHECKING:
     from aiodat.ep import EP
@@ -146,25 +150,26 @@ class SRQ(Handle):
         init.attr.max_wr = max_recv_dtos
         init.attr.max_sge = max_recv_iov
         init.attr.srq_limit = 0  # never armed at creation (providers ignore it there anyway)
-        self._srq = lib.ibv_create_srq(pz._pd, init)
-        if self._srq == ffi.NULL:
+        srq = lib.ibv_create_srq(pz._pd, init)
+        if srq == ffi.NULL:
             err = ffi.errno
             self._closed = True
             pz._children.pop(self, None)
             raise error_from_errno(err, f"creating an SRQ of {max_recv_dtos} x {max_recv_iov} (ibv_create_srq)")
-        self._raw = Raw(self._srq, lib.ibv_destroy_srq, "SRQ", pz._raw)
-        self._srq_address = int(ffi.cast("uintptr_t", self._srq))  # for the batch post in C (_posts)
-        ia._srq_owner[self._srq_address] = self
-        self._attr = ffi.new("struct ibv_srq_attr *")
-        self._refresh_sizes()
-        self._sges = ffi.new("struct aiodat_sge[]", _SHIM_MAX_IOV)
-        self._posted_n = ffi.new("int *")
-        if lw:
-            try:
+        self._raw = Raw(srq, lib.ibv_destroy_srq, "SRQ", pz._raw)
+        self._srq = srq  # (set once its Raw is: _release frees what is set)
+        try:  # a failure from here closes the SRQ: what was made is freed, and the PZ lets go of it
+            self._srq_address = int(ffi.cast("uintptr_t", srq))  # for the batch post in C (_posts)
+            ia._srq_owner[self._srq_address] = self
+            self._attr = ffi.new("struct ibv_srq_attr *")
+            self._refresh_sizes()
+            self._sges = ffi.new("struct aiodat_sge[]", _SHIM_MAX_IOV)
+            self._posted_n = ffi.new("int *")
+            if lw:
                 self.set_lw(lw)
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     # -- internals ---------------------------------------------------------
     def _attach(self, ep: "EP") -> None:
@@ -304,6 +309,9 @@ class SRQ(Handle):
                 seg.lmr._check()
                 if seg.lmr._pz is not self._pz:
                     raise ProtectionViolation("post_recv: an LMR of another PZ cannot be used on this SRQ")
+                if seg.length > _SGE_MAX:
+                    raise LengthError(f"post_recv: a segment of {seg.length} bytes is longer than one "
+                                      f"scatter/gather element holds ({_SGE_MAX}): split it into several segments")
             total += len(segs)
         n = len(batch)
         if n == 0:

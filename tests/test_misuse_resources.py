@@ -50,6 +50,93 @@ async def _connected_srq(ia: Any, buffers: int) -> Tuple[Any, Any, Any, Any]:
 # ---------------------------------------------------------------- SRQ
 
 
+def _device_counts(ia: Any) -> Any:
+    from test_leaks import kernel_resources
+
+    return kernel_resources(ia.device_name)
+
+
+@pytest.mark.rxe
+async def test_an_evd_failing_at_its_last_step_frees_its_cq(
+        ia: Any, loop_errors: List[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The EVD's constructor fails after its CQ and channel were made (here: watching the channel's
+    fd): the CQ and the channel are destroyed at once and the IA holds no half-made EVD.  They used
+    to stay, with the channel's fd, until the collector freed the EVD (or the IA closed).  (Closing it
+    then hung, on a channel fd not yet made non-blocking: the test found that.)"""
+    from test_leaks import fds
+
+    before, kernel, owned, evds = fds(), _device_counts(ia), len(ia._cq_owner), _kinds(ia, aiodat.EVD)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected: the loop cannot watch the channel")
+
+    monkeypatch.setattr(aiodat.evd, "FdWatch", refuse)
+    with pytest.raises(RuntimeError, match="injected") as info:
+        ia.create_evd(8, EvdFlags.DTO)
+    monkeypatch.undo()
+    # (while the exception lives, as a program's handler or log keeps it: its traceback holds the
+    # half-made EVD, so the collector cannot have freed it)
+    assert info.traceback and fds() == before and len(ia._cq_owner) == owned
+    assert _kinds(ia, aiodat.EVD) == evds and _device_counts(ia) == kernel
+    assert ia.create_evd(8, EvdFlags.DTO).query().qlen >= 8  # the IA goes on
+
+
+@pytest.mark.rxe
+async def test_an_srq_failing_at_its_last_step_frees_it(
+        ia: Any, loop_errors: List[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SRQ's constructor fails after ibv_create_srq (here: its first query): the SRQ is destroyed
+    at once and the PZ holds no half-made SRQ.  It used to stay until the collector freed it (or the
+    PZ closed)."""
+    pz = ia.create_pz()
+    kernel = _device_counts(ia)
+
+    def refuse(self: Any) -> None:
+        raise aiodat.InsufficientResources("injected: ibv_query_srq failed")
+
+    monkeypatch.setattr(aiodat.srq.SRQ, "_refresh_sizes", refuse)
+    with pytest.raises(aiodat.InsufficientResources, match="injected") as info:
+        ia.create_srq(pz, 16)
+    monkeypatch.undo()
+    assert info.traceback and _kinds(pz, aiodat.SRQ) == 0  # (the exception alive: see above) and not ia._srq_owner and _device_counts(ia) == kernel
+    assert ia.create_srq(pz, 16).query().max_recv_dtos >= 16  # the PZ goes on
+
+
+
+@pytest.mark.rxe
+@pytest.mark.parametrize("recv_evd", ["own", "shared"])
+async def test_an_srq_receive_completed_unpolled_when_its_ep_closes_is_counted_back(
+        ia: Any, loop_errors: List[dict], recv_evd: str) -> None:
+    """A message landed in a buffer the EP took from its SRQ, and the EP closed before anything polled
+    its CQ.  The buffer is no longer posted (rxe keeps the completion after the QP is gone), so the
+    SRQ counts it back; on a shared recv EVD its event comes, with its cookie.  The SRQ used to count
+    it as posted for ever (its LMR could not be freed), and the shared EVD never saw it."""
+    pz = ia.create_pz()
+    srq = ia.create_srq(pz, 16)
+    pool = pz.register(bytearray(4 * 64))
+    srq.post_recv_batch((pool[i * 64:(i + 1) * 64], f"b{i}") for i in range(4))
+    shared = ia.create_evd(16, EvdFlags.DTO) if recv_evd == "shared" else None
+    server, client = ia.create_ep(pz, recv_evd=shared, srq=srq), ia.create_ep(pz)
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    connecting = asyncio.ensure_future(client.connect(ia.address, psp.port, timeout=T))
+    await (await cr_evd.wait_one(timeout=T)).cr.accept(server, timeout=T)
+    await asyncio.wait_for(connecting, T)
+    client.post_send(pz.register(bytearray(8))[0:8], cookie="s")
+    # the message is in the buffer once the send completed; nothing polled the server's CQ (no
+    # task ever waited on its recv EVD, so no loop watches it)
+    assert (await client.request_evd.wait_one(timeout=T)).ok
+    server.close()
+    if shared is None:
+        assert srq.query().outstanding_dto_count == 3
+    else:
+        assert srq.query().outstanding_dto_count == 4  # three posted, one queued on the EVD
+        event = shared.dequeue()
+        assert event is not None and event.cookie == "b0" and event.ok
+        assert srq.query().outstanding_dto_count == 3
+    srq.close()
+    pool.free()  # no buffer of it counts as posted any more
+
+
 @pytest.mark.rxe
 async def test_srq_sizes_no_repr_can_show_are_invalid_parameter(ia: Any, loop_errors: List[dict]) -> None:
     """create_srq, resize and set_lw with an int too long for repr() raise InvalidParameter naming the

@@ -1,0 +1,131 @@
+"""Misuse of endpoints and IAs on real rxe: arguments of the wrong kind, a reset that cannot finish,
+a reset of a UD EP in a multicast group, and an IA the program drops.  Each is an aiodat error
+naming what was wrong, raised before anything is made, or a clean-up that leaves nothing behind
+(the audit of 2026-11-28, second round)."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import warnings
+import weakref
+from typing import Any, List
+
+import pytest
+
+import aiodat
+from aiodat import EPAttr, ServiceType
+from aiodat.testing.plugin import RdmaDevice
+from test_leaks import kernel_resources
+
+pytestmark = pytest.mark.rxe
+
+T = 30.0
+UD = EPAttr(service_type=ServiceType.UD, max_recv_iov=2, max_request_iov=2)
+
+
+def _qps(ia: Any) -> int:
+    return kernel_resources(ia.device_name).get("qp", 0)
+
+
+async def test_create_ep_names_an_evd_argument_that_is_not_an_evd(ia: Any, loop_errors: List[dict]) -> None:
+    """An SRQ passed where the recv_evd goes (positionally), or a number: InvalidParameter naming the
+    argument.  It used to be an AttributeError from inside ('SRQ' object has no attribute '_streams')."""
+    pz = ia.create_pz()
+    srq = ia.create_srq(pz, 4)
+    children = len(pz._children)
+    with pytest.raises(aiodat.InvalidParameter, match="recv_evd must be an EVD, not SRQ"):
+        ia.create_ep(pz, srq)
+    for name in ("recv_evd", "request_evd", "connect_evd"):
+        with pytest.raises(aiodat.InvalidParameter, match=f"{name} must be an EVD, not int"):
+            ia.create_ep(pz, **{name: 5})
+    assert len(pz._children) == children  # no half-made EP
+
+
+async def test_an_epattr_service_type_that_is_not_a_service_type_is_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """EPAttr(service_type="UD") used to make an RC queue pair that neither connect() nor
+    resolve_datagram() would take, each saying the EP was of the other kind."""
+    pz = ia.create_pz()
+    qps = _qps(ia)
+    for bad in ("UD", None, 2):
+        with pytest.raises(aiodat.InvalidParameter, match="EPAttr.service_type must be a ServiceType"):
+            ia.create_ep(pz, attrs=EPAttr(service_type=bad))  # type: ignore[arg-type]
+    assert _qps(ia) == qps
+
+
+async def test_reset_of_a_ud_ep_in_a_multicast_group_leaves_it_and_frees_the_old_qp(
+        ia: Any, loop_errors: List[dict]) -> None:
+    """reset() of a UD EP that joined a group leaves the group first, so its old QP is destroyed and
+    the EP can join again.  The old QP used to stay attached to the group, undestroyable (EBUSY),
+    while the group still said it was joined and nothing from it arrived any more."""
+    import aiodat._handle as handle
+
+    pz = ia.create_pz()
+    ep = ia.create_ep(pz, attrs=UD)
+    qps, deferred = _qps(ia), len(handle._deferred)
+    group = await ep.join_multicast("239.1.2.12", timeout=T)
+    ep.reset()
+    assert group.closed and not group.joined
+    assert len(handle._deferred) == deferred and _qps(ia) == qps
+    again = await ep.join_multicast("239.1.2.12", timeout=T)
+    assert again.joined
+
+
+async def test_a_reset_that_cannot_make_its_new_qp_frees_the_ep(
+        ia: Any, loop_errors: List[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new queue pair of a reset cannot be made (here: injected): the EP is closed whole, so it
+    leaves its SRQ, which can then be freed.  It used to keep the destroyed QP's pointer, attached to
+    the SRQ, which refused to be freed ('1 endpoint(s) still use it')."""
+    pz = ia.create_pz()
+    srq = ia.create_srq(pz, 16)
+    ep = ia.create_ep(pz, srq=srq)
+
+    def refuse() -> Any:
+        raise aiodat.InsufficientResources("injected: no queue pair")
+
+    monkeypatch.setattr(ep, "_create_qp", refuse)
+    with pytest.raises(aiodat.InsufficientResources, match="injected"):
+        ep.reset()
+    assert ep.closed
+    with pytest.raises(aiodat.InvalidHandle):
+        ep.post_recv(pz.register(bytearray(8))[0:8])
+    srq.free()
+
+
+async def test_join_multicast_takes_a_group_as_a_str_only(ia: Any, loop_errors: List[dict]) -> None:
+    """A group given as an int or packed bytes (which ipaddress accepts) is InvalidParameter; a
+    scope naming no interface is InvalidAddress.  Both used to leave a half-made group in the EP,
+    whose close then raised AttributeError."""
+    pz = ia.create_pz()
+    ep = ia.create_ep(pz, attrs=UD)
+    for bad in (0xE0000001, b"\xe0\x00\x00\x01"):
+        with pytest.raises(aiodat.InvalidParameter, match="group must be an IP address as a str"):
+            await ep.join_multicast(bad, timeout=T)  # type: ignore[arg-type]
+    with pytest.raises(aiodat.InvalidAddress, match="no network interface 'nosuchif'"):
+        await ep.join_multicast("ff02::1%nosuchif", timeout=T)
+    assert not ep._children
+    ep.close()
+
+
+async def test_an_ia_name_with_a_port_that_is_a_digit_but_no_number(rdma_device: RdmaDevice) -> None:
+    """'rxe0:²' ('²' is a digit to str.isdigit): InvalidParameter naming the port, not int()'s ValueError."""
+    with pytest.raises(aiodat.InvalidParameter, match="the port after ':' must be a number"):
+        aiodat.open_ia(f"{rdma_device.name}:\u00b2")
+
+
+async def test_an_ia_sharing_an_async_evd_is_released_when_dropped(rdma_device: RdmaDevice) -> None:
+    """An IA opened with another's async EVD and dropped unclosed is released (with a
+    ResourceWarning), as any dropped aiodat object; the shared EVD held it for ever."""
+    first = aiodat.open_ia(rdma_device.name)
+    try:
+        second = aiodat.open_ia(rdma_device.name, async_evd=first.async_evd)
+        await asyncio.sleep(0)
+        gone = weakref.ref(second)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            del second
+            gc.collect()
+        assert gone() is None and not first.async_evd._sharers
+        assert any(issubclass(w.category, ResourceWarning) for w in seen), [str(w.message) for w in seen]
+        assert first.async_evd.dequeue() is None  # the shared EVD works on
+    finally:
+        first.close()
