@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 import os
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Deque, Optional, Sequence, Set, Tuple, Union
 
 from aiodat._handle import Handle, Raw, fail_waiter
@@ -148,13 +149,22 @@ class RemoteRegion:
         return _REGION.pack(self.address, self.length, self.rmr_context)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "RemoteRegion":
+    def from_bytes(cls, data: Union[bytes, bytearray, memoryview]) -> "RemoteRegion":
         """Parse what :meth:`to_bytes` produced (extra trailing bytes are ignored)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidParameter(f"RemoteRegion.from_bytes needs bytes, not {type(data).__name__}")
-        if len(data) < _REGION.size:
-            raise InvalidParameter(f"a RemoteRegion needs {_REGION.size} bytes, got {len(data)}")
-        return cls(*_REGION.unpack_from(data))
+        try:
+            view = memoryview(data)
+        except ValueError as exc:  # a released memoryview
+            raise InvalidParameter(f"RemoteRegion.from_bytes cannot read this memoryview: {exc}") from None
+        with view:
+            if not view.c_contiguous:
+                raise InvalidParameter("RemoteRegion.from_bytes needs a contiguous buffer")
+            size = view.nbytes  # bytes, not items: a view of wider items (array "I") counts them all
+            if size < _REGION.size:
+                raise InvalidParameter(f"a RemoteRegion needs {_REGION.size} bytes, got {size}")
+            fields = _REGION.unpack_from(view)
+        return cls(*fields)
 
     def __getitem__(self, key: slice) -> "RemoteRegion":
         if not isinstance(key, slice):
@@ -200,6 +210,9 @@ class LMR(Handle):
         # the MR holds the export too: if deregistration fails the device may still use the memory
         self._raw = Raw(mr, lib.ibv_dereg_mr, "MR", pz._raw, cdata)
         self._inflight = 0
+        #: the RMRs bound to a range of this LMR, or with a bind to one pending (memory windows
+        #: pin their MR: rxe refuses to deregister it while one is bound)
+        self._windows: "weakref.WeakSet[RMR]" = weakref.WeakSet()
         self.privileges = privileges
         #: the local key (lkey) and remote key (rkey) of the registration
         self.lmr_context: int = mr.lkey
@@ -221,23 +234,32 @@ class LMR(Handle):
             ) from None
         except ValueError as exc:  # a released memoryview
             raise InvalidParameter(f"cannot register this {type(buffer).__name__}: {exc}") from None
-        if not view.c_contiguous:
-            raise InvalidParameter("cannot register a non-contiguous buffer")
-        writes = privileges & (Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_ATOMIC)
-        if view.readonly and writes:
-            raise InvalidParameter(
-                f"cannot register a read-only {type(buffer).__name__} with write privileges ({privileges!r})"
-            )
-        length = view.nbytes
-        if length == 0:
-            raise LengthError("cannot register an empty buffer")
-        max_size = pz.ia._device_attr.max_mr_size
-        if length > max_size:
-            raise LengthError(f"buffer of {length} bytes exceeds max_lmr_block_size {max_size}")
-        cdata = ffi.from_buffer("char[]", view, require_writable=bool(writes))
-        mr = lib.ibv_reg_mr(pz._pd, cdata, length, ibv_access(privileges))
-        if mr == ffi.NULL:
-            raise error_from_errno(ffi.errno, f"registering {length} bytes (ibv_reg_mr)")
+        cdata = None
+        try:
+            if not view.c_contiguous:
+                raise InvalidParameter("cannot register a non-contiguous buffer")
+            writes = privileges & (Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_ATOMIC)
+            if view.readonly and writes:
+                raise InvalidParameter(
+                    f"cannot register a read-only {type(buffer).__name__} with write privileges ({privileges!r})"
+                )
+            length = view.nbytes
+            if length == 0:
+                raise LengthError("cannot register an empty buffer")
+            max_size = pz.ia._device_attr.max_mr_size
+            if length > max_size:
+                raise LengthError(f"buffer of {length} bytes exceeds max_lmr_block_size {max_size}")
+            cdata = ffi.from_buffer("char[]", view, require_writable=bool(writes))
+            mr = lib.ibv_reg_mr(pz._pd, cdata, length, ibv_access(privileges))
+            if mr == ffi.NULL:
+                raise error_from_errno(ffi.errno, f"registering {length} bytes (ibv_reg_mr)")
+        except BaseException:
+            # The exception's traceback keeps this frame, and so the view and cdata, alive: end
+            # their exports of the buffer now, or it could not be resized while the error lives.
+            if cdata is not None:
+                ffi.release(cdata)
+            view.release()
+            raise
         return view, cdata, mr, privileges
 
     @property
@@ -291,10 +313,22 @@ class LMR(Handle):
         self._check()
 
     def free(self) -> None:
-        """Deregister (dat_lmr_free); refused while posted requests still use the memory."""
+        """Deregister (dat_lmr_free); refused while posted requests still use the memory or a
+        memory window is bound to it (:meth:`close` closes those windows instead)."""
         self._check()
+        windows = list(self._windows)
+        self._refuse_close_while(bool(windows), f"memory window(s) {', '.join(map(repr, windows))} are bound to it "
+                                                f"(or a bind to it is pending): unbind or free them first")
         self._refuse_close_while(self._inflight > 0, f"{self._inflight} posted request(s) still use it")
         self.close()
+
+    def close(self) -> None:
+        """Deregister now, closing first the memory windows (RMRs) bound to it, as an EVD's close
+        closes the EPs using it: a window pins its MR, and the deregistration would fail."""
+        if not self._closed:
+            for rmr in list(self._windows):
+                rmr.close()
+        super().close()
 
     def _release(self) -> None:
         failed = 0
@@ -340,8 +374,9 @@ class RMR(Handle):
     those privileges, through :meth:`remote`.  ``await rmr.unbind(ep)``
     invalidates the window (IBV_WR_LOCAL_INV of its rkey): any later remote
     access with the old rmr_context fails at the initiator with
-    IBV_WC_REM_ACCESS_ERR.  Type-2 windows must be unbound before they are
-    bound again.  The LMR needs ``Privileges.MW_BIND``; the EP must be
+    IBV_WC_REM_ACCESS_ERR; it must go through the EP the window is bound
+    through, once no bind or unbind of the window is pending.  Type-2 windows
+    must be unbound before they are bound again.  The LMR needs ``Privileges.MW_BIND``; the EP must be
     connected and in the RMR's PZ.
 
     The bind completion is a :class:`aiodat.RMRBindEvent`.  The awaitable
@@ -373,7 +408,10 @@ class RMR(Handle):
         self._raw = Raw(mw, lib.ibv_dealloc_mw, "MW", pz._raw)
         self._rkey: int = mw.rkey
         self._bound: Optional[Tuple[Segment, Privileges]] = None
-        self._ep: Any = None  # the EP the window was last bound through
+        # The EP the window is bound through, or has its bind or unbind pending on (None: neither).
+        # A type-2B window belongs to that QP: it alone may unbind it, and only its destruction
+        # touches the window (_qp_gone).  The EP's _windows holds this RMR for exactly as long.
+        self._ep: Any = None
         # posted binds/unbinds in order: (future or None, op, new rkey, segment, privileges)
         self._pending: Deque[Tuple[Any, Any, int, Optional[Segment], Privileges]] = deque()
 
@@ -413,15 +451,19 @@ class RMR(Handle):
             ep.request_evd._attach(waiter.get_loop())
         if op is DTOOp.BIND:
             assert segment is not None  # (bind_nowait passes one; an unbind passes None)
-            if self._bound is not None or any(p[1] is DTOOp.BIND for p in self._pending):
-                raise InvalidState("the window is bound (or a bind is pending): unbind it first "
-                                   "(type-2 windows cannot be rebound in place)")
+            self._refuse_while_pending("binding")
+            if self._bound is not None:
+                raise InvalidState("the window is bound: unbind it first (type-2 windows cannot be rebound in place)")
             new_rkey = int(lib.ibv_inc_rkey(self._rkey))
             access = ibv_access(privileges) & ~lib.IBV_ACCESS_LOCAL_WRITE & ~lib.IBV_ACCESS_MW_BIND
             ep._bind_window(self, op, (self._mw, new_rkey, segment.lmr._mr, segment.address, segment.length,
                                        access), cookie)
             segment.lmr._inflight += 1  # the LMR cannot be freed while the window points into it
+            segment.lmr._windows.add(self)  # ... and its close closes the window first
+            if self._ep is not None and self._ep is not ep:
+                self._leave_ep()  # (nothing is bound or pending there: the old QP has no claim left)
         else:
+            # _check_unbind made sure: bound through this very EP, nothing pending, so the key is the bound one
             new_rkey = self._rkey
             ep._bind_window(self, op, (self._mw, self._rkey, ffi.NULL, 0, 0, 0), cookie)
         self._pending.append((waiter, op, new_rkey, segment, privileges))
@@ -454,6 +496,14 @@ class RMR(Handle):
 
             raise PrivilegesViolation("the LMR was registered without Privileges.MW_BIND: windows cannot be "
                                       "bound to it")
+        writes = privileges & (Privileges.REMOTE_WRITE | Privileges.REMOTE_ATOMIC)
+        if writes and not ibv_access(lmr_priv) & lib.IBV_ACCESS_LOCAL_WRITE:
+            # verbs: a window granting remote write or atomics needs an MR with local write; the device
+            # would fail the bind (and the connection with it)
+            from aiodat.errors import PrivilegesViolation
+
+            raise PrivilegesViolation(f"privileges {writes!r} of a window need an LMR with local write, but it was "
+                                      f"registered with {lmr_priv!r}: register it with Privileges.LOCAL_WRITE")
         return segment, privileges & (_BIND_PRIVILEGES | Privileges.LOCAL_READ | Privileges.LOCAL_WRITE)
 
     def bind_nowait(self, segment: Segment, privileges: Privileges, ep: Any, cookie: Any = None) -> int:
@@ -479,22 +529,48 @@ class RMR(Handle):
         return event.rmr_context
 
     def unbind_nowait(self, ep: Any, cookie: Any = None) -> None:
-        """Post the invalidation of the window (dat_rmr_bind with a zero length); the event goes to the EVD."""
-        self._check_unbind()
+        """Post the invalidation of the window (dat_rmr_bind with a zero length); the event goes to the EVD.
+
+        ``ep`` must be the EP the window is bound through (InvalidParameter otherwise), and no bind or
+        unbind of the window may be pending (InvalidState): wait for its RMR_BIND_COMPLETION first.
+        """
+        self._check_unbind(ep)
         self._post(DTOOp.UNBIND, ep, None, Privileges.NONE, cookie, None)
 
     async def unbind(self, ep: Any, cookie: Any = None) -> None:
-        """Invalidate the window through ``ep``; the old rmr_context stops working for the peer."""
-        self._check_unbind()
+        """Invalidate the window through ``ep``, the EP it is bound through; the old rmr_context stops
+        working for the peer.  Refused while a bind or unbind of the window is pending (see
+        :meth:`unbind_nowait`)."""
+        self._check_unbind(ep)
         fut = asyncio.get_running_loop().create_future()
         self._post(DTOOp.UNBIND, ep, None, Privileges.NONE, cookie, fut)
         event = await fut
         self._raise_for(event, "unbind")
 
-    def _check_unbind(self) -> None:
+    def _refuse_while_pending(self, doing: str) -> None:
+        """One bind or unbind of the window at a time: an invalidation names the window's current
+        key, which only a completed bind sets, and a second one would hit a window already free
+        (rxe_do_invalidate_mw).  So each completion is the one pending request's."""
+        if self._pending:
+            what = "a bind" if self._pending[-1][1] is DTOOp.BIND else "an unbind"
+            raise InvalidState(f"{what} of the window is pending: wait for its RMR_BIND_COMPLETION before {doing}")
+
+    def _check_unbind(self, ep: Any) -> None:
         self._check()
-        if self._bound is None and not any(p[1] is DTOOp.BIND for p in self._pending):
+        self._refuse_while_pending("unbinding")
+        if self._bound is None:
             raise InvalidState("the window is not bound")
+        if ep is not self._ep:
+            # a type-2B window belongs to the QP that bound it: another QP's invalidation fails on the device
+            shown_ep = repr(ep) if callable(getattr(ep, "_bind_window", None)) else f"a {type(ep).__name__}"
+            raise InvalidParameter(f"the window is bound through {self._ep!r}, not through {shown_ep}: "
+                                   f"unbind it through the EP that bound it")
+
+    def _leave_ep(self) -> None:
+        """The window is no longer bound (nor pending) through its EP: leave that EP's window set."""
+        ep, self._ep = self._ep, None
+        if ep is not None:
+            ep._forget_window(self)
 
     @staticmethod
     def _raise_for(event: Any, what: str) -> None:
@@ -520,9 +596,15 @@ class RMR(Handle):
                 self._mw.rkey = new_rkey  # verbs leaves this to the consumer; the next bind names it
                 self._bound = (segment, privileges)
                 segment.lmr._inflight += 1  # held while bound
+            else:  # nothing bound: neither the LMR nor the QP is held by the window
+                segment.lmr._windows.discard(self)
+                self._leave_ep()
         elif ok and self._bound is not None:
-            self._bound[0].lmr._inflight -= 1
+            lmr = self._bound[0].lmr
+            lmr._inflight -= 1
+            lmr._windows.discard(self)
             self._bound = None
+            self._leave_ep()  # an invalidated window no longer holds the QP
         event = RMRBindEvent(EventType.RMR_BIND_COMPLETION, evd, self, cookie, status,
                              new_rkey if ok and pop_op is DTOOp.BIND else None)
         if waiter is not None and not waiter.done():
@@ -540,16 +622,21 @@ class RMR(Handle):
             fail_waiter(waiter, InvalidHandle(why))
             if segment is not None:
                 segment.lmr._inflight -= 1
+                segment.lmr._windows.discard(self)
         self._pending.clear()
         if self._bound is not None:
             self._bound[0].lmr._inflight -= 1
+            self._bound[0].lmr._windows.discard(self)
             self._bound = None
-        ep, self._ep = getattr(self, "_ep", None), None
-        if ep is not None:
-            ep._forget_window(self)
+        if getattr(self, "_ep", None) is not None:
+            self._leave_ep()
 
     def _qp_gone(self, ep: Any) -> None:
-        """The EP the window was bound through is destroying its QP: start over with a fresh window."""
+        """``ep`` is destroying its QP: if the window is bound (or pending) through it, start over
+        with a fresh window (a type-2B window is tied to that QP); otherwise leave the window alone."""
+        if ep is not self._ep or self._closed:
+            ep._forget_window(self)  # (not ours any more: a stale entry must not tear down another binding)
+            return
         self._forget("the EP the window was bound through was freed")
         if self._mw != ffi.NULL:
             self._raw.release()
@@ -702,12 +789,24 @@ class PZ(Handle):
         so the event loop keeps running meanwhile.
 
         Cancelling the await loses nothing: a registration that completes after
-        the cancellation is undone at once.
+        the cancellation is undone at once.  ``executor`` must be a
+        ``concurrent.futures.Executor`` (InvalidParameter otherwise); one that
+        refuses the work (shut down) is InvalidState.
         """
         self._check()
+        if executor is not None and not isinstance(executor, concurrent.futures.Executor):
+            raise InvalidParameter(f"executor must be a concurrent.futures.Executor or None, "
+                                   f"not {type(executor).__name__}")
         loop = asyncio.get_running_loop()
         pin = _Pin(self, buffer, privileges)
-        pinning = loop.run_in_executor(executor, pin.run)
+        try:
+            pinning = loop.run_in_executor(executor, pin.run)
+        except RuntimeError as exc:  # an executor that was shut down refuses new work
+            pin.undo()
+            raise InvalidState(f"the executor refused the registration: {exc}") from None
+        except BaseException:
+            pin.undo()  # (the PZ must not keep a pin that will never run)
+            raise
         try:
             await asyncio.shield(pinning)
         except asyncio.CancelledError:

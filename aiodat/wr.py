@@ -206,6 +206,9 @@ class WorkRequests:
             target.completed(status)
             return None
         if op is DTOOp.BIND or op is DTOOp.UNBIND:
+            if code and code != _WC_WR_FLUSH_ERR and self._rc:
+                # a failed bind or invalidation puts the RC QP in ERR too: the connection is broken
+                self._on_async_error(f"memory window {op.value} with cookie {cookie!r} completed with {status}")
             return target._bind_completed(evd, cookie, status, op)
         if op is DTOOp.RDMA_READ:
             length = byte_len
