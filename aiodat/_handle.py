@@ -23,6 +23,7 @@ naming fork.
 """
 from __future__ import annotations
 
+import asyncio
 import errno
 import gc
 import os
@@ -246,6 +247,16 @@ class Handle:
         """Free this object and everything created from it. Idempotent."""
         if self._closed:
             return
+        self._refuse_foreign_thread()
+        self._close_tree()
+
+    def _discard(self) -> None:
+        """Free an object its constructor could not finish: as close(), but from any thread, since
+        no loop has seen it yet."""
+        if not self._closed:
+            self._close_tree()
+
+    def _close_tree(self) -> None:
         first_error: Optional[BaseException] = None
         # (most objects, every EP and CR among them, have no children: no sort for those)
         for child in sorted(self._children, key=_close_rank) if self._children else ():
@@ -266,6 +277,22 @@ class Handle:
 
     def _release(self) -> None:
         """Destroy this object's own resources (children are already closed)."""
+
+    def _serving_loop(self) -> Any:
+        """The event loop that watches this object's tree (its IA's), or None; the IA says."""
+        root = self
+        while root._parent is not None:
+            root = root._parent
+        return root._serving_loop() if root is not self else None
+
+    def _refuse_foreign_thread(self) -> None:
+        """A close from a thread other than the one running the loop that serves the object would
+        free what the loop's callbacks may be using at that moment (a CQ being drained): refused,
+        before anything is freed."""
+        loop = self._serving_loop()
+        if loop is not None and loop.is_running() and asyncio._get_running_loop() is not loop:
+            raise InvalidState(f"close: this {self._kind} is served by an event loop running in another "
+                               f"thread; close it in that thread, e.g. loop.call_soon_threadsafe(obj.close)")
 
     def _abandon(self) -> None:
         """In a forked child: mark this tree unusable without touching the device."""

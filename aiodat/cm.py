@@ -908,18 +908,18 @@ class Listener(Handle):
         try:  # (InvalidState if another loop owns the IA: before the port is taken)
             ia._attach_loop()
         except BaseException:
-            self.close()
+            self._discard()
             raise
         self._cm_id = ia._cm.create_id(self, port_space)
         if lib.rdma_bind_addr(self._cm_id, ffi.cast("struct sockaddr *", addr)):
             err = ffi.errno
-            self.close()
+            self._discard()
             if err == 98:  # EADDRINUSE
                 raise ConnQualInUse(f"{what} {port} is already listened on ({ia.address})")
             raise error_from_errno(err, f"binding {what} {port}")
         if lib.rdma_listen(self._cm_id, backlog):
             err = ffi.errno
-            self.close()
+            self._discard()
             raise error_from_errno(err, f"listening on {what} {port}")
         bound = _address(lib.rdma_get_local_addr(self._cm_id))
         #: the port (connection qualifier) listened on

@@ -396,7 +396,7 @@ class EVD(Handle, Generic[E]):
             if lib.ibv_req_notify_cq(self._cq, 0):
                 raise error_from_errno(ffi.errno, "arming the CQ")
         except BaseException:
-            self.close()
+            self._discard()
             raise
 
     # -- feeding the queue -------------------------------------------------
@@ -1148,6 +1148,7 @@ class EVD(Handle, Generic[E]):
         that deliver connection requests to it are closed first, as pyverbs closes the QPs of a
         CQ it closes (a QP cannot outlive its CQ).  Idempotent.  :meth:`free` refuses instead."""
         if not self._closed:
+            self._refuse_foreign_thread()  # (before its users are closed)
             eps, psps = self._users()
             for user in (*eps, *psps):
                 user.close()

@@ -270,7 +270,7 @@ class IA(RootHandle):
                 async_evd._sharers.add(self)  # its waits now watch this IA's async fd too
             self._cm = CMChannel(self)
         except BaseException:
-            self.close()
+            self._discard()
             raise
 
     # -- internals used by the other modules ------------------------------
@@ -285,6 +285,11 @@ class IA(RootHandle):
         if not self._closed:
             self._cm.drain()
             self._async_source.drain()
+
+    def _serving_loop(self) -> Any:
+        """The loop that watches the IA's fds (every wait on its objects makes it watch them)."""
+        cm = getattr(self, "_cm", None)  # (None while the IA is being opened)
+        return cm.watch._owner if cm is not None else None
 
     def _attach_loop(self) -> None:
         """Let the running loop watch the IA's CM channel and async fd."""

@@ -168,7 +168,7 @@ class SRQ(Handle):
             if lw:
                 self.set_lw(lw)
         except BaseException:
-            self.close()
+            self._discard()
             raise
 
     # -- internals ---------------------------------------------------------
@@ -483,6 +483,7 @@ class SRQ(Handle):
     def close(self) -> None:
         """Destroy the SRQ, closing first any EP still attached (a QP cannot outlive its SRQ). Idempotent."""
         if not self._closed:
+            self._refuse_foreign_thread()  # (before its users are closed)
             first_error: Optional[BaseException] = None
             for ep in list(self._eps):
                 try:

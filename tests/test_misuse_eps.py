@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import warnings
 import weakref
 from typing import Any, List
@@ -13,7 +14,7 @@ from typing import Any, List
 import pytest
 
 import aiodat
-from aiodat import EPAttr, ServiceType
+from aiodat import EPAttr, EvdFlags, ServiceType
 from aiodat.testing.plugin import RdmaDevice
 from test_leaks import kernel_resources
 
@@ -129,3 +130,41 @@ async def test_an_ia_sharing_an_async_evd_is_released_when_dropped(rdma_device: 
         assert first.async_evd.dequeue() is None  # the shared EVD works on
     finally:
         first.close()
+
+
+async def test_close_from_another_thread_while_the_loop_runs_is_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """close() of an EP, an EVD, a PZ or the IA from a thread other than the one running the loop
+    that serves them is InvalidState naming the way to do it, and closes nothing: it would free what
+    the loop's callbacks may be using at that moment.  It used to go ahead.  Handed to the loop's
+    thread, it closes."""
+    pz = ia.create_pz()
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    evd.post_se(1)
+    await evd.wait(timeout=T)  # a wait: this loop now serves the IA
+    ep = ia.create_ep(pz)
+    outcome: List[Any] = []
+
+    def from_thread() -> None:
+        for obj in (ep, evd, pz, ia):
+            try:
+                obj.close()
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=from_thread)
+    thread.start()
+    while thread.is_alive():
+        await asyncio.sleep(0.01)
+    assert len(outcome) == 4 and all(isinstance(o, aiodat.InvalidState) for o in outcome), outcome
+    assert all("call_soon_threadsafe" in str(o) for o in outcome)
+    assert not (ep.closed or evd.closed or pz.closed or ia.closed)
+    loop = asyncio.get_running_loop()
+    threading.Thread(target=lambda: loop.call_soon_threadsafe(ep.close)).start()
+    await asyncio.wait_for(until_closed(ep), T)
+    assert evd.dequeue() is None  # the rest works on
+
+
+async def until_closed(obj: Any) -> None:
+    while not obj.closed:
+        await asyncio.sleep(0.01)
