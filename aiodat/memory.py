@@ -125,6 +125,9 @@ class Segment:
 
 
 _REGION = struct.Struct("!QQI")
+#: the most bytes one scatter/gather element carries (ibv_sge.length is 32 bits): a longer segment
+#: is refused by every post (post.py, srq.py)
+SGE_MAX = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from aiodat.errors import (
     shown,
 )
 from aiodat.evd import DTOOp
-from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments
+from aiodat.memory import LMR, SGE_MAX, RemoteRegion, Segment, Segments, as_segments
 from aiodat.wr import DrainMarker, SendRun, WorkRequests, _columns, all_same
 
 if TYPE_CHECKING:
@@ -114,10 +114,6 @@ _c_post_recv, _c_post_send = _posts.post_recv, _posts.post_send
 _c_post_batch, _c_post_recv_batch = _posts.post_batch, _posts.post_recv_batch
 
 
-#: the most bytes one scatter/gather element carries (ibv_sge.length is 32 bits)
-_SGE_MAX = 0xFFFFFFFF
-
-
 class Posting(WorkRequests):
     """Mixin of the EP: every dat_ep_post_* call, and the posts of memory-window binds."""
 
@@ -160,9 +156,9 @@ class Posting(WorkRequests):
             seg.lmr._check()
             if seg.lmr._pz is not self._pz:
                 raise ProtectionViolation(f"{what}: an LMR of another PZ cannot be used on this EP")
-            if seg.length > _SGE_MAX:
+            if seg.length > SGE_MAX:
                 raise LengthError(f"{what}: a segment of {seg.length} bytes is more than one scatter/gather "
-                                  f"element holds ({_SGE_MAX}): split it into several segments")
+                                  f"element holds ({SGE_MAX}): split it into several segments")
 
     def _fill_sges(self, sges: Any, start: int, segs: Tuple[Segment, ...]) -> None:
         for i, seg in enumerate(segs):

@@ -54,11 +54,8 @@ from aiodat.errors import (
 from aiodat.cqsize import fit_cqs
 from aiodat.epattr import EPState
 from aiodat.evd import DTOCompletionEvent, DTOOp, is_timeout
-from aiodat.memory import PZ, Segment, Segments, as_segments
+from aiodat.memory import PZ, SGE_MAX, Segment, Segments, as_segments
 from aiodat.wr import _columns
-
-#: the longest segment one scatter/gather element holds (ibv_sge.length is a uint32_t)
-_SGE_MAX = 0xFFFFFFFF
 
 if TYPE_CHECKING:
     from aiodat.ep import EP
@@ -309,9 +306,9 @@ class SRQ(Handle):
                 seg.lmr._check()
                 if seg.lmr._pz is not self._pz:
                     raise ProtectionViolation("post_recv: an LMR of another PZ cannot be used on this SRQ")
-                if seg.length > _SGE_MAX:
+                if seg.length > SGE_MAX:
                     raise LengthError(f"post_recv: a segment of {seg.length} bytes is longer than one "
-                                      f"scatter/gather element holds ({_SGE_MAX}): split it into several segments")
+                                      f"scatter/gather element holds ({SGE_MAX}): split it into several segments")
             total += len(segs)
         n = len(batch)
         if n == 0:
