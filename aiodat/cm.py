@@ -226,10 +226,17 @@ def _check_family(ia: "IA", host: str) -> None:
 
 def listen_address(ia: "IA", port: int) -> Any:
     """The sockaddr a PSP binds: the IA's own address, never the wildcard (which would take every device's requests)."""
+    return _sockaddr(require_address(ia, "listen on"), port)
+
+
+def require_address(ia: "IA", doing: str) -> str:
+    """The IA's address, which rdma_cm binds or routes from.  Without one rdma_cm would pick a
+    route, and so a device, by the destination alone: perhaps another device than the EP's, where
+    the connection then fails late and obscurely.  InvalidAddress up front instead."""
     if not ia.address:
-        raise InvalidAddress(f"{ia.name} has no IP address to listen on: give one of its netdevs an address "
+        raise InvalidAddress(f"{ia.name} has no IP address to {doing}: give one of its netdevs an address "
                              f"(RoCE: the Ethernet netdev; InfiniBand: its IPoIB netdev)")
-    return _sockaddr(ia.address, port)
+    return ia.address
 
 
 def _address(sa: Any) -> Optional[Tuple[str, int]]:
@@ -282,7 +289,7 @@ class CMChannel:
         return idp[0]
 
     def source(self) -> Any:
-        """The ``struct sockaddr *`` connections leave from (the IA's address), or NULL when the IA has none."""
+        """The ``struct sockaddr *`` connections leave from: the IA's address (callers require one)."""
         return self.sockaddr(self._ia.address, 0) if self._ia.address else ffi.NULL
 
     def sockaddr(self, host: str, port: int) -> Any:
@@ -482,6 +489,7 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
                   waiter: Optional["asyncio.Future[ConnectionEvent]"]) -> None:
     """Resolve, route and connect; the outcome goes to ``waiter`` or the connect EVD."""
     _check_can_connect(ep)
+    require_address(ep._ia, "connect from")
     _check_family(ep._ia, host)
     pdata = _private(private_data, CONNECT_PRIVATE_DATA_MAX, "connect")
     timeout = check_timeout(timeout)
@@ -684,6 +692,7 @@ async def _await_outcome(ep: "EP", fut: "asyncio.Future[ConnectionEvent]") -> Co
 async def connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: Optional[float]) -> bytes:
     """``await ep.connect(...)``: see :meth:`aiodat.EP.connect`."""
     _check_can_connect(ep)
+    require_address(ep._ia, "connect from")
     _check_port(port)
     timeout = check_timeout(timeout)
     host, timeout = await resolve_within(host, _family(ep._ia.address or ""), timeout)

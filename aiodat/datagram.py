@@ -52,6 +52,7 @@ from aiodat.cm import (
     _sockaddr,
     listen_address,
     request_addresses,
+    require_address,
     resolve_within,
 )
 from aiodat.ep import EP, CompletionFlags, Segments
@@ -228,6 +229,7 @@ async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes =
                            timeout: Optional[float] = 10.0) -> AddressHandle:
     """``await ep.resolve_datagram(host, port)``: see :meth:`aiodat.EP.resolve_datagram`."""
     _check_ud(ep, "resolve_datagram")
+    require_address(ep._ia, "resolve a datagram peer from")
     pdata = _private(private_data, RESOLVE_PRIVATE_DATA_MAX, "resolve_datagram")
     timeout = check_timeout(timeout)
     ia = ep._ia
@@ -370,6 +372,7 @@ class MulticastGroup(Handle):
 async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) -> MulticastGroup:
     """``await ep.join_multicast(group)``: see :meth:`aiodat.EP.join_multicast`."""
     _check_ud(ep, "join_multicast")
+    require_address(ep._ia, "join a multicast group from")
     if not isinstance(group, str):  # (ipaddress also takes ints and packed bytes, which rdma_cm does not)
         raise InvalidParameter(f"group must be an IP address as a str, not {type(group).__name__}")
     try:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import subprocess
 import threading
 import warnings
 import weakref
-from typing import Any, List
+from typing import Any, Iterator, List
 
 import pytest
 
@@ -168,3 +170,53 @@ async def test_close_from_another_thread_while_the_loop_runs_is_refused(ia: Any,
 async def until_closed(obj: Any) -> None:
     while not obj.closed:
         await asyncio.sleep(0.01)
+
+
+NOIP_NETDEV, NOIP_DEVICE = "aiodatnoip", "rxenoip"
+
+
+@pytest.fixture
+def addressless_device(rdma_device: RdmaDevice) -> Iterator[str]:
+    """A second rxe device, on a dummy netdev with no IP address (no IPv6 link-local either),
+    removed after the test.  Needs root and iproute2 (the test bed has both)."""
+    if os.geteuid() != 0 and not os.environ.get("AIODAT_REQUIRE_DEVICE"):
+        pytest.skip("needs root to add an rxe device (run it in the test bed: aiodat rxe run -- pytest ...)")
+    from test_async_events import wait_port_active
+
+    run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True)  # noqa: E731
+    run("ip", "link", "add", NOIP_NETDEV, "type", "dummy")
+    try:
+        run("ip", "link", "set", NOIP_NETDEV, "addrgenmode", "none")
+        run("ip", "link", "set", NOIP_NETDEV, "up")
+        run("rdma", "link", "add", NOIP_DEVICE, "type", "rxe", "netdev", NOIP_NETDEV)
+        try:
+            wait_port_active(NOIP_DEVICE)
+            yield NOIP_DEVICE
+        finally:
+            run("rdma", "link", "delete", NOIP_DEVICE)
+    finally:
+        run("ip", "link", "del", NOIP_NETDEV)
+
+
+async def test_an_ia_without_an_address_refuses_to_connect_up_front(
+        ia: Any, addressless_device: str, loop_errors: List[dict]) -> None:
+    """An IA whose port has no IP address: connect, connect_nowait, resolve_datagram, join_multicast
+    and create_psp are InvalidAddress saying so, before anything starts.  A connect used to go
+    ahead with no source address, so rdma_cm routed it by the destination alone, through another
+    device than the EP's (here: the one the peer is on), and it failed late and obscurely."""
+    with aiodat.open_ia(addressless_device) as lone:
+        assert lone.address is None
+        pz = lone.create_pz()
+        ep, ud = lone.create_ep(pz), lone.create_ep(pz, attrs=UD)
+        says = f"{addressless_device} has no IP address to"
+        with pytest.raises(aiodat.InvalidAddress, match=f"{says} connect from"):
+            await ep.connect(ia.address, 4791, timeout=T)
+        with pytest.raises(aiodat.InvalidAddress, match=f"{says} connect from"):
+            ep.connect_nowait(ia.address, 4791, timeout=T)
+        with pytest.raises(aiodat.InvalidAddress, match=f"{says} resolve a datagram peer from"):
+            await ud.resolve_datagram(ia.address, 4791, timeout=T)
+        with pytest.raises(aiodat.InvalidAddress, match=f"{says} join a multicast group from"):
+            await ud.join_multicast("239.1.2.13", timeout=T)
+        with pytest.raises(aiodat.InvalidAddress, match=f"{says} listen on"):
+            lone.create_psp_any(lone.create_evd(4, EvdFlags.CR))
+        assert ep.state is aiodat.EPState.UNCONNECTED and not ep._children and not ud._children
