@@ -118,7 +118,7 @@ class EP(Posting, Handle):
             self.request_evd: "EVD" = request_evd or self._private_evd(
                 attrs.max_request_dtos, EvdFlags.DTO | EvdFlags.RMR_BIND, "request_evd")
         except BaseException:  # leave no half-made EP in the PZ (its close would fail, the PZ never free)
-            self._destroy_own_evds()
+            self._destroy_own_evds(half_made=True)
             self._closed = True
             pz._children.pop(self, None)
             raise
@@ -133,7 +133,7 @@ class EP(Posting, Handle):
             fit_cqs(ia, [share for share in self._cq_shares() if share[0] not in own or share[2] > cq_entries(share[0])])
             self._qp = self._create_qp()
         except BaseException:
-            self._destroy_own_evds()
+            self._destroy_own_evds(half_made=True)
             self._closed = True
             pz._children.pop(self, None)
             raise
@@ -415,9 +415,14 @@ class EP(Posting, Handle):
         self._check()
         self.close()
 
-    def _destroy_own_evds(self) -> None:
+    def _destroy_own_evds(self, half_made: bool = False) -> None:
+        """Close the EP's own EVDs; ``half_made``: the EP's constructor failed, and no loop has seen
+        them (freed from any thread: Handle._discard)."""
         for evd in self._own_evds:
-            evd.close()
+            if half_made:
+                evd._discard()
+            else:
+                evd.close()
         self._own_evds.clear()
 
     def _release(self) -> None:

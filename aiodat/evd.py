@@ -1122,7 +1122,8 @@ class EVD(Handle, Generic[E]):
 
     def resize(self, qlen: int) -> None:
         """Change the queue length (dat_evd_resize); below the number of queued events, or below the
-        threshold a waiting task waits for, raises InvalidState."""
+        threshold a waiting task waits for, raises InvalidState.  The CQ grows to hold ``qlen``
+        completions if it must, and never shrinks (its EPs may need more entries)."""
         self._check()
         if not isinstance(qlen, int) or qlen < 1:
             raise InvalidParameter(f"qlen must be an int >= 1, got {qlen!r}")
@@ -1131,7 +1132,9 @@ class EVD(Handle, Generic[E]):
         if self._waited() and qlen < self._threshold:
             # (the queue stops filling at qlen: the wait would never end)
             raise InvalidState(f"cannot resize to {qlen}: a task waits for {self._threshold} events")
-        if self._cq != ffi.NULL and lib.ibv_resize_cq(self._cq, qlen):
+        # the CQ only grows: the EPs sharing it may need more entries than qlen (cqsize.py), and a
+        # CQ shrunk below what they can have pending would overrun
+        if self._cq != ffi.NULL and qlen > self._cq.cqe and lib.ibv_resize_cq(self._cq, qlen):
             raise error_from_errno(ffi.errno, f"resizing the CQ to {qlen}")
         self._qlen = qlen
 

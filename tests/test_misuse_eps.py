@@ -220,3 +220,55 @@ async def test_an_ia_without_an_address_refuses_to_connect_up_front(
         with pytest.raises(aiodat.InvalidAddress, match=f"{says} listen on"):
             lone.create_psp_any(lone.create_evd(4, EvdFlags.CR))
         assert ep.state is aiodat.EPState.UNCONNECTED and not ep._children and not ud._children
+
+
+async def test_resizing_an_evd_never_shrinks_the_cq_its_eps_need(ia: Any, loop_errors: List[dict]) -> None:
+    """Four EPs of 64 receives share an EVD of qlen 16, so its CQ grew to hold 256 completions.
+    resize(8) makes the EVD queue 8 events and leaves the CQ as large: it used to shrink the CQ to
+    8 entries, which 256 pending receives would overrun (IBV_EVENT_CQ_ERR, completions lost)."""
+    from aiodat.cqsize import cq_entries
+
+    pz = ia.create_pz()
+    evd = ia.create_evd(16, EvdFlags.DTO)
+    eps = [ia.create_ep(pz, recv_evd=evd, attrs=EPAttr(max_recv_dtos=64)) for _ in range(4)]
+    grown = cq_entries(evd)
+    assert grown >= 4 * 64
+    evd.resize(8)
+    assert evd.query().qlen == 8 and cq_entries(evd) == grown
+    evd.resize(2 * grown)  # above what it holds: the CQ grows
+    assert cq_entries(evd) >= 2 * grown and evd.query().qlen == 2 * grown
+    for ep in eps:
+        ep.close()
+
+
+async def test_create_ep_failing_in_another_thread_reports_its_own_error(
+        ia: Any, loop_errors: List[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    """create_ep called from another thread while this loop serves the IA, failing after it made
+    its own EVDs (here: injected): the caller gets that failure and the PZ holds no half-made EP.
+    Its clean-up used to close the own EVDs with close(), which refuses another thread's call: the
+    caller got that InvalidState instead, and a half-made EP stayed in the PZ."""
+    pz = ia.create_pz()
+    evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+    evd.post_se(1)
+    await evd.wait(timeout=T)  # a wait: this loop now serves the IA
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise aiodat.InsufficientResources("injected: the CQs cannot grow")
+
+    monkeypatch.setattr(aiodat.ep, "fit_cqs", refuse)
+    children, evds = len(pz._children), sum(isinstance(c, aiodat.EVD) for c in list(ia._children))
+    outcome: List[BaseException] = []
+
+    def from_thread() -> None:
+        try:
+            ia.create_ep(pz)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=from_thread)
+    thread.start()
+    while thread.is_alive():
+        await asyncio.sleep(0.01)
+    assert len(outcome) == 1 and isinstance(outcome[0], aiodat.InsufficientResources), outcome
+    assert len(pz._children) == children
+    assert sum(isinstance(c, aiodat.EVD) for c in list(ia._children)) == evds
