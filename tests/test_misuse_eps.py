@@ -154,10 +154,7 @@ async def test_close_from_another_thread_while_the_loop_runs_is_refused(ia: Any,
             except BaseException as exc:
                 outcome.append(exc)
 
-    thread = threading.Thread(target=from_thread)
-    thread.start()
-    while thread.is_alive():
-        await asyncio.sleep(0.01)
+    await asyncio.get_running_loop().run_in_executor(None, from_thread)  # (this loop runs on meanwhile)
     assert len(outcome) == 4 and all(isinstance(o, aiodat.InvalidState) for o in outcome), outcome
     assert all("call_soon_threadsafe" in str(o) for o in outcome)
     assert not (ep.closed or evd.closed or pz.closed or ia.closed)
@@ -265,10 +262,7 @@ async def test_create_ep_failing_in_another_thread_reports_its_own_error(
         except BaseException as exc:
             outcome.append(exc)
 
-    thread = threading.Thread(target=from_thread)
-    thread.start()
-    while thread.is_alive():
-        await asyncio.sleep(0.01)
+    await asyncio.get_running_loop().run_in_executor(None, from_thread)  # (this loop runs on meanwhile)
     assert len(outcome) == 1 and isinstance(outcome[0], aiodat.InsufficientResources), outcome
     assert len(pz._children) == children
     assert sum(isinstance(c, aiodat.EVD) for c in list(ia._children)) == evds
