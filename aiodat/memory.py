@@ -126,8 +126,15 @@ class Segment:
 
 _REGION = struct.Struct("!QQI")
 #: the most bytes one scatter/gather element carries (ibv_sge.length is 32 bits): a longer segment
-#: is refused by every post (post.py, srq.py)
+#: is refused by every post (check_sge_length)
 SGE_MAX = 0xFFFFFFFF
+
+
+def check_sge_length(seg: "Segment", what: str) -> None:
+    """LengthError if ``seg`` is longer than one scatter/gather element holds (``what``: the call)."""
+    if seg.length > SGE_MAX:
+        raise LengthError(f"{what}: a segment of {seg.length} bytes is more than one scatter/gather "
+                          f"element holds ({SGE_MAX}): split it into several segments")
 
 
 @dataclass(frozen=True)

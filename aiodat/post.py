@@ -34,7 +34,7 @@ from aiodat.errors import (
     shown,
 )
 from aiodat.evd import DTOOp
-from aiodat.memory import LMR, SGE_MAX, RemoteRegion, Segment, Segments, as_segments
+from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments, check_sge_length
 from aiodat.wr import DrainMarker, SendRun, WorkRequests, _columns, all_same
 
 if TYPE_CHECKING:
@@ -156,9 +156,7 @@ class Posting(WorkRequests):
             seg.lmr._check()
             if seg.lmr._pz is not self._pz:
                 raise ProtectionViolation(f"{what}: an LMR of another PZ cannot be used on this EP")
-            if seg.length > SGE_MAX:
-                raise LengthError(f"{what}: a segment of {seg.length} bytes is more than one scatter/gather "
-                                  f"element holds ({SGE_MAX}): split it into several segments")
+            check_sge_length(seg, what)
 
     def _fill_sges(self, sges: Any, start: int, segs: Tuple[Segment, ...]) -> None:
         for i, seg in enumerate(segs):

@@ -43,7 +43,6 @@ from aiodat.errors import (
     InvalidHandle,
     InvalidParameter,
     InvalidState,
-    LengthError,
     ModelNotSupported,
     ProtectionViolation,
     QueueFull,
@@ -54,7 +53,7 @@ from aiodat.errors import (
 from aiodat.cqsize import fit_cqs
 from aiodat.epattr import EPState
 from aiodat.evd import DTOCompletionEvent, DTOOp, is_timeout
-from aiodat.memory import PZ, SGE_MAX, Segment, Segments, as_segments
+from aiodat.memory import PZ, Segment, Segments, as_segments, check_sge_length
 from aiodat.wr import _columns
 
 if TYPE_CHECKING:
@@ -306,9 +305,7 @@ class SRQ(Handle):
                 seg.lmr._check()
                 if seg.lmr._pz is not self._pz:
                     raise ProtectionViolation("post_recv: an LMR of another PZ cannot be used on this SRQ")
-                if seg.length > SGE_MAX:
-                    raise LengthError(f"post_recv: a segment of {seg.length} bytes is longer than one "
-                                      f"scatter/gather element holds ({SGE_MAX}): split it into several segments")
+                check_sge_length(seg, "post_recv")
             total += len(segs)
         n = len(batch)
         if n == 0:
