@@ -24,7 +24,7 @@ from aiodat._handle import Handle, Raw, fail_waiter
 from aiodat._lib import ffi, lib
 from aiodat.epattr import EPState
 from aiodat.errors import (InsufficientResources, InvalidHandle, InvalidParameter, InvalidState, LengthError,
-                           error_from_errno, shown)
+                           PrivilegesViolation, error_from_errno, shown)
 from aiodat.evd import DTOOp, EvdFlags, EventType, RMRBindEvent
 
 if TYPE_CHECKING:
@@ -502,16 +502,12 @@ class RMR(Handle):
                                    "REMOTE_ATOMIC)")
         lmr_priv = segment.lmr.privileges
         if not lmr_priv & Privileges.MW_BIND:
-            from aiodat.errors import PrivilegesViolation
-
             raise PrivilegesViolation("the LMR was registered without Privileges.MW_BIND: windows cannot be "
                                       "bound to it")
         writes = privileges & (Privileges.REMOTE_WRITE | Privileges.REMOTE_ATOMIC)
         if writes and not ibv_access(lmr_priv) & lib.IBV_ACCESS_LOCAL_WRITE:
             # verbs: a window granting remote write or atomics needs an MR with local write; the device
             # would fail the bind (and the connection with it)
-            from aiodat.errors import PrivilegesViolation
-
             raise PrivilegesViolation(f"privileges {writes!r} of a window need an LMR with local write, but it was "
                                       f"registered with {lmr_priv!r}: register it with Privileges.LOCAL_WRITE")
         return segment, privileges & (_BIND_PRIVILEGES | Privileges.LOCAL_READ | Privileges.LOCAL_WRITE)
