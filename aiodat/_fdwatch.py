@@ -18,11 +18,13 @@ while its fd is watched.  Its finalizer must not touch the loop, so the fd
 stays open (``keep`` holds the raw object that owns it) until the loop itself
 notices: at the next readiness of the fd, or at the loop's next sweep (every
 ``SWEEP_SECONDS`` while it watches anything), it unregisters the fd and lets
-the raw object go.
+the raw object go.  A loop that closed before its sweep ran lets such fds go at
+the next garbage collection, or when another loop first watches an fd.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import weakref
 from typing import Any, Callable, Optional, Set
 
@@ -72,6 +74,7 @@ class FdWatch:
             self._loop = self._owner = loop
             watches = _watched.get(loop)
             if watches is None:
+                _forget_closed_loops()
                 watches = _watched[loop] = set()
                 loop.call_later(SWEEP_SECONDS, _sweep, loop)
             watches.add(self)
@@ -138,3 +141,20 @@ def _sweep(loop: asyncio.AbstractEventLoop) -> None:
     else:
         _watched.pop(loop, None)
 
+
+def _forget_closed_loops() -> None:
+    """Let closed loops go, with the fds of objects dropped while they ran.
+
+    A loop that closed before its sweep ran leaves its watches here, and they hold it (each
+    watch names its loop), so neither the loop nor a dropped object's fds would ever be freed.
+    The next garbage collection, or another loop's first watch, retires them.  (What the loop's
+    garbage then frees, the Raw holders free in order, whatever order the collector finalizes
+    them in: _handle.Raw.)
+    """
+    for loop in [loop for loop in _watched if loop.is_closed()]:
+        for watch in _watched.pop(loop):
+            if watch.orphaned:
+                watch._retire()
+
+
+gc.callbacks.append(lambda phase, info: _forget_closed_loops() if phase == "stop" and _watched else None)

@@ -11,9 +11,11 @@ Dropped objects: an object garbage-collected unclosed warns with
 ResourceWarning (naming where it was created when Python runs in development
 mode, ``python -X dev``).  Its verbs objects are freed by their :class:`Raw`
 holders, which hold the holders they depend on (a QP's holds its CQs' and its
-PD's), so plain reference counting frees children before parents, also when
-the Python objects die together in a garbage cycle.  Finalizers only destroy
-verbs objects: they never call into the event loop.
+PD's), so reference counting frees children before parents.  A holder released
+while one that depends on it lives waits for it, so the order holds also when
+the garbage collector finalizes a dead cycle's holders in an order of its own,
+and when a parent is closed before a dropped child's fd is let go.  Finalizers
+only destroy verbs objects: they never call into the event loop.
 
 Fork: verbs objects belong to the process that made them.  In a child after
 ``fork()`` every aiodat object is abandoned without touching the device: no
@@ -40,10 +42,10 @@ from aiodat.errors import InvalidHandle, InvalidState
 _generation = 0
 #: every live root (IA): the child of a fork abandons their trees
 _roots: "weakref.WeakSet[Handle]" = weakref.WeakSet()
-#: raw objects whose destruction failed, kept with what they depend on (a buffer export, say):
-#: the device may still use them.  Each is tried again whenever another raw object is destroyed
-#: and after every garbage collection, so one that failed only because a child still existed
-#: (the order of finalizers within one collection is arbitrary) goes as soon as the child does.
+#: raw objects not destroyed yet: those whose destruction failed, kept with what they depend on
+#: (a buffer export, say: the device may still use them), and those released while a raw object
+#: that depends on them still lived.  Each is tried again whenever another raw object is destroyed
+#: and after every garbage collection, so it goes as soon as what kept it does.
 _deferred: List["Raw"] = []
 _retrying = False
 
@@ -93,7 +95,7 @@ class Raw:
     Nothing is destroyed in a forked child.
     """
 
-    __slots__ = ("ptr", "what", "_destroy", "_deps", "_generation", "__weakref__")
+    __slots__ = ("ptr", "what", "_destroy", "_deps", "_generation", "_users", "__weakref__")
 
     def __init__(self, ptr: Any, destroy: Callable[[Any], int], what: str, *deps: Any) -> None:
         self.ptr = ptr
@@ -101,37 +103,62 @@ class Raw:
         self._destroy = destroy
         self._deps = deps
         self._generation = _generation
+        #: how many live Raw holders depend on this one (hold it in their deps)
+        self._users = 0
+        for dep in deps:
+            if isinstance(dep, Raw):
+                dep._users += 1
 
     def need(self, dep: Any) -> None:
         """Also keep ``dep`` alive until this object is destroyed (a window bound through a QP)."""
         if self.ptr != ffi.NULL and not any(d is dep for d in self._deps):
             self._deps += (dep,)
+            if isinstance(dep, Raw):
+                dep._users += 1
+
+    def unneed(self, dep: Any) -> None:
+        """Stop keeping ``dep`` alive for this object (a window no longer bound through that QP)."""
+        if any(d is dep for d in self._deps):
+            self._deps = tuple(d for d in self._deps if d is not dep)
+            if isinstance(dep, Raw):
+                dep._users -= 1
+
+    def _forget(self) -> None:
+        """Mark the object gone and let go of what it depended on (which may release them in turn)."""
+        deps, self.ptr, self._deps = self._deps, ffi.NULL, ()
+        for dep in deps:
+            if isinstance(dep, Raw):
+                dep._users -= 1
 
     def release(self) -> int:
         """Destroy the object (once); return the destroy call's result (0 or an errno).
 
-        If destruction fails, the object and everything it depends on are kept
-        alive (the device may still use them) and it is tried again later.
+        While a Raw that depends on this one lives, nothing is destroyed (EBUSY): the object
+        waits in the deferred list and goes right after the last of them.  If destruction
+        fails, the object and everything it depends on are kept alive (the device may still
+        use them) and it is tried again later.
         """
         if self.ptr == ffi.NULL:
             return 0
         if self._generation != _generation:  # the parent's, in a forked child: never destroyed here
-            self.ptr, self._deps = ffi.NULL, ()
+            self._forget()
             return 0
-        if _deferred and _needed_by_deferred(self):
-            # an object whose destruction failed still needs this one (a QP that could not be
-            # destroyed, its device context): keep it too, or the retry would use freed memory
+        if self._users:
+            # A Raw that needs this one is alive: a child whose destruction failed, a dropped
+            # object's channel its loop has not let go of yet, or (in a garbage collection, which
+            # finalizes a dead cycle's objects in any order: PEP 442) a QP whose finalizer has not
+            # run yet.  Destroyed first, a device context would leave them freed memory.
             _retry_deferred()
-            if _needed_by_deferred(self):
+            if self._users:
                 if not any(raw is self for raw in _deferred):
-                    _deferred.append(self)
+                    _deferred.append(self)  # (from a finalizer: resurrected until then)
                 return errno.EBUSY
         err = self._destroy(self.ptr)
         if err:
             if not any(raw is self for raw in _deferred):
                 _deferred.append(self)
             return err
-        self.ptr, self._deps = ffi.NULL, ()  # dropping the deps may release them in turn
+        self._forget()  # dropping the deps may release them in turn
         if _deferred:
             if any(raw is self for raw in _deferred):  # it had failed before: no longer deferred
                 _deferred[:] = [raw for raw in _deferred if raw is not self]
@@ -146,24 +173,6 @@ class Raw:
             pass
 
 
-def _needed_by_deferred(target: Raw) -> bool:
-    """True if another raw object whose destruction failed depends on ``target``, directly or
-    through the objects it holds."""
-    seen: Set[int] = set()
-    stack = [raw for raw in _deferred if raw is not target and raw.ptr != ffi.NULL]
-    while stack:
-        raw = stack.pop()
-        if id(raw) in seen:
-            continue
-        seen.add(id(raw))
-        for dep in raw._deps:
-            if dep is target:
-                return True
-            if isinstance(dep, Raw) and dep.ptr != ffi.NULL:
-                stack.append(dep)
-    return False
-
-
 def _retry_deferred() -> None:
     """Destroy what can be destroyed now among the raw objects whose destruction failed."""
     global _retrying
@@ -175,11 +184,11 @@ def _retry_deferred() -> None:
         while progress:
             progress = False
             for raw in list(_deferred):
-                if raw.ptr != ffi.NULL and raw._generation == _generation and _needed_by_deferred(raw):
+                if raw.ptr != ffi.NULL and raw._generation == _generation and raw._users:
                     continue  # after what still needs it
                 if raw.ptr == ffi.NULL or raw._generation != _generation or not raw._destroy(raw.ptr):
                     _deferred.remove(raw)
-                    raw.ptr, raw._deps = ffi.NULL, ()
+                    raw._forget()
                     progress = True
     finally:
         _retrying = False

@@ -639,11 +639,8 @@ class EVD(Handle, Generic[E]):
             self._arm_retried = True
             return True
         self._arm_retried = False
-        exc = self._arm_error or InvalidState("the CQ could not be armed")
-        if self._callback is not None:
-            self._callback_failed(exc, "arming the CQ")
-        elif self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(exc)
+        # to the callback's on_error, the waiting task, or (nobody waits) the next wait or dequeue
+        self._napi_failed(self._arm_error or InvalidState("the CQ could not be armed"), "arming the CQ")
         return False
 
     def _hand_over(self, notified: bool) -> None:

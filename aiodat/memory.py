@@ -422,6 +422,7 @@ class RMR(Handle):
         # A type-2B window belongs to that QP: it alone may unbind it, and only its destruction
         # touches the window (_qp_gone).  The EP's _windows holds this RMR for exactly as long.
         self._ep: Any = None
+        self._qp_raw: Optional[Raw] = None  # the Raw of that EP's QP, which the window's Raw needs
         # posted binds/unbinds in order: (future or None, op, new rkey, segment, privileges)
         self._pending: Deque[Tuple[Any, Any, int, Optional[Segment], Privileges]] = deque()
 
@@ -479,6 +480,7 @@ class RMR(Handle):
         self._pending.append((waiter, op, new_rkey, segment, privileges))
         self._ep = ep
         # a bound window holds a reference on the QP: if both are dropped, free the window first
+        self._qp_raw = ep._raw
         self._raw.need(ep._raw)
         if waiter is not None:
             ep.request_evd._awaited += 1  # polled even if the EVD is full (docs/events.md)
@@ -575,6 +577,9 @@ class RMR(Handle):
     def _leave_ep(self) -> None:
         """The window is no longer bound (nor pending) through its EP: leave that EP's window set."""
         ep, self._ep = self._ep, None
+        qp_raw, self._qp_raw = self._qp_raw, None
+        if qp_raw is not None:
+            self._raw.unneed(qp_raw)  # the window no longer keeps that QP alive
         if ep is not None:
             ep._forget_window(self)
 

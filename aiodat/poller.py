@@ -74,8 +74,8 @@ class Poller:
             if self._loop.is_closed():
                 self._hot.pop(evd, None)
                 return False
-            self._scheduled = True
             self._loop.call_soon(self._turn)
+            self._scheduled = True  # (after: a call_soon that raised must not leave it set)
         return True
 
     def discard(self, evd: Any) -> None:
@@ -99,8 +99,8 @@ class Poller:
 
     def _schedule_next(self) -> None:
         if self._hot and not self._scheduled and not self._loop.is_closed():
-            self._scheduled = True
             self._loop.call_soon(self._turn)
+            self._scheduled = True
 
     def _decide(self, found_any: bool, rest: List[Any]) -> None:
         """The part of a turn Python decides, after the sweep: the EVDs in ``rest`` busy-poll (the
@@ -137,5 +137,9 @@ def poller_for(loop: asyncio.AbstractEventLoop) -> Poller:
     """The poller of ``loop`` (made on first use, dropped with the loop)."""
     poller = _pollers.get(loop)
     if poller is None:
+        # each poller holds its loop, so a closed loop's entry would never go: drop them here
+        # (an EVD still polled by one holds that poller itself, and moves on from it: evd._napi_add)
+        for closed in [other for other in _pollers if other.is_closed()]:
+            del _pollers[closed]
         poller = _pollers[loop] = Poller(loop)
     return poller

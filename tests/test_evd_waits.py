@@ -197,3 +197,19 @@ async def test_a_callback_that_removes_itself_and_raises_reports_to_the_loop(ia:
         assert [e.payload for e in await evd.wait(timeout=T)] == [2]  # no stale error
     finally:
         loop.set_exception_handler(None)
+
+
+async def test_an_arm_that_fails_twice_with_nobody_waiting_reaches_the_next_wait(ia: Any,
+                                                                                 loop_errors: List[dict]) -> None:
+    """The poller tries a failed arm once more; when that fails too and no task waits and no
+    callback is set, the error is kept for the next wait (it used to be dropped, and the CQ left
+    neither armed nor polled with nobody told).  The failure is injected at the arm's record
+    (``_unarmed`` and ``_arm_error``, what a failed ibv_req_notify_cq leaves), since rxe's never fails."""
+    evd = ia.create_evd(8, EvdFlags.DTO)
+    evd._unarmed, evd._arm_error = True, OSError(5, "injected: ibv_req_notify_cq failed")
+    assert evd._napi_arm_retry() is True  # the first failure: the poller tries again
+    assert evd._napi_arm_retry() is False  # the second: reported
+    with pytest.raises(OSError, match="injected"):
+        await evd.wait(timeout=T)
+    evd._unarmed, evd._arm_error = False, None
+    evd.free()

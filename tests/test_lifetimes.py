@@ -279,6 +279,91 @@ def test_development_mode_names_where_a_leaked_object_was_made(rdma_device: Any,
     assert f'File "{script}", line 4' in proc.stdout, proc.stdout
 
 
+_DROP_IN_A_CLOSING_LOOP = """
+import asyncio, gc, os, re, subprocess, sys, warnings
+import aiodat
+
+device = sys.argv[1]
+if os.environ.get("AIODAT_LOOP") == "uvloop":
+    import uvloop
+    new_loop = uvloop.new_event_loop
+else:
+    new_loop = asyncio.new_event_loop
+warnings.simplefilter("ignore", ResourceWarning)
+
+
+def state():
+    out = subprocess.run(["rdma", "resource", "show", device], stdout=subprocess.PIPE, text=True,
+                         check=True).stdout
+    return len(os.listdir("/proc/self/fd")), re.findall(r"\\b(pd|cq|qp|mr)\\s+(\\d+)", out)
+
+
+class Service:
+    # a program's object that holds its IA's objects and is held by its EVD's callback: a cycle
+    def __init__(self, ia):
+        self.ia = ia
+        self.pz = ia.create_pz()
+        self.evd = ia.create_evd(8, aiodat.EvdFlags.DTO)
+        self.ep = ia.create_ep(self.pz, recv_evd=self.evd, request_evd=self.evd)
+        self.lmr = self.pz.register(bytearray(4096))
+        self.ep.post_recv(self.lmr[0:64])
+
+    def on_events(self, events):
+        pass
+
+
+async def wait_once(evd):
+    try:
+        await evd.wait(timeout=0.01)  # the loop watches its channel now
+    except aiodat.TimeoutExpired:
+        pass
+
+
+async def drop_a_service():
+    service = Service(aiodat.open_ia(device))
+    await wait_once(service.evd)
+    service.evd.set_callback(service.on_events)
+
+
+async def use_and_close_an_ia():
+    with aiodat.open_ia(device) as ia:
+        await wait_once(ia.create_evd(4, aiodat.EvdFlags.DTO))
+
+
+def run(coro):
+    loop = new_loop()
+    try:
+        loop.run_until_complete(coro)
+    finally:
+        loop.close()  # at once: before the loop's sweep of dropped objects' fds could run
+
+
+run(use_and_close_an_ia())  # what the first IA of a process opens for good
+gc.collect()
+before = state()
+run(drop_a_service())
+gc.collect()
+print("after a collection:", before, state(), flush=True)
+assert state() == before
+run(use_and_close_an_ia())
+gc.collect()
+assert state() == before, (before, state())
+print("released")
+"""
+
+
+def test_an_ia_dropped_in_a_loop_that_closed_at_once_is_released(rdma_device: Any, tmp_path: Any) -> None:
+    """An IA dropped unclosed (its tree held in a cycle by a program object its EVD calls back)
+    whose loop closes before that loop's sweep: the next collection frees its QP, CQ, MR, PD and
+    fds, children before parents, and the interpreter survives it (the collector finalizes a
+    dead cycle's Raw holders in any order)."""
+    script = tmp_path / "drop.py"
+    script.write_text(_DROP_IN_A_CLOSING_LOOP)
+    proc = subprocess.run([sys.executable, str(script), rdma_device.name], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=T * 4)
+    assert proc.returncode == 0 and "released" in proc.stdout, proc.stdout
+
+
 # -- nothing blocks the loop (item 6) ---------------------------------------------------------
 
 

@@ -49,3 +49,63 @@ def test_a_deferred_raw_released_again_by_hand_is_never_destroyed_twice() -> Non
     other = _handle.Raw(_handle.ffi.cast("void *", 4), lambda ptr: 0, "other")
     other.release()  # a later retry must not call destroy on it again
     assert len(calls) == 2
+
+
+class _Cycle:
+    """A garbage cycle that alone holds Raw holders: only the collector can free them."""
+
+    def __init__(self, raws: List[Any]) -> None:
+        self.raws = raws
+        self.me = self
+
+
+def test_a_collected_cycle_destroys_children_before_their_parents_whatever_the_finalizer_order() -> None:
+    """(Pure.) When the collector frees a dead cycle it calls every reachable finalizer in an
+    order of its own (PEP 442), so a device context's Raw may be finalized before its QP's:
+    destroyed first, the QP's destroy would then use freed memory.  A Raw that live Raws still
+    depend on waits for them, in both creation orders."""
+    from aiodat import _handle
+
+    for parent_first in (True, False):
+        order: List[str] = []
+        alive = set()
+
+        def destroyer(name: str) -> Any:
+            alive.add(name)
+
+            def destroy(ptr: Any) -> int:
+                assert all(dep not in alive for dep in needs[name]), f"{name} destroyed before {needs[name]}"
+                alive.discard(name)
+                order.append(name)
+                return 0
+            return destroy
+
+        needs = {"context": ["pd", "qp", "mr"], "pd": ["qp", "mr"], "qp": [], "mr": []}
+        context = _handle.Raw(_handle.ffi.cast("void *", 11), destroyer("context"), "device context")
+        pd = _handle.Raw(_handle.ffi.cast("void *", 12), destroyer("pd"), "PD", context)
+        qp = _handle.Raw(_handle.ffi.cast("void *", 13), destroyer("qp"), "QP", pd)
+        mr = _handle.Raw(_handle.ffi.cast("void *", 14), destroyer("mr"), "MR", pd)
+        raws = [context, pd, qp, mr] if parent_first else [mr, qp, pd, context]
+        _Cycle(raws if parent_first else list(reversed(raws)))
+        del context, pd, qp, mr, raws
+        gc.collect()
+        assert sorted(order) == ["context", "mr", "pd", "qp"], order
+        assert order[-1] == "context" and order.index("pd") > max(order.index("qp"), order.index("mr"))
+        assert not _handle._deferred
+
+
+def test_a_window_that_no_longer_needs_its_qp_lets_it_go() -> None:
+    """(Pure.) ``unneed`` undoes ``need``: an unbound window's Raw stops holding the QP's."""
+    from aiodat import _handle
+
+    destroyed: List[str] = []
+    qp = _handle.Raw(_handle.ffi.cast("void *", 21), lambda ptr: destroyed.append("qp") or 0, "QP")
+    mw = _handle.Raw(_handle.ffi.cast("void *", 22), lambda ptr: destroyed.append("mw") or 0, "MW")
+    mw.need(qp)
+    assert qp._users == 1
+    mw.unneed(qp)
+    assert qp._users == 0 and mw._deps == ()
+    del qp
+    assert destroyed == ["qp"]  # the window no longer kept it
+    mw.release()
+    assert destroyed == ["qp", "mw"]

@@ -127,3 +127,31 @@ def test_iaref_refuses_other_types() -> None:
 
     with pytest.raises(ValueError, match="ia must be None, a device name or an aiodat.IA"):
         asyncio.run(bad())
+
+
+def test_an_ia_whose_close_raises_stays_in_the_pool_until_it_closes() -> None:
+    """The last release closes the IA before forgetting it: a close that raises (called from
+    another thread than its loop's) leaves it pooled, reused by the next stream or closed when
+    its loop has ended, instead of open and forgotten."""
+    pool, opened = make_pool()
+    loop = asyncio.new_event_loop()
+    try:
+        ia = pool.acquire(loop, "rxe0")
+        refuse = [True]
+        real_close = ia.close
+
+        def close() -> None:
+            if refuse[0]:
+                raise RuntimeError("closed from another thread")
+            real_close()
+
+        ia.close = close  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            pool.release(ia)
+        assert not ia.closed and pool.open_count() == 1
+        assert pool.acquire(loop, "rxe0") is ia  # reused, not opened again
+        refuse[0] = False
+        pool.release(ia)
+        assert ia.closed and pool.open_count() == 0 and len(opened) == 1
+    finally:
+        loop.close()

@@ -69,8 +69,10 @@ class IAPool:
                 if entry[0] is ia:
                     entry[1] -= 1
                     if entry[1] <= 0:
-                        del self._entries[key]
+                        # closed first: if the close raises (from another thread than its loop's,
+                        # say), the entry stays, to be reused or closed when its loop has ended
                         ia.close()
+                        del self._entries[key]
                     return
 
     def open_count(self) -> int:
