@@ -151,8 +151,12 @@ def _forget_closed_loops() -> None:
     garbage then frees, the Raw holders free in order, whatever order the collector finalizes
     them in: _handle.Raw.)
     """
-    for loop in [loop for loop in _watched if loop.is_closed()]:
-        for watch in _watched.pop(loop):
+    # keyrefs(): one C-level copy, since another thread's loop may add its entry meanwhile
+    for loop in [ref() for ref in _watched.keyrefs()]:
+        if loop is None or not loop.is_closed():
+            continue
+        # (a default: a collection in here runs this again, which may take the entry first)
+        for watch in _watched.pop(loop, ()):
             if watch.orphaned:
                 watch._retire()
 

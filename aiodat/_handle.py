@@ -118,10 +118,10 @@ class Raw:
 
     def unneed(self, dep: Any) -> None:
         """Stop keeping ``dep`` alive for this object (a window no longer bound through that QP)."""
-        if any(d is dep for d in self._deps):
-            self._deps = tuple(d for d in self._deps if d is not dep)
-            if isinstance(dep, Raw):
-                dep._users -= 1
+        kept = tuple(d for d in self._deps if d is not dep)
+        if isinstance(dep, Raw):
+            dep._users -= len(self._deps) - len(kept)  # (once per copy, as __init__ counted them)
+        self._deps = kept
 
     def _forget(self) -> None:
         """Mark the object gone and let go of what it depended on (which may release them in turn)."""
@@ -152,7 +152,8 @@ class Raw:
             if self._users:
                 if not any(raw is self for raw in _deferred):
                     _deferred.append(self)  # (from a finalizer: resurrected until then)
-                return errno.EBUSY
+                if self._users:  # (again: a collection in the append may have freed the last)
+                    return errno.EBUSY
         err = self._destroy(self.ptr)
         if err:
             if not any(raw is self for raw in _deferred):

@@ -289,8 +289,9 @@ class CMChannel:
         return idp[0]
 
     def source(self) -> Any:
-        """The ``struct sockaddr *`` connections leave from: the IA's address (callers require one)."""
-        return self.sockaddr(self._ia.address, 0) if self._ia.address else ffi.NULL
+        """The ``struct sockaddr *`` connections leave from: the IA's address (InvalidAddress
+        without one; the callers have already refused such an IA, naming what they do)."""
+        return self.sockaddr(require_address(self._ia, "connect from"), 0)
 
     def sockaddr(self, host: str, port: int) -> Any:
         """``host:port`` as a ``struct sockaddr *`` (rdma_cm copies it).  A numeric one is kept (its

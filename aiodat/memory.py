@@ -574,12 +574,14 @@ class RMR(Handle):
             raise InvalidParameter(f"the window is bound through {self._ep!r}, not through {shown_ep}: "
                                    f"unbind it through the EP that bound it")
 
-    def _leave_ep(self) -> None:
-        """The window is no longer bound (nor pending) through its EP: leave that EP's window set."""
+    def _leave_ep(self, window_going: bool = False) -> None:
+        """The window is no longer bound (nor pending) through its EP: leave that EP's window set.
+        ``window_going``: the window itself is about to be destroyed, which lets the QP go; until
+        then (and for ever, if its destruction fails) the QP must outlive it."""
         ep, self._ep = self._ep, None
         qp_raw, self._qp_raw = self._qp_raw, None
-        if qp_raw is not None:
-            self._raw.unneed(qp_raw)  # the window no longer keeps that QP alive
+        if qp_raw is not None and not window_going:
+            self._raw.unneed(qp_raw)  # an unbound window no longer keeps that QP alive
         if ep is not None:
             ep._forget_window(self)
 
@@ -640,7 +642,7 @@ class RMR(Handle):
             self._bound[0].lmr._windows.discard(self)
             self._bound = None
         if getattr(self, "_ep", None) is not None:
-            self._leave_ep()
+            self._leave_ep(window_going=True)  # (closed, or replaced: _qp_gone)
 
     def _qp_gone(self, ep: Any) -> None:
         """``ep`` is destroying its QP: if the window is bound (or pending) through it, start over

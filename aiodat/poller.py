@@ -139,7 +139,9 @@ def poller_for(loop: asyncio.AbstractEventLoop) -> Poller:
     if poller is None:
         # each poller holds its loop, so a closed loop's entry would never go: drop them here
         # (an EVD still polled by one holds that poller itself, and moves on from it: evd._napi_add)
-        for closed in [other for other in _pollers if other.is_closed()]:
-            del _pollers[closed]
+        # (keyrefs(): one C-level copy, since another thread's loop may add its poller meanwhile)
+        for other in [ref() for ref in _pollers.keyrefs()]:
+            if other is not None and other.is_closed():
+                _pollers.pop(other, None)
         poller = _pollers[loop] = Poller(loop)
     return poller

@@ -109,3 +109,8 @@ def test_a_window_that_no_longer_needs_its_qp_lets_it_go() -> None:
     assert destroyed == ["qp"]  # the window no longer kept it
     mw.release()
     assert destroyed == ["qp", "mw"]
+    cq = _handle.Raw(_handle.ffi.cast("void *", 23), lambda ptr: 0, "CQ")
+    twice = _handle.Raw(_handle.ffi.cast("void *", 24), lambda ptr: 0, "QP", cq, cq)  # send and recv CQ
+    assert cq._users == 2
+    twice.unneed(cq)
+    assert cq._users == 0 and cq.release() == 0

@@ -1111,6 +1111,15 @@ static PyObject *wakeup(PyObject *self, PyObject *evd)
 /* the loop's running task: configure_waits() sets it; NULL: no wait records its task, none spins */
 static PyObject *task_of;
 
+/* Task.cancelling() as a truth value: 1 (being cancelled), 0, or -1 (an error) */
+static int task_cancelling(PyObject *task)
+{
+    PyObject *count = PyObject_CallMethodObjArgs(task, s_cancelling, NULL);
+    int cancelling = count ? PyObject_IsTrue(count) : -1;
+    Py_XDECREF(count);
+    return cancelling;
+}
+
 /* The EVD's waiter (not None) no longer waits: 1, it still does: 0, an error: -1 (EVD._waited's
  * test).  A wait sleeping, spinning, or woken and not run again yet still waits (the events are
  * the woken wait's until it takes them).  It is gone once its Future is cancelled, or its task is
@@ -1133,11 +1142,8 @@ static int waiter_gone(PyObject *evd, PyObject *waiter)
     PyObject *task = PyObject_GetAttr(evd, s_waiter_task);
     if (task == NULL)
         return -1;
-    if (task != Py_None) {
-        PyObject *count = PyObject_CallMethodObjArgs(task, s_cancelling, NULL);
-        gone = count ? PyObject_IsTrue(count) : -1;
-        Py_XDECREF(count);
-    }
+    if (task != Py_None)
+        gone = task_cancelling(task);
     Py_DECREF(task);
     return gone;
 }
@@ -1153,9 +1159,7 @@ static PyObject *waiting_task(PyObject *loop)
     PyObject *task = PyObject_CallFunctionObjArgs(task_of, loop, NULL);
     if (task == NULL || task == Py_None)
         return task;
-    PyObject *count = PyObject_CallMethodObjArgs(task, s_cancelling, NULL);
-    int cancelling = count ? PyObject_IsTrue(count) : -1;
-    Py_XDECREF(count);
+    int cancelling = task_cancelling(task);
     if (cancelling == 0)
         return task;
     Py_DECREF(task);
