@@ -175,7 +175,8 @@ class Raw:
 
 
 def _retry_deferred() -> None:
-    """Destroy what can be destroyed now among the raw objects whose destruction failed."""
+    """Destroy what can be destroyed now among the deferred raw objects: those no live Raw
+    needs any more, whose destruction (tried again) works."""
     global _retrying
     if _retrying or not _deferred:
         return

@@ -137,9 +137,9 @@ def poller_for(loop: asyncio.AbstractEventLoop) -> Poller:
     """The poller of ``loop`` (made on first use, dropped with the loop)."""
     poller = _pollers.get(loop)
     if poller is None:
-        # each poller holds its loop, so a closed loop's entry would never go: drop them here
-        # (an EVD still polled by one holds that poller itself, and moves on from it: evd._napi_add)
-        # (keyrefs(): one C-level copy, since another thread's loop may add its poller meanwhile)
+        # each poller holds its loop, so a closed loop's entry would never go: drop them here.  An
+        # EVD still polled by one holds that poller itself, and moves on from it (evd._napi_add).
+        # keyrefs(): one C-level copy, since another thread's loop may add its poller meanwhile.
         for other in [ref() for ref in _pollers.keyrefs()]:
             if other is not None and other.is_closed():
                 _pollers.pop(other, None)
