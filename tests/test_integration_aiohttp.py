@@ -139,6 +139,16 @@ async def test_websocket_echo(web: Web) -> None:
     assert ws.closed and ws.close_code == 1000
 
 
+async def test_a_zero_connect_timeout_means_no_limit(web: Web) -> None:
+    """aiohttp reads ``sock_connect=0`` as no limit, as it does for TCP; the connector used to pass
+    it on as a 0 s connect timeout, which every request failed."""
+    base, session = web
+    timeout = aiohttp.ClientTimeout(total=60, sock_connect=0)
+    async with aiohttp.ClientSession(connector=type(session.connector)(), timeout=timeout) as fresh:
+        async with fresh.get(f"{base}/hello") as resp:
+            assert resp.status == 200
+
+
 async def test_connection_refused_is_client_connector_error(web: Web, tmp_path: Path) -> None:
     """Nothing listening: ClientConnectorError around a ConnectionRefusedError, as over TCP."""
     base, session = web
@@ -201,3 +211,17 @@ async def test_rdma_site_is_listed_and_stopped_by_its_runner(rdma_device: Any) -
     assert site.name == f"http://{rdma_device.address}:{site.port}"
     await runner.cleanup()
     assert runner.addresses == [] and aiodat_streams.shared_ia_count() == 0
+
+
+@pytest.mark.rxe
+async def test_a_proxy_is_refused_not_ignored(rdma_device: Any, tmp_path: Path) -> None:
+    """A request through a proxy raises ClientConnectorError naming it: the connector used to go
+    to the origin anyway, sending it the proxy's request line and Proxy-Authorization."""
+    async with aiohttp_app.serve("rdma", rdma_device.address, tmp_path) as (base, session):
+        with pytest.raises(aiohttp.ClientConnectorError, match="proxy"):
+            async with session.get(f"{base}/hello", proxy="http://127.0.0.1:3128",
+                                   proxy_auth=aiohttp.BasicAuth("user", "secret")):
+                pass
+        async with session.get(f"{base}/hello") as resp:  # the session goes on without one
+            assert resp.status == 200
+    assert aiodat_streams.shared_ia_count() == 0

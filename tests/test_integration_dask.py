@@ -145,6 +145,48 @@ async def test_close_and_abort_are_seen_by_the_peer(echo: Tuple[Any, List[Any]])
         await asyncio.sleep(0.05)
 
 
+async def test_a_comm_whose_peer_closed_says_closed_without_a_read(echo: Tuple[Any, List[Any]]) -> None:
+    """distributed's connection pool asks ``closed()`` before it reuses a comm; once the peer has
+    closed and nothing is left to read, it must say so without a read first (it used to stay
+    False: the end's own marker sat in the message queue)."""
+    listener, _ = echo
+    comm = await connect(listener.contact_address)
+    await comm.write("close")
+    end = time.monotonic() + 30
+    while not comm.closed():
+        assert time.monotonic() < end, "closed() never became True after the peer closed"
+        await asyncio.sleep(0.05)
+    with pytest.raises(CommClosedError):
+        await comm.read()
+    await comm.close()
+
+
+async def test_two_closes_at_once_deliver_what_was_written(address: str) -> None:
+    """distributed may close one comm from two tasks at once; the second close waits for the
+    first's graceful close instead of aborting it, so the peer still gets the last message (the
+    second used to abort the stream, dropping what the first was delivering)."""
+    got: "asyncio.Queue[Any]" = asyncio.Queue()
+
+    async def handle(comm: Any) -> None:
+        try:
+            while True:
+                await got.put(await comm.read())
+        except CommClosedError:
+            await got.put("closed")
+
+    listener = await listen(f"rdma://{address}:0", handle)
+    try:
+        comm = await connect(listener.contact_address)
+        last = b"x" * 60000  # inline: buffered by the stream, delivered by the close
+        for i in range(20):
+            await comm.write({"i": i, "data": last})
+        await asyncio.gather(comm.close(), comm.close())
+        received = [await asyncio.wait_for(got.get(), 30) for _ in range(21)]
+        assert [m["i"] for m in received[:20]] == list(range(20)) and received[20] == "closed"
+    finally:
+        listener.stop()
+
+
 async def test_a_cancelled_read_aborts_the_comm(echo: Tuple[Any, List[Any]]) -> None:
     listener, accepted = echo
     comm = await connect(listener.contact_address)

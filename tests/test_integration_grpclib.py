@@ -193,6 +193,29 @@ async def test_rdma_server_and_channel_lifecycle(rdma_device: Any) -> None:
         await stub.Unary(EchoRequest(text="c"))
 
 
+@pytest.mark.rxe
+async def test_a_channel_closed_while_it_connects_keeps_no_connection(rdma_device: Any) -> None:
+    """``channel.close()`` while a call is still connecting: the call fails with the channel's
+    RuntimeError and the new connection is closed.  grpclib used to store it anyway, so the call
+    went through on the closed channel and the stream stayed open until garbage collection."""
+    from aiodat import streams as aiodat_streams
+
+    server = RdmaServer([EchoService()])
+    await server.start(rdma_device.address, 0)
+    try:
+        channel = RdmaChannel(rdma_device.address, server.sockets[0].getsockname()[1])
+        call = asyncio.ensure_future(EchoStub(channel).Unary(EchoRequest(text="late")))
+        await asyncio.sleep(0)  # the call starts connecting
+        assert not call.done()
+        channel.close()
+        with pytest.raises(RuntimeError, match="closed while it connected"):
+            await asyncio.wait_for(call, 30)
+    finally:
+        server.close()
+        await asyncio.wait_for(server.wait_closed(), 30)
+    assert aiodat_streams.shared_ia_count() == 0
+
+
 # -- host only: the grpclib parts the integration builds on ---------------------------------------
 
 TESTED = "grpclib 0.4.9"

@@ -155,3 +155,29 @@ def test_an_ia_whose_close_raises_stays_in_the_pool_until_it_closes() -> None:
         assert ia.closed and pool.open_count() == 0 and len(opened) == 1
     finally:
         loop.close()
+
+
+def test_a_client_does_not_read_the_device_list_for_every_connect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's peer is mostly no local address: picking its device reads the cached list, not
+    every device's ports and GIDs on the loop for each connect.  A server naming an address no
+    device has still reads it again (the address may be new) before refusing."""
+    from types import SimpleNamespace
+
+    import aiodat.ia
+    from aiodat.errors import InvalidAddress
+
+    reads: List[int] = []
+
+    def list_providers() -> List[Any]:
+        reads.append(1)
+        return [SimpleNamespace(name="rxe0", state="PORT_ACTIVE", addresses=["10.0.0.1"])]
+
+    monkeypatch.setattr(aiodat.ia, "list_providers", list_providers)
+    monkeypatch.setattr(pool_mod, "_providers_cache", (-pool_mod.PROVIDER_CACHE_SECONDS, []))
+    monkeypatch.delenv("AIODAT_RXE_DEVICE", raising=False)
+    for _ in range(50):
+        assert pool_mod.device_for("10.0.0.9") == ("rxe0", None)
+    assert len(reads) == 1
+    with pytest.raises(InvalidAddress):
+        pool_mod.device_for("10.0.0.9", listening=True)
+    assert len(reads) == 2

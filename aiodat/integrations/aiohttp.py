@@ -43,8 +43,10 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("aiodat.integrations.aiohttp needs aiohttp: pip install 'aiodat[aiohttp]'") from exc
 
+from aiodat.cm import check_timeout
 from aiodat.errors import DATError, InvalidParameter
 from aiodat.streams import create_connection, create_server
+from aiodat.streams.pool import check_ia
 from aiodat.streams.protocol import split_kwds
 
 __all__ = ["RdmaSite", "RdmaConnector"]
@@ -61,6 +63,11 @@ def _stream_options(options: Dict[str, Any], own: tuple, who: str) -> Dict[str, 
     if unknown:
         raise TypeError(f"{who} got unexpected keyword argument(s): {', '.join(sorted(unknown))} "
                         f"(aiodat stream options are ia, buffer_size, recv_depth, window_size, rdma_threshold)")
+    # (here, not at each request: there aiohttp would report them as a connection error, and retry)
+    check_ia(options.get("ia"))
+    for name in own:
+        if name.endswith("_timeout"):
+            check_timeout(options.get(name), name)
     return dict(options)
 
 
@@ -93,13 +100,14 @@ class RdmaSite(web.BaseSite):
                  backlog: int = 128, **options: Any) -> None:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
             raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
+        checked = _stream_options(options, _SERVER_OPTIONS, "RdmaSite()")
         super().__init__(runner, backlog=backlog)
         self._rdma_runner = runner
         self._rdma_backlog = backlog
         self._host = host
         self._port = port
         self._bound_port: Optional[int] = None
-        self._options = _stream_options(options, _SERVER_OPTIONS, "RdmaSite()")
+        self._options = checked
 
     @property
     def port(self) -> int:
@@ -150,11 +158,15 @@ class RdmaConnector(BaseConnector):
         return await self._rdma_connect(req, timeout)
 
     async def _rdma_connect(self, req: Any, timeout: Any) -> Any:
+        # (OSError(None, message): ClientConnectorError shows the strerror, which a bare OSError lacks)
         if req.is_ssl():
             raise ClientConnectorError(req.connection_key, OSError(
-                "aiodat streams carry plain HTTP only: use an http:// URL with RdmaConnector"))
+                None, "aiodat streams carry plain HTTP only: use an http:// URL with RdmaConnector"))
+        if req.proxy is not None:  # (not ignored: the request, and any Proxy-Authorization, would go to the origin)
+            raise ClientConnectorError(req.connection_key, OSError(
+                None, f"RdmaConnector connects to the URL's host itself and cannot go through a proxy ({req.proxy})"))
         options = dict(self._options)
-        if timeout.sock_connect is not None and "connect_timeout" not in options:
+        if timeout.sock_connect and "connect_timeout" not in options:  # (aiohttp: 0 or None, no limit)
             options["connect_timeout"] = timeout.sock_connect
         try:
             loop = asyncio.get_running_loop()

@@ -32,13 +32,13 @@ from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tupl
 import dask.config
 import dask.utils
 from distributed.comm.addressing import parse_host_port, unparse_host_port
-from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
+from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector, FatalCommClosedError
 from distributed.comm.registry import Backend
 from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.protocol.utils import host_array
 from distributed.utils import ensure_ip, get_ip
 
-from aiodat.errors import DATError
+from aiodat.errors import DATError, InvalidParameter, ModelNotSupported, ProviderNotFound
 from aiodat.memory import Privileges, RemoteRegion
 from aiodat.streams import open_connection, start_server
 
@@ -140,9 +140,11 @@ class _Inbox:
         return ident, lengths, modes, data
 
     def end(self, reason: str) -> None:
-        """The connection is over: wake every waiter with CommClosedError."""
-        if self.closed is None:
-            self.closed = _Closed(reason)
+        """The connection is over: wake every waiter with CommClosedError (once: each getter puts
+        the one marker back for the next)."""
+        if self.closed is not None:
+            return
+        self.closed = _Closed(reason)
         for queue in (self.messages, self.for_writer, self.for_reader):
             queue.put_nowait(self.closed)
 
@@ -197,6 +199,7 @@ class RDMAComm(Comm):
         self._local_addr = local_addr
         self._peer_addr = peer_addr
         self._closed = False
+        self._closing: "Optional[asyncio.Future[None]]" = None  # done when a graceful close() ends
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
         self._inbox = _Inbox(reader, f"{PREFIX} comm {local_addr} -> {peer_addr}")
@@ -223,7 +226,8 @@ class RDMAComm(Comm):
 
     def closed(self) -> bool:
         """True once closed, aborted, or the connection was lost."""
-        if not self._closed and self._inbox.closed is not None and self._inbox.messages.empty():
+        # the connection ended and nothing is left to read: the only item queued is the end's marker
+        if not self._closed and self._inbox.closed is not None and self._inbox.messages.qsize() <= 1:
             return True
         return self._closed
 
@@ -359,9 +363,15 @@ class RDMAComm(Comm):
     async def close(self) -> None:
         """Close gracefully: what was written is delivered, then the peer sees the comm closed."""
         if self._closed:
-            self._teardown()
+            if self._closing is not None and not self._closing.done():
+                # a graceful close is under way (distributed may close a comm from two tasks):
+                # wait for it, rather than abort what it is still delivering
+                await asyncio.shield(self._closing)
+            else:
+                self._teardown()
             return
         self._closed = True
+        self._closing = asyncio.get_running_loop().create_future()
         self._finalizer.detach()
         writer = self._writer
         try:
@@ -371,6 +381,7 @@ class RDMAComm(Comm):
             self._transport.abort()
         finally:
             self._inbox.task.cancel()
+            self._closing.set_result(None)
 
     def abort(self) -> None:
         """Close at once, without flushing: the peer sees the connection reset."""
@@ -412,10 +423,14 @@ class RDMAConnector(Connector):
     """Opens ``rdma://host:port`` comms (an aiodat stream to the listener there)."""
 
     async def connect(self, address: str, deserialize: bool = True, **connection_args: Any) -> RDMAComm:
-        """Connect; failures raise CommClosedError naming the address (distributed retries those)."""
+        """Connect; failures raise CommClosedError naming the address (distributed retries those
+        until its connect timeout), or FatalCommClosedError when retrying cannot help (no RDMA
+        device, a bad option, what aiodat does not support)."""
         host, port = parse_host_port(address)
         try:
             reader, writer = await open_connection(host, port)
+        except (ProviderNotFound, InvalidParameter, ModelNotSupported) as exc:
+            raise FatalCommClosedError(f"cannot connect to {PREFIX}{address}: {exc}") from exc
         except (DATError, OSError) as exc:
             raise CommClosedError(f"cannot connect to {PREFIX}{address}: {exc}") from exc
         transport = writer.transport

@@ -54,8 +54,10 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("aiodat.integrations.grpclib needs grpclib: pip install 'aiodat[grpclib]'") from exc
 
+from aiodat.cm import check_timeout
 from aiodat.errors import InvalidAddress, ModelNotSupported
 from aiodat.streams import ListenSocket, Server, create_connection, create_server, split_kwds
+from aiodat.streams.pool import check_ia
 
 __all__ = ["RdmaServer", "RdmaChannel"]
 
@@ -212,6 +214,8 @@ class RdmaChannel(grpclib.client.Channel):
         if stream_options.get("ssl") not in (None, False):
             raise ModelNotSupported("TLS over an aiodat RDMA stream is not supported: RdmaChannel has no ssl")
         self._rdma_options = _stream_options("RdmaChannel()", stream_options)
+        check_ia(ia)  # (here, not at the first call)
+        check_timeout(connect_timeout, "connect_timeout")
         self._rdma_address = (host, port)
         self._rdma_ia = ia
         self._rdma_config = (Configuration() if config is None else config).__for_client__()
@@ -228,9 +232,12 @@ class RdmaChannel(grpclib.client.Channel):
         if self._rdma_closed:
             raise RuntimeError("RdmaChannel is closed: make a new channel")
         host, port = self._rdma_address
-        _, protocol = await create_connection(lambda: _client_protocol(self._rdma_config), host, port,
-                                              ia=self._rdma_ia, connect_timeout=self._rdma_connect_timeout,
-                                              **self._rdma_options)
+        transport, protocol = await create_connection(lambda: _client_protocol(self._rdma_config), host, port,
+                                                      ia=self._rdma_ia, connect_timeout=self._rdma_connect_timeout,
+                                                      **self._rdma_options)
+        if self._rdma_closed:  # closed while connecting: grpclib would keep the connection, and use it
+            transport.close()
+            raise RuntimeError("RdmaChannel was closed while it connected: make a new channel")
         return protocol  # type: ignore[return-value]
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
 from aiodat.errors import DATError, ModelNotSupported
 from aiodat.streams import open_connection, split_kwds
+from aiodat.streams.pool import check_ia
 
 __all__ = ["RdmaNetworkBackend", "RdmaNetworkStream", "RdmaHTTPTransport"]
 
@@ -162,6 +163,7 @@ class RdmaNetworkBackend(httpcore.AsyncNetworkBackend):
         cfg, rest = split_kwds(stream_options)
         if rest:
             raise TypeError(f"RdmaNetworkBackend() got unexpected keyword argument(s): {', '.join(sorted(rest))}")
+        check_ia(ia)  # (here: at a connect, httpcore would take it for a connection error, and retry)
         self._ia = ia
         self._options: Dict[str, Any] = dataclasses.asdict(cfg)
         self.connections_opened = 0

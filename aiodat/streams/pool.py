@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from aiodat.errors import InvalidAddress, InvalidHandle, InvalidParameter, ProviderNotFound
 from aiodat.netdev import same_address
 
-__all__ = ["IAPool", "pool_key", "shared_ia_count", "device_for", "IARef", "PROVIDER_CACHE_SECONDS"]
+__all__ = ["IAPool", "pool_key", "shared_ia_count", "device_for", "IARef", "check_ia", "PROVIDER_CACHE_SECONDS"]
 
 PoolKey = Tuple[Any, str, Optional[str]]
 
@@ -130,8 +130,10 @@ def device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optio
     """(device, address) for ``host``: the device that has that address, else one with an address of
     the same family ($AIODAT_RXE_DEVICE first).  A server (``listening``) must name a device's own address."""
     candidates = _active_providers()
-    if host and not any(same_address(a, host) for p in candidates for a in p.addresses):
-        candidates = _active_providers(refresh=True)  # an address may have been added since
+    if listening and host and not any(same_address(a, host) for p in candidates for a in p.addresses):
+        # an address may have been added since; a client's peer is mostly no local address at
+        # all, and reading the list on the loop for every connect would open every device
+        candidates = _active_providers(refresh=True)
     for p in candidates:
         for addr in p.addresses:
             if host and same_address(addr, host):
@@ -153,6 +155,14 @@ def device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optio
                            "(run under `aiodat rxe run -- ...` for Soft-RoCE)" % (" of that family" if candidates else ""))
 
 
+def check_ia(ia: Any) -> None:
+    """Refuse an ``ia`` stream option that is neither None, a device name nor an aiodat.IA."""
+    from aiodat.ia import IA  # aiodat.IA
+
+    if ia is not None and not isinstance(ia, (str, IA)):
+        raise InvalidParameter(f"ia must be None, a device name or an aiodat.IA, not {type(ia).__name__}")
+
+
 class IARef:
     """The IA a connection or server uses: pooled (for the running loop) or the caller's own IA object."""
 
@@ -164,8 +174,7 @@ class IARef:
                 raise InvalidHandle("the IA given to an aiodat stream is closed", subtype="DAT_INVALID_HANDLE_IA")
             self.ia, self._pooled = ia, False
         else:
-            if ia is not None and not isinstance(ia, str):
-                raise InvalidParameter(f"ia must be None, a device name or an aiodat.IA, not {type(ia).__name__}")
+            check_ia(ia)
             loop = asyncio.get_running_loop()
             if ia is None:
                 self.ia = _POOL.acquire(loop, *device_for(host, listening))

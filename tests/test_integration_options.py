@@ -1,0 +1,88 @@
+"""The integrations refuse a bad ``ia`` or timeout when they are made (no device needed).
+
+At a request, aiohttp, httpcore and grpclib would see the error as a failed connection: aiohttp
+and httpcore wrap it as a retryable connect error, and every request fails the same way later.
+So the adapters check them at construction and raise aiodat's InvalidParameter naming the option."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+import pytest
+
+import aiodat
+
+
+def _aiohttp_connector(**options: Any) -> Any:
+    pytest.importorskip("aiohttp")
+    from aiodat.integrations.aiohttp import RdmaConnector
+
+    return RdmaConnector(**options)
+
+
+def _aiohttp_site(**options: Any) -> Any:
+    pytest.importorskip("aiohttp")
+    from aiohttp import web
+
+    from aiodat.integrations.aiohttp import RdmaSite
+
+    return RdmaSite(web.AppRunner(web.Application()), "10.0.0.1", 0, **options)
+
+
+def _grpclib_channel(**options: Any) -> Any:
+    pytest.importorskip("grpclib")
+    from aiodat.integrations.grpclib import RdmaChannel
+
+    return RdmaChannel("10.0.0.1", 50051, **options)
+
+
+def _httpx_backend(**options: Any) -> Any:
+    pytest.importorskip("httpx")
+    from aiodat.integrations.httpx import RdmaNetworkBackend
+
+    return RdmaNetworkBackend(**options)
+
+
+CASES: Dict[str, Any] = {
+    "aiohttp connector, ia": (_aiohttp_connector, {"ia": 123}, "ia must be"),
+    "aiohttp connector, connect_timeout": (_aiohttp_connector, {"connect_timeout": -1}, "connect_timeout"),
+    "aiohttp site, accept_timeout": (_aiohttp_site, {"accept_timeout": float("nan")}, "accept_timeout"),
+    "grpclib channel, ia": (_grpclib_channel, {"ia": 1.5}, "ia must be"),
+    "grpclib channel, connect_timeout": (_grpclib_channel, {"connect_timeout": 0}, "connect_timeout"),
+    "httpx backend, ia": (_httpx_backend, {"ia": object()}, "ia must be"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_a_bad_option_is_refused_at_construction(case: str) -> None:
+    make: Callable[..., Any]
+    make, options, named = CASES[case]
+    with pytest.raises(aiodat.InvalidParameter, match=named):
+        made = make(**options)
+        close = getattr(made, "close", None)  # (only on the old code: it was made)
+        if close is not None:
+            result = close()
+            if hasattr(result, "__await__"):
+                await result
+
+
+async def test_dask_does_not_retry_what_retrying_cannot_mend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No RDMA device (ProviderNotFound) is FatalCommClosedError, which distributed's connect
+    raises at once; it used to be a CommClosedError, retried until the connect timeout and then
+    reported only as a timeout.  (The failure is aiodat's own, injected at open_connection.)"""
+    pytest.importorskip("distributed")
+    import asyncio
+
+    from distributed.comm import connect
+    from distributed.comm.core import FatalCommClosedError
+
+    from aiodat.integrations import dask as rdma_dask
+
+    async def no_device(host: str, port: int) -> Any:
+        raise aiodat.ProviderNotFound("no active RDMA device with an IP address (injected)")
+
+    monkeypatch.setattr(rdma_dask, "open_connection", no_device)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(FatalCommClosedError, match="no active RDMA device"):
+        await connect("rdma://10.0.0.1:8786", timeout=20)
+    assert loop.time() - started < 10
