@@ -219,8 +219,8 @@ async def test_a_proxy_is_refused_not_ignored(rdma_device: Any, tmp_path: Path) 
     to the origin anyway, sending it the proxy's request line and Proxy-Authorization."""
     async with aiohttp_app.serve("rdma", rdma_device.address, tmp_path) as (base, session):
         with pytest.raises(aiohttp.ClientConnectorError, match="proxy"):
-            async with session.get(f"{base}/hello", proxy="http://127.0.0.1:3128",
-                                   proxy_auth=aiohttp.BasicAuth("user", "secret")):
+            secret = {"Proxy-Authorization": aiohttp.encode_basic_auth("user", "secret")}
+            async with session.get(f"{base}/hello", proxy="http://127.0.0.1:3128", proxy_headers=secret):
                 pass
         async with session.get(f"{base}/hello") as resp:  # the session goes on without one
             assert resp.status == 200
