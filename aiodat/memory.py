@@ -422,7 +422,6 @@ class RMR(Handle):
         # A type-2B window belongs to that QP: it alone may unbind it, and only its destruction
         # touches the window (_qp_gone).  The EP's _windows holds this RMR for exactly as long.
         self._ep: Any = None
-        self._qp_raw: Optional[Raw] = None  # the Raw of that EP's QP, which the window's Raw needs
         # posted binds/unbinds in order: (future or None, op, new rkey, segment, privileges)
         self._pending: Deque[Tuple[Any, Any, int, Optional[Segment], Privileges]] = deque()
 
@@ -480,7 +479,6 @@ class RMR(Handle):
         self._pending.append((waiter, op, new_rkey, segment, privileges))
         self._ep = ep
         # a bound window holds a reference on the QP: if both are dropped, free the window first
-        self._qp_raw = ep._raw
         self._raw.need(ep._raw)
         if waiter is not None:
             ep.request_evd._awaited += 1  # polled even if the EVD is full (docs/events.md)
@@ -579,10 +577,11 @@ class RMR(Handle):
         ``window_going``: the window itself is about to be destroyed, which lets the QP go; until
         then (and for ever, if its destruction fails) the QP must outlive it."""
         ep, self._ep = self._ep, None
-        qp_raw, self._qp_raw = self._qp_raw, None
-        if qp_raw is not None and not window_going:
-            self._raw.unneed(qp_raw)  # an unbound window no longer keeps that QP alive
         if ep is not None:
+            if not window_going:
+                # an unbound window no longer keeps the QP alive (ep._raw is still the one it
+                # needed: a reset or close of the EP goes through _qp_gone first)
+                self._raw.unneed(ep._raw)
             ep._forget_window(self)
 
     @staticmethod
