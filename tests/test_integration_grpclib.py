@@ -216,6 +216,53 @@ async def test_a_channel_closed_while_it_connects_keeps_no_connection(rdma_devic
     assert aiodat_streams.shared_ia_count() == 0
 
 
+@pytest.mark.rxe
+async def test_wait_closed_drops_a_client_that_stopped_reading_after_close_timeout(rdma_device: Any,
+                                                                                  monkeypatch: Any) -> None:
+    """A client that stops reading returns no credits, so its connection's graceful close never gets
+    its last bytes out.  ``wait_closed()`` gives it ``close_timeout`` seconds, then drops it; it used
+    to wait for ever."""
+    transports: List[Any] = []
+    make_protocol = integration._client_protocol
+
+    def recording(config: Any) -> Any:  # the channel's connection, to stop its reading
+        protocol = make_protocol(config)
+        made = protocol.connection_made
+        protocol.connection_made = lambda transport: (transports.append(transport), made(transport))[1]
+        return protocol
+
+    monkeypatch.setattr(integration, "_client_protocol", recording)
+    host = rdma_device.address
+    server = RdmaServer([EchoService()])
+    with pytest.raises(aiodat.InvalidParameter, match="close_timeout"):
+        await server.start(host, 0, close_timeout=0)
+    await server.start(host, 0, close_timeout=1.0)
+    channel = RdmaChannel(host, server.sockets[0].getsockname()[1], buffer_size=4096, recv_depth=4)
+    try:
+        async with EchoStub(channel).ServerStream.open() as stream:
+            await stream.send_message(EchoRequest(text="flood", payload=b"x" * 65536, count=1000), end=True)
+            assert (await asyncio.wait_for(stream.recv_message(), 30)).index == 0
+            transports[0].pause_reading()  # from here on the client holds its receives and returns no credit
+            await asyncio.sleep(0.5)  # the server's replies fill what it may send
+            server.close()
+            began = asyncio.get_running_loop().time()
+            await asyncio.wait_for(server.wait_closed(), 20)
+            assert asyncio.get_running_loop().time() - began < 10
+            assert server.sockets == ()
+            await asyncio.wait_for(_until(lambda: transports[0].is_closing()), 10)  # the client was dropped
+            transports[0].resume_reading()
+            with pytest.raises((ConnectionError, grpclib.exceptions.StreamTerminatedError)):
+                for _ in range(1000):  # (what the client held may come first)
+                    await asyncio.wait_for(stream.recv_message(), 10)
+    finally:
+        channel.close()
+
+
+async def _until(condition: Any) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
 # -- host only: the grpclib parts the integration builds on ---------------------------------------
 
 TESTED = "grpclib 0.4.9"

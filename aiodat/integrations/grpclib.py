@@ -132,6 +132,7 @@ class RdmaServer(grpclib.server.Server):
         self._rdma_listener: Optional[Server] = None
         self._rdma_close_called: Optional[asyncio.Event] = None
         self._rdma_handlers: Set[grpclib.server.Handler] = set()
+        self._rdma_close_timeout: Optional[float] = 10.0
 
     def _rdma_new_connection(self) -> H2Protocol:
         """The listener's protocol factory: a grpclib Handler (this server's services) per connection."""
@@ -143,18 +144,23 @@ class RdmaServer(grpclib.server.Server):
         return _server_protocol(handler, self._rdma_config)
 
     async def start(self, host: Optional[str] = None, port: Optional[int] = None, *,
-                    backlog: int = 100, ssl: Any = None, ia: Any = None, **stream_options: Any) -> None:
+                    backlog: int = 100, ssl: Any = None, ia: Any = None, close_timeout: Optional[float] = 10.0,
+                    **stream_options: Any) -> None:
         """Listen on ``host:port`` over RDMA (``port`` 0 or None: a free port, see :attr:`sockets`).
 
         ``host`` is the address of an RDMA device (None: the default device).
         ``ia`` and the stream options (``buffer_size``, ``recv_depth``,
         ``window_size``, ``rdma_threshold``) are those of
         :func:`aiodat.streams.create_server`.  ``ssl`` must be None.
+        ``close_timeout``: how long :meth:`wait_closed` lets the clients'
+        connections send what they hold and close before it drops them
+        (None: as long as it takes).
         """
         if ssl is not None:
             raise ModelNotSupported("TLS over an aiodat RDMA stream is not supported: start RdmaServer without ssl")
         if self._rdma_listener is not None:
             raise RuntimeError("Server is already started")
+        self._rdma_close_timeout = check_timeout(close_timeout, "close_timeout")
         options = _stream_options("RdmaServer.start()", stream_options)
         self._rdma_listener = await create_server(self._rdma_new_connection, host, port, ia=ia, backlog=backlog, **options)
         self._rdma_close_called = asyncio.Event()
@@ -177,14 +183,21 @@ class RdmaServer(grpclib.server.Server):
 
     async def wait_closed(self) -> None:
         """After :meth:`close`: wait for the cancelled handlers, then close the clients' connections and wait
-        until they are closed."""
+        until they are closed; those still open after ``close_timeout`` (see :meth:`start`) are dropped."""
         if self._rdma_listener is None or self._rdma_close_called is None:
             raise RuntimeError("Server is not started")
         await self._rdma_close_called.wait()
         if self._rdma_handlers:
             await asyncio.wait({asyncio.ensure_future(h.wait_closed()) for h in self._rdma_handlers})
-        self._rdma_listener.close_clients()
-        await self._rdma_listener.wait_closed()
+        listener = self._rdma_listener
+        listener.close_clients()
+        # A graceful close sends what the connection holds first; a client that stops reading (and so
+        # returns no credits) would hold this wait for ever.
+        closed = asyncio.ensure_future(listener.wait_closed())
+        await asyncio.wait({closed}, timeout=self._rdma_close_timeout)
+        if not closed.done():
+            listener.abort_clients()
+            await closed
 
     def __repr__(self) -> str:
         where = self.sockets[0].getsockname() if self.sockets else "not listening"
