@@ -1055,6 +1055,7 @@ class CR(Handle):
         if not err:
             err = _send_conn(ep, self._cm_id, True, pdata, responder, initiator)
         if err:
+            ep._to_error(check=False)  # (rdma_accept failed with the QP in RTS: its receives must flush)
             ep._conn.state = EPState.DISCONNECTED
             if err == errno.EINVAL:  # (every argument was checked above)
                 self.close()

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from collections import deque
+from typing import TYPE_CHECKING, Any, Deque, Optional, Tuple
 
 from aiodat._handle import Handle, Raw, fail_waiter
 from aiodat._lib import ffi, lib
@@ -60,6 +61,7 @@ from aiodat.epattr import ServiceType
 from aiodat.errors import (
     InvalidHandle,
     InvalidParameter,
+    InvalidState,
     TimeoutExpired,
     Unreachable,
     ConnectionRejected,
@@ -123,9 +125,18 @@ class AddressHandle(Handle):
         self.private_data: bytes = private_data
 
     def free(self) -> None:
-        """Destroy the address handle."""
+        """Destroy the address handle; refused (InvalidState) while sends to it are posted and their
+        completions not yet taken: the device reads the handle when it sends."""
         self._check()
+        self._refuse_close_while(self._sends_posted(), "sends to it are still posted; take their completions first")
         self.close()
+
+    def _sends_posted(self) -> bool:
+        """Whether a send-queue entry of an EP of this PZ still targets this handle."""
+        # (a scan, at free only: a counter would cost every post_send_to)
+        pz = self._parent
+        assert pz is not None  # (an AH always has its PZ)
+        return any(entry[4] is self for ep in list(pz._children) if isinstance(ep, EP) for entry in ep._send_q)
 
     def _release(self) -> None:
         if self._ah != ffi.NULL:
@@ -234,6 +245,7 @@ async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes =
     timeout = check_timeout(timeout)
     ia = ep._ia
     host, timeout = await resolve_within(host, _family(ia.address or ""), timeout)
+    _check_ud(ep, "resolve_datagram")  # again: the EP, its PZ or its IA may have closed during the lookup
     _check_family(ia, host)
     dst = ia._cm.sockaddr(host, port)
     ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)
@@ -253,10 +265,13 @@ class DatagramPSP(Listener):
 
     Every request a peer's ``resolve_datagram`` sends to ``port`` is accepted
     with the EP's QP number (and ``private_data``); ``requests`` counts them
-    and ``peers`` holds the (host, port) and private data of each.
+    and ``peers`` holds the (host, port) and private data of the latest
+    :attr:`PEERS_KEPT`.
     """
 
     _kind = "datagram psp"
+    #: how many of the latest requests ``peers`` keeps (a long-lived service must not grow with its peers)
+    PEERS_KEPT = 1024
 
     def __init__(self, ep: "EP", port: int, private_data: bytes = b"") -> None:
         _check_ud(ep, "serve_datagram")
@@ -266,7 +281,7 @@ class DatagramPSP(Listener):
         super().__init__(ia)
         self.ep = ep
         self.requests = 0
-        self.peers: list = []
+        self.peers: Deque[Tuple[Any, bytes]] = deque(maxlen=self.PEERS_KEPT)
         self._listen(ia, addr, port, lib.RDMA_PS_UDP, 128, "UDP port")
 
     def _on_cm_request(self, ev: Any, pdata: bytes) -> None:
@@ -344,8 +359,14 @@ class MulticastGroup(Handle):
         self.error: Optional[str] = None
 
     async def leave(self) -> None:
-        """Leave the group (ib_leave_mcast): the QP is detached and receives nothing more from it."""
+        """Leave the group (ib_leave_mcast): the QP is detached and receives nothing more from it.
+
+        Refused (InvalidState) while sends to the group are posted and their completions not yet
+        taken: leaving destroys the group's address handle, which the device reads when it sends."""
         self._check()
+        ah = self.address_handle
+        if ah is not None and not ah.closed:
+            self._refuse_close_while(ah._sends_posted(), "sends to it are still posted; take their completions first")
         self.close()
 
     def _release(self) -> None:
@@ -381,8 +402,14 @@ async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) 
         raise InvalidParameter(f"{group!r} is not an IP address") from None
     if not is_multicast:
         raise InvalidParameter(f"{group!r} is not a multicast address (224.0.0.0/4 or ff00::/8)")
+    # The device attaches a QP to a group once: a second membership would be deafened by the first's leave.
+    same = ipaddress.ip_address(group)
+    if any(isinstance(g, MulticastGroup) and ipaddress.ip_address(g.group) == same for g in list(ep._children)):
+        raise InvalidState(f"this EP has joined (or is joining) multicast group {group} already; one membership "
+                           "per group and EP")
     timeout = check_timeout(timeout)
     ia = ep._ia
+    _check_family(ia, group)
     ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)
     mg = MulticastGroup(ep, group)
     fut: "asyncio.Future[MulticastGroup]" = asyncio.get_running_loop().create_future()
@@ -392,6 +419,7 @@ async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) 
     if lib.rdma_resolve_addr(joiner.cm_id, ia._cm.source(), ffi.cast("struct sockaddr *", mg._sockaddr),
                              _RESOLVE_MS):
         err = ffi.errno
+        fut.cancel()  # (nobody will await it: failed, as mg.close() would, it is logged as never retrieved)
         mg.close()
         raise error_from_errno(err, f"resolving multicast group {group}")
     try:
@@ -413,6 +441,9 @@ def post_send_to(ep: "EP", segments: Any, dest: Any, cookie: Any, flags: Any, im
         raise InvalidParameter("the address handle belongs to another PZ than the EP")
     segs = as_segments(segments)
     ep._check_post(segs, ep.attrs.max_request_iov, "post_send_to")
+    size = segs[0].length if len(segs) == 1 else sum(seg.length for seg in segs)
+    if size > _SMALLEST_MTU:  # (smaller ones fit every port: no port query for them)
+        _check_fits_mtu(ep, size)
     check_imm_data(imm_data)
     opcode = WR_SEND if imm_data is None else WR_SEND_WITH_IMM
     ep._post_one(DTOOp.SEND, opcode, segs, cookie, flags, imm_data=imm_data, ah=ah._ah,
@@ -431,6 +462,21 @@ def post_recv_datagram(ep: "EP", segments: Any, cookie: Any, flags: Any) -> None
     if grh is None or grh.closed:
         grh = ep._grh_lmr = ep._pz.register(bytearray(GRH_SIZE), Privileges.LOCAL_WRITE)  # type: ignore[attr-defined]
     ep.post_recv([grh.segment(), *segs], cookie, flags)
+
+
+_SMALLEST_MTU = 256
+
+
+def _check_fits_mtu(ep: Any, size: int) -> None:
+    """A datagram larger than the path MTU is dropped by the device with a successful send
+    completion (IB spec C10-93.1.1), so it is refused here.  The MTU is kept on the EP and read
+    again only when a datagram does not fit it (the port's MTU may have grown since)."""
+    if size <= getattr(ep, "_mtu", 0):
+        return
+    ep._mtu = max_message_size(ep)
+    if size > ep._mtu:
+        raise InvalidParameter(f"post_send_to: a datagram of {size} bytes does not fit the port's MTU of "
+                               f"{ep._mtu} bytes (max_message_size)")
 
 
 def max_message_size(ep: "EP") -> int:

@@ -413,6 +413,9 @@ class SRQ(Handle):
         """
         self._check_usable("set_lw")
         lw = _check_lw(low_watermark, self._max_wr)
+        # An event of the previous arming may wait unread on the async fd: read it now, so that it
+        # is taken as that arming's and not as this one's.
+        self._ia._async_source.drain()
         attr = ffi.new("struct ibv_srq_attr *")
         attr.srq_limit = lw
         err = lib.ibv_modify_srq(self._srq, attr, lib.IBV_SRQ_LIMIT)

@@ -1,6 +1,8 @@
 """Issue 4: UD datagrams over rdma_cm's UDP port space and multicast, on real rxe."""
 from __future__ import annotations
 
+import asyncio
+import gc
 from typing import Any, Tuple
 
 import pytest
@@ -127,3 +129,123 @@ async def test_multicast_join_send_receive_leave(ia: Any) -> None:
         await receiver.recv_evd.wait(1, timeout=2.0)  # but the receiver left: nothing arrives
     assert bytes(rlmr.memoryview()[1024:1029]) == bytes(5)
     await sg.leave()
+
+
+async def test_a_pz_closed_during_the_name_lookup_fails_the_resolution(ia: Any, monkeypatch: Any) -> None:
+    """The EP is checked again after resolve_datagram's name lookup: its PZ closed meanwhile is
+    InvalidHandle.  It used to go on, and the SIDR answer made an address handle on a NULL PD,
+    which crashed the interpreter."""
+    import aiodat.datagram
+
+    pz = ia.create_pz()
+    server, _ = ud_ep(ia, pz)
+    psp = server.serve_datagram(0)
+    client_pz = ia.create_pz()
+    client = ia.create_ep(client_pz, attrs=UD)
+    looked_up = asyncio.Event()
+    release = asyncio.Event()
+    lookup = aiodat.datagram.resolve_within
+
+    async def slow_lookup(*args: Any) -> Any:
+        looked_up.set()
+        await release.wait()
+        return await lookup(*args)
+
+    monkeypatch.setattr(aiodat.datagram, "resolve_within", slow_lookup)
+    resolving = asyncio.ensure_future(client.resolve_datagram(ia.address, psp.port, timeout=T))
+    await asyncio.wait_for(looked_up.wait(), T)
+    client_pz.close()
+    release.set()
+    with pytest.raises(aiodat.InvalidHandle):
+        await asyncio.wait_for(resolving, T)
+    psp.free()
+
+
+async def test_an_address_handle_is_not_freed_under_a_posted_send(ia: Any) -> None:
+    """The device reads an address handle when it sends: free() and a group's leave() are refused
+    (InvalidState) until the completions of the sends to it have been taken."""
+    pz = ia.create_pz()
+    server, slmr = ud_ep(ia, pz)
+    client, clmr = ud_ep(ia, pz)
+    psp = server.serve_datagram(0)
+    ah = await client.resolve_datagram(ia.address, psp.port, timeout=T)
+    server.post_recv_datagram(slmr[0:512], cookie="r")
+    client.post_send_to(clmr[0:16], ah, cookie="s")
+    with pytest.raises(aiodat.InvalidState, match="sends to it are still posted"):
+        ah.free()
+    assert not ah.closed
+    (await one(client.request_evd)).raise_for_status()
+    (await one(server.recv_evd)).raise_for_status()
+    ah.free()
+    assert ah.closed
+
+    group = await client.join_multicast("239.1.1.8", timeout=T)
+    client.post_send_to(clmr[0:16], group, cookie="g")
+    with pytest.raises(aiodat.InvalidState, match="sends to it are still posted"):
+        await group.leave()
+    assert group.joined
+    (await one(client.request_evd)).raise_for_status()
+    await group.leave()
+    assert group.closed
+    psp.free()
+
+
+async def test_one_membership_per_group_and_ep(ia: Any, loop_errors: Any) -> None:
+    """A second join of a group the EP is in is refused: the device attaches a QP to a group once,
+    so the first membership's leave silently deafened the second.  A group of the other address
+    family is refused before anything is sent, and leaves nothing in the loop's handler."""
+    pz = ia.create_pz()
+    receiver, rlmr = ud_ep(ia, pz)
+    sender, slmr = ud_ep(ia, pz)
+    first = await receiver.join_multicast("239.1.1.9", timeout=T)
+    with pytest.raises(aiodat.InvalidState, match="joined .* already"):
+        await receiver.join_multicast("239.1.1.9", timeout=T)
+    assert first.joined
+    receiver.post_recv_datagram(rlmr[0:512], cookie="still")
+    to_group = await sender.join_multicast("239.1.1.9", timeout=T)
+    sender.post_send_to(slmr[0:4], to_group)
+    (await one(sender.request_evd)).raise_for_status()
+    assert (await one(receiver.recv_evd)).cookie == "still"
+    await first.leave()
+    again = await receiver.join_multicast("239.1.1.9", timeout=T)  # once left, it may join again
+    await again.leave()
+    await to_group.leave()
+    other = "ff0e::101" if ":" not in ia.address else "239.1.1.10"
+    with pytest.raises(aiodat.InvalidAddress):
+        await receiver.join_multicast(other, timeout=T)
+    gc.collect()  # (a failed join's future, had it failed unretrieved, is reported now)
+    await asyncio.sleep(0)
+
+
+async def test_a_datagram_larger_than_the_mtu_is_refused(ia: Any) -> None:
+    """The device drops a datagram larger than the MTU with a successful completion: it is
+    refused at the post, naming the MTU, and nothing is posted."""
+    pz = ia.create_pz()
+    server, slmr = ud_ep(ia, pz)
+    client, clmr = ud_ep(ia, pz)
+    psp = server.serve_datagram(0)
+    ah = await client.resolve_datagram(ia.address, psp.port, timeout=T)
+    mtu = max_message_size(client)
+    with pytest.raises(aiodat.InvalidParameter, match=f"MTU of {mtu} bytes"):
+        client.post_send_to(clmr[0:mtu + 1], ah)
+    with pytest.raises(aiodat.InvalidParameter, match="MTU"):
+        client.post_send_to([clmr[0:mtu], clmr[mtu:mtu + 1]], ah)
+    assert client._sends_outstanding() == 0
+    ah.free()  # (nothing was posted to it)
+    psp.free()
+
+
+async def test_a_datagram_psp_keeps_its_latest_peers(ia: Any, monkeypatch: Any) -> None:
+    """``peers`` keeps the latest PEERS_KEPT requests, so a long-lived service does not grow."""
+    from aiodat.datagram import DatagramPSP
+
+    monkeypatch.setattr(DatagramPSP, "PEERS_KEPT", 2)
+    pz = ia.create_pz()
+    server, _ = ud_ep(ia, pz)
+    client, _ = ud_ep(ia, pz)
+    psp = server.serve_datagram(0)
+    for text in (b"one", b"two", b"three"):
+        (await client.resolve_datagram(ia.address, psp.port, private_data=text, timeout=T)).free()
+    assert psp.requests == 3
+    assert [pdata.rstrip(b"\0") for _, pdata in psp.peers] == [b"two", b"three"]
+    psp.free()

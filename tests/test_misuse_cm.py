@@ -415,3 +415,36 @@ async def test_a_client_gone_after_the_accept_is_an_accept_completion_error(ia: 
     assert server.state is EPState.DISCONNECTED
     server.reset()
     assert server.state is EPState.UNCONNECTED
+
+
+async def test_an_accept_whose_rep_failed_flushes_the_eps_receives(ia: Any, loop_errors: List[dict],
+                                                                   monkeypatch: Any) -> None:
+    """When rdma_accept fails after the QP was readied (RTS), the EP is DISCONNECTED and its QP goes
+    to ERR, so a receive posted before the accept completes with the flush status instead of
+    waiting for ever.  The QP used to stay in RTS."""
+    import errno
+
+    import aiodat.cm
+
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    lmr = pz.register(bytearray(64))
+    server.post_recv(lmr[0:64], cookie="before the accept")
+    connecting = asyncio.ensure_future(client.connect(ia.address, psp.port, timeout=5))
+    event = await cr_evd.wait_one(timeout=T)
+    send_conn = aiodat.cm._send_conn
+    monkeypatch.setattr(aiodat.cm, "_send_conn", lambda ep, cm_id, accept, *rest:
+                        errno.EIO if accept else send_conn(ep, cm_id, accept, *rest))
+    with pytest.raises(aiodat.DATError):
+        await event.cr.accept(server, timeout=T)
+    assert server.state is EPState.DISCONNECTED
+    flushed = await server.recv_evd.wait_one(timeout=T)
+    assert flushed.cookie == "before the accept" and not flushed.ok and "FLUSH" in flushed.status
+    with pytest.raises((aiodat.DATError, asyncio.TimeoutError)):
+        await connecting
+    monkeypatch.undo()
+    event.cr.close()
+    server.close()
+    client.close()

@@ -400,3 +400,29 @@ async def test_srq_buffers_survive_a_broken_ep(ia: Any) -> None:
         await send(client, send_lmr, b"%d" % i)
         got += await recv_evd.wait(1, timeout=T)
     assert sorted(e.cookie for e in got) == list(range(8)) and all(e.ok and e.ep is server for e in got)
+
+
+async def test_arming_again_forgets_an_event_still_unread_on_the_async_fd(ia: Any) -> None:
+    """The previous arming's event fired but still waits, unread, on the async fd when set_lw arms
+    again: it counts as the previous arming's, so a wait for the new arming does not return at once.
+    It used to be read later and taken as the new arming's."""
+    pz = ia.create_pz()
+    srq = ia.create_srq(pz, 16)
+    pool = pz.register(bytearray(16 * 64))
+    srq.post_recv_batch((pool[i * 64:(i + 1) * 64], i) for i in range(4))
+    server = ia.create_ep(pz, srq=srq)
+    client = ia.create_ep(pz)
+    psp, cr_evd = listen(ia)
+    await connect(ia, psp, cr_evd, client, server)
+    send_lmr = pz.register(bytearray(64))
+    srq.set_lw(4)
+    client.post_send(send_lmr[0:8], cookie="crossing")  # 3 left: below the mark
+    time.sleep(1.0)  # (no loop turn) rxe takes the receive and raises the event; nobody reads the fd
+    srq.post_recv_batch((pool[i * 64:(i + 1) * 64], i) for i in range(4, 8))  # 7 left
+    srq.set_lw(2)
+    assert srq.low_watermark_events == 1  # the old arming's event, read by set_lw
+    with pytest.raises(aiodat.TimeoutExpired):
+        await srq.low_watermark(timeout=1)
+    assert (await client.request_evd.wait_one(timeout=T)).ok
+    assert (await server.recv_evd.wait_one(timeout=T)).ok
+    srq.set_lw(None)
