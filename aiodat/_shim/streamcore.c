@@ -854,7 +854,10 @@ static PyObject *receiver_on_events(PyObject *op, PyObject *events)
         int taken = receive_one(self, owner, event);
         Py_DECREF(event);
         if (taken < 0) {
-            result = hand_exception(owner, s__batch_failed, PyExc_Exception);
+            /* as asyncio's transports: any exception is the stream's (a protocol's CancelledError too),
+             * but SystemExit and KeyboardInterrupt go on up */
+            result = PyErr_ExceptionMatches(PyExc_SystemExit) || PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)
+                ? NULL : hand_exception(owner, s__batch_failed, PyExc_BaseException);
             goto done;
         }
         if (!taken) {  /* the transport's Python takes this event and the rest */
@@ -901,8 +904,9 @@ static PyMethodDef receiver_methods[] = {
      "on_events(events).\n\n"
      "The stream's EVD callback (evd.set_callback): a batch of events, taken with receive() one by one.  "
      "Nothing once the owner was collected or the connection ended (``alive`` False).  The first event receive() "
-     "does not take goes, with the rest of the batch, to owner()._on_events(events, index); an Exception raised "
-     "in a receive() goes to owner()._batch_failed(exc).  When receive() took the whole batch: owner()._flush() "
+     "does not take goes, with the rest of the batch, to owner()._on_events(events, index); an exception raised "
+     "in a receive() (any but SystemExit and KeyboardInterrupt) goes to owner()._batch_failed(exc).  When receive() "
+     "took the whole batch: owner()._flush() "
      "when data_received wrote (the core has bytes buffered), and sender.schedule() (the reply the "
      "woken reader writes goes out in this loop iteration)."},
     {NULL, NULL, 0, NULL},

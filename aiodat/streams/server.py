@@ -270,6 +270,8 @@ async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], ho
         port = 0
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
         raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
+    if not isinstance(backlog, int) or isinstance(backlog, bool):
+        raise InvalidParameter(f"backlog must be an int, got {backlog!r}")
     loop = asyncio.get_running_loop()
     if host is not None:
         host = await resolve_host(host)
@@ -280,7 +282,9 @@ async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], ho
                                  f"{iaref.ia.address} (an aiodat server listens on its IA's address)")
         from aiodat.evd import EvdFlags
 
-        cr_evd = iaref.ia.create_evd(max(8, backlog), EvdFlags.CR)
+        # as the kernel clamps a socket's backlog to somaxconn: to what the device's EVDs hold
+        backlog = min(max(8, backlog), iaref.ia._device_attr.max_cqe)
+        cr_evd = iaref.ia.create_evd(backlog, EvdFlags.CR)
         try:
             psp = iaref.ia.create_psp(port, cr_evd, backlog) if port else iaref.ia.create_psp_any(cr_evd, backlog)
         except BaseException:
@@ -292,7 +296,11 @@ async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], ho
     server = Server(loop, protocol_factory, iaref, psp, cr_evd, cfg, accept_timeout)
     if start_serving:
         server._start_serving()
-        await asyncio.sleep(0)
+        try:
+            await asyncio.sleep(0)
+        except BaseException:  # (cancelled here, the server would listen on with nobody to close it)
+            server.close()
+            raise
     return server
 
 
@@ -307,6 +315,9 @@ async def start_server(client_connected_cb: Callable[[asyncio.StreamReader, asyn
     ``start_serving``, ``ia``, the :class:`StreamConfig` fields).
     """
     loop = asyncio.get_running_loop()
+    # checked here: asyncio's StreamReader refuses a bad one only at each connection
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        raise InvalidParameter(f"limit must be an int > 0, got {limit!r}")
 
     def factory() -> asyncio.StreamReaderProtocol:
         reader = asyncio.StreamReader(limit=limit, loop=loop)

@@ -118,10 +118,11 @@ class Resources:
                     pass
 
 
-def _feed_buffered(protocol: asyncio.BufferedProtocol, data: memoryview) -> None:
+def _feed_buffered(protocol: asyncio.BufferedProtocol, data: memoryview, transport: asyncio.BaseTransport) -> None:
     """Copy ``data`` into the buffers ``protocol.get_buffer()`` hands out, calling
-    ``buffer_updated()`` for each, as asyncio's own transports feed a BufferedProtocol."""
-    while data:
+    ``buffer_updated()`` for each, as asyncio's own transports feed a BufferedProtocol; the rest
+    of it is dropped once the protocol closed the transport (no data after close())."""
+    while data and not transport.is_closing():
         buffer = memoryview(protocol.get_buffer(len(data))).cast("B")
         n = min(len(buffer), len(data))
         if not n:
@@ -129,6 +130,14 @@ def _feed_buffered(protocol: asyncio.BufferedProtocol, data: memoryview) -> None
         buffer[:n] = data[:n]
         protocol.buffer_updated(n)
         data = data[n:]
+
+
+def _takes_views(protocol: asyncio.BaseProtocol) -> bool:
+    """Whether ``data_received`` may get a view of the receive slot, which is posted again once it
+    returns: only asyncio's own StreamReaderProtocol's, which copies the bytes into its reader.  A
+    subclass's own data_received gets bytes, as from asyncio's transports."""
+    return (getattr(type(protocol), "data_received", None) is asyncio.StreamReaderProtocol.data_received
+            and "data_received" not in getattr(protocol, "__dict__", ()))
 
 
 class RdmaTransport(_asyncio_transports._FlowControlMixin):
@@ -196,7 +205,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._conn_lost_writes = 0
         self._idle: Optional[asyncio.Future[None]] = None
         self._close_task: Optional[asyncio.Task[None]] = None
-        self._stream_protocol = isinstance(protocol, asyncio.StreamReaderProtocol)
+        self._stream_protocol = _takes_views(protocol)
         #: an asyncio.BufferedProtocol: fed through get_buffer()/buffer_updated() by the Python path
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
         # The common case in C (_shim/streamcore.c): the Receiver is the EVD's callback and takes a
@@ -221,7 +230,9 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
     def _start(self) -> None:
         try:
             self._protocol.connection_made(self)
-        except Exception as exc:
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # (CancelledError too, as asyncio's transports take it)
             # as a data_received error (and uvloop's TCP transport): reported, and the connection
             # dropped; left as it was, no completion would ever reach it (the EVD's callback is set
             # below), so neither side's reads, nor a server's wait_closed(), would ever end
@@ -280,7 +291,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         """Hand the connection to another protocol."""
         self._protocol = protocol  # (the Receiver reads it per message)
-        self._stream_protocol = self._receiver.as_view = isinstance(protocol, asyncio.StreamReaderProtocol)
+        self._stream_protocol = self._receiver.as_view = _takes_views(protocol)
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
         if not self._closing:
             self._receiver.open = not self._buffered
@@ -378,12 +389,16 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
 
     def abort(self) -> None:
         """Drop the connection at once, without EOF: the peer sees ConnectionResetError."""
+        self._abort(None)
+
+    def _abort(self, exc: Optional[BaseException]) -> None:
+        """abort(), with ``exc`` for connection_lost."""
         if self._lost:
             return
         self._closing = True
         self._receiver.open = False
         self._core.discard()
-        self._finish(None)
+        self._finish(exc)
 
     # -- sending: post what the core says ----------------------------------------------------------
     def _schedule_flush(self) -> None:
@@ -486,10 +501,12 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             return
         try:
             self._handle(events[start:] if start else events)
-        except Exception as exc:
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
             self._batch_failed(exc)
 
-    def _batch_failed(self, exc: Exception) -> None:
+    def _batch_failed(self, exc: BaseException) -> None:
         """Taking a batch raised ``exc`` (here or in the Receiver's C)."""
         if self._receiver.protocol_failed:  # (the Receiver's data_received raised)
             self._data_received_failed(exc)
@@ -610,16 +627,20 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._receiver.delivered = True
         try:
             if self._buffered:  # as asyncio's transports feed one (get_buffer, copy, buffer_updated)
-                _feed_buffered(self._protocol, view)  # type: ignore[arg-type]
+                _feed_buffered(self._protocol, view, self)  # type: ignore[arg-type]
             else:
                 self._protocol.data_received(view if self._stream_protocol else bytes(view))  # type: ignore[attr-defined]
-        except Exception as exc:
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # (a CancelledError too: asyncio's transports take any)
             self._data_received_failed(exc)
 
-    def _data_received_failed(self, exc: Exception) -> None:
+    def _data_received_failed(self, exc: BaseException) -> None:
+        """As asyncio's transports: reported, and the connection dropped, lost with ``exc`` (a reader
+        sees the error, not an EOF that would pass for the end of the data)."""
         self._loop.call_exception_handler({"message": "protocol.data_received() failed",
                                            "exception": exc, "transport": self, "protocol": self._protocol})
-        self.abort()
+        self._abort(exc)
 
     def _eof(self) -> None:
         if self._eof_delivered:
@@ -630,7 +651,9 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         keep_open = False
         try:
             keep_open = bool(self._protocol.eof_received())  # type: ignore[attr-defined]
-        except Exception as exc:
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
             self._loop.call_exception_handler({"message": "protocol.eof_received() failed",
                                                "exception": exc, "transport": self, "protocol": self._protocol})
         if not keep_open:
@@ -643,7 +666,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         reason = self._core.disconnect_error(broken, self._closing)
         self._finish(None if reason is None else ConnectionBroken(reason))
 
-    def _finish(self, exc: Optional[Exception]) -> None:
+    def _finish(self, exc: Optional[BaseException]) -> None:
         """Tear down: cancel the tasks, free EP/PZ/LMRs/EVD, release the IA, tell the protocol."""
         if self._lost:
             return
@@ -662,15 +685,17 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if idle is not None and not idle.done():
             idle.set_result(None)
         self._core.drop_held()
+        self._core.discard()  # (as asyncio's _force_close: what was written and not sent is dropped, not kept)
         self._res.close()
         self._iaref.release()
         if self._protocol_paused:
             self._protocol_paused = False
         self._loop.call_soon(self._call_connection_lost, exc)
 
-    def _call_connection_lost(self, exc: Optional[Exception]) -> None:
+    def _call_connection_lost(self, exc: Optional[BaseException]) -> None:
         try:
-            self._protocol.connection_lost(exc)
+            # (typeshed says Exception; asyncio's transports pass a protocol's CancelledError on as well)
+            self._protocol.connection_lost(exc)  # type: ignore[arg-type]
         finally:
             on_lost, self._on_lost = self._on_lost, None
             if on_lost is not None:
