@@ -262,6 +262,14 @@ def test_split_kwds() -> None:
         split_kwds({"recv_depth": 1})
 
 
+def test_sizes_each_in_range_but_too_much_memory_together_are_refused() -> None:
+    """Each size is checked alone, and their sum too: 1 MiB slots, 4096 credits and a 1 GiB window
+    would register about 10 GiB per connection (a MemoryError, or seconds zeroing it on the loop)."""
+    with pytest.raises(InvalidParameter, match="would register 10747904000 bytes"):
+        split_kwds({"buffer_size": 1 << 20, "recv_depth": 4096, "window_size": 1 << 30})
+    assert split_kwds({"buffer_size": 1 << 20, "recv_depth": 512, "window_size": 1 << 30})[0].memory < 1 << 32
+
+
 # -- credits and the send window -------------------------------------------------------------------------
 
 

@@ -90,6 +90,11 @@ class StreamProtocolError(ConnectionBroken):
     """
 
 
+#: the most memory one connection may register (StreamConfig.memory), 4 GiB: what any sane set of
+#: sizes stays far below, and what would take seconds to zero on the loop before registration failed
+MAX_CONNECTION_MEMORY = 1 << 32
+
+
 @dataclass(frozen=True)
 class StreamConfig:
     """Per-connection buffer sizes of an aiodat stream (keyword arguments of open_connection/start_server).
@@ -123,7 +128,17 @@ class StreamConfig:
         w = self.window_size
         if not isinstance(w, int) or isinstance(w, bool) or not (w == 0 or 4096 <= w <= 1 << 30):
             raise InvalidParameter(f"window_size must be 0 or an int between 4096 and 2**30, got {w!r}")
+        if self.memory > MAX_CONNECTION_MEMORY:  # each field may be in range and the sum still absurd
+            raise InvalidParameter(
+                f"a connection with buffer_size={self.buffer_size}, recv_depth={self.recv_depth} and "
+                f"window_size={w} would register {self.memory} bytes, more than {MAX_CONNECTION_MEMORY} "
+                "(2**32): lower recv_depth or buffer_size")
         return self
+
+    @property
+    def memory(self) -> int:
+        """Bytes a connection registers: its send and receive slots, the staging buffer and the window."""
+        return 2 * self.slots * self.buffer_size + 2 * self.window_size
 
     @property
     def credit_threshold(self) -> int:
