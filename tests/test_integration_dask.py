@@ -163,11 +163,17 @@ async def test_a_comm_whose_peer_closed_says_closed_without_a_read(echo: Tuple[A
 
 async def test_two_closes_at_once_deliver_what_was_written(address: str) -> None:
     """distributed may close one comm from two tasks at once; the second close waits for the
-    first's graceful close instead of aborting it, so the peer still gets the last message (the
-    second used to abort the stream, dropping what the first was delivering)."""
+    first's graceful close instead of aborting it, so the peer still gets every message (the
+    second used to abort the stream, dropping what the first was still delivering).  The server
+    stops reading until both closes are under way, so what was written is still buffered then."""
     got: "asyncio.Queue[Any]" = asyncio.Queue()
+    paused, resume = asyncio.Event(), asyncio.Event()
 
     async def handle(comm: Any) -> None:
+        comm._transport.pause_reading()  # no credit goes back: the client's writes stay buffered
+        paused.set()
+        await resume.wait()
+        comm._transport.resume_reading()
         try:
             while True:
                 await got.put(await comm.read())
@@ -177,12 +183,19 @@ async def test_two_closes_at_once_deliver_what_was_written(address: str) -> None
     listener = await listen(f"rdma://{address}:0", handle)
     try:
         comm = await connect(listener.contact_address)
-        last = b"x" * 60000  # inline: buffered by the stream, delivered by the close
-        for i in range(20):
-            await comm.write({"i": i, "data": last})
-        await asyncio.gather(comm.close(), comm.close())
-        received = [await asyncio.wait_for(got.get(), 30) for _ in range(21)]
-        assert [m["i"] for m in received[:20]] == list(range(20)) and received[20] == "closed"
+        await asyncio.wait_for(paused.wait(), 30)
+        data = b"x" * 6000
+        sent = 0
+        while not comm._transport.get_write_buffer_size():  # until the server's credits and window are used
+            await asyncio.wait_for(comm.write({"i": sent, "data": data}), 30)
+            sent += 1
+            assert sent < 2000
+        closing = asyncio.gather(comm.close(), comm.close())
+        await asyncio.sleep(0.5)
+        resume.set()
+        await asyncio.wait_for(closing, 30)
+        received = [await asyncio.wait_for(got.get(), 30) for _ in range(sent + 1)]
+        assert [m["i"] for m in received[:sent]] == list(range(sent)) and received[sent] == "closed"
     finally:
         listener.stop()
 
