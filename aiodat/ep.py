@@ -439,5 +439,15 @@ class EP(Posting, Handle):
             self._srq._detach(self)
         self._destroy_own_evds()
 
+    def __del__(self) -> None:
+        if not self._closed:
+            # Dropped unclosed: its requests go with its QP (its Raw holder destroys it), so their
+            # buffers are free again; else lmr.free() would stay refused for requests nobody has.
+            try:
+                self._retire_all()
+            except Exception:  # (a half-made EP has no queues)
+                pass
+        super().__del__()
+
     def __repr__(self) -> str:
         return f"<aiodat.{type(self).__name__} qp={self.qp_num} {self._conn.state.value}{' closed' if self._closed else ''}>"

@@ -122,10 +122,11 @@ __all__ = [
 
 def shown(value: Any) -> str:
     """``repr(value)`` for an error message; an int too long for ``repr`` (more than 4300 digits,
-    Python's limit) by its size, so that building the message cannot fail in its turn."""
+    Python's limit) by its size, and anything whose ``repr`` raises by its type, so that building
+    the message cannot fail in its turn (and lose what it was reporting)."""
     try:
         return repr(value)
-    except ValueError:
+    except Exception:
         return f"an int of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
 
 

@@ -191,7 +191,7 @@ class DTOCompletionEvent(Event):
         if not self.ok:
             op = self.operation.value if self.operation else "request"
             raise DTOError(
-                f"{op} with cookie {self.cookie!r} failed: {self.status}",
+                f"{op} with cookie {shown(self.cookie)} failed: {self.status}",
                 status=self.status,
                 vendor_err=self.vendor_err,
             )
@@ -295,15 +295,12 @@ class EVD(Handle, Generic[E]):
                                         or not 0 <= comp_vector < max(vectors, 1)):
             raise InvalidParameter(f"comp_vector must be None or between 0 and {max(vectors, 1) - 1} "
                                    f"(the device has {vectors} completion vectors), got {comp_vector!r}")
-        if type(busy_poll_us) is not int or not 0 <= busy_poll_us <= MAX_BUSY_POLL_US:
-            raise InvalidParameter(f"busy_poll_us must be an int between 0 and {MAX_BUSY_POLL_US} "
-                                   f"microseconds, got {busy_poll_us!r}")
+        _check_busy_poll_us(busy_poll_us)
         super().__init__(ia)
         self._ia = ia
         self._qlen = qlen
-        #: how long (us) the EVD polls its CQ after the last completion before it arms and sleeps
         has_cq = int.__and__(streams, _CQ_STREAMS)  # (a plain int: IntFlag's & builds an enum member)
-        self.busy_poll_us = busy_poll_us if has_cq else 0
+        self._busy_poll_us = busy_poll_us if has_cq else 0  # (the C poller reads it every turn)
         #: a busy-polling EVD stays with the loop's poller until then (monotonic; see poller.py)
         self._busy_until = 0.0
         self._poller: Optional[Poller] = None  # the poller of the loop watching the channel
@@ -504,18 +501,19 @@ class EVD(Handle, Generic[E]):
             self._arm_error = error_from_errno(err, "arming the CQ (ibv_req_notify_cq, tried twice)")
             self._armed_solicited = False
             return
-        self._unarmed = False
+        was_unarmed, self._unarmed = self._unarmed, False
         if solicited or self._armed_solicited:
-            self._note_solicited_arm(solicited, read_channel and self._status[0] > 0)
+            self._note_solicited_arm(solicited, read_channel and self._status[0] > 0, was_unarmed)
 
-    def _note_solicited_arm(self, solicited: bool, fired: bool) -> None:
+    def _note_solicited_arm(self, solicited: bool, fired: bool, was_unarmed: bool = False) -> None:
         """After a re-arm, for solicited waits.  Verbs cannot narrow an armed CQ, so a channel
         event counts as solicited only when the arm it consumed was made solicited-only, and
-        the new arm is narrow only when the previous one was consumed (or already narrow)."""
+        the new arm is narrow only when no other was in place: the previous one was consumed
+        (now, or by an earlier wake-up that left the CQ unarmed), or was narrow already."""
         was_solicited_arm = self._armed_solicited
         if solicited and fired and was_solicited_arm:
             self._solicited_hit = True
-        self._armed_solicited = solicited and (fired or was_solicited_arm)
+        self._armed_solicited = solicited and (fired or was_solicited_arm or was_unarmed)
 
     def _queue_polled(self, got: int) -> bool:
         """Turn the ``got`` completions just polled into ``_wcs`` into events; True if one of them
@@ -575,7 +573,7 @@ class EVD(Handle, Generic[E]):
             self._callback_wakeup()
             return
         try:
-            if self._drain_cq(napi=True):
+            if self._wake_due(self._drain_cq(napi=True)):
                 self._wake()
         except Exception as exc:
             self._wake(exc)
@@ -595,8 +593,8 @@ class EVD(Handle, Generic[E]):
             if poller is not None:  # the EVD moved to another loop after its first one closed
                 poller.discard(self)
             poller = self._poller = poller_for(loop)
-        if self.busy_poll_us:
-            self._busy_until = _monotonic() + self.busy_poll_us * 1e-6
+        if self._busy_poll_us:
+            self._busy_until = _monotonic() + self._busy_poll_us * 1e-6
         if not poller.add(self):
             self._napi_arm()
 
@@ -645,13 +643,19 @@ class EVD(Handle, Generic[E]):
 
     def _hand_over(self, notified: bool) -> None:
         """After the poller's look: deliver to the callback, or wake the waiting task."""
-        if notified and self.busy_poll_us:
-            self._busy_until = _monotonic() + self.busy_poll_us * 1e-6
+        if notified and self._busy_poll_us:
+            self._busy_until = _monotonic() + self._busy_poll_us * 1e-6
         if self._callback is not None:
             if self._queue:
                 self._deliver()
-        elif notified:
+        elif self._wake_due(notified):
             self._wake()
+
+    def _wake_due(self, notified: bool) -> bool:
+        """Whether a drain's end may wake the waiting task: an event that notifies came, or the
+        queue is full (UNSIGNALLED completions that meet the wait's threshold notify no one, and
+        with no room the completion that would cannot leave the CQ).  (C's twin: wake_due.)"""
+        return notified or len(self._queue) >= self._qlen
 
     def _queued_aside(self) -> None:
         """Events were queued outside the reader callback and the poller (an EP's close polled the
@@ -744,6 +748,22 @@ class EVD(Handle, Generic[E]):
     def streams(self) -> EvdFlags:
         """The streams this EVD accepts."""
         return self._streams
+
+    @property
+    def busy_poll_us(self) -> int:
+        """How long (us) the EVD polls its CQ after the last completion before it arms and sleeps
+        (see ``ia.create_evd``); settable, with the same checks."""
+        return self._busy_poll_us
+
+    @busy_poll_us.setter
+    def busy_poll_us(self, value: int) -> None:
+        # checked here: the loop's poller reads it each turn, and a bad one would stop that turn
+        # for every EVD of the loop
+        _check_busy_poll_us(value)
+        if value and not int.__and__(self._streams, _CQ_STREAMS):
+            raise InvalidParameter("busy_poll_us: this EVD takes no completions (its streams have neither DTO "
+                                   "nor RMR_BIND), so there is no CQ to poll")
+        self._busy_poll_us = value
 
     def dequeue(self) -> Optional[E]:
         """Return the next event, or None if there is none; never blocks (dat_evd_dequeue).
@@ -840,7 +860,7 @@ class EVD(Handle, Generic[E]):
             try:
                 if timeout is not None:  # (inside the try: if it fails, the EVD is free again)
                     self._set_deadline(loop, timeout)
-                if not self._solicited and (self._unarmed or self.busy_poll_us):
+                if not self._solicited and (self._unarmed or self._busy_poll_us):
                     # the loop's poller looks at the CQ at the next turns, and arms it if nothing comes
                     # (a busy-polling EVD: after busy_poll_us without a completion)
                     self._napi_add()
@@ -996,6 +1016,9 @@ class EVD(Handle, Generic[E]):
         self._delivery_scheduled = False
         if self._callback is None or self._closed:
             return
+        # A full queue may have left completions in the CQ, and an armed CQ raises no event for
+        # those: they are polled once the callback has emptied it.
+        full = len(self._queue) >= self._qlen
         try:
             self._raise_pending()
             if self._backlog:
@@ -1003,6 +1026,13 @@ class EVD(Handle, Generic[E]):
         except Exception as exc:
             self._callback_failed(exc, "taking the EVD's queued completions")
         self._deliver()
+        if full and self._callback is not None and not self._closed:
+            try:
+                self._drain_cq(rearm=False, arm_if_unarmed=False)
+            except Exception as exc:
+                self._callback_failed(exc, "taking the EVD's queued completions")
+            if self._queue:
+                self._schedule_delivery()
 
     def _deliver(self) -> None:
         """Hand every queued event to the callback, once (the queue is empty afterwards)."""
@@ -1245,6 +1275,12 @@ def _task_of_wait(loop: asyncio.AbstractEventLoop) -> Optional["asyncio.Task[Any
 
 _completions.configure_waits(_running_task)
 _NULL = ffi.NULL
+
+
+def _check_busy_poll_us(value: Any) -> None:
+    if type(value) is not int or not 0 <= value <= MAX_BUSY_POLL_US:
+        raise InvalidParameter(f"busy_poll_us must be an int between 0 and {MAX_BUSY_POLL_US} "
+                               f"microseconds, got {shown(value)}")
 
 
 def is_timeout(value: Any) -> bool:

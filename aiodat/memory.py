@@ -350,7 +350,10 @@ class LMR(Handle):
             raise error_from_errno(failed, f"deregistering {self.length} bytes (ibv_dereg_mr)")
         if cdata is not None:
             ffi.release(cdata)  # end the buffer export now, not at garbage collection
-        self._view.release()
+        try:
+            self._view.release()
+        except BufferError:  # the program holds an export of memoryview() (a numpy array, say): that
+            pass             # view stays valid until it lets go; the registration is gone all the same
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -589,7 +592,7 @@ class RMR(Handle):
         if not event.ok:
             from aiodat.errors import DTOError
 
-            raise DTOError(f"memory window {what} with cookie {event.cookie!r} failed: {event.status}",
+            raise DTOError(f"memory window {what} with cookie {shown(event.cookie)} failed: {event.status}",
                            status=event.status, cookie=event.cookie)
 
     def _bind_completed(self, evd: Any, cookie: Any, status: str, op: Any) -> Any:

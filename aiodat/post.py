@@ -176,8 +176,9 @@ class Posting(WorkRequests):
                 return
             if err > 0:
                 raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
-        if not isinstance(flags, int):
-            raise InvalidParameter(f"flags must be CompletionFlags, not {type(flags).__name__}")
+        _flag_bits("flags", flags)  # (a CompletionFlags value, 0-15)
+        if flags & CompletionFlags.SUPPRESS:  # a receive always completes (it carries the data's length)
+            raise InvalidParameter("flags: SUPPRESS is for requests (sends, RDMA); a receive always completes")
         segs = as_segments(segments)
         self._check_post(segs, self.attrs.max_recv_iov, "post_recv")
         if self._srq is not None:
@@ -513,6 +514,11 @@ class Posting(WorkRequests):
         last_remote: Any = segs_column
         segs: Tuple[Segment, ...] = ()
         changes = 0
+        try:
+            items = iter(items)
+        except TypeError:
+            raise InvalidParameter(f"{what}: items must be an iterable of (local_segments, remote, cookie) "
+                                   f"triples, not {type(items).__name__}") from None
         for item in items:
             try:
                 local, remote, cookie = item
@@ -534,6 +540,7 @@ class Posting(WorkRequests):
                    remotes: Optional[Sequence["RemoteRegion"]] = None) -> int:
         """Post a checked batch; ``same``: every request has the very same segments (and remote)."""
         bits = (_flag_bits("flags", flags), _flag_bits("last_flags", flags if last_flags is None else last_flags))
+        self._check()  # (an empty batch on a freed EP is refused too, not "0 posted")
         if self._conn.state is not EPState.CONNECTED:
             raise InvalidState(f"cannot post on an EP in state {self._conn.state.value} (connect it first)")
         n = len(cookies)

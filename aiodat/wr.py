@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Iterable, List, Optional
 
 from aiodat._shim import _completions
 from aiodat.epattr import EPRecvInfo
-from aiodat.errors import InvalidParameter
+from aiodat.errors import InvalidParameter, shown
 from aiodat.evd import DTOCompletionEvent, DTOOp
 from aiodat.memory import Segment
 
@@ -208,7 +208,7 @@ class WorkRequests:
         if op is DTOOp.BIND or op is DTOOp.UNBIND:
             if code and code != _WC_WR_FLUSH_ERR and self._rc:
                 # a failed bind or invalidation puts the RC QP in ERR too: the connection is broken
-                self._on_async_error(f"memory window {op.value} with cookie {cookie!r} completed with {status}")
+                self._on_async_error(f"memory window {op.value} with cookie {shown(cookie)} completed with {status}")
             return target._bind_completed(evd, cookie, status, op)
         if op is DTOOp.RDMA_READ:
             length = byte_len
@@ -223,7 +223,7 @@ class WorkRequests:
         if code and code != _WC_WR_FLUSH_ERR and self._rc:
             # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
             # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
-            self._on_async_error(f"{op.value} with cookie {cookie!r} completed with {status}")
+            self._on_async_error(f"{op.value} with cookie {shown(cookie)} completed with {status}")
         return DTOCompletionEvent._completed(evd, self, cookie, status, length, op,
                                              None, vendor_err, None, notify)
 
@@ -316,7 +316,11 @@ class WorkRequests:
         self._check()
         if self._srq is not None:
             return EPRecvInfo(None, None)
-        self.recv_evd._drain_cq()  # completions the device already wrote are not "allocated" any more
+        evd = self.recv_evd
+        # completions the device already wrote are not "allocated" any more; the drain read the
+        # channel's event, so whoever waits for them (a wait, a callback) is told here
+        if evd._drain_cq():
+            evd._queued_aside()
         return EPRecvInfo(len(self._recv_q), None)
 
     def _retire_all(self) -> None:

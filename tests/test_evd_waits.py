@@ -213,3 +213,110 @@ async def test_an_arm_that_fails_twice_with_nobody_waiting_reaches_the_next_wait
         await evd.wait(timeout=T)
     evd._unarmed, evd._arm_error = False, None
     evd.free()
+
+
+async def _pair_on(ia: Any, rx: Any) -> Any:
+    """A connected pair (client, server, their LMRs) whose server receives on ``rx``."""
+    from aiodat import Privileges
+    from aiodat.cm import connect_pair
+
+    pz = ia.create_pz()
+    client, server = ia.create_ep(pz), ia.create_ep(pz, recv_evd=rx)
+    clmr, slmr = pz.register(bytearray(4096), Privileges.ALL), pz.register(bytearray(4096), Privileges.ALL)
+    await connect_pair(client, server)
+    return client, server, clmr, slmr
+
+
+async def test_busy_poll_us_set_later_is_checked(ia: Any, loop_errors: List[dict]) -> None:
+    """evd.busy_poll_us is checked when set, as at creation: the loop's poller reads it every turn,
+    and a bad value there stopped the turn for every EVD of the loop."""
+    evd = ia.create_evd(8, EvdFlags.DTO)
+    for bad in (50.0, -1, "10", True, 10**9):
+        with pytest.raises(aiodat.InvalidParameter, match="busy_poll_us"):
+            evd.busy_poll_us = bad
+    evd.busy_poll_us = 20
+    assert evd.busy_poll_us == 20
+    cr = ia.create_evd(8, EvdFlags.CR)
+    with pytest.raises(aiodat.InvalidParameter, match="no CQ to poll"):
+        cr.busy_poll_us = 20
+    cr.busy_poll_us = 0
+
+
+async def test_recv_query_wakes_the_wait_whose_completion_it_took(ia: Any, loop_errors: List[dict]) -> None:
+    """ep.recv_query() polls the recv EVD's CQ and reads its channel's event: the task waiting for
+    that completion is woken, not left asleep until some later completion."""
+    import time
+
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(8, EvdFlags.DTO))
+    server.post_recv(slmr[0:64], cookie="r")
+    waiting = asyncio.ensure_future(server.recv_evd.wait(1, timeout=T))
+    await asyncio.sleep(0.2)  # asleep, the CQ armed
+    client.post_send(clmr[0:8])
+    time.sleep(0.5)  # (no loop turn) the completion lands, the channel is readable
+    assert server.recv_query().nbufs_allocated == 0
+    events = await asyncio.wait_for(waiting, 5)
+    assert [e.cookie for e in events] == ["r"]
+
+
+async def test_a_queue_full_of_unsignalled_completions_wakes_its_waiter(ia: Any, loop_errors: List[dict]) -> None:
+    """UNSIGNALLED receives that fill the EVD to its qlen wake the wait whose threshold they meet:
+    the signalled completion that would wake it cannot leave the CQ until there is room."""
+    from aiodat import CompletionFlags
+
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(2, EvdFlags.DTO))
+    server.post_recv(slmr[0:64], cookie="r0", flags=CompletionFlags.UNSIGNALLED)
+    server.post_recv(slmr[64:128], cookie="r1", flags=CompletionFlags.UNSIGNALLED)
+    server.post_recv(slmr[128:192], cookie="r2")
+    waiting = asyncio.ensure_future(server.recv_evd.wait(1, timeout=T))
+    await asyncio.sleep(0.2)
+    for _ in range(3):
+        client.post_send(clmr[0:8])
+    events = await asyncio.wait_for(waiting, 5)
+    assert [e.cookie for e in events] == ["r0", "r1"]
+    assert [e.cookie for e in await server.recv_evd.wait(1, timeout=T)] == ["r2"]
+
+
+async def test_a_callback_set_on_a_full_evd_gets_what_the_cq_still_holds(ia: Any, loop_errors: List[dict]) -> None:
+    """Completions that came while the EVD was full stay in the CQ, for which an armed CQ raises no
+    event: set_callback hands them over after the queued ones, not at some later completion."""
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(2, EvdFlags.DTO))
+    rx = server.recv_evd
+    with pytest.raises(aiodat.TimeoutExpired):
+        await rx.wait(timeout=0.01)  # the loop watches its channel from here on
+    for i in range(4):
+        server.post_recv(slmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
+    for _ in range(4):
+        client.post_send(clmr[0:8])
+    await asyncio.sleep(1.0)  # two are queued, two wait in the CQ, which the poller armed
+    got: List[Any] = []
+    rx.set_callback(got.extend)
+    for _ in range(50):
+        if len(got) == 4:
+            break
+        await asyncio.sleep(0.1)
+    assert [e.cookie for e in got] == ["r0", "r1", "r2", "r3"]
+    rx.set_callback(None)
+
+
+async def test_a_solicited_wait_right_after_a_wake_up_ends_at_the_solicited_completion(
+        ia: Any, loop_errors: List[dict]) -> None:
+    """A solicited wait that starts while the CQ is still unarmed after a wake-up (the poller's
+    turns) arms it solicited-only, so the solicited completion ends the wait below its threshold.
+    Its arm used to be taken for a broad one, and the wait slept to its timeout."""
+    from aiodat import CompletionFlags
+
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(8, EvdFlags.DTO))
+    rx = server.recv_evd
+    for i in range(4):
+        server.post_recv(slmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
+    first = asyncio.ensure_future(rx.wait(1, timeout=T))
+    await asyncio.sleep(0.2)
+    client.post_send(clmr[0:8], "a")
+    assert [e.cookie for e in await asyncio.wait_for(first, T)] == ["r0"]
+    assert rx._unarmed  # (the wake-up left the CQ to the poller)
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.2, client.post_send, clmr[0:8], "b", CompletionFlags.SOLICITED_WAIT)
+    began = loop.time()
+    # (awaited here, not as a task: the wait starts in this turn, while the CQ is still unarmed)
+    events = await rx.wait(3, timeout=T, solicited_only=True)
+    assert [e.cookie for e in events] == ["r1"] and loop.time() - began < T / 2

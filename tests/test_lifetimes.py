@@ -221,6 +221,26 @@ async def test_dropped_objects_are_released_and_warn(ia: Any, rdma_device: Any, 
     assert list(ia._children) == [ia.async_evd]  # the parent held them weakly
 
 
+async def test_an_lmr_kept_after_its_ep_was_dropped_can_be_freed(ia: Any, rdma_device: Any,
+                                                                 loop_errors: List[dict]) -> None:
+    """The requests of an EP dropped unclosed go with its QP: an LMR the program kept, which a
+    receive of that EP used, can be freed.  Its count of posted requests used to stay up for good,
+    so lmr.free() (and pz.free()) were refused for ever."""
+    pz = ia.create_pz()
+    lmr = pz.register(bytearray(4096))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ep = ia.create_ep(pz)
+        ep.post_recv(lmr[0:64])
+        with pytest.raises(aiodat.InvalidState, match="posted request"):
+            lmr.free()
+        del ep
+        await settle()
+    assert unclosed_kinds(caught) == ["ep"]
+    lmr.free()
+    pz.free()
+
+
 async def test_a_dropped_connected_pair_is_released(ia: Any, rdma_device: Any, loop_errors: List[dict]) -> None:
     await connect_once(ia)
     fds, counts = open_fds(), kernel_counts(rdma_device.name)

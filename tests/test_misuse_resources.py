@@ -523,3 +523,64 @@ async def test_a_closed_datagram_ep_frees_its_grh_scratch_and_answers_no_more(ia
     assert grh.closed and lmr._inflight == 0 and not lmr.closed
     with pytest.raises(aiodat.InvalidHandle):
         max_message_size(ep)
+
+
+@pytest.mark.rxe
+async def test_a_failed_completion_whose_cookie_no_repr_can_show_is_delivered(ep_pair: Any,
+                                                                               loop_errors: List[dict]) -> None:
+    """A request that fails with a cookie repr() cannot show (an int of more than 4300 digits) still
+    gives its event and breaks the connection; the message names the cookie by its size.  Building
+    the message used to raise ValueError, which took the event with it and left the EP CONNECTED."""
+    from aiodat import EPState, EventType
+    from aiodat.memory import RemoteRegion
+
+    pair = ep_pair
+    good = pair.server_lmr.remote()
+    wrong = RemoteRegion(good.address, 8, good.rmr_context ^ 0x5A5A5A00)
+    cookie = 10 ** 5000
+    pair.client.post_rdma_write(pair.client_lmr[0:8], wrong, cookie=cookie)
+    event = await pair.client.request_evd.wait_one(timeout=T)
+    assert event.cookie == cookie and not event.ok
+    with pytest.raises(aiodat.DTOError, match="cookie an int of 16610 bits failed"):
+        event.raise_for_status()
+    broken = await pair.client.connect_evd.wait_one(timeout=T)
+    assert broken.type is EventType.CONNECTION_EVENT_BROKEN
+    assert pair.client.state is not EPState.CONNECTED
+
+
+@pytest.mark.rxe
+async def test_posts_of_the_wrong_kind_are_refused_before_anything_is_posted(ep_pair: Any,
+                                                                             loop_errors: List[dict]) -> None:
+    """A batch that is not an iterable, receive flags out of range or with SUPPRESS, and an empty
+    batch on a freed EP are each an aiodat error naming what is wrong; nothing is posted."""
+    from aiodat import CompletionFlags
+
+    pair = ep_pair
+    ep, lmr = pair.client, pair.client_lmr
+    for batch in (ep.post_rdma_write_batch, ep.post_rdma_read_batch):
+        with pytest.raises(aiodat.InvalidParameter, match="iterable"):
+            batch(5)  # type: ignore[arg-type]
+    for flags in (CompletionFlags.SUPPRESS, -1, 1 << 80, 16):
+        with pytest.raises(aiodat.InvalidParameter, match="flags"):
+            ep.post_recv(lmr[0:8], flags=flags)
+    assert not ep._recv_q and lmr._inflight == 0
+    ep.free()
+    for batch in (ep.post_send_batch, ep.post_rdma_write_batch, ep.post_rdma_read_batch):
+        with pytest.raises(aiodat.InvalidHandle):
+            batch([])
+
+
+@pytest.mark.rxe
+async def test_an_lmr_whose_view_the_program_still_exports_is_freed(ia: Any, loop_errors: List[dict]) -> None:
+    """free() deregisters an LMR while the program holds an export of its memoryview() (a view of
+    it, a numpy array); that export stays usable.  It used to raise a bare BufferError after the
+    deregistration, from free() and from the PZ's or IA's close."""
+    from cffi import FFI
+
+    ffi = FFI()
+    pz = ia.create_pz()
+    lmr = pz.register(bytearray(b"abcdefgh"))
+    held = ffi.from_buffer(lmr.memoryview())  # a C consumer's export of the view itself
+    lmr.free()
+    assert lmr.closed and ffi.buffer(held)[:4] == b"abcd"
+    pz.free()

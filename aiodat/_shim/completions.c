@@ -614,6 +614,21 @@ static int deliver(PyObject *evd, PyObject *fn, PyObject *queue)
 }
 
 /* EVD._wake() with no exception: complete the waiting task's future if the wait is satisfied. */
+/* Whether a drain's end may wake the waiting task: an event that notifies came, or the queue is
+ * full (UNSIGNALLED completions that meet the wait's threshold notify no one, and with no room
+ * the completion that would cannot leave the CQ).  1, 0, or -1 with an exception set.  (Python's
+ * twin: EVD._wake_due.) */
+static int wake_due(PyObject *evd, PyObject *queue, int notified)
+{
+    if (notified)
+        return 1;
+    unsigned long long qlen;
+    Py_ssize_t queued = PyObject_Length(queue);
+    if (queued < 0 || attr_ull(evd, s_qlen, &qlen) < 0)
+        return -1;
+    return (unsigned long long)queued >= qlen;
+}
+
 static int wake(PyObject *evd, PyObject *queue)
 {
     PyObject *fut = PyObject_GetAttr(evd, s_waiter);
@@ -673,7 +688,8 @@ static int hand_over(PyObject *evd, int notified)
             Py_ssize_t queued = PyObject_Length(queue);
             rc = queued < 0 ? -1 : queued ? deliver(evd, fn, queue) : 0;
         } else {
-            rc = notified ? wake(evd, queue) : 0;
+            int due = wake_due(evd, queue, notified);
+            rc = due < 0 ? -1 : due ? wake(evd, queue) : 0;
         }
     }
     Py_XDECREF(fn); Py_XDECREF(queue);
@@ -1028,7 +1044,8 @@ static int wakeup_hand_over(PyObject *evd, PyObject *queue, int notified)
         return -1;
     if (fn == Py_None) {
         Py_DECREF(fn);
-        return notified ? wake(evd, queue) : 0;
+        int due = wake_due(evd, queue, notified);
+        return due < 0 ? -1 : due ? wake(evd, queue) : 0;
     }
     for (int round = 0; round < CALLBACK_ROUNDS; round++) {
         Py_ssize_t queued = PyObject_Length(queue);
@@ -1554,7 +1571,7 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(k_imm, "imm_data"); INTERN(k_vendor_err, "vendor_err"); INTERN(k_src_qp, "src_qp");
     INTERN(s_callback, "_callback"); INTERN(s_waiter, "_waiter"); INTERN(s_threshold, "_threshold");
     INTERN(s_solicited, "_solicited"); INTERN(s_solicited_hit, "_solicited_hit");
-    INTERN(s_busy_poll_us, "busy_poll_us"); INTERN(s_busy_until, "_busy_until");
+    INTERN(s_busy_poll_us, "_busy_poll_us"); INTERN(s_busy_until, "_busy_until");
     INTERN(s_overflow_reported, "_overflow_reported"); INTERN(s_done, "done"); INTERN(s_set_result, "set_result");
     INTERN(s_clear, "clear"); INTERN(s_napi_failed, "_napi_failed");
     INTERN(s_callback_raised, "_callback_raised"); INTERN(s_polling_the_cq, "polling the CQ");
