@@ -345,6 +345,7 @@ class MulticastGroup(Handle):
 
     def __init__(self, ep: "EP", group: str) -> None:
         sockaddr = _sockaddr(group, 0)  # (first: a group that fails here leaves nothing in the EP)
+        _check_family(ep._ia, group)  # (an IPv6 group on an IPv4 IA: rdma_cm's bare EINVAL otherwise)
         super().__init__(ep)
         self.ep = ep
         #: the group's IP address
@@ -409,7 +410,6 @@ async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) 
                            "per group and EP")
     timeout = check_timeout(timeout)
     ia = ep._ia
-    _check_family(ia, group)
     ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)
     mg = MulticastGroup(ep, group)
     fut: "asyncio.Future[MulticastGroup]" = asyncio.get_running_loop().create_future()

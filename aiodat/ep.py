@@ -358,7 +358,7 @@ class EP(Posting, Handle):
         err = lib.ibv_modify_qp(self._qp, attr, lib.IBV_QP_STATE)
         if err:
             raise error_from_errno(err, "resetting the queue pair")
-        self._poll_srq_receives()
+        self._poll_completions(reset=True)
         self._retire_all()
         self._drop_windows()
         for held in list(self._held or ()):  # its multicast groups: a QP attached to one cannot be destroyed
@@ -395,20 +395,26 @@ class EP(Posting, Handle):
         for rmr in list(self._windows):
             rmr._qp_gone(self)
 
-    def _poll_srq_receives(self) -> None:
-        """Before the QP goes: poll its recv EVD, so that receives it took from its SRQ and completed
-        unpolled come back to the SRQ's count (and their events to a shared EVD) while their QP
-        number still names this EP.  rxe keeps them in the CQ after the QP is destroyed, where no
-        EP claims them, and the SRQ would count their buffers as posted for ever."""
-        evd = self.recv_evd
-        if self._srq is None or evd.closed:
-            return
-        try:
-            notified = evd._drain_cq(rearm=False, arm_if_unarmed=False)
-        except DATError:
-            return  # (the close goes on; the EVD's next wait meets the broken CQ itself)
-        if notified and evd not in self._own_evds:
-            evd._queued_aside()
+    def _poll_completions(self, reset: bool = False) -> None:
+        """Before the QP goes: poll its EVDs while its QP number still names this EP.  rxe keeps
+        completions in the CQ after their QP is destroyed, where no EP claims them.  On a close this
+        matters for receives taken from an SRQ, which come back to its count (and their events to a
+        shared EVD); else the SRQ would count their buffers as posted for ever.  On a ``reset`` it
+        matters for every request the disconnect flushed: their events, with the program's cookies,
+        go to the EP's EVDs (which stay), instead of being lost."""
+        if reset:
+            evds = [self.recv_evd, self.request_evd]
+        else:
+            evds = [self.recv_evd] if self._srq is not None else []
+        for evd in dict.fromkeys(evds):  # (one EVD may take both)
+            if evd.closed:
+                continue
+            try:
+                notified = evd._drain_cq(rearm=False, arm_if_unarmed=False)
+            except DATError:
+                continue  # (the close goes on; the EVD's next wait meets the broken CQ itself)
+            if notified and (reset or evd not in self._own_evds):
+                evd._queued_aside()
 
     def free(self) -> None:
         """Free the endpoint (dat_ep_free): an open connection is dropped abruptly first."""
@@ -430,7 +436,7 @@ class EP(Posting, Handle):
         if self._qp != ffi.NULL:
             cm.detach_cm_id(self)  # QP before its cm_id, but librdmacm must forget the QP first
             self._drop_windows()
-            self._poll_srq_receives()
+            self._poll_completions()
             self._raw.release()
             self._qp, self._qp_address = ffi.NULL, 0
         self._retire_all()
