@@ -86,3 +86,13 @@ async def test_dask_does_not_retry_what_retrying_cannot_mend(monkeypatch: pytest
     with pytest.raises(FatalCommClosedError, match="no active RDMA device"):
         await connect("rdma://10.0.0.1:8786", timeout=20)
     assert loop.time() - started < 10
+
+
+@pytest.mark.parametrize("port", [8080.9, 8080.0, "80a", "", "\u00b2", True, 0, 70000, None, b"80"])
+async def test_a_stream_port_of_the_wrong_kind_is_refused_at_the_call(port: Any) -> None:
+    """create_connection takes a port as asyncio's does, an int or its digits as a str, and refuses
+    anything else, naming the port, before it looks for a device.  It used to cut a float with int()."""
+    from aiodat import streams
+
+    with pytest.raises((aiodat.InvalidParameter, aiodat.InvalidAddress), match="port"):
+        await streams.create_connection(lambda: None, "10.0.0.1", port)  # type: ignore[arg-type, return-value]

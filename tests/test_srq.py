@@ -248,18 +248,24 @@ async def test_low_watermark_once_per_arming_never_at_creation(ia: Any) -> None:
     assert srq.query().low_watermark is None
 
 
-async def test_low_watermark_that_fired_is_kept_when_its_wait_is_cancelled(ia: Any) -> None:
-    """Issue 13: the event fires for a waiting low_watermark() whose task is cancelled before it
-    runs again (or whose timeout expires at that moment): the next call gets it."""
+async def _srq_pair(ia: Any, buffers: int) -> Tuple[Any, Any, Any, Any, Any]:
+    """An SRQ of 16 with a pool of ``buffers`` 64-byte buffers, the first 4 posted; a connected
+    client and server (on the SRQ); a send buffer: (srq, pool, client, server, send_lmr)."""
     pz = ia.create_pz()
     srq = ia.create_srq(pz, 16)
-    pool = pz.register(bytearray(4 * 64))
+    pool = pz.register(bytearray(buffers * 64))
     srq.post_recv_batch((pool[i * 64:(i + 1) * 64], i) for i in range(4))
     server = ia.create_ep(pz, srq=srq)
     client = ia.create_ep(pz)
     psp, cr_evd = listen(ia)
     await connect(ia, psp, cr_evd, client, server)
-    send_lmr = pz.register(bytearray(64))
+    return srq, pool, client, server, pz.register(bytearray(64))
+
+
+async def test_low_watermark_that_fired_is_kept_when_its_wait_is_cancelled(ia: Any) -> None:
+    """Issue 13: the event fires for a waiting low_watermark() whose task is cancelled before it
+    runs again (or whose timeout expires at that moment): the next call gets it."""
+    srq, pool, client, server, send_lmr = await _srq_pair(ia, 4)
     srq.set_lw(3)
     waiter = asyncio.ensure_future(srq.low_watermark(timeout=T))
     await asyncio.sleep(0)  # it waits now
@@ -406,15 +412,7 @@ async def test_arming_again_forgets_an_event_still_unread_on_the_async_fd(ia: An
     """The previous arming's event fired but still waits, unread, on the async fd when set_lw arms
     again: it counts as the previous arming's, so a wait for the new arming does not return at once.
     It used to be read later and taken as the new arming's."""
-    pz = ia.create_pz()
-    srq = ia.create_srq(pz, 16)
-    pool = pz.register(bytearray(16 * 64))
-    srq.post_recv_batch((pool[i * 64:(i + 1) * 64], i) for i in range(4))
-    server = ia.create_ep(pz, srq=srq)
-    client = ia.create_ep(pz)
-    psp, cr_evd = listen(ia)
-    await connect(ia, psp, cr_evd, client, server)
-    send_lmr = pz.register(bytearray(64))
+    srq, pool, client, server, send_lmr = await _srq_pair(ia, 16)
     srq.set_lw(4)
     client.post_send(send_lmr[0:8], cookie="crossing")  # 3 left: below the mark
     time.sleep(1.0)  # (no loop turn) rxe takes the receive and raises the event; nobody reads the fd

@@ -12,6 +12,7 @@ nothing.
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
 from typing import Any, List, Optional, Tuple
@@ -226,10 +227,14 @@ def test_a_raising_data_received_goes_to_batch_failed() -> None:
     assert what == "_batch_failed" and isinstance(exc, ValueError) and s.receiver.protocol_failed
     assert exc.__traceback__ is not None and s.protocol.got == [b"hi"] and s.soon == []
 
-    class Stop(BaseException):
-        pass
-    s = Stream(protocol=Protocol(fail=Stop()))
-    with pytest.raises(Stop):  # not an Exception: it propagates, as asyncio's callbacks let it
+    # as asyncio's transports: any exception is the stream's, a CancelledError too ...
+    s = Stream(protocol=Protocol(fail=asyncio.CancelledError()))
+    s.receiver.on_events([s.arrive(0, b"hi")])
+    (what, exc), = s.owner.calls
+    assert what == "_batch_failed" and isinstance(exc, asyncio.CancelledError)
+    # ... but SystemExit and KeyboardInterrupt, which propagate
+    s = Stream(protocol=Protocol(fail=KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
         s.receiver.on_events([s.arrive(0, b"hi")])
     assert s.owner.calls == []
 

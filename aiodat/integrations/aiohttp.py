@@ -118,7 +118,8 @@ class RdmaSite(web.BaseSite):
     def name(self) -> str:
         """``http://host:port`` (the scheme aiohttp prints; the transport is RDMA)."""
         server = _site_server(self)
-        host = self._host or (server.sockets[0].getsockname()[0] if server is not None else "0.0.0.0")
+        host = self._host or (server.sockets[0].getsockname()[0] if server is not None and server.sockets
+                              else "0.0.0.0")  # (no sockets once stopped)
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:

@@ -18,7 +18,7 @@ from aiodat._shim._posts import post_recv as _hot_post_recv
 from aiodat._shim._posts import post_send as _hot_post_send
 from aiodat._shim._streamcore import Receiver, Sender
 from aiodat.cm import check_timeout, resolve_within
-from aiodat.errors import ConnectionBroken, DATError, InvalidAddress
+from aiodat.errors import ConnectionBroken, DATError, InvalidAddress, InvalidParameter
 from aiodat.evd import EVD, ConnectionEvent, DTOCompletionEvent, EventType
 from aiodat.streams.pool import IARef
 from aiodat.streams.protocol import (
@@ -725,6 +725,11 @@ async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol]
         raise TypeError(f"create_connection() got unexpected keyword argument(s): {', '.join(sorted(rest))}")
     if host is None or port is None:
         raise InvalidAddress("aiodat streams need both host and port (there is no sock= form)")
+    # as asyncio's (getaddrinfo's): an int or its digits as a str; not a float, which int() would cut
+    if isinstance(port, str) and port.isascii() and port.isdigit():
+        port = int(port)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port <= 0xFFFF:
+        raise InvalidParameter(f"port must be an int between 1 and 65535 (or its digits as a str), got {port!r}")
     timeout = check_timeout(connect_timeout, "connect_timeout")
     loop = asyncio.get_running_loop()
     host, timeout = await resolve_within(host, 0, timeout)  # (the lookup counts against the timeout)
@@ -732,7 +737,7 @@ async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol]
     res = None
     try:
         res = Resources(iaref.ia, cfg)
-        reply = await res.ep.connect(host, int(port), res.params(), timeout=timeout)
+        reply = await res.ep.connect(host, port, res.params(), timeout=timeout)
         peer = parse_params(reply)
         protocol = protocol_factory()  # (a factory that raises must not leave the connection behind)
         transport = RdmaTransport(loop, res, iaref, peer, protocol)
