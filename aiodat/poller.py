@@ -25,7 +25,7 @@ calls the EVD's own Python methods for what is not the common case (``_poll_rest
 ``_napi_arm``, ``_napi_arm_retry``, ``_napi_failed``, ``_callback_raised``) and the poller's
 ``_decide`` for the EVDs that busy-poll.  ``_decide`` calls ``_napi_spin(spin_us)`` to spin and
 ``_napi_arm()`` (True: keep polling), which never raise, and reads ``_closed``, ``_callback``,
-``busy_poll_us`` and ``_busy_until``.  A channel's wake-up hands its EVD to the poller in C
+``_busy_poll_us`` and ``_busy_until``.  A channel's wake-up hands its EVD to the poller in C
 too (``_completions.wakeup``); ``add`` is the Python path of that.
 """
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Poller:
                 continue
             idle += 1
             # busy polling lengthens the stay, never shortens it
-            busy = evd.busy_poll_us and _monotonic() < evd._busy_until
+            busy = evd._busy_poll_us and _monotonic() < evd._busy_until
             if busy:
                 spinning.append(evd)
             if busy or idle < IDLE_TURNS:

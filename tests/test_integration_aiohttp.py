@@ -209,12 +209,12 @@ async def test_rdma_site_is_listed_and_stopped_by_its_runner(rdma_device: Any) -
     assert site.port != 0
     assert runner.addresses == [(rdma_device.address, site.port)]
     assert site.name == f"http://{rdma_device.address}:{site.port}"
-    await runner.cleanup()
-    assert runner.addresses == [] and aiodat_streams.shared_ia_count() == 0
     unnamed = RdmaSite(runner, None, 0)  # (the default device's address, from its listener)
     await unnamed.start()
     await unnamed.stop()
     assert unnamed.name == f"http://0.0.0.0:{unnamed.port}"  # (it raised IndexError once stopped)
+    await runner.cleanup()
+    assert runner.addresses == [] and aiodat_streams.shared_ia_count() == 0
 
 
 @pytest.mark.rxe

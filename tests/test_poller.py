@@ -19,7 +19,7 @@ class FakeEVD:
                  callback: bool = False) -> None:
         self._closed = False
         self._callback = (lambda events: None) if callback else None
-        self.busy_poll_us = busy_poll_us
+        self._busy_poll_us = busy_poll_us
         self._busy_until = time.monotonic() + busy_poll_us * 1e-6
         self.finds = list(finds)
         self.arm_fails = arm_fails

@@ -624,7 +624,9 @@ static int wake_due(PyObject *evd, PyObject *queue, int notified)
         return 1;
     unsigned long long qlen;
     Py_ssize_t queued = PyObject_Length(queue);
-    if (queued < 0 || attr_ull(evd, s_qlen, &qlen) < 0)
+    if (queued <= 0)
+        return (int)queued;  /* (the poller's idle look: nothing queued, no qlen to read) */
+    if (attr_ull(evd, s_qlen, &qlen) < 0)
         return -1;
     return (unsigned long long)queued >= qlen;
 }
