@@ -419,7 +419,7 @@ async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) 
     if lib.rdma_resolve_addr(joiner.cm_id, ia._cm.source(), ffi.cast("struct sockaddr *", mg._sockaddr),
                              _RESOLVE_MS):
         err = ffi.errno
-        fut.cancel()  # (nobody will await it: failed, as mg.close() would, it is logged as never retrieved)
+        fut.cancel()  # (nobody awaits it: failed by mg.close(), it would be logged as never retrieved)
         mg.close()
         raise error_from_errno(err, f"resolving multicast group {group}")
     try:

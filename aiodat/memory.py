@@ -130,6 +130,16 @@ _REGION = struct.Struct("!QQI")
 SGE_MAX = 0xFFFFFFFF
 
 
+def check_writable(seg: "Segment", what: str) -> None:
+    """PrivilegesViolation if the device may not write into ``seg`` (a receive's, an RDMA read's or an
+    atomic's local buffer): its LMR has no local write.  The device would fail the request with a
+    local protection error, and an RC connection with it."""
+    if not seg.lmr._writable:
+        raise PrivilegesViolation(f"{what}: the device writes into this buffer, but its LMR was registered with "
+                                  f"{seg.lmr.privileges!r}, without local write: register it with "
+                                  "Privileges.LOCAL_WRITE")
+
+
 def check_sge_length(seg: "Segment", what: str) -> None:
     """LengthError if ``seg`` is longer than one scatter/gather element holds (``what``: the call)."""
     if seg.length > SGE_MAX:
@@ -224,6 +234,8 @@ class LMR(Handle):
         #: pin their MR: rxe refuses to deregister it while one is bound)
         self._windows: "weakref.WeakSet[RMR]" = weakref.WeakSet()
         self.privileges = privileges
+        # the device may write into it (receives, RDMA reads, atomics land here); read by the C posts too
+        self._writable = bool(ibv_access(privileges) & lib.IBV_ACCESS_LOCAL_WRITE)
         #: the local key (lkey) and remote key (rkey) of the registration
         self.lmr_context: int = mr.lkey
         self.rmr_context: int = mr.rkey

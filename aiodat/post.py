@@ -34,7 +34,7 @@ from aiodat.errors import (
     shown,
 )
 from aiodat.evd import DTOOp
-from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments, check_sge_length
+from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments, check_sge_length, check_writable
 from aiodat.wr import DrainMarker, SendRun, WorkRequests, _columns, all_same
 
 if TYPE_CHECKING:
@@ -147,7 +147,9 @@ class Posting(WorkRequests):
     def _recv_wr(self) -> Tuple[Any, Any, Any]:
         return ffi.new("uint64_t[1]"), ffi.new("int[1]"), ffi.new("int[1]")
 
-    def _check_post(self, segs: Tuple[Segment, ...], limit: int, what: str) -> None:
+    def _check_post(self, segs: Tuple[Segment, ...], limit: int, what: str, writes: bool = False) -> None:
+        """The segments of a post: at most ``limit``, each of an open LMR of this EP's PZ, one
+        scatter/gather element long, and with ``writes`` (the device writes into them) writable."""
         self._check()
         if len(segs) > limit:
             raise InvalidParameter(f"{what} takes at most {limit} segment(s) on this EP "
@@ -157,6 +159,8 @@ class Posting(WorkRequests):
             if seg.lmr._pz is not self._pz:
                 raise ProtectionViolation(f"{what}: an LMR of another PZ cannot be used on this EP")
             check_sge_length(seg, what)
+            if writes:
+                check_writable(seg, what)
 
     def _fill_sges(self, sges: Any, start: int, segs: Tuple[Segment, ...]) -> None:
         for i, seg in enumerate(segs):
@@ -180,7 +184,7 @@ class Posting(WorkRequests):
         if flags & CompletionFlags.SUPPRESS:  # a receive always completes (it carries the data's length)
             raise InvalidParameter("flags: SUPPRESS is for requests (sends, RDMA); a receive always completes")
         segs = as_segments(segments)
-        self._check_post(segs, self.attrs.max_recv_iov, "post_recv")
+        self._check_post(segs, self.attrs.max_recv_iov, "post_recv", writes=True)
         if self._srq is not None:
             raise InvalidState("this EP receives from an SRQ: post to srq.post_recv")
         if self._conn.state in (EPState.DISCONNECTED, EPState.ERROR):
@@ -219,7 +223,7 @@ class Posting(WorkRequests):
         n = len(cookies)
         if n == 0:
             return 0
-        segs_column, same = self._checked(inputs, self.attrs.max_recv_iov, "post_recv_batch")
+        segs_column, same = self._checked(inputs, self.attrs.max_recv_iov, "post_recv_batch", writes=True)
         if same:  # one scatter list shared by every receive
             first = segs_column[0]
             sges = ffi.new("struct aiodat_sge[]", max(1, len(first)))
@@ -255,13 +259,13 @@ class Posting(WorkRequests):
         return posted
 
     def _checked(self, inputs: Sequence[Segments], limit: int,
-                 what: str) -> Tuple[List[Tuple[Segment, ...]], bool]:
+                 what: str, writes: bool = False) -> Tuple[List[Tuple[Segment, ...]], bool]:
         """A batch's segments column, every item's checked, and whether every item gave the very
         same segments object (then the column repeats one tuple: the batch fast paths).  The same
         object on consecutive items is checked once, and yields one tuple."""
         if inputs and all_same(inputs):  # a stream of one buffer: check it once, no step per item
             segs = as_segments(inputs[0])
-            self._check_post(segs, limit, what)
+            self._check_post(segs, limit, what, writes)
             return [segs] * len(inputs), True
         column: List[Tuple[Segment, ...]] = []
         last_in: Any = column  # a sentinel no item is
@@ -269,7 +273,7 @@ class Posting(WorkRequests):
         for item in inputs:
             if item is not last_in:  # the same segments again: checked already
                 checked = as_segments(item)
-                self._check_post(checked, limit, what)
+                self._check_post(checked, limit, what, writes)
                 last_in = item
             column.append(checked)
         return column, False
@@ -415,7 +419,7 @@ class Posting(WorkRequests):
         is the number of bytes read.
         """
         segs = as_segments(local_segments, "local_segments")
-        self._check_post(segs, self._read_iov_limit(), "post_rdma_read")
+        self._check_post(segs, self._read_iov_limit(), "post_rdma_read", writes=True)
         self._check_remote(remote, segs, "post_rdma_read")
         if self.attrs.max_rdma_read_out == 0:
             raise InvalidParameter("post_rdma_read: this EP was created with EPAttr.max_rdma_read_out=0")
@@ -426,7 +430,7 @@ class Posting(WorkRequests):
         if len(segs) != 1 or segs[0].length != 8:
             raise InvalidParameter(f"{what}: the local segment must be exactly one 8-byte Segment "
                                    f"(lmr[i:i+8]), got {[s.length for s in segs]}")
-        self._check_post(segs, 1, what)
+        self._check_post(segs, 1, what, writes=True)  # (the remote's old value lands here)
         if not isinstance(remote, RemoteRegion):
             raise InvalidParameter(f"{what}: remote must be an aiodat.RemoteRegion, not {type(remote).__name__}")
         if remote.address % 8:
@@ -499,12 +503,13 @@ class Posting(WorkRequests):
         posted = self._batch_in_c(WR_RDMA_READ, DTOOp.RDMA_READ, items, flags, last_flags)
         if posted is not None:
             return posted
-        segs_column, cookies, remotes, same = self._remote_batch(items, self._read_iov_limit(), "post_rdma_read_batch")
+        segs_column, cookies, remotes, same = self._remote_batch(items, self._read_iov_limit(), "post_rdma_read_batch",
+                                                                 writes=True)
         return self._post_many(DTOOp.RDMA_READ, WR_RDMA_READ, segs_column, cookies, same, flags, last_flags,
                                remotes)
 
-    def _remote_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]], limit: int, what: str
-                      ) -> Tuple[List[Tuple[Segment, ...]], List[Any], List["RemoteRegion"], bool]:
+    def _remote_batch(self, items: Iterable[Tuple[Segments, "RemoteRegion", Any]], limit: int, what: str,
+                      writes: bool = False) -> Tuple[List[Tuple[Segment, ...]], List[Any], List["RemoteRegion"], bool]:
         """The checked columns of a batch of (local_segments, remote, cookie) items, and whether
         every item gave the very same local segments and remote (the batch fast path)."""
         segs_column: List[Tuple[Segment, ...]] = []
@@ -526,7 +531,7 @@ class Posting(WorkRequests):
                 raise InvalidParameter(f"{what}: items must be (local_segments, remote, cookie) triples") from None
             if local is not last_local or remote is not last_remote:  # else: checked already
                 segs = as_segments(local, "local_segments")
-                self._check_post(segs, limit, what)
+                self._check_post(segs, limit, what, writes)
                 self._check_remote(remote, segs, what)
                 last_local, last_remote = local, remote
                 changes += 1

@@ -53,7 +53,7 @@ from aiodat.errors import (
 from aiodat.cqsize import fit_cqs
 from aiodat.epattr import EPState
 from aiodat.evd import DTOCompletionEvent, DTOOp, is_timeout
-from aiodat.memory import PZ, Segment, Segments, as_segments, check_sge_length
+from aiodat.memory import PZ, Segment, Segments, as_segments, check_sge_length, check_writable
 from aiodat.wr import _columns
 
 if TYPE_CHECKING:
@@ -306,6 +306,7 @@ class SRQ(Handle):
                 if seg.lmr._pz is not self._pz:
                     raise ProtectionViolation("post_recv: an LMR of another PZ cannot be used on this SRQ")
                 check_sge_length(seg, "post_recv")
+                check_writable(seg, "post_recv")
             total += len(segs)
         n = len(batch)
         if n == 0:

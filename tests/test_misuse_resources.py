@@ -584,3 +584,37 @@ async def test_an_lmr_whose_view_the_program_still_exports_is_freed(ia: Any, loo
     lmr.free()
     assert lmr.closed and ffi.buffer(held)[:4] == b"abcd"
     pz.free()
+
+
+@pytest.mark.rxe
+async def test_the_device_writes_only_into_an_lmr_with_local_write(ep_pair: Any, loop_errors: List[dict]) -> None:
+    """A receive, an RDMA read or an atomic into an LMR registered without local write is refused
+    with PrivilegesViolation before anything is posted, on every path (C and general, one and
+    batch, EP and SRQ).  The device used to fail it with a local protection error, and the
+    connection with it."""
+    from aiodat import CompletionFlags
+
+    pair = ep_pair
+    ep = pair.client
+    ro = pair.pz.register(bytearray(64), Privileges.REMOTE_READ)  # the device may only read it
+    remote = pair.server_lmr.remote()
+    srq = pair.ia.create_srq(pair.pz, 8)
+    calls = [
+        lambda: ep.post_recv(ro[0:8]),  # (C)
+        lambda: ep.post_recv(ro[0:8], flags=CompletionFlags.UNSIGNALLED),  # (the general path)
+        lambda: ep.post_recv_batch([(ro[0:8], 1), (ro[8:16], 2)]),  # (C, one segment each)
+        lambda: ep.post_recv_batch([(ro[0:8], 1), (ro[0:8], 2)]),  # (the same segment)
+        lambda: ep.post_recv_batch(iter([(ro[0:8], 1)])),  # (the general path)
+        lambda: ep.post_rdma_read(ro[0:8], remote),
+        lambda: ep.post_rdma_read_batch([(ro[0:8], remote, 1), (ro[8:16], remote, 2)]),
+        lambda: ep.post_rdma_read_batch([(ro[0:8], remote, 1), (ro[0:8], remote, 2)]),
+        lambda: ep.post_fetch_add(ro[0:8], remote, 1),
+        lambda: srq.post_recv(ro[0:8]),
+        lambda: srq.post_recv_batch([(ro[0:8], 1), (ro[8:16], 2)]),
+    ]
+    for call in calls:
+        with pytest.raises(aiodat.PrivilegesViolation, match="LOCAL_WRITE"):
+            call()
+    assert not ep._recv_q and not ep._send_q and ro._inflight == 0 and srq.query().outstanding_dto_count == 0
+    assert ep.state is aiodat.EPState.CONNECTED
+    srq.free()

@@ -613,7 +613,6 @@ static int deliver(PyObject *evd, PyObject *fn, PyObject *queue)
     return hand_raised(evd, s_callback_raised, fn, NULL);
 }
 
-/* EVD._wake() with no exception: complete the waiting task's future if the wait is satisfied. */
 /* Whether a drain's end may wake the waiting task: an event that notifies came, or the queue is
  * full (UNSIGNALLED completions that meet the wait's threshold notify no one, and with no room
  * the completion that would cannot leave the CQ).  1, 0, or -1 with an exception set.  (Python's
@@ -631,6 +630,7 @@ static int wake_due(PyObject *evd, PyObject *queue, int notified)
     return (unsigned long long)queued >= qlen;
 }
 
+/* EVD._wake() with no exception: complete the waiting task's future if the wait is satisfied. */
 static int wake(PyObject *evd, PyObject *queue)
 {
     PyObject *fut = PyObject_GetAttr(evd, s_waiter);

@@ -37,7 +37,7 @@ static PyObject *segment_type, *flags_type, *send_bits, *op_send, *state_connect
                 *state_error, *send_run_type, *remote_type;
 static PyObject *srq_operational;  /* SRQState.OPERATIONAL, set by configure_srq() */
 static PyObject *count_type;  /* itertools.count: a batch reserves its request numbers as wr.py's _take_ids */
-static PyObject *s_srq, *s_closed, *s_lmr, *s_pz, *s_conn, *s_state, *s_ids, *s_address, *s_offset,
+static PyObject *s_writable, *s_srq, *s_closed, *s_lmr, *s_pz, *s_conn, *s_state, *s_ids, *s_address, *s_offset,
                 *s_length, *s_lkey, *s_inflight, *s_recv_q, *s_send_q, *s_quiet, *s_rc, *s_max_inline,
                 *s_append, *s_add, *s_extend, *s_rmr_context, *s_srq_state, *s_posted;
 
@@ -74,10 +74,12 @@ static PyObject *one_segment(PyObject *segments)
 }
 
 /* The last LMR a post's segments were checked on (borrowed: the caller holds it): open and of the
- * owner's PZ, with its address and lkey, so that the segments of a pool on one LMR check it once */
+ * owner's PZ (and writable, for a post the device ``writes`` into: a receive, an RDMA read), with its
+ * address and lkey, so that the segments of a pool on one LMR check it once */
 struct lmr_seen {
     PyObject *lmr;
     unsigned long long address, lkey;
+    int writes;
 };
 
 /* A segment's checks once its owner (EP or SRQ) is known open, ``pz`` its PZ: its LMR open and of
@@ -95,6 +97,8 @@ static int segment_sge(PyObject *pz, PyObject *seg, PyObject **lmr, struct ibv_s
         ok = attr_is(*lmr, s_pz, pz);
         if (ok == 1)
             ok = attr_is(*lmr, s_closed, Py_False);
+        if (ok == 1 && seen->writes)  /* (not writable: the general path raises PrivilegesViolation) */
+            ok = attr_is(*lmr, s_writable, Py_True);
         if (ok == 1 && (attr_ull(*lmr, s_address, &seen->address) < 0 || attr_ull(*lmr, s_lkey, &seen->lkey) < 0))
             ok = -1;
         if (ok == 1)
@@ -127,11 +131,11 @@ static PyObject *open_owner_pz(PyObject *owner, int *ok)
 
 /* What every hot post checks: the EP is open, the segment's LMR is open and of the EP's PZ.
  * Fills the LMR (a new reference) and the scatter/gather element.  1: go on; 0: not the hot path. */
-static int check_segment(PyObject *ep, PyObject *seg, PyObject **lmr, struct ibv_sge *sge)
+static int check_segment(PyObject *ep, PyObject *seg, PyObject **lmr, struct ibv_sge *sge, int writes)
 {
     int ok;
     PyObject *pz = open_owner_pz(ep, &ok);
-    struct lmr_seen seen = { NULL, 0, 0 };
+    struct lmr_seen seen = { NULL, 0, 0, writes };
     if (ok == 1)
         ok = segment_sge(pz, seg, lmr, sge, &seen);
     Py_XDECREF(pz);
@@ -212,7 +216,7 @@ static PyObject *post_recv_one(PyObject *ep, PyObject *address, PyObject *seg, P
     if (ok == 1)
         ok = state_allows(ep, 0);
     if (ok == 1)
-        ok = check_segment(ep, seg, &lmr, &sge);
+        ok = check_segment(ep, seg, &lmr, &sge, 1);
     if (ok <= 0)
         return ok < 0 ? NULL : PyLong_FromLong(-1);
     struct ibv_qp *qp = qp_at(address);
@@ -269,7 +273,7 @@ static int send_side_ready(PyObject *ep, PyObject *address, PyObject *seg, PyObj
                            struct ibv_qp **qp)
 {
     int ok = ep_sends(ep, address, qp);
-    return ok == 1 ? check_segment(ep, seg, lmr, sge) : ok;
+    return ok == 1 ? check_segment(ep, seg, lmr, sge, 0) : ok;
 }
 
 /* post_send's work on its one segment ``seg`` (not NULL: the caller checked) */
@@ -559,11 +563,11 @@ static PyObject *not_ready(int ready)
  * once.  Fills segs[i] ((seg,)), lmrs[i], sges[i] and remotes[i].  1: go on; 0: not this case
  * (the general path's, which says why); -1: error. */
 static int check_items(PyObject *owner, PyObject *items, Py_ssize_t width, PyObject *segs, PyObject *lmrs,
-                       struct ibv_sge *sges, struct remote_at *remotes)
+                       struct ibv_sge *sges, struct remote_at *remotes, int writes)
 {
     int ok;
     PyObject *pz = open_owner_pz(owner, &ok), *previous = NULL, *previous_remote = NULL;
-    struct lmr_seen seen = { NULL, 0, 0 };
+    struct lmr_seen seen = { NULL, 0, 0, writes };
     for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_Size(items); i++) {
         PyObject *item = PyTuple_GetItem(items, i);
         if (!PyTuple_CheckExact(item) || PyTuple_Size(item) != width) {
@@ -621,7 +625,7 @@ struct items {
  * (the checks read attributes, which may run Python that changes the caller's list), then every
  * item checked by check_items against ``owner``, its cookie its last element.  1: go on; 0: not
  * this case; -1: error.  release_items(out) afterwards in every case. */
-static int take_items(PyObject *owner, PyObject *items, Py_ssize_t width, struct items *out)
+static int take_items(PyObject *owner, PyObject *items, Py_ssize_t width, int writes, struct items *out)
 {
     memset(out, 0, sizeof(*out));
     out->snapshot = PySequence_Tuple(items);
@@ -638,7 +642,7 @@ static int take_items(PyObject *owner, PyObject *items, Py_ssize_t width, struct
             PyErr_NoMemory();
         return -1;
     }
-    int ok = check_items(owner, out->snapshot, width, out->segs, out->lmrs, out->sges, out->remotes);
+    int ok = check_items(owner, out->snapshot, width, out->segs, out->lmrs, out->sges, out->remotes, writes);
     for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
         PyObject *cookie = PyTuple_GetItem(PyTuple_GetItem(out->snapshot, i), width - 1);
         Py_INCREF(cookie);
@@ -700,7 +704,7 @@ static PyObject *same_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
     struct ibv_sge sge;
     int ok = seg != NULL;
     if (ok == 1)
-        ok = check_segment(ep, seg, &lmr, &sge);
+        ok = check_segment(ep, seg, &lmr, &sge, bits->opcode == IBV_WR_RDMA_READ);
     if (ok == 1)
         ok = batch_ready(remote, &sge, &remote_addr, &rkey);
     Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
@@ -747,7 +751,7 @@ static PyObject *each_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
 {
     PyObject *result = NULL, *queued = NULL;
     struct items it;
-    int ok = take_items(ep, items, bits->opcode == IBV_WR_SEND ? 2 : 3, &it);
+    int ok = take_items(ep, items, bits->opcode == IBV_WR_SEND ? 2 : 3, bits->opcode == IBV_WR_RDMA_READ, &it);
     Py_ssize_t n = it.n, posted = 0;
     long long id = ok == 1 ? take_ids(ep, n) : -1;
     unsigned long long first = (unsigned long long)id * 2;
@@ -854,7 +858,7 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
     PyObject *result = NULL, *records = NULL, *map = NULL;
     struct items it;
     /* (``items`` is an exact list or tuple: the callers looked before reading the owner's state) */
-    int ok = take_items(owner, items, 2, &it);
+    int ok = take_items(owner, items, 2, 1, &it);
     Py_ssize_t n = it.n, posted = 0;
     if (ok == 1 && srq != NULL) {
         map = PyObject_GetAttr(owner, s_posted);
@@ -985,6 +989,7 @@ PyMODINIT_FUNC PyInit__posts(void)
     INTERN(s_srq, "_srq"); INTERN(s_closed, "_closed"); INTERN(s_lmr, "lmr"); INTERN(s_pz, "_pz");
     INTERN(s_conn, "_conn"); INTERN(s_state, "state"); INTERN(s_ids, "_ids"); INTERN(s_address, "address");
     INTERN(s_offset, "offset"); INTERN(s_length, "length"); INTERN(s_lkey, "lmr_context");
+    INTERN(s_writable, "_writable");
     INTERN(s_inflight, "_inflight"); INTERN(s_recv_q, "_recv_q"); INTERN(s_send_q, "_send_q");
     INTERN(s_quiet, "_quiet"); INTERN(s_rc, "_rc"); INTERN(s_max_inline, "max_inline");
     INTERN(s_append, "append"); INTERN(s_add, "add"); INTERN(s_extend, "extend");
