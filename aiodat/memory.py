@@ -520,7 +520,7 @@ class RMR(Handle):
             raise PrivilegesViolation("the LMR was registered without Privileges.MW_BIND: windows cannot be "
                                       "bound to it")
         writes = privileges & (Privileges.REMOTE_WRITE | Privileges.REMOTE_ATOMIC)
-        if writes and not ibv_access(lmr_priv) & lib.IBV_ACCESS_LOCAL_WRITE:
+        if writes and not segment.lmr._writable:
             # verbs: a window granting remote write or atomics needs an MR with local write; the device
             # would fail the bind (and the connection with it)
             raise PrivilegesViolation(f"privileges {writes!r} of a window need an LMR with local write, but it was "

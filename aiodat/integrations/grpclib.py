@@ -132,7 +132,7 @@ class RdmaServer(grpclib.server.Server):
         self._rdma_listener: Optional[Server] = None
         self._rdma_close_called: Optional[asyncio.Event] = None
         self._rdma_handlers: Set[grpclib.server.Handler] = set()
-        self._rdma_close_timeout: Optional[float] = 10.0
+        self._rdma_close_timeout: Optional[float] = None  # (start() sets it)
 
     def _rdma_new_connection(self) -> H2Protocol:
         """The listener's protocol factory: a grpclib Handler (this server's services) per connection."""
