@@ -117,9 +117,12 @@ def check_timeout(timeout: Any, name: str = "timeout") -> Optional[float]:
     return float(timeout)
 
 
-def _check_port(port: int) -> None:
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
-        raise InvalidParameter(f"port must be an int between 0 and 65535, got {shown(port)}")
+def check_port(port: Any, lowest: int = 0) -> int:
+    """A port as an int between ``lowest`` (0 where listening picks one, 1 to connect) and 65535;
+    anything else, a bool or a float included, is InvalidParameter naming it."""
+    if not isinstance(port, int) or isinstance(port, bool) or not lowest <= port <= 0xFFFF:
+        raise InvalidParameter(f"port must be an int between {lowest} and 65535, got {shown(port)}")
+    return port
 
 
 def _sockaddr(host: str, port: int, family: int = 0) -> Any:
@@ -133,7 +136,7 @@ def _sockaddr(host: str, port: int, family: int = 0) -> Any:
     if not isinstance(host, str):
         raise InvalidParameter(f"host must be an IP address string, not {type(host).__name__}")
     _refuse_nul(host)
-    _check_port(port)
+    check_port(port)
     try:
         encoded = host.encode()
     except UnicodeError:  # (a lone surrogate: no address or name has one)
@@ -694,7 +697,7 @@ async def connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     """``await ep.connect(...)``: see :meth:`aiodat.EP.connect`."""
     _check_can_connect(ep)
     require_address(ep._ia, "connect from")
-    _check_port(port)
+    check_port(port)
     timeout = check_timeout(timeout)
     host, timeout = await resolve_within(host, _family(ep._ia.address or ""), timeout)
     fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
@@ -1080,6 +1083,8 @@ class CR(Handle):
         pdata = _private(private_data, REJECT_PRIVATE_DATA_MAX, "reject")
         keep = ffi.new("char[]", pdata) if pdata else ffi.NULL
         lib.rdma_reject(self._cm_id, keep, len(pdata))
+        self._ia._cm.destroy_id(self._cm_id)
+        self._cm_id = ffi.NULL  # answered: _release must not refuse it a second time
         self.close()
 
     def _release(self) -> None:

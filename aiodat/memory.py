@@ -24,7 +24,7 @@ from aiodat._handle import Handle, Raw, fail_waiter
 from aiodat._lib import ffi, lib
 from aiodat.epattr import EPState
 from aiodat.errors import (InsufficientResources, InvalidHandle, InvalidParameter, InvalidState, LengthError,
-                           PrivilegesViolation, error_from_errno, shown)
+                           PrivilegesViolation, ProtectionViolation, error_from_errno, shown)
 from aiodat.evd import DTOOp, EvdFlags, EventType, RMRBindEvent
 
 if TYPE_CHECKING:
@@ -145,6 +145,32 @@ def check_sge_length(seg: "Segment", what: str) -> None:
     if seg.length > SGE_MAX:
         raise LengthError(f"{what}: a segment of {seg.length} bytes is more than one scatter/gather "
                           f"element holds ({SGE_MAX}): split it into several segments")
+
+
+def check_post_segments(segs: Tuple["Segment", ...], pz: "PZ", what: str, owner: str, limit: int,
+                        limit_name: str, writes: bool) -> None:
+    """The segments of a post on an EP or SRQ (``owner``) of ``pz``: at most ``limit`` (the attribute
+    ``limit_name``), each of an open LMR of ``pz``, one scatter/gather element long, and with
+    ``writes`` (the device writes into them) writable."""
+    if len(segs) > limit:
+        raise InvalidParameter(f"{what} takes at most {limit} segment(s) on this {owner} ({limit_name}), "
+                               f"got {len(segs)}")
+    for seg in segs:
+        seg.lmr._check()
+        if seg.lmr._pz is not pz:
+            raise ProtectionViolation(f"{what}: an LMR of another PZ cannot be used on this {owner}")
+        check_sge_length(seg, what)
+        if writes:
+            check_writable(seg, what)
+
+
+def fill_sges(sges: Any, start: int, segs: Tuple["Segment", ...]) -> None:
+    """Write ``segs`` into the C scatter/gather array ``sges`` from index ``start``."""
+    for i, seg in enumerate(segs):
+        sge = sges[start + i]
+        sge.addr = seg.lmr.address + seg.offset
+        sge.length = seg.length
+        sge.lkey = seg.lmr.lmr_context
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,12 @@ from aiodat.errors import (
     InvalidState,
     LengthError,
     NotImplementedByProvider,
-    ProtectionViolation,
     QueueFull,
     error_from_errno,
     shown,
 )
 from aiodat.evd import DTOOp
-from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments, check_sge_length, check_writable
+from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments, check_post_segments, fill_sges
 from aiodat.wr import DrainMarker, SendRun, WorkRequests, _columns, all_same
 
 if TYPE_CHECKING:
@@ -148,26 +147,9 @@ class Posting(WorkRequests):
         return ffi.new("uint64_t[1]"), ffi.new("int[1]"), ffi.new("int[1]")
 
     def _check_post(self, segs: Tuple[Segment, ...], limit: int, what: str, writes: bool = False) -> None:
-        """The segments of a post: at most ``limit``, each of an open LMR of this EP's PZ, one
-        scatter/gather element long, and with ``writes`` (the device writes into them) writable."""
+        """The segments of a post (see check_post_segments), on this open EP."""
         self._check()
-        if len(segs) > limit:
-            raise InvalidParameter(f"{what} takes at most {limit} segment(s) on this EP "
-                                   f"(EPAttr max iov), got {len(segs)}")
-        for seg in segs:
-            seg.lmr._check()
-            if seg.lmr._pz is not self._pz:
-                raise ProtectionViolation(f"{what}: an LMR of another PZ cannot be used on this EP")
-            check_sge_length(seg, what)
-            if writes:
-                check_writable(seg, what)
-
-    def _fill_sges(self, sges: Any, start: int, segs: Tuple[Segment, ...]) -> None:
-        for i, seg in enumerate(segs):
-            sge = sges[start + i]
-            sge.addr = seg.lmr.address + seg.offset
-            sge.length = seg.length
-            sge.lkey = seg.lmr.lmr_context
+        check_post_segments(segs, self._pz, what, "EP", limit, "EPAttr max iov", writes)
 
     def post_recv(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT) -> None:
@@ -190,7 +172,7 @@ class Posting(WorkRequests):
         if self._conn.state in (EPState.DISCONNECTED, EPState.ERROR):
             raise InvalidState(f"cannot post a receive on an EP in state {self._conn.state.value}")
         wr_id = next(self._ids) * 2 + 1
-        self._fill_sges(self._sges, 0, segs)
+        fill_sges(self._sges, 0, segs)
         ids, starts, counts = self._recv_wr  # made once per EP: no allocation per post
         ids[0], counts[0] = wr_id, len(segs)
         err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, 1, self._sges, self._posted)
@@ -227,7 +209,7 @@ class Posting(WorkRequests):
         if same:  # one scatter list shared by every receive
             first = segs_column[0]
             sges = ffi.new("struct aiodat_sge[]", max(1, len(first)))
-            self._fill_sges(sges, 0, first)
+            fill_sges(sges, 0, first)
             first_id = self._take_ids(n) * 2 + 1
             err = lib.aiodat_post_recv_same(self._qp, ffi.NULL, first_id, 2, n, sges, len(first), self._posted)
             posted = self._posted[0]
@@ -242,7 +224,7 @@ class Posting(WorkRequests):
         sges = ffi.new("struct aiodat_sge[]", max(1, sum(map(len, segs_column))))
         start_list, start = [], 0
         for segs in segs_column:
-            self._fill_sges(sges, start, segs)
+            fill_sges(sges, start, segs)
             start_list.append(start)
             start += len(segs)
         starts = ffi.new("int[]", start_list)
@@ -337,7 +319,7 @@ class Posting(WorkRequests):
             wr.mw, wr.mw_rkey, wr.bind_mr, wr.bind_addr, wr.bind_length, wr.bind_access = bind
         else:
             wr.mw, wr.mw_rkey, wr.bind_mr = ffi.NULL, 0, ffi.NULL
-        self._fill_sges(self._sges, 0, segs)
+        fill_sges(self._sges, 0, segs)
         err = lib.aiodat_post_send(self._qp, wr, 1, self._sges, self._posted)
         if err:
             raise self._post_error(err, f"post {op.value}", self._sends_outstanding(), self.attrs.max_request_dtos)
@@ -567,7 +549,7 @@ class Posting(WorkRequests):
             wr.sge_start, wr.num_sge = start, len(segs)
             if remotes is not None:
                 wr.remote_addr, wr.rkey = remotes[i].address, remotes[i].rmr_context
-            self._fill_sges(sges, start, segs)
+            fill_sges(sges, start, segs)
             start += len(segs)
             entries.append((wr_id, cookie, op, segs, None))
         err = lib.aiodat_post_send(self._qp, wrs, n, sges, self._posted)
@@ -589,7 +571,7 @@ class Posting(WorkRequests):
         wr.SendRun), which its last completion retires whole."""
         n = len(cookies)
         sges = ffi.new("struct aiodat_sge[]", max(1, len(segs)))
-        self._fill_sges(sges, 0, segs)
+        fill_sges(sges, 0, segs)
         (send_flags, quiet), (last_send_flags, last_quiet) = bits
         inline = self._inline_bit(opcode, segs)
         send_flags, last_send_flags = send_flags | inline, last_send_flags | inline

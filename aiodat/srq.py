@@ -44,7 +44,6 @@ from aiodat.errors import (
     InvalidParameter,
     InvalidState,
     ModelNotSupported,
-    ProtectionViolation,
     QueueFull,
     TimeoutExpired,
     error_from_errno,
@@ -53,7 +52,7 @@ from aiodat.errors import (
 from aiodat.cqsize import fit_cqs
 from aiodat.epattr import EPState
 from aiodat.evd import DTOCompletionEvent, DTOOp, is_timeout
-from aiodat.memory import PZ, Segment, Segments, as_segments, check_sge_length, check_writable
+from aiodat.memory import PZ, Segment, Segments, as_segments, check_post_segments, fill_sges
 from aiodat.wr import _columns
 
 if TYPE_CHECKING:
@@ -296,18 +295,9 @@ class SRQ(Handle):
         self._check_usable("post_recv")
         segs_column, cookies = _columns(items, 2, "post_recv_batch", "(segments, cookie) pairs")
         batch = [(as_segments(segs), cookie) for segs, cookie in zip(segs_column, cookies)]
-        total = 0
         for segs, _ in batch:
-            if len(segs) > self._max_sge:
-                raise InvalidParameter(f"post_recv takes at most {self._max_sge} segment(s) on this SRQ "
-                                       f"(max_recv_iov), got {len(segs)}")
-            for seg in segs:
-                seg.lmr._check()
-                if seg.lmr._pz is not self._pz:
-                    raise ProtectionViolation("post_recv: an LMR of another PZ cannot be used on this SRQ")
-                check_sge_length(seg, "post_recv")
-                check_writable(seg, "post_recv")
-            total += len(segs)
+            check_post_segments(segs, self._pz, "post_recv", "SRQ", self._max_sge, "max_recv_iov", writes=True)
+        total = sum(len(segs) for segs, _ in batch)
         n = len(batch)
         if n == 0:
             return 0
@@ -321,11 +311,7 @@ class SRQ(Handle):
             wr_id = next(self._ids) * 2 + 1  # receives have odd wr_ids (ep.py routes them here)
             wr_ids.append(wr_id)
             ids[i], starts[i], counts[i] = wr_id, start, len(segs)
-            for j, seg in enumerate(segs):
-                sge = sges[start + j]
-                sge.addr = seg.lmr.address + seg.offset
-                sge.length = seg.length
-                sge.lkey = seg.lmr.lmr_context
+            fill_sges(sges, start, segs)
             start += len(segs)
         err = lib.aiodat_post_recv(ffi.NULL, self._srq, ids, starts, counts, n, sges, self._posted_n)
         posted = self._posted_n[0]

@@ -43,7 +43,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("aiodat.integrations.aiohttp needs aiohttp: pip install 'aiodat[aiohttp]'") from exc
 
-from aiodat.cm import check_timeout
+from aiodat.cm import check_port, check_timeout
 from aiodat.errors import DATError, InvalidParameter
 from aiodat.streams import create_connection, create_server
 from aiodat.streams.pool import check_ia
@@ -98,8 +98,7 @@ class RdmaSite(web.BaseSite):
 
     def __init__(self, runner: "web.BaseRunner", host: Optional[str] = None, port: int = 8080, *,
                  backlog: int = 128, **options: Any) -> None:
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
-            raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
+        check_port(port)
         checked = _stream_options(options, _SERVER_OPTIONS, "RdmaSite()")
         super().__init__(runner, backlog=backlog)
         self._rdma_runner = runner

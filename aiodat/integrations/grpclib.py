@@ -54,7 +54,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("aiodat.integrations.grpclib needs grpclib: pip install 'aiodat[grpclib]'") from exc
 
-from aiodat.cm import check_timeout
+from aiodat.cm import check_port, check_timeout
 from aiodat.errors import InvalidAddress, ModelNotSupported
 from aiodat.streams import ListenSocket, Server, create_connection, create_server, split_kwds
 from aiodat.streams.pool import check_ia
@@ -222,8 +222,7 @@ class RdmaChannel(grpclib.client.Channel):
                  **stream_options: Any) -> None:
         if not isinstance(host, str) or not host:
             raise InvalidAddress(f"RdmaChannel needs the server's RDMA address as host, got {host!r}")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port <= 0xFFFF:
-            raise InvalidAddress(f"RdmaChannel needs a port between 1 and 65535, got {port!r}")
+        check_port(port, lowest=1)
         if stream_options.get("ssl") not in (None, False):
             raise ModelNotSupported("TLS over an aiodat RDMA stream is not supported: RdmaChannel has no ssl")
         self._rdma_options = _stream_options("RdmaChannel()", stream_options)

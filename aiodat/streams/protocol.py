@@ -38,7 +38,8 @@ from aiodat.poller import MAX_BUSY_POLL_US
 
 __all__ = [
     "HEADER", "PARAMS", "WINDOW_DESC", "MAGIC", "VERSION", "PARAM_WINDOW", "MSG_DATA", "MSG_WINDOW", "MSG_CREDIT",
-    "MSG_EOF", "FLAG_RELEASE", "RELEASE_MASK", "FLAG_WRAP", "MAX_WINDOWS", "DEFAULT_LIMIT", "StreamConfig",
+    "MSG_EOF", "FLAG_RELEASE", "RELEASE_MASK", "FLAG_WRAP", "MAX_WINDOWS", "DEFAULT_LIMIT", "MAX_CONNECTION_MEMORY",
+    "StreamConfig",
     "PeerParams", "WindowDesc", "StreamProtocolError", "Header", "Send", "Message", "StreamCore", "encode_params",
     "parse_params", "encode_header", "decode_header", "split_kwds",
 ]

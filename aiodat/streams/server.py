@@ -9,7 +9,7 @@ import asyncio
 import socket
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from aiodat.cm import check_timeout, resolve_host
+from aiodat.cm import check_port, check_timeout, resolve_host
 from aiodat.errors import DATError, InvalidAddress, InvalidParameter, ModelNotSupported
 from aiodat.netdev import same_address
 from aiodat.streams.pool import IARef
@@ -268,8 +268,7 @@ async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], ho
     check_timeout(accept_timeout, "accept_timeout")
     if port is None:
         port = 0
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 0xFFFF:
-        raise InvalidParameter(f"port must be an int between 0 and 65535, got {port!r}")
+    check_port(port)
     if not isinstance(backlog, int) or isinstance(backlog, bool):
         raise InvalidParameter(f"backlog must be an int, got {backlog!r}")
     loop = asyncio.get_running_loop()

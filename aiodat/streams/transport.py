@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Mapping, Option
 from aiodat._shim._posts import post_recv as _hot_post_recv
 from aiodat._shim._posts import post_send as _hot_post_send
 from aiodat._shim._streamcore import Receiver, Sender
-from aiodat.cm import check_timeout, resolve_within
+from aiodat.cm import check_port, check_timeout, resolve_within
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress, InvalidParameter
 from aiodat.evd import EVD, ConnectionEvent, DTOCompletionEvent, EventType
 from aiodat.streams.pool import IARef
@@ -728,8 +728,7 @@ async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol]
     # as asyncio's (getaddrinfo's): an int or its digits as a str; not a float, which int() would cut
     if isinstance(port, str) and port.isascii() and port.isdigit():
         port = int(port)
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port <= 0xFFFF:
-        raise InvalidParameter(f"port must be an int between 1 and 65535 (or its digits as a str), got {port!r}")
+    check_port(port, lowest=1)
     timeout = check_timeout(connect_timeout, "connect_timeout")
     loop = asyncio.get_running_loop()
     host, timeout = await resolve_within(host, 0, timeout)  # (the lookup counts against the timeout)
