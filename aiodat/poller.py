@@ -55,7 +55,7 @@ _monotonic = time.monotonic
 class Poller:
     """The EVDs of one event loop whose CQs are unarmed, polled at each turn of the loop."""
 
-    __slots__ = ("_loop", "_hot", "_scheduled")
+    __slots__ = ("_loop", "_hot", "_scheduled", "__weakref__")  # (weak: poller_for's table)
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -130,18 +130,22 @@ class Poller:
                     hot[evd] = 0
 
 
-_pollers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Poller]" = weakref.WeakKeyDictionary()
+#: loop -> a weak reference to its poller.  Weak both ways, as a poller holds its loop (the C turn
+#: reads ``_loop``) and its hot EVDs: a closed loop's poller, with the EVDs still hot in it and
+#: their IA, must not be pinned here (a closed loop runs no turn that could let them go).  Those
+#: EVDs hold the poller (``evd._poller``), so it lives exactly as long as anything uses it.
+_pollers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ReferenceType[Poller]]" = (
+    weakref.WeakKeyDictionary())
 
 
 def poller_for(loop: asyncio.AbstractEventLoop) -> Poller:
-    """The poller of ``loop`` (made on first use, dropped with the loop)."""
-    poller = _pollers.get(loop)
+    """The poller of ``loop``: made on first use, dropped once no EVD holds it and no turn is scheduled.
+
+    Called when an EVD first hands its CQ to a loop's poller (it keeps the poller), never per turn.
+    """
+    ref = _pollers.get(loop)
+    poller = ref() if ref is not None else None
     if poller is None:
-        # each poller holds its loop, so a closed loop's entry would never go: drop them here.  An
-        # EVD still polled by one holds that poller itself, and moves on from it (evd._napi_add).
-        # keyrefs(): one C-level copy, since another thread's loop may add its poller meanwhile.
-        for other in [ref() for ref in _pollers.keyrefs()]:
-            if other is not None and other.is_closed():
-                _pollers.pop(other, None)
-        poller = _pollers[loop] = Poller(loop)
+        poller = Poller(loop)
+        _pollers[loop] = weakref.ref(poller)
     return poller

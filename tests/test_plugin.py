@@ -279,6 +279,197 @@ def test_loop_chosen_only_for_aiodat_tests(pytester: pytest.Pytester, monkeypatc
     pytester.makepyfile(test_loops=LOOP_CHOICE_SUITE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--aiodat-loop=uvloop", "-v", timeout=300)
     result.assert_outcomes(passed=11)
+    # the address last: the test bed's scripts match "loop=... device=... testbed=" (tests/test_sample_project.py)
+    result.stdout.fnmatch_lines(["aiodat: loop=uvloop device=fake0 testbed=* address=169.254.0.9"])
     # AIODAT_LOOP chooses the same way as the option
     monkeypatch.setenv("AIODAT_LOOP", "uvloop")
     pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300).assert_outcomes(passed=11)
+
+
+PARAMETER_VALUES_SUITE = '''
+import itertools
+import unittest.mock
+
+import pytest
+
+
+class MarksAttribute:
+    marks = 3  # a user's value with a .marks that is no list of marks
+
+
+@pytest.mark.parametrize("a,b", itertools.product([1, 2], [3]))
+async def test_generated_parameters(a, b):
+    assert a in (1, 2) and b == 3
+
+
+@pytest.mark.parametrize("m", [unittest.mock.Mock()])
+async def test_mock_parameter(m):
+    assert m is not None
+
+
+@pytest.mark.parametrize("x", (MarksAttribute(),))
+async def test_parameter_with_a_marks_attribute(x):
+    assert x.marks == 3
+
+
+@pytest.fixture(params=[unittest.mock.Mock()])
+def mocked(request):
+    return request.param
+
+
+async def test_mock_fixture_parameter(mocked):
+    assert mocked is not None
+'''
+
+
+def test_parameter_values_are_neither_consumed_nor_misread(pytester: pytest.Pytester,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Looking for rxe-marked parameters (pytest-asyncio asks before pytest reads the parametrize
+    marks) must not use up a generator of argvalues (the test was skipped: "got empty parameter
+    set"), nor read the .marks of a value that is no pytest.param (a Mock, an int .marks: TypeError
+    at collection)."""
+    monkeypatch.delenv("AIODAT_LOOP", raising=False)
+    pytester.makeini(INI)
+    pytester.makepyfile(test_values=PARAMETER_VALUES_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", timeout=300)
+    result.assert_outcomes(passed=5)
+
+
+def test_a_loop_without_pytest_asyncios_hook_is_refused(pytester: pytest.Pytester,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--aiodat-loop uvloop where pytest-asyncio has no pytest_asyncio_loop_factories hook (older than
+    1.4, or not loaded) is a usage error: every test would run on asyncio under a header saying uvloop."""
+    monkeypatch.delenv("AIODAT_LOOP", raising=False)
+    pytester.makeini(INI)
+    pytester.makepyfile(test_sync="def test_sync():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio", "--aiodat-loop=uvloop",
+                                           timeout=300)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*needs pytest-asyncio >= 1.4*pytest-asyncio * is not loaded*"])
+    # the default loop needs no hook
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio", timeout=300).assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("name,value", [("AIODAT_LOOP", "UVLOOP"), ("AIODAT_REQUIRE_DEVICE", "maybe"),
+                                        ("AIODAT_RXE_ADDR", "rxe0")])
+def test_a_misread_environment_value_is_a_usage_error(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+                                                      name: str, value: str) -> None:
+    """A value the plugin cannot honour stops the run naming the variable (AIODAT_LOOP=UVLOOP ran on
+    asyncio under a header saying UVLOOP; any AIODAT_REQUIRE_DEVICE but "1" counted as off)."""
+    for var in ("AIODAT_LOOP", "AIODAT_REQUIRE_DEVICE", "AIODAT_RXE_DEVICE", "AIODAT_RXE_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(name, value)
+    pytester.makeini(INI)
+    pytester.makepyfile(test_sync="def test_sync():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{name}='{value}'*"])
+
+
+def test_require_device_takes_the_usual_spellings(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AIODAT_REQUIRE_DEVICE=true is on (it was off: only "1" was), and a device named by
+    AIODAT_RXE_DEVICE alone that is not there is said so."""
+    if not _no_device():
+        pytest.skip("this machine has an RDMA device: the no-device behaviour is tested on the host")
+    monkeypatch.setenv("AIODAT_REQUIRE_DEVICE", "true")
+    monkeypatch.setenv("AIODAT_RXE_DEVICE", "nosuchdev9")
+    monkeypatch.delenv("AIODAT_RXE_ADDR", raising=False)
+    monkeypatch.delenv("AIODAT_LOOP", raising=False)
+    pytester.makeini(INI)
+    pytester.makepyfile(test_dev="import pytest\n\n@pytest.mark.rxe\ndef test_dev():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(errors=1)  # (the failure is the rxe marker's, at setup)
+    result.stdout.fnmatch_lines(["*AIODAT_REQUIRE_DEVICE=true but no RDMA device is up: "
+                                 "no active port matches AIODAT_RXE_DEVICE=nosuchdev9*"])
+
+
+def test_device_or_address_alone_picks_that_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AIODAT_RXE_DEVICE alone (as aiodat's CLI and streams read it) picks that port, with its own
+    address; AIODAT_RXE_ADDR alone the port with that address (each was ignored: the first port won)."""
+    from types import SimpleNamespace
+
+    import aiodat
+    from aiodat.testing.plugin import RdmaDevice, find_device
+
+    def port(name: str, device: str, number: int, *addresses: str) -> Any:
+        return SimpleNamespace(name=name, device=device, port=number, state="PORT_ACTIVE",
+                               addresses=addresses, address=addresses[0])
+
+    ports = [port("mlx0", "mlx0", 1, "10.0.0.1"), port("rxe1", "rxe1", 1, "10.0.0.2", "fe80::2"),
+             port("rxe1:2", "rxe1", 2, "10.0.0.3")]
+    monkeypatch.setattr(aiodat, "list_providers", lambda: ports)
+    monkeypatch.delenv("AIODAT_RXE_ADDR", raising=False)
+    for name, expected in [("rxe1", RdmaDevice("rxe1", "10.0.0.2")), ("rxe1:2", RdmaDevice("rxe1:2", "10.0.0.3")),
+                           ("rxe1:1", RdmaDevice("rxe1:1", "10.0.0.2")), ("rxe7", None)]:
+        monkeypatch.setenv("AIODAT_RXE_DEVICE", name)
+        assert find_device() == expected, name
+    monkeypatch.delenv("AIODAT_RXE_DEVICE")
+    monkeypatch.setenv("AIODAT_RXE_ADDR", "10.0.0.3")
+    assert find_device() == RdmaDevice("rxe1:2", "10.0.0.3")
+    monkeypatch.setenv("AIODAT_RXE_ADDR", "fe80:0::2")
+    assert find_device() == RdmaDevice("rxe1", "fe80::2")
+    monkeypatch.setenv("AIODAT_RXE_DEVICE", "given0")  # both: taken as given, nothing looked up
+    assert find_device() == RdmaDevice("given0", "fe80:0::2")
+
+
+OTHER_LOOP_PLUGIN = '''
+import asyncio
+
+
+class OtherLoop(asyncio.SelectorEventLoop):
+    pass
+
+
+def pytest_asyncio_loop_factories(config, item):
+    return {"other": OtherLoop} if "other" in item.name else None
+'''
+
+HOOK_ORDER_SUITE = '''
+import asyncio
+
+import pytest
+import uvloop
+
+
+def loop_kind():
+    loop = asyncio.get_running_loop()
+    return "uvloop" if isinstance(loop, uvloop.Loop) else type(loop).__name__
+
+
+async def test_other_plain():
+    assert loop_kind() == "OtherLoop"
+
+
+async def test_other_aiodat(aiodat_loop):  # another plugin's answer decides, for aiodat's tests too
+    assert loop_kind() == "OtherLoop"
+
+
+async def test_plain():  # the other plugin leaves it (None): pytest-asyncio's default
+    assert loop_kind() not in ("OtherLoop", "uvloop")
+
+
+async def test_aiodat(aiodat_loop):
+    assert loop_kind() == "uvloop"
+
+
+@pytest.fixture(scope="module")
+def module_loop_name(aiodat_loop):  # aiodat_loop is session-scoped: a module fixture may use it
+    return aiodat_loop
+
+
+async def test_module_fixture(module_loop_name):
+    assert module_loop_name == "uvloop" and loop_kind() == "uvloop"
+'''
+
+
+def test_another_plugins_loop_choice_comes_first(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiodat's loop-factory hook is asked last (trylast): another installed plugin that answers for a
+    test chooses its loop, also when that plugin was registered before aiodat (it was overridden by
+    aiodat's default answer); ``aiodat_loop`` is session-scoped (a module fixture could not use it)."""
+    pytest.importorskip("uvloop")
+    monkeypatch.delenv("AIODAT_LOOP", raising=False)
+    pytester.makeini(INI)
+    pytester.makepyfile(other_loops=OTHER_LOOP_PLUGIN, test_order=HOOK_ORDER_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "other_loops", "--aiodat-loop=uvloop",
+                                           "-v", timeout=300)
+    result.assert_outcomes(passed=5)

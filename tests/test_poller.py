@@ -5,7 +5,9 @@ real EVDs are exercised on rxe in tests/test_delivery_modes.py and tests/test_wa
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 from collections import deque
 from typing import Any, Deque, List
 
@@ -132,6 +134,25 @@ async def test_one_poller_per_loop() -> None:
         assert P.poller_for(other) is not P.poller_for(loop)
     finally:
         other.close()
+
+
+def test_a_closed_loops_hot_evds_are_not_kept() -> None:
+    """A loop closed while an EVD is hot never runs the turn that would let the EVD go: neither
+    poller_for's table nor the poller may keep it (and so its IA) alive once its owner drops it,
+    even while the closed loop itself is still referenced (it was: the poller held its loop, and
+    the table the poller, until another loop's first poller_for)."""
+    loop = asyncio.new_event_loop()
+    evd = FakeEVD([])
+    poller = evd._poller = P.poller_for(loop)  # (as EVD._napi_add: the EVD holds its poller)
+    assert poller.add(evd)  # a turn is scheduled
+    del poller
+    gc.collect()
+    assert P.poller_for(loop) is evd._poller  # one poller per loop while anything uses it
+    loop.close()  # before the turn ran: it never will
+    gone = weakref.ref(evd)
+    del evd
+    gc.collect()
+    assert gone() is None
 
 
 async def test_a_short_busy_window_still_gets_the_idle_turns() -> None:

@@ -4,13 +4,14 @@ Gives a user's suite, once aiodat is installed:
 
 * the ``rxe`` marker for tests that need an RDMA device.  Without a device they
   are skipped with a message saying how to run them (``aiodat rxe run --
-  pytest``), unless ``AIODAT_REQUIRE_DEVICE=1`` (set by the test bed and CI),
-  where a missing device is an error, never a skip;
+  pytest``), unless ``AIODAT_REQUIRE_DEVICE=1`` (set by the test bed and CI;
+  ``true``/``yes``/``on`` too), where a missing device is an error, never a skip;
 * ``--aiodat-loop asyncio|uvloop`` (or ``AIODAT_LOOP``): the event loop
   pytest-asyncio runs aiodat's tests on.  Only tests that use one of aiodat's
   fixtures (directly or through other fixtures) or carry the ``rxe`` marker
   are aiodat's (:func:`uses_aiodat`); every other async test of the project
-  keeps pytest-asyncio's default loop;
+  keeps pytest-asyncio's default loop.  A loop other than asyncio needs
+  pytest-asyncio 1.4 or later (:data:`LOOP_HOOK_VERSION`);
 * fixtures: ``rdma_device`` (a :class:`RdmaDevice`: IA name and address),
   ``ia`` (an open IA, closed after the test), ``ep_pair`` (two connected
   endpoints with their EVDs and registered buffers, see :class:`EPPair`) and
@@ -19,11 +20,14 @@ Gives a user's suite, once aiodat is installed:
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import pytest
+from _pytest.mark import ParameterSet  # (pytest's own class of pytest.param; not exported by name)
 
 _async_fixture: Any = pytest.fixture
 try:  # an async fixture pytest-asyncio runs in its strict mode too, not only in auto mode
@@ -49,17 +53,45 @@ class RdmaDevice:
 
 
 def find_device() -> Optional[RdmaDevice]:
-    """The device named by the test bed's environment, else the first active RoCE/IB port with an IPv4 GID."""
-    from aiodat import list_providers
+    """The device named by the environment, else the first active RoCE/IB port with an IP address.
 
-    name = os.environ.get("AIODAT_RXE_DEVICE")
-    addr = os.environ.get("AIODAT_RXE_ADDR")
+    ``AIODAT_RXE_DEVICE`` and ``AIODAT_RXE_ADDR`` together (``aiodat rxe run``
+    sets both) are taken as given: nothing is opened.  ``AIODAT_RXE_DEVICE``
+    alone picks the active port of that name (as aiodat's CLI and streams read
+    it), ``AIODAT_RXE_ADDR`` alone the active port with that address; None
+    when there is no such port.
+    """
+    from aiodat import list_providers
+    from aiodat.netdev import same_address
+
+    name = os.environ.get("AIODAT_RXE_DEVICE") or None
+    addr = os.environ.get("AIODAT_RXE_ADDR") or None
     if name and addr:
         return RdmaDevice(name, addr, os.environ.get("AIODAT_RXE_NETDEV"))
     for provider in list_providers():
-        if provider.state == "PORT_ACTIVE" and provider.address:
+        if provider.state != "PORT_ACTIVE" or not provider.address:
+            continue
+        if name is not None:
+            if _names_port(name, provider):
+                return RdmaDevice(name, provider.address)
+        elif addr is not None:
+            for address in provider.addresses:
+                if same_address(address, addr):
+                    return RdmaDevice(provider.name, address)
+        else:
             return RdmaDevice(provider.name, provider.address)
     return None
+
+
+def _names_port(name: str, provider: Any) -> bool:
+    # as open_ia reads the name: "rxe0", "rxe0:1" and "RO_AWARE_rxe0" all open port 1 of rxe0
+    from aiodat.ia import _parse_name
+
+    try:
+        device, port, _ = _parse_name(name)
+    except Exception:  # (not an IA name: it names no port)
+        return False
+    return bool(device == provider.device and port == provider.port)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -70,13 +102,69 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default: $AIODAT_LOOP or asyncio); other async tests keep pytest-asyncio's")
 
 
+#: the first pytest-asyncio with the ``pytest_asyncio_loop_factories`` hook, which --aiodat-loop needs
+LOOP_HOOK_VERSION = "1.4"
+
+#: the loops --aiodat-loop and AIODAT_LOOP choose from
+LOOPS = ("asyncio", "uvloop")
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+@dataclass(frozen=True)
+class _Settings:
+    loop: str
+    require_device: Optional[str]  # AIODAT_REQUIRE_DEVICE as given when it is on, else None
+
+
+_SETTINGS = pytest.StashKey[_Settings]()
+
+
+def _settings_from_env(option: Optional[str]) -> _Settings:
+    # a value the plugin would misread must stop the run: it used to pass silently for another
+    loop_env = os.environ.get("AIODAT_LOOP", "")
+    if loop_env and loop_env not in LOOPS:
+        raise pytest.UsageError(f"AIODAT_LOOP={loop_env!r}: must be one of {', '.join(LOOPS)} (as --aiodat-loop)")
+    require = os.environ.get("AIODAT_REQUIRE_DEVICE", "")
+    if require.strip().lower() not in _ON | _OFF:
+        raise pytest.UsageError(f"AIODAT_REQUIRE_DEVICE={require!r}: must be 1, true, yes or on (a missing "
+                                "device fails the device tests), or 0, false, no, off or empty (they skip)")
+    addr = os.environ.get("AIODAT_RXE_ADDR", "")
+    if addr:
+        try:
+            ipaddress.ip_address(addr)
+        except ValueError:
+            raise pytest.UsageError(f"AIODAT_RXE_ADDR={addr!r}: not an IP address") from None
+    return _Settings(option or loop_env or "asyncio", require if require.strip().lower() in _ON else None)
+
+
+def _has_loop_hook(config: pytest.Config) -> bool:
+    # our implementation is an optionalhook, so the caller exists either way: the spec says
+    # whether pytest-asyncio (>= LOOP_HOOK_VERSION) is active and will ask it
+    caller = getattr(config.hook, "pytest_asyncio_loop_factories", None)
+    return caller is not None and caller.has_spec()
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the ``rxe`` marker."""
+    """Register the ``rxe`` marker; check ``--aiodat-loop`` and the ``AIODAT_*`` variables
+    (:class:`pytest.UsageError` for a value the plugin cannot honour)."""
     config.addinivalue_line("markers", "rxe: the test needs an RDMA device (rxe or real)")
+    settings = _settings_from_env(config.getoption("--aiodat-loop"))
+    if settings.loop != "asyncio" and not _has_loop_hook(config):
+        # without the hook every test would run on asyncio's default loop, under a header saying otherwise
+        try:
+            found = "pytest-asyncio " + importlib.metadata.version("pytest-asyncio")
+            found += " is too old" if config.pluginmanager.has_plugin("asyncio") else " is not loaded"
+        except importlib.metadata.PackageNotFoundError:
+            found = "pytest-asyncio is not installed"
+        raise pytest.UsageError(
+            f"aiodat loop {settings.loop!r} (--aiodat-loop / AIODAT_LOOP) needs pytest-asyncio >= "
+            f"{LOOP_HOOK_VERSION} loaded in this run (its pytest_asyncio_loop_factories hook): {found}")
+    config.stash[_SETTINGS] = settings
 
 
 def _loop_name(config: pytest.Config) -> str:
-    return config.getoption("--aiodat-loop") or os.environ.get("AIODAT_LOOP") or "asyncio"
+    return config.stash[_SETTINGS].loop
 
 
 def _loop_factory(name: str) -> Callable[[], Any]:
@@ -99,8 +187,8 @@ def uses_aiodat(item: pytest.Item) -> bool:
     user's fixture built on ``ia`` (say) makes its tests aiodat's too.
     pytest-asyncio asks once per test function, before parametrization, so a
     parameter marked ``rxe`` (``pytest.param(..., marks=pytest.mark.rxe)``, in
-    ``parametrize`` or in a fixture's ``params``) puts all of that test's
-    cases on the chosen loop.
+    a list or tuple of ``parametrize`` argvalues or in a fixture's ``params``)
+    puts all of that test's cases on the chosen loop.
     """
     if item.get_closest_marker("rxe") is not None:
         return True
@@ -110,28 +198,40 @@ def uses_aiodat(item: pytest.Item) -> bool:
 
 
 def _params(item: pytest.Item) -> Iterator[Any]:
-    """The parameter values of the test's ``parametrize`` marks and of the fixtures it uses."""
+    """The parameter values of the test's ``parametrize`` marks and of the fixtures it uses.
+
+    Only argvalues given as a list or tuple are looked at: pytest-asyncio asks
+    before pytest reads the marks, and a generator or other iterable read
+    here would leave pytest nothing (the test skipped: "got empty parameter set").
+    """
     for mark in item.iter_markers("parametrize"):
-        yield from mark.args[1] if len(mark.args) > 1 else mark.kwargs.get("argvalues", ())
+        values = mark.args[1] if len(mark.args) > 1 else mark.kwargs.get("argvalues", ())
+        if isinstance(values, (list, tuple)):
+            yield from values
     info = getattr(item, "_fixtureinfo", None)  # pytest's own; absent on items that are not functions
     for defs in getattr(info, "name2fixturedefs", {}).values():
         for fixturedef in defs:
-            yield from fixturedef.params or ()
+            params = fixturedef.params
+            if isinstance(params, (list, tuple)):  # (pytest makes them a tuple)
+                yield from params
 
 
 def _marked_rxe(param: Any) -> bool:
-    return any(getattr(mark, "name", None) == "rxe" for mark in getattr(param, "marks", ()))
+    # only pytest.param's own marks: a user's value may have a .marks of any kind (a Mock has all attributes)
+    return isinstance(param, ParameterSet) and any(getattr(mark, "name", None) == "rxe" for mark in param.marks)
 
 
-@pytest.hookimpl(optionalhook=True)
+@pytest.hookimpl(optionalhook=True, trylast=True)
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Callable[[], Any]]:
-    """pytest-asyncio (>= 1.3) asks, per test, which loop to run it on.
+    """pytest-asyncio (>= 1.4) asks, per test, which loop to run it on.
 
-    aiodat's tests (:func:`uses_aiodat`) get the loop chosen with
-    --aiodat-loop / AIODAT_LOOP.  For any other test a user's own hook, if
-    any, has already answered (conftest hooks are called before an installed
-    plugin's); otherwise the answer must still be a mapping, so it is
-    pytest-asyncio's own default: a new loop from the current event loop policy.
+    The hook's first answer that is not None decides, and this one is asked
+    last: a ``conftest.py`` or another plugin that answers for a test chooses
+    its loop (aiodat's tests included: return None from yours for those).
+    Otherwise aiodat's tests (:func:`uses_aiodat`) get the loop chosen with
+    --aiodat-loop / AIODAT_LOOP, and any other test pytest-asyncio's own
+    default (the answer must be a mapping): a new loop from the current event
+    loop policy.
     """
     if not uses_aiodat(item):
         return {"asyncio": asyncio.new_event_loop}
@@ -141,48 +241,58 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
 
 def pytest_report_header(config: pytest.Config) -> str:
     """Say in the report header which loop (for aiodat's tests), device and test bed the run uses."""
-    device = os.environ.get("AIODAT_RXE_DEVICE", "auto-detect")
-    return f"aiodat: loop={_loop_name(config)} device={device} testbed={os.environ.get('AIODAT_TESTBED', 'none')}"
+    device = os.environ.get("AIODAT_RXE_DEVICE") or "auto-detect"
+    addr = os.environ.get("AIODAT_RXE_ADDR")
+    header = f"aiodat: loop={_loop_name(config)} device={device} testbed={os.environ.get('AIODAT_TESTBED', 'none')}"
+    return header + (f" address={addr}" if addr else "")  # (last: scripts match the fields before it)
 
 
 _device_cache: Dict[str, Optional[RdmaDevice]] = {}
 
 
-def _device_or_skip() -> RdmaDevice:
+def _device_or_skip(config: Optional[pytest.Config] = None) -> RdmaDevice:
+    # (without a config, as a suite's own device fixture may call it: the environment, checked the same way)
+    required = (config.stash[_SETTINGS] if config is not None else _settings_from_env(None)).require_device
     if "d" not in _device_cache:
         try:
             _device_cache["d"] = find_device()
         except ImportError as exc:
-            pytest.fail(str(exc)) if os.environ.get("AIODAT_REQUIRE_DEVICE") == "1" else pytest.skip(str(exc))
+            pytest.fail(str(exc)) if required else pytest.skip(str(exc))
     device = _device_cache["d"]
     if device is None:
-        if os.environ.get("AIODAT_REQUIRE_DEVICE") == "1":
-            pytest.fail("AIODAT_REQUIRE_DEVICE=1 but no RDMA device is up (did rxe fail to come up?)")
-        pytest.skip(HOW_TO_RUN)
+        named = " ".join(f"{var}={os.environ[var]}" for var in ("AIODAT_RXE_DEVICE", "AIODAT_RXE_ADDR")
+                         if os.environ.get(var))
+        if required:
+            pytest.fail(f"AIODAT_REQUIRE_DEVICE={required} but no RDMA device is up"
+                        + (f": no active port matches {named}" if named else " (did rxe fail to come up?)"))
+        pytest.skip(f"no active RDMA port matches {named}; {HOW_TO_RUN}" if named else HOW_TO_RUN)
     return device
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Skip (or fail under AIODAT_REQUIRE_DEVICE=1) an ``rxe``-marked test when there is no device."""
     if item.get_closest_marker("rxe") is not None:
-        _device_or_skip()
+        _device_or_skip(item.config)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def aiodat_loop(request: pytest.FixtureRequest) -> str:
-    """The name of the event loop the test runs on (``"asyncio"`` or ``"uvloop"``), as chosen with
-    ``--aiodat-loop`` / ``AIODAT_LOOP``.  Needs no device; using it makes an async test one of aiodat's."""
+    """The name of the event loop aiodat's tests run on (``"asyncio"`` or ``"uvloop"``), as chosen with
+    ``--aiodat-loop`` / ``AIODAT_LOOP``.  Needs no device; using it makes an async test one of aiodat's.
+
+    Session-scoped (it only reads the configuration), so fixtures of any scope can use it.
+    """
     return _loop_name(request.config)
 
 
 @pytest.fixture(scope="session")
-def rdma_device() -> RdmaDevice:
+def rdma_device(request: pytest.FixtureRequest) -> RdmaDevice:
     """The RDMA device to test on; skips (or fails under AIODAT_REQUIRE_DEVICE=1) when there is none.
 
     Session-scoped (it is only a name and an address), so a user's module- or
     session-scoped fixtures can open their own IA or connections from it.
     """
-    return _device_or_skip()
+    return _device_or_skip(request.config)
 
 
 @pytest.fixture
