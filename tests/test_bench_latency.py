@@ -97,6 +97,45 @@ def test_a_hung_perftest_pair_is_killed_and_run_once_more() -> None:
     assert 3.5 < elapsed < 6.0, elapsed
 
 
+def test_a_comparison_missing_an_aiodat_figure_is_not_ok(capsys: Any) -> None:
+    """A round where aiodat measured nothing fails the comparison (exit status 1); a peer's does not."""
+    import argparse
+
+    from aiodat.cli import _run_bench
+
+    report = bench.Comparison("aiodat bench latency", {"device": "rxe0"}, 2)
+    ours, peer = report.figure("aiodat_busypoll", "aiodat busypoll", "us"), report.figure("ib_send_lat", "x", "us")
+    ours.record(10.0)
+    peer.record(None, "ib_send_lat not found")
+    ours.record(11.0)
+    peer.record(None, "ib_send_lat not found")
+    assert report.ok and report.as_dict()["ok"] is True
+    args = argparse.Namespace(json=False, loop="asyncio")
+    assert _run_bench("aiodat bench latency", args, lambda: report) == 0
+    report.figure("aiodat_await", "aiodat await", "us").record(None, "InvalidParameter: busy_poll_us")
+    assert not report.ok and report.as_dict()["ok"] is False
+    assert _run_bench("aiodat bench latency", args, lambda: report) == 1
+    assert "not measured: aiodat await: InvalidParameter" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("which", ["latency", "rate", "bandwidth"])
+def test_busy_poll_us_over_the_maximum_is_a_usage_error(which: str, capsys: Any) -> None:
+    from aiodat.poller import MAX_BUSY_POLL_US
+
+    assert main(["bench", which, "--mode", "busypoll", "--busy-poll-us", str(MAX_BUSY_POLL_US + 1),
+                 "--no-perftest"]) == 2
+    assert f"--busy-poll-us between 0 and {MAX_BUSY_POLL_US}" in capsys.readouterr().err
+
+
+def test_a_missing_chrt_is_not_measured() -> None:
+    """ib_send_lat -R runs under chrt: without it the figure is not measured, with why (no traceback)."""
+    from aiodat.bench.perftest import run_perftest_pair
+
+    res = run_perftest_pair("true", [], device="rxe0", address="192.0.2.1", timeout=5.0, start_delay=0.1,
+                            prefix=("aiodat-no-such-chrt", "--idle", "0"))
+    assert not res.ok and res.error == "aiodat-no-such-chrt not found"
+
+
 def test_bad_arguments_are_refused(capsys: Any) -> None:
     assert main(["bench", "latency", "--repeat", "0"]) == 2
     assert main(["bench", "latency", "--busy-poll-us", "-1"]) == 2

@@ -53,6 +53,44 @@ def test_bench_streams_without_device_says_how() -> None:
     assert out.returncode == 1 and "aiodat rxe run" in out.stderr
 
 
+def test_rstream_whose_client_always_fails_is_not_waited_for(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client failing all its attempts while the server lingers: an error at once, the server killed
+    (not waited for until the timeout)."""
+    import time
+
+    fake = tmp_path / "rstream"
+    fake.write_text('#!/bin/sh\ncase " $* " in *" -b "*) exec sleep 999;; esac\necho "rstream: connect: refused"\n'
+                    'exit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    start = time.monotonic()
+    res = bench.run_rstream_pair("192.0.2.1", ["-S", "64"], timeout=20.0, start_delay=0.05)
+    assert time.monotonic() - start < 5.0
+    assert not res.ok and res.error == "rstream client failed 5 times (last exit status 1)", res.error
+
+
+def test_rstream_prefix_missing_is_an_error() -> None:
+    res = bench.run_rstream_pair("192.0.2.1", [], timeout=5.0, prefix=("aiodat-no-such-chrt",))
+    assert not res.ok and "not found" in res.error
+
+
+async def test_a_child_that_never_says_its_port_is_killed(tmp_path: Any) -> None:
+    """A benchmark child (e.g. stream-server, which serves forever) that does not print its port in
+    time, or prints something else: RuntimeError naming it, and the child is gone."""
+    import time
+
+    from aiodat.bench.peer import start_process
+
+    pidfile = tmp_path / "pid"
+    for script, timeout in (("echo $$ > {}; exec sleep 999", 0.5), ("echo $$ > {}; echo hello; exec sleep 999", 30)):
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"the stream-server process did not start"):
+            await start_process(["sh", "-c", script.format(pidfile)], "stream-server", timeout)
+        assert time.monotonic() - start < 5.0
+        pid = int(pidfile.read_text())
+        assert not os.path.exists(f"/proc/{pid}"), "the child is still there"  # (killed and reaped)
+
+
 @pytest.mark.rxe
 @pytest.mark.parametrize("processes", [2, 1])
 def test_bench_streams_with_rstream(rdma_device: Any, request: Any, capsys: Any, processes: int) -> None:

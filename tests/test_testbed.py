@@ -312,6 +312,94 @@ def test_cli_usage_errors(capsys):
     assert "rxe run" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv", [
+    ["--method", "foo"],
+    ["--method", "native", "--hosts", "2"],
+    ["--hosts", "2", "--method=native"],
+    ["--timeout", "nan"],
+    ["--timeout", "inf"],
+    ["--timeout", "0"],
+    ["--timeout", "-5"],
+    ["--timeout", "soon"],
+])
+def test_run_option_errors_exit_2_before_anything_runs(argv, monkeypatch, capsys):
+    from aiodat.testbed import command
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the test bed ran")
+
+    monkeypatch.setattr(command, "run", must_not_run)
+    assert testbed.main(["run", *argv, "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rxe run: ") and "usage: rxe" in err
+
+
+def test_run_refuses_a_non_finite_timeout():
+    with pytest.raises(ValueError, match="finite"):
+        testbed.run(["true"], timeout=float("nan"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # (a zombie waits for init to reap it: it is gone)
+
+
+def _wait_dead(pid: int, seconds: float = 5.0) -> bool:
+    until = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_native_command_leaves_nothing_running_after_it_exits(tmp_path, capfd):
+    """What the command left in the background is killed with its process group when it exits (rxe's
+    device could not be deleted under it), and its output is not waited for."""
+    from aiodat.testbed import native
+
+    pidfile = tmp_path / "pid"
+    t0 = time.monotonic()
+    rc = native.run_command(["sh", "-c", "sleep 999 & echo $! > %s; echo out; exit 3" % pidfile],
+                            time.monotonic() + 60, 60, dict(os.environ), str(tmp_path))
+    assert rc == 3
+    assert time.monotonic() - t0 < 4.0  # (the sleep held the output pipe: the pumps waited 5 s)
+    assert _wait_dead(int(pidfile.read_text())), "the background sleep outlived the command"
+    assert "out" in capfd.readouterr().out
+
+
+def test_native_command_killed_at_the_deadline(tmp_path, capfd):
+    from aiodat.testbed import native
+
+    pidfile = tmp_path / "pid"
+    t0 = time.monotonic()
+    rc = native.run_command(["sh", "-c", "sleep 999 & echo $! > %s; wait" % pidfile],
+                            time.monotonic() + 1, 1, dict(os.environ), str(tmp_path))
+    assert rc == testbed.EXIT_TIMEOUT
+    assert time.monotonic() - t0 < 5.0
+    assert _wait_dead(int(pidfile.read_text()))
+    assert "deadline of 1 s passed" in capfd.readouterr().err
+
+
+def test_two_hosts_when_qemu_cannot_start(tmp_path, monkeypatch, capfd):
+    """QEMU failing to start (OSError) is a test-bed failure, 125, not a RuntimeError from joining
+    pumps never started."""
+    from aiodat.testbed import qemu_pair
+
+    monkeypatch.setenv("AIODAT_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = modules.Kernel("6.1.0-99-amd64", "/boot/vmlinuz-6.1.0-99-amd64", "/lib/modules/6.1.0-99-amd64")
+    q = {"qemu": str(tmp_path / "no-such-qemu"), "busybox": "/bin/busybox", "accel": "tcg"}
+    monkeypatch.setattr(qemu_pair, "prepare_guests",
+                        lambda env, cwd, rw: (q, kernel, dict(os.environ), None, [str(tmp_path)], "/x/initrd"))
+    rc = qemu_pair.run_qemu_hosts(["true"], time.monotonic() + 30, 30, "1G", 1, None, str(tmp_path), False, None)
+    assert rc == testbed.EXIT_TESTBED_FAILED
+    assert "cannot start QEMU" in capfd.readouterr().err
+
+
 # --------------------------------------------------------------------------
 # real runs (boot a guest, or use native rxe where the host kernel has it)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -110,24 +111,44 @@ async def _soak(device: str, address: str, seconds: float, connections: int, int
 
         async def connect_pair(lmr_c: Any, lmr_s: Any) -> Tuple[Any, Any]:
             client, server = ia.create_ep(pz), ia.create_ep(pz)
-            server.post_recv(lmr_s[0:64], "r")
-            client.post_recv(lmr_c[0:64], "r")
             key = next(keys)
             fut = asyncio.get_running_loop().create_future()
-            pending[key] = fut
-            connecting = asyncio.ensure_future(client.connect(address, psp.port, key.to_bytes(4, "big"), timeout=30))
-            cr = await asyncio.wait_for(fut, 30)
-            await cr.accept(server, timeout=30)
-            await connecting
+            connecting: "Optional[asyncio.Future[Any]]" = None
+            try:
+                server.post_recv(lmr_s[0:64], "r")
+                client.post_recv(lmr_c[0:64], "r")
+                pending[key] = fut
+                connecting = asyncio.ensure_future(
+                    client.connect(address, psp.port, key.to_bytes(4, "big"), timeout=30))
+                # a connect that fails says why at once, not as a missing request 30 s later
+                await asyncio.wait({fut, connecting}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+                if not fut.done():
+                    if connecting.done():
+                        connecting.result()  # (raises the connect's error)
+                    raise asyncio.TimeoutError("no connection request arrived within 30 s")
+                cr = fut.result()
+                await cr.accept(server, timeout=30)
+                await connecting
+            except BaseException:
+                pending.pop(key, None)
+                if connecting is not None and not connecting.done():
+                    connecting.cancel()
+                    await asyncio.gather(connecting, return_exceptions=True)
+                client.close()  # (close: never refused, so the error that got here goes on)
+                server.close()
+                raise
             return client, server
 
         async def worker(n: int) -> None:
             lmr_c = pz.register(bytearray(16384), Privileges.ALL)
             lmr_s = pz.register(bytearray(16384), Privileges.ALL)
-            client, server = await connect_pair(lmr_c, lmr_s)
+            client: Any = None
+            server: Any = None
             remote = lmr_s.remote()
             i = 0
             try:
+                # (inside the try: a first connect that fails is an error of the report)
+                client, server = await connect_pair(lmr_c, lmr_s)
                 while not stop.is_set():
                     # An await whose events are already queued returns without yielding (rxe on
                     # one device often completes inline), so yield once per operation: fairness
@@ -163,6 +184,7 @@ async def _soak(device: str, address: str, seconds: float, connections: int, int
                             await server.connect_evd.wait_one(timeout=30)
                             client.free()
                             server.free()
+                            client = server = None  # (freed: not again below if the reconnect fails)
                             client, server = await connect_pair(lmr_c, lmr_s)
                             counters["reconnects"] += 1
                         else:
@@ -174,10 +196,13 @@ async def _soak(device: str, address: str, seconds: float, connections: int, int
                 stop.set()
             finally:
                 for obj in (client, server, lmr_c, lmr_s):
-                    obj.free()
+                    if obj is not None:
+                        obj.free()
 
         acc = asyncio.ensure_future(acceptor())
         workers = [asyncio.ensure_future(worker(n)) for n in range(connections)]
+        for task in (acc, *workers):  # one of them ending early (failed) ends the soak now
+            task.add_done_callback(lambda _t: stop.set())
         start = time.monotonic()
         end = start + seconds
         while not stop.is_set() and time.monotonic() < end:
@@ -195,15 +220,25 @@ async def _soak(device: str, address: str, seconds: float, connections: int, int
                 percentile(s, 50) * 1e6 if s else 0.0, percentile(s, 99) * 1e6 if s else 0.0,
                 _fd_count(), _rss_kib(), counters["reconnects"]))
         stop.set()
-        await asyncio.gather(*workers, return_exceptions=True)
+        await record_ended(report, {f"connection {n}": w for n, w in enumerate(workers)})
         acc.cancel()
-        await asyncio.gather(acc, return_exceptions=True)
+        await record_ended(report, {"acceptor": acc})
     finally:
         ia.close()
     measured = report.intervals[1:] if len(report.intervals) > 2 else report.intervals  # first: warm-up
     if measured:
         report.growth = {"fds": measured[-1].fds - measured[0].fds,
                          "rss_kib": measured[-1].rss_kib - measured[0].rss_kib}
+
+
+async def record_ended(report: SoakReport, tasks: Dict[str, "asyncio.Future[Any]"]) -> None:
+    """Wait for ``tasks`` (by name) and add to ``report.errors`` what each ended with, if it
+    raised: a worker that died (say in its first connect) must fail the soak, and
+    ``gather(return_exceptions=True)`` alone hides it.  Cancellation is no error."""
+    results = await asyncio.gather(*tasks.values(), return_exceptions=True)
+    for name, res in zip(tasks, results):
+        if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
+            report.errors.append(f"{name}: {res!r}")
 
 
 def soak(seconds: float = 60.0, connections: int = 16, loop: str = "uvloop", *, interval: float = 5.0,
@@ -214,8 +249,9 @@ def soak(seconds: float = 60.0, connections: int = 16, loop: str = "uvloop", *, 
     latency per operation, open fds and RSS.  The report's ``ok`` is False if an operation failed
     or fds/RSS grew from the first measured interval (the first is warm-up) to the last.
     """
-    if seconds <= 0 or connections < 1 or interval <= 0:
-        raise ValueError("seconds and interval must be > 0, connections >= 1")
+    if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(interval) and interval > 0) \
+            or connections < 1:  # (a NaN deadline runs nothing and would say OK)
+        raise ValueError("seconds and interval must be finite and > 0, connections >= 1")
     device, address = device_and_address(device, address)
     report = SoakReport(seconds, connections, loop)
     run_on_loop(loop, lambda: _soak(device, address, seconds, connections, interval, report))

@@ -4,22 +4,47 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 
 async def start_child(args: List[str], loop_name: str) -> Tuple[Any, int]:
     """Start ``python -m aiodat.bench ARGS... LOOP`` and read the port it listens on."""
-    import sys
+    return await start_process([sys.executable, "-m", "aiodat.bench", *args, loop_name], args[0])
 
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "aiodat.bench", *args, loop_name,
-        stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
+
+async def start_process(argv: List[str], what: str, timeout: float = 60.0) -> Tuple[Any, int]:
+    """Start ``argv`` and read the ``port N`` line it prints first.
+
+    If no such line comes within ``timeout`` seconds (or anything else goes wrong, cancellation
+    too), the process is killed and waited for: a stream server would otherwise serve forever.
+    RuntimeError names ``what`` did not start.
+    """
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                stdin=asyncio.subprocess.DEVNULL)
     assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 60)
-    if not line.startswith(b"port "):
-        await finish_child(proc)
-        raise RuntimeError(f"the {args[0]} process did not start (said {line!r})")
-    return proc, int(line.split()[1])
+    line: Optional[bytes] = None
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout)
+    except asyncio.TimeoutError:
+        pass
+    except BaseException:  # (cancelled: the child goes too)
+        await _kill(proc)
+        raise
+    parts = (line or b"").split()
+    if len(parts) < 2 or parts[0] != b"port" or not parts[1].isdigit():
+        await _kill(proc)
+        why = f"no port within {timeout:g} s" if line is None else f"said {line!r}"
+        raise RuntimeError(f"the {what} process did not start ({why})")
+    return proc, int(parts[1])
+
+
+async def _kill(proc: Any) -> None:
+    """SIGKILL a child started by :func:`start_process` and reap it."""
+    try:
+        proc.kill()
+    except ProcessLookupError:  # (it ended already)
+        pass
+    await proc.wait()
 
 
 async def finish_child(proc: Any) -> None:

@@ -85,13 +85,15 @@ def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: s
     is the only retry: callers take the result as it comes.  Returns the
     client's parsed output (the server's when the client printed no table).
     Never raises for a failed tool: the result's ``error`` says what went
-    wrong (tool missing, timeout, exit status, an unusable figure; a retried
+    wrong (tool or ``prefix[0]`` missing, timeout, exit status, an unusable figure; a retried
     failure names both attempts' errors).
     """
     path = shutil.which(tool)
     if path is None:
         return PerftestResult(tool, tuple(args), None, "",
                               error=f"{tool} not found (install the Debian package perftest)")
+    if prefix and shutil.which(prefix[0]) is None:  # e.g. chrt (util-linux): not measured, no traceback
+        return PerftestResult(tool, tuple(args), None, "", error=f"{prefix[0]} not found")
     deadline = time.monotonic() + timeout
     # the first attempt gets half the time: a pair that hangs (both tools blocked, as under TCG now
     # and then) is killed and run again, not left to take the whole budget

@@ -69,7 +69,8 @@ class Comparison:
     """A benchmark's report: figures by round, ratios by round and their medians.
 
     ``format()`` is what ``aiodat bench ...`` prints, ``as_dict()`` what
-    ``--json`` prints.
+    ``--json`` prints; ``ok`` is False when a figure of aiodat's (a key
+    starting with ``aiodat``) has a round without a value.
     """
 
     command: str
@@ -101,6 +102,12 @@ class Comparison:
             out.append(Ratio(ours, theirs, label or f"{a.label} / {b.label}", round_ratios(a.values, b.values)))
         return out
 
+    @property
+    def ok(self) -> bool:
+        """True when every figure of aiodat's was measured in every round (a peer's may be missing:
+        a tool not installed is not aiodat failing)."""
+        return all(v is not None for f in self.figures.values() if f.key.startswith("aiodat") for v in f.values)
+
     def ratio(self, ours: str, theirs: str) -> Optional[float]:
         """The median ratio of two figures (by key), None when not measured."""
         a, b = self.figures.get(ours), self.figures.get(theirs)
@@ -117,7 +124,7 @@ class Comparison:
                         for f in self.figures.values()},
             "ratios": [{"ours": r.ours, "theirs": r.theirs, "label": r.label, "values": r.values,
                         "median": r.median} for r in self.ratios],
-            "notes": self.notes,
+            "notes": self.notes, "ok": self.ok,
         }
 
     def format(self) -> str:

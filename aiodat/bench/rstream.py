@@ -93,14 +93,17 @@ def run_rstream_pair(address: str, args: Sequence[str], *, timeout: float = 300.
     path = shutil.which("rstream")
     if path is None:
         return RstreamResult(tuple(args), error="rstream not found (install the Debian package rdmacm-utils)")
+    if prefix and shutil.which(prefix[0]) is None:
+        return RstreamResult(tuple(args), error=f"{prefix[0]} not found")
     port = str(random.randint(30000, 39999))
     deadline = time.monotonic() + timeout
     server = subprocess.Popen([*prefix, path, "-b", address, "-p", port, *args], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
     out, error = "", ""
+    attempts = 5
     try:
         time.sleep(start_delay)
-        for _attempt in range(5):
+        for _attempt in range(attempts):
             left = deadline - time.monotonic()
             if left <= 0:
                 error = f"rstream did not finish within {timeout:g} s"
@@ -117,9 +120,11 @@ def run_rstream_pair(address: str, args: Sequence[str], *, timeout: float = 300.
                     error = f"rstream client exited with status {client.returncode}"
                 break
             time.sleep(start_delay)  # the server may not be listening yet
+        else:
+            error = f"rstream client failed {attempts} times (last exit status {client.returncode})"
     finally:
-        try:
-            server.communicate(timeout=max(5.0, deadline - time.monotonic()))
+        try:  # (after a failure the server is not waited for, as in perftest.py)
+            server.communicate(timeout=0 if error else max(5.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             server.kill()
             server.communicate()

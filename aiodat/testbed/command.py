@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -84,6 +85,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             i += 1
             if name == "--timeout":
                 opts["timeout"] = float(val)
+                if not (math.isfinite(opts["timeout"]) and opts["timeout"] > 0):  # (NaN: no deadline at all)
+                    raise ValueError("--timeout must be a finite number of seconds > 0, not %s" % val)
             elif name == "--cpus":
                 opts["cpus"] = int(val)
             elif name == "--hosts":
@@ -95,7 +98,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             elif name == "--memory":
                 opts["memory"] = val
             else:  # --method
+                if val not in ("native", "qemu"):
+                    raise ValueError("--method must be native or qemu, not %r" % val)
                 opts["method"] = val
+        if opts["hosts"] == 2 and opts["method"] == "native":
+            raise ValueError("--hosts 2 boots two QEMU guests: it takes no --method native")
     except ValueError as e:
         msg("rxe run: %s\n%s" % (e, USAGE))
         return 2

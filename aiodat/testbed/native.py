@@ -115,43 +115,51 @@ def run_native(cmd: List[str], deadline: float, timeout: float,
             msg("aiodat rxe: could not bring rxe up natively, the command did not run: %s" % e)
             return EXIT_TESTBED_FAILED
 
-        full_env = caller_env(env, cwd, "native", device)
-        preexec = child_setup(memlock=True)
-
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL,
-                                    stdout=out_w, stderr=err_w,
-                                    start_new_session=True, preexec_fn=preexec)
-        except OSError as e:
-            for fd in (out_r, out_w, err_r, err_w):
-                os.close(fd)
-            msg("aiodat rxe: cannot run %s: %s" % (cmd[0], e))
-            return 127 if isinstance(e, FileNotFoundError) else 126
-        os.close(out_w)
-        os.close(err_w)
-        pumps = [Pump(out_r, lambda d: write_out("stdout", d)),
-                 Pump(err_r, lambda d: write_out("stderr", d))]
-        for p in pumps:
-            p.start()
-        try:
-            rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            kill_group(proc)
-            proc.wait()
-            for p in pumps:
-                p.join(timeout=5)
-            msg("aiodat rxe: deadline of %g s passed; command killed" % timeout)
-            return EXIT_TIMEOUT
-        except BaseException:
-            kill_group(proc)
-            proc.wait()
-            raise
-        for p in pumps:
-            p.join(timeout=5)
-        return rc if rc >= 0 else 128 - rc
+        return run_command(cmd, deadline, timeout, caller_env(env, cwd, "native", device), cwd)
     finally:
         for argv in undo:
             sh(argv, check=False)
         lockf.close()
+
+
+def run_command(cmd: List[str], deadline: float, timeout: float, env: Mapping[str, str], cwd: str) -> int:
+    """Run ``cmd`` (in a session of its own, output forwarded to ours) until it exits or ``deadline``
+    passes; its exit status, 128+N for signal N, or :data:`EXIT_TIMEOUT`."""
+    preexec = child_setup(memlock=True)
+
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                stdout=out_w, stderr=err_w,
+                                start_new_session=True, preexec_fn=preexec)
+    except OSError as e:
+        for fd in (out_r, out_w, err_r, err_w):
+            os.close(fd)
+        msg("aiodat rxe: cannot run %s: %s" % (cmd[0], e))
+        return 127 if isinstance(e, FileNotFoundError) else 126
+    os.close(out_w)
+    os.close(err_w)
+    pumps = [Pump(out_r, lambda d: write_out("stdout", d)),
+             Pump(err_r, lambda d: write_out("stderr", d))]
+    for p in pumps:
+        p.start()
+    try:
+        rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        proc.wait()
+        for p in pumps:
+            p.join(timeout=5)
+        msg("aiodat rxe: deadline of %g s passed; command killed" % timeout)
+        return EXIT_TIMEOUT
+    except BaseException:
+        kill_group(proc)
+        proc.wait()
+        raise
+    # what it left in the background goes too: it would hold rxe (rdma link delete fails) and our
+    # output pipes (the pumps would wait)
+    kill_group(proc)
+    for p in pumps:
+        p.join(timeout=5)
+    return rc if rc >= 0 else 128 - rc

@@ -150,7 +150,7 @@ class Guest:
             if verbose:
                 write_out("stderr", data)
 
-        self.pumps = [
+        pumps = [
             Pump(pipes["con"][0], con_sink),
             Pump(pipes["out"][0], lambda d: sink("stdout", d)),
             Pump(pipes["err"][0], lambda d: sink("stderr", d)),
@@ -174,6 +174,8 @@ class Guest:
             return False
         for w in fds.values():
             os.close(w)
+        # only now: close() joins self.pumps, and a thread never started cannot be joined
+        self.pumps = pumps
         for p in self.pumps:
             p.start()
         return True

@@ -1,6 +1,7 @@
 """``run``: pick the way (native, one QEMU guest, two guests) and run the command there."""
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Mapping, Optional, Sequence
@@ -38,6 +39,8 @@ def run(cmd: Sequence[str], *, timeout: float, memory: str = "2G", cpus: int = 2
     (the guest or command is killed); :data:`EXIT_TESTBED_FAILED` (125) when
     the test bed failed and the command did not run.
     """
+    if not (math.isfinite(timeout) and timeout > 0):  # (NaN: one host times out at once, two never)
+        raise ValueError("timeout must be finite and > 0, not %r" % (timeout,))
     deadline = time.monotonic() + timeout
     cmd = list(cmd)
     if not cmd:

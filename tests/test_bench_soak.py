@@ -1,0 +1,57 @@
+"""``aiodat bench soak``: argument checks and how a dead connection is reported on the host; on rxe, a
+connection that cannot be made fails the soak."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from aiodat import bench
+from aiodat.cli import main
+
+
+@pytest.mark.parametrize("argv", [["--seconds", "nan"], ["--seconds", "inf"], ["--seconds", "0"],
+                                  ["--interval", "nan"], ["--interval=-inf"], ["--connections", "0"]])
+def test_bad_arguments_are_refused(argv: Any, capsys: Any) -> None:
+    assert main(["bench", "soak", *argv]) == 2
+    assert "must be finite and > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs", [{"seconds": float("nan")}, {"interval": float("nan")},
+                                    {"seconds": float("inf")}])
+def test_soak_refuses_non_finite_times(kwargs: Any) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        bench.soak(**kwargs)
+
+
+async def test_a_task_that_died_is_an_error() -> None:
+    """What each worker (and the acceptor) ended with goes into the report: a worker that died in its
+    first connect is an error, not a silent OK; a cancelled task is not."""
+    from aiodat.bench.endurance import record_ended
+
+    async def dies() -> None:
+        raise asyncio.TimeoutError()
+
+    async def fine() -> None:
+        pass
+
+    async def hangs() -> None:
+        await asyncio.sleep(60)
+
+    report = bench.SoakReport(1.0, 2, "asyncio")
+    tasks = [asyncio.ensure_future(c) for c in (fine(), dies(), hangs())]
+    await asyncio.sleep(0)
+    tasks[2].cancel()
+    await record_ended(report, {"connection 0": tasks[0], "connection 1": tasks[1], "acceptor": tasks[2]})
+    assert report.errors == ["connection 1: TimeoutError()"]
+    assert not report.ok and "verdict: FAILED" in report.format()
+
+
+@pytest.mark.rxe
+def test_a_connection_never_made_fails_the_soak(rdma_device: Any) -> None:
+    """Every connect goes to an address no device here reaches (TEST-NET-1): each worker dies in its
+    first connect, and that is an error."""
+    report = bench.soak(3.0, 2, "asyncio", interval=1.0, device=rdma_device.name, address="192.0.2.1")
+    assert not report.ok and report.errors, report.format()
+    assert all(e.startswith("connection ") for e in report.errors), report.errors
