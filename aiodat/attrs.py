@@ -926,7 +926,10 @@ def _name(what: str, value: Any, allowed: Tuple[str, ...]) -> str:
 def _names(what: str, value: Any, allowed: Tuple[str, ...]) -> FrozenSet[str]:
     if isinstance(value, str) or not isinstance(value, Iterable):
         raise InvalidParameter(f"{what} must be a set of names from {', '.join(allowed)}; got {value!r}")
-    names = frozenset(value)
+    try:
+        names = frozenset(value)
+    except TypeError:  # an unhashable item
+        raise InvalidParameter(f"{what} must be a set of names from {', '.join(allowed)}; got {value!r}") from None
     bad = sorted(n for n in names if n not in allowed)
     if bad:
         raise InvalidParameter(f"{what} holds unknown names {', '.join(map(repr, bad))}; allowed: {', '.join(allowed)}")
@@ -995,13 +998,11 @@ def _firmware(fw_ver: str) -> Tuple[Optional[int], Optional[int]]:
 
 
 def _rmr_scope(device_cap_flags: int, max_mw: int) -> Optional[str]:
-    type1 = bool(device_cap_flags & (1 << 17))  # MEM_WINDOW: type 1, bound to a PD
-    type2 = bool(device_cap_flags & ((1 << 23) | (1 << 24)))  # TYPE_2A/2B: bound to a QP
-    if max_mw <= 0 or not (type1 or type2):
-        return None
-    if type1 and type2:
-        return "DAT_RMR_SCOPE_ANY"
-    return "DAT_RMR_SCOPE_PZ" if type1 else "DAT_RMR_SCOPE_EP"
+    """The scope of the RMRs aiodat offers: it allocates type-2 windows only (TYPE_2A/2B), which
+    only the QP that bound them may use: EP scope.  A device with type-1 windows alone (MEM_WINDOW,
+    PD scope) gets no RMR from aiodat (create_rmr: NotImplementedByProvider), so None."""
+    type2 = bool(device_cap_flags & ((1 << 23) | (1 << 24)))
+    return "DAT_RMR_SCOPE_EP" if max_mw > 0 and type2 else None
 
 
 def build_ia_query(

@@ -885,7 +885,11 @@ async def connect_pair(client: "EP", server: "EP", timeout: float = 30.0) -> "PS
     """
     ia = client.ia
     cr_evd = ia.create_evd(4, EvdFlags.CR)
-    psp = PSP(ia, 0, cr_evd, 16)
+    try:
+        psp = PSP(ia, 0, cr_evd, 16)
+    except BaseException:  # (e.g. InvalidState: another thread's loop serves this IA)
+        cr_evd._discard()  # (close() would be refused from this thread too; no loop has seen it)
+        raise
 
     async def accept() -> None:
         event = await cr_evd.wait_one(timeout=timeout)

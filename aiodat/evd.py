@@ -282,7 +282,7 @@ class EVD(Handle, Generic[E]):
 
     def __init__(self, ia: "IA", qlen: int, streams: Optional[EvdFlags] = None, *, _is_async: bool = False,
                  comp_vector: Optional[int] = None, busy_poll_us: int = 0) -> None:
-        if not isinstance(qlen, int) or qlen < 1:
+        if not isinstance(qlen, int) or isinstance(qlen, bool) or qlen < 1:
             raise InvalidParameter(f"qlen must be an int >= 1, got {qlen!r}")
         max_qlen = ia._device_attr.max_cqe
         if qlen > max_qlen:

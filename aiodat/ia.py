@@ -60,6 +60,8 @@ class Provider:
     gids: Tuple[str, ...]  #: the port's valid GIDs, IPv6 notation
     #: the IP addresses of the port's netdevs (IPoIB on InfiniBand), IPv4 first, then IPv6
     addresses: Tuple[str, ...] = ()
+    #: each of ``gids``' index in the port's GID table (RoCE tables have holes)
+    gid_indexes: Tuple[int, ...] = ()
 
     @property
     def address(self) -> Optional[str]:
@@ -91,7 +93,14 @@ def _gids(context: Any, port: int, table_len: int, ports: int) -> Dict[int, str]
             lib.aiodat_gid_str(gids + i, buf, 64)
             out[indexes[i]] = _text(buf)
         return out
-    gid = gids  # a kernel without the table query: index by index
+    return _gids_one_by_one(context, port, table_len)
+
+
+def _gids_one_by_one(context: Any, port: int, table_len: int) -> Dict[int, str]:
+    """_gids for a kernel without the table query: ibv_query_gid, index by index."""
+    buf = ffi.new("char[64]")
+    out = {}
+    gid = ffi.new("union ibv_gid *")
     for index in range(table_len):
         if lib.ibv_query_gid(context, port, index, gid):
             break
@@ -161,6 +170,7 @@ def list_providers() -> List[Provider]:
                             state=port_state_name(pattr.state),
                             gids=tuple(gids.values()),
                             addresses=tuple(port_addresses(name, port, gids)),
+                            gid_indexes=tuple(gids),
                         )
                     )
             finally:
@@ -209,7 +219,7 @@ class IA(RootHandle):
     def __init__(self, name: str, async_evd_qlen: int = 8, async_evd: Optional["EVD"] = None,
                  address: Optional[str] = None) -> None:
         device, port, ro_aware = _parse_name(name)
-        if not isinstance(async_evd_qlen, int) or async_evd_qlen < 1:
+        if not isinstance(async_evd_qlen, int) or isinstance(async_evd_qlen, bool) or async_evd_qlen < 1:
             raise InvalidParameter(f"async_evd_qlen must be an int >= 1, got {async_evd_qlen!r}")
         self._context: Any = ffi.NULL
         super().__init__(None)
@@ -237,8 +247,9 @@ class IA(RootHandle):
         self._raw = Raw(self._context, lib.ibv_close_device, "device context")
         try:
             self._device_attr = ffi.new("struct ibv_device_attr *")
-            if lib.ibv_query_device(self._context, self._device_attr):
-                raise error_from_errno(ffi.errno, f"querying RDMA device {device}")
+            err = lib.ibv_query_device(self._context, self._device_attr)
+            if err:  # (verbs returns the error number; errno may be stale)
+                raise error_from_errno(err, f"querying RDMA device {device}")
             if port > self._device_attr.phys_port_cnt:
                 raise ProviderNotFound(
                     f"{device} has {self._device_attr.phys_port_cnt} port(s); there is no port {port}"
@@ -276,8 +287,9 @@ class IA(RootHandle):
     # -- internals used by the other modules ------------------------------
     def _port_attr(self) -> Any:
         pattr = ffi.new("struct ibv_port_attr *")
-        if lib.ibv_query_port(self._context, self.port, pattr):
-            raise error_from_errno(ffi.errno, f"querying port {self.port} of {self.device_name}")
+        err = lib.ibv_query_port(self._context, self.port, pattr)
+        if err:  # (verbs returns the error number; errno may be stale)
+            raise error_from_errno(err, f"querying port {self.port} of {self.device_name}")
         return pattr
 
     def _pump(self) -> None:
@@ -324,7 +336,8 @@ class IA(RootHandle):
             port_num=self.port,
             device_attr=_struct_dict(self._device_attr, "struct ibv_device_attr"),
             port_attr=_struct_dict(pattr, "struct ibv_port_attr"),
-            gids=list(_gids(self._context, self.port, pattr.gid_tbl_len, self._device_attr.phys_port_cnt).values()),
+            # (index, gid) pairs: the entries keep their table index, holes and all
+            gids=list(_gids(self._context, self.port, pattr.gid_tbl_len, self._device_attr.phys_port_cnt).items()),
             ia_address=self.address,
             provider_consts=_provider_consts(__version__),
         )

@@ -720,10 +720,14 @@ class RMR(Handle):
     def free(self) -> None:
         """Free the window (dat_rmr_free); a bound window is invalidated by its destruction.
 
+        Refused (InvalidState) while a bind or unbind of the window is pending: its
+        RMR_BIND_COMPLETION would be lost.  :meth:`close` (and closing the LMR, PZ or IA) frees it
+        anyway, failing an awaiting bind with InvalidHandle and dropping a ``*_nowait`` one's event.
         Freeing the EP a window was bound through leaves the RMR usable but
         unbound (aiodat replaces the window: a type-2B window is tied to that QP).
         """
         self._check()
+        self._refuse_while_pending("freeing it")
         self.close()
 
     def _release(self) -> None:
@@ -731,6 +735,16 @@ class RMR(Handle):
         if self._mw != ffi.NULL:
             self._raw.release()
             self._mw = ffi.NULL
+
+    def __del__(self) -> None:
+        if not self._closed:
+            # Dropped unclosed (with the EP that holds it): its window goes with its Raw holder, so
+            # its LMR pins go too; else lmr.free() would stay refused for a window nobody has.
+            try:
+                self._forget("the RMR was dropped")
+            except Exception:  # (a half-made RMR has no pins)
+                pass
+        super().__del__()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("bound" if self._bound else "unbound")

@@ -109,6 +109,11 @@ async def test_async_evd_qlen(rdma_device: RdmaDevice) -> None:
         assert param.qlen >= 32 and param.is_async and param.ia is ia
     with pytest.raises(aiodat.InvalidParameter, match="async_evd_qlen"):
         aiodat.open_ia(rdma_device.name, async_evd_qlen=0)
+    # a bool is not a length: True used to give a one-entry queue
+    with pytest.raises(aiodat.InvalidParameter, match="async_evd_qlen must be an int >= 1, got True"):
+        aiodat.open_ia(rdma_device.name, async_evd_qlen=True)
+    with aiodat.open_ia(rdma_device.name) as ia, pytest.raises(aiodat.InvalidParameter, match="qlen .* got True"):
+        ia.create_evd(True)
 
 
 async def test_abrupt_disconnect_flushes_every_posted_receive(ia: Any) -> None:

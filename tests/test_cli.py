@@ -66,6 +66,14 @@ def test_python_m_aiodat_same_as_main():
     assert "--size and --iters must be >= 1" in result.stderr
 
 
+def test_cli_py_run_as_a_script():
+    """`python aiodat/cli.py ...` runs main() only once the whole module is defined."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "aiodat", "cli.py"), "--help"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "devices" in result.stdout and "NameError" not in result.stderr
+
+
 def test_query_without_device_says_how(monkeypatch, capsys):
     from aiodat import list_providers
 

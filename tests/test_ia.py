@@ -267,6 +267,55 @@ def test_gids_are_the_ports_gid_table(ia: Any) -> None:
     assert [ipaddress.IPv6Address(g) for g in listed[0].gids] == expected
 
 
+def _sysfs_gid_table(device: str, port: int) -> list:
+    """The port's valid GID table entries as (index, GID), as the kernel shows them."""
+    table = Path(f"/sys/class/infiniband/{device}/ports/{port}/gids")
+    entries = [(int(e.name), ipaddress.IPv6Address(e.read_text().strip())) for e in table.iterdir()]
+    return sorted((i, gid) for i, gid in entries if int(gid))
+
+
+def _wait_for_gid(device: str, port: int, gid: str, present: bool) -> None:
+    import time
+
+    deadline = time.monotonic() + 30  # the kernel updates RoCE GID tables from a workqueue
+    while (ipaddress.IPv6Address(gid) in {g for _, g in _sysfs_gid_table(device, port)}) != present:
+        assert time.monotonic() < deadline, f"GID {gid} {'never appeared' if present else 'never went'}"
+        time.sleep(0.05)
+
+
+@pytest.mark.rxe
+def test_gid_indexes_survive_a_hole_in_the_table(ia: Any) -> None:
+    """An address removed from a RoCE netdev leaves a hole in the port's GID table; the entries
+    after it keep their table index in ia.query(), list_providers() and the per-index fallback
+    (which crashed: it read .raw of a cdata array).  They used to be numbered by position."""
+    import aiodat
+    from aiodat import ia as ia_module
+
+    provider = next(p for p in aiodat.list_providers() if p.device == ia.device_name and p.port == ia.port)
+    if provider.link_layer != "Ethernet" or os.geteuid() != 0:
+        pytest.skip("needs a RoCE port and root to add addresses to its netdev (run under aiodat rxe run)")
+    netdev = Path(f"/sys/class/infiniband/{ia.device_name}/ports/{ia.port}/gid_attrs/ndevs/0").read_text().strip()
+    first, second = "fd5a:da7::1", "fd5a:da7::2"
+    for gid in (first, second):
+        subprocess.run(["ip", "-6", "addr", "add", f"{gid}/128", "dev", netdev, "nodad"], check=True)
+        _wait_for_gid(ia.device_name, ia.port, gid, present=True)
+    try:
+        subprocess.run(["ip", "-6", "addr", "del", f"{first}/128", "dev", netdev], check=True)
+        _wait_for_gid(ia.device_name, ia.port, first, present=False)
+        expected = _sysfs_gid_table(ia.device_name, ia.port)
+        indexes = [i for i, _ in expected]
+        assert indexes != list(range(len(indexes))), f"no hole in the GID table: {expected}"
+        got = [(g.index, ipaddress.IPv6Address(g.gid)) for g in ia.query().ia_attr.transport_attr.gid_table]
+        assert got == expected
+        listed = next(p for p in aiodat.list_providers() if p.device == ia.device_name and p.port == ia.port)
+        assert list(zip(listed.gid_indexes, map(ipaddress.IPv6Address, listed.gids))) == expected
+        table_len = ia._port_attr().gid_tbl_len
+        one_by_one = ia_module._gids_one_by_one(ia._context, ia.port, table_len)
+        assert [(i, ipaddress.IPv6Address(g)) for i, g in one_by_one.items()] == expected
+    finally:
+        subprocess.run(["ip", "-6", "addr", "del", f"{second}/128", "dev", netdev], check=False)
+
+
 @pytest.mark.rxe
 def test_unclosed_ia_warns_and_frees_fds(rdma_device: Any) -> None:
     import gc

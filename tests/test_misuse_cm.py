@@ -11,6 +11,7 @@ import pytest
 
 import aiodat
 from aiodat import EPState, EventType, EvdFlags
+from aiodat.cm import connect_pair
 from aiodat.testing.plugin import make_ep_pair
 from loop_threads import in_another_loop
 
@@ -132,12 +133,14 @@ async def test_a_connection_call_from_another_loop_is_refused_before_anything_is
     first and raise after, leaving the EP pending with its outcome owed to a future of the other
     loop (set from this loop's thread); accept sent the REP and waited there, its ESTABLISHED then
     set from this thread on the other loop's future.  create_psp raised after it listened, leaving a
-    PSP nobody holds listening on the port (ConnQualInUse for the next create_psp there)."""
+    PSP nobody holds listening on the port (ConnQualInUse for the next create_psp there);
+    connect_pair left its CR EVD open."""
     pz = ia.create_pz()
     cr_evd = ia.create_evd(8, EvdFlags.CR)
     psp = ia.create_psp_any(cr_evd)  # this loop watches the IA's rdma_cm channel from here on
     pair = await make_ep_pair(ia)
     client, server, caller = ia.create_ep(pz), ia.create_ep(pz), ia.create_ep(pz)
+    loose = ia.create_ep(pz), ia.create_ep(pz)
     connecting = asyncio.ensure_future(caller.connect(ia.address, psp.port, timeout=T))
     cr = (await cr_evd.wait_one(timeout=T)).cr
     probe = ia.create_psp_any(cr_evd)
@@ -153,15 +156,17 @@ async def test_a_connection_call_from_another_loop_is_refused_before_anything_is
         ("disconnect", lambda: pair.client.disconnect(graceful=False, timeout=T)),
         ("disconnect", lambda: pair.client.disconnect(timeout=T)),
         ("disconnect_nowait", lambda: pair.client.disconnect_nowait()),
-        ("create_psp", lambda: ia.create_psp(free_port, cr_evd))], 4 * T)
+        ("create_psp", lambda: ia.create_psp(free_port, cr_evd)),
+        ("connect_pair", lambda: connect_pair(*loose, timeout=T))], 4 * T)
     await asyncio.sleep(0.5)
     seen = ([(name, repr(exc)[:60]) for name, exc in outcomes], client.state, cr.closed, server.state,
             pair.client.state, _routes(ia) - routes)
-    assert len(outcomes) == 8 and all(isinstance(exc, aiodat.InvalidState) for _, exc in outcomes), seen
+    assert len(outcomes) == 9 and all(isinstance(exc, aiodat.InvalidState) for _, exc in outcomes), seen
     assert client.state is EPState.UNCONNECTED and _routes(ia) == routes, seen
     assert not cr.closed and server.state is EPState.UNCONNECTED, seen
     assert pair.client.state is EPState.CONNECTED and pair.server.state is EPState.CONNECTED, seen
-    assert len(ia._children) == children, seen  # no half-made PSP listening on free_port
+    # no half-made PSP listening on free_port, no CR EVD of connect_pair's (it used to stay)
+    assert len(ia._children) == children, seen
     ia.create_psp(free_port, cr_evd).free()
     with pytest.raises(aiodat.TimeoutExpired):
         await cr_evd.wait_one(timeout=0.5)  # no request from the refused connects

@@ -209,6 +209,52 @@ async def test_an_lmr_under_a_window_refuses_free_and_close_takes_the_window(ia:
     other.free()  # no window any more: free is allowed
 
 
+@pytest.mark.rxe
+async def test_freeing_a_window_with_a_bind_pending_is_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """rmr.free() while a bind_nowait of the window is pending is InvalidState: the bind's
+    RMR_BIND_COMPLETION still reaches the request EVD, and the window can be freed after it.  The
+    free used to forget the pending bind, so its event was silently lost."""
+    p = await make_ep_pair(ia)
+    exposed = p.pz.register(bytearray(4096), WINDOWED)
+    rmr = p.pz.create_rmr()
+    rmr.bind_nowait(exposed[0:512], Privileges.REMOTE_READ, p.server, cookie="b")
+    with pytest.raises(aiodat.InvalidState, match="a bind of the window is pending: .* before freeing it"):
+        rmr.free()
+    assert not rmr.closed
+    event = await p.server.request_evd.wait_one(timeout=T)
+    assert (event.type, event.cookie, event.ok) == (EventType.RMR_BIND_COMPLETION, "b", True)
+    rmr.free()  # bound, nothing pending: its destruction invalidates it
+    exposed.free()  # (the window's pin went with it)
+    assert p.server.state is EPState.CONNECTED
+
+
+@pytest.mark.rxe
+async def test_an_rmr_dropped_with_its_ep_gives_back_its_lmr(ia: Any, loop_errors: List[dict]) -> None:
+    """A window bound through an EP, both dropped unclosed: the window goes with its Raw holder,
+    and so does its pin on the LMR, which the program kept and can free.  The pin used to stay,
+    so lmr.free() was refused for ever for a window nobody had."""
+    import gc
+    import warnings
+
+    pz = ia.create_pz()
+    exposed = pz.register(bytearray(4096), WINDOWED)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        client, server, psp = await _pair_in(ia, pz)
+        rmr = pz.create_rmr()
+        await rmr.bind(exposed[0:512], Privileges.REMOTE_WRITE, server)
+        with pytest.raises(aiodat.InvalidState, match="memory window"):
+            exposed.free()
+        psp.free()
+        client.free()
+        del server, rmr
+        for _ in range(3):
+            gc.collect()
+            await asyncio.sleep(0)
+    exposed.free()
+    pz.free()
+
+
 # ---------------------------------------------------------------- registrations (defects 6, 7)
 
 
