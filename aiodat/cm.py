@@ -876,7 +876,7 @@ def detach_cm_id(ep: "EP") -> None:
     _drop_connection(ep)
 
 
-async def connect_pair(client: "EP", server: "EP", timeout: float = 30.0) -> "PSP":
+async def connect_pair(client: "EP", server: "EP", timeout: Optional[float] = 30.0) -> "PSP":
     """Connect two unconnected EPs of one IA to each other through a PSP on a free port.
 
     A loopback pair for tests, benchmarks and examples: the server side accepts

@@ -307,11 +307,13 @@ class EP(Posting, Handle):
         raise InvalidParameter("leave_multicast takes a MulticastGroup this EP joined")
 
     # -- connections (the logic lives in cm.py) ------------------------------------
-    def connect_nowait(self, host: str, port: int, private_data: bytes = b"", timeout: float = 10.0) -> None:
+    def connect_nowait(self, host: str, port: int, private_data: bytes = b"",
+                       timeout: Optional[float] = 10.0) -> None:
         """Start connecting to ``host:port`` (dat_ep_connect); the outcome arrives on ``connect_evd``."""
         cm.start_connect(self, host, port, private_data, timeout, None)
 
-    async def connect(self, host: str, port: int, private_data: bytes = b"", timeout: float = 10.0) -> bytes:
+    async def connect(self, host: str, port: int, private_data: bytes = b"",
+                      timeout: Optional[float] = 10.0) -> bytes:
         """Connect to a PSP at ``host:port`` and return the peer's accept private data.
 
         ``private_data`` (at most 56 bytes through rdma_cm on IB/RoCE) goes on
@@ -324,7 +326,7 @@ class EP(Posting, Handle):
         Cancelling the task before the connection is established drops the
         attempt (the EP ends DISCONNECTED); cancelling it once ESTABLISHED has
         arrived leaves the EP CONNECTED with the event on ``connect_evd``
-        (docs/connections.md, "Cancellation").
+        (docs/connections.md, "Awaitable and nowait forms", on cancellation).
         """
         return await cm.connect(self, host, port, private_data, timeout)
 
@@ -334,7 +336,7 @@ class EP(Posting, Handle):
         ``graceful`` lets the requests already posted complete first (see :meth:`disconnect`)."""
         cm.start_disconnect(self, graceful, None)
 
-    async def disconnect(self, graceful: bool = True, timeout: float = 10.0) -> None:
+    async def disconnect(self, graceful: bool = True, timeout: Optional[float] = 10.0) -> None:
         """Tear the connection down and wait until it is (DISCONNECTED).
 
         ``graceful=True``: no new posts are accepted, every request already
@@ -342,7 +344,7 @@ class EP(Posting, Handle):
         the QP goes to ERR and the DREQ is sent; the DREP is awaited (at most
         ``timeout`` seconds more).  ``graceful=False``: the QP goes to ERR at
         once, so posted requests complete with IBV_WC_WR_FLUSH_ERR, then the
-        DREQ.  See docs/connections.md, "Disconnecting".
+        DREQ.  See docs/connections.md, "Disconnect".
         """
         await cm.disconnect(self, graceful, timeout)
 

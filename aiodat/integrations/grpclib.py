@@ -218,7 +218,8 @@ class RdmaChannel(grpclib.client.Channel):
 
     def __init__(self, host: str, port: int, *, codec: Optional[CodecBase] = None,
                  status_details_codec: Optional[StatusDetailsCodecBase] = None,
-                 config: Optional[Configuration] = None, ia: Any = None, connect_timeout: float = 30.0,
+                 config: Optional[Configuration] = None, ia: Any = None,
+                 connect_timeout: Optional[float] = 30.0,
                  **stream_options: Any) -> None:
         if not isinstance(host, str) or not host:
             raise InvalidAddress(f"RdmaChannel needs the server's RDMA address as host, got {host!r}")

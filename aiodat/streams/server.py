@@ -59,7 +59,8 @@ class Server:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, protocol_factory: Callable[[], asyncio.BaseProtocol],
-                 iaref: IARef, psp: Any, cr_evd: Any, cfg: StreamConfig, accept_timeout: float) -> None:
+                 iaref: IARef, psp: Any, cr_evd: Any, cfg: StreamConfig,
+                 accept_timeout: Optional[float]) -> None:
         self._loop = loop
         self._factory = protocol_factory
         self._iaref = iaref
@@ -244,7 +245,8 @@ class Server:
 
 async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], host: Any = None,
                         port: Optional[int] = None, *, ia: Any = None, backlog: int = 100,
-                        start_serving: bool = True, accept_timeout: float = 30.0, **kwds: Any) -> Server:
+                        start_serving: bool = True, accept_timeout: Optional[float] = 30.0,
+                        **kwds: Any) -> Server:
     """``loop.create_server`` over RDMA: listen on ``host:port`` (port 0 or None: any free port).
 
     ``host`` must be the IPv4 address of an RDMA device (or None / "" /

@@ -707,7 +707,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
 
 
 async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol], host: Optional[str] = None,
-                            port: Optional[int] = None, *, ia: Any = None, connect_timeout: float = 30.0,
+                            port: Optional[int] = None, *, ia: Any = None, connect_timeout: Optional[float] = 30.0,
                             **kwds: Any) -> Tuple[RdmaTransport, asyncio.BaseProtocol]:
     """``loop.create_connection`` over RDMA: connect to an aiodat stream server at ``host:port``.
 
