@@ -11,6 +11,8 @@ Subcommands::
     aiodat bench rate|bandwidth [...]   streaming sends / RDMA writes beside ib_send_bw / ib_write_bw -R
     aiodat bench streams [...]          aiodat streams vs rstream and asyncio TCP (throughput, round trips)
     aiodat bench connect [...]          connection set-up beside cmtime
+    aiodat bench soak [...]             many connections for a while: errors, fd and RSS growth
+    aiodat bench dask [...]             a Dask worker-to-worker transfer, rdma:// beside tcp://
 
 Exit status: 0 success, 1 failure (no device, a DAT error, ...), 2 usage
 error.  See docs/cli.md.

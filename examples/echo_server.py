@@ -2,12 +2,15 @@
 
     python examples/echo_server.py [--host ADDR] [--port 7471] [--clients N]
 
+--host is one of the device's IP addresses (default $AIODAT_RXE_ADDR, else the
+device's first address): the IA is opened on it, so the PSP listens there; an
+address the device lacks ends the server with a message naming the ones it has.
 Run it where an RDMA device is up, e.g. `aiodat rxe run -- python examples/demo.py`.
 """
 import argparse
 import asyncio
 import os
-from typing import List
+from typing import List, Optional, Sequence
 
 import aiodat
 from aiodat import EvdFlags, Privileges
@@ -44,17 +47,22 @@ async def echo(ia: aiodat.IA, pz: aiodat.PZ, cr: aiodat.CR) -> None:
     ep.free()
 
 
-async def main() -> None:
+async def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default=os.environ.get("AIODAT_RXE_ADDR"), help="address to listen on")
+    parser.add_argument("--host", default=os.environ.get("AIODAT_RXE_ADDR"), help="the device's IP address to listen on (default: its first)")
     parser.add_argument("--port", type=int, default=7471)
     parser.add_argument("--clients", type=int, default=0, help="exit after serving N clients (0: forever)")
-    args = parser.parse_args()
-    with aiodat.open_ia(default_device()) as ia:
+    args = parser.parse_args(argv)
+    device = default_device()
+    try:
+        ia = aiodat.open_ia(device, address=args.host or None)  # the PSP listens on ia.address
+    except aiodat.InvalidParameter as e:  # --host is not one of the device's addresses
+        raise SystemExit(f"server: cannot listen on --host {args.host}: {e}") from None
+    with ia:
         pz = ia.create_pz()
         cr_evd = ia.create_evd(16, EvdFlags.CR)
         ia.create_psp(args.port, cr_evd)
-        print(f"server: listening on {args.host or ia.address}:{args.port}", flush=True)
+        print(f"server: listening on {ia.address}:{args.port}", flush=True)
         clients: List["asyncio.Future[None]"] = []
         while not args.clients or len(clients) < args.clients:
             request = await cr_evd.wait_one()

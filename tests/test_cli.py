@@ -86,6 +86,68 @@ def test_query_without_device_says_how(monkeypatch, capsys):
     assert main(["devices"]) == 1
 
 
+def _echo_server_module():
+    """examples/echo_server.py, imported (a script, not part of a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("echo_server_example", os.path.join(EXAMPLES, "echo_server.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Opened(Exception):
+    """Raised by the fake open_ia once it has recorded its arguments: nothing further runs."""
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["--host", "169.254.77.9"], None, "169.254.77.9"),
+    ([], "169.254.77.8", "169.254.77.8"),  # $AIODAT_RXE_ADDR is the default
+    ([], None, None),  # neither: open_ia's default, the device's first address
+    ([], "", None),
+])
+def test_echo_server_opens_the_ia_on_host(argv, env, expected, monkeypatch):
+    """--host is where the PSP listens: the IA is opened on that address (no device is opened here)."""
+    import asyncio
+
+    import aiodat
+
+    echo_server = _echo_server_module()
+    seen = []
+
+    def fake_open_ia(name, *args, address=None, **kwargs):
+        seen.append((name, address))
+        raise _Opened
+
+    monkeypatch.setattr(echo_server, "default_device", lambda: "rxe9")
+    monkeypatch.setattr(aiodat, "open_ia", fake_open_ia)
+    if env is None:
+        monkeypatch.delenv("AIODAT_RXE_ADDR", raising=False)
+    else:
+        monkeypatch.setenv("AIODAT_RXE_ADDR", env)
+    with pytest.raises(_Opened):
+        asyncio.run(echo_server.main(argv))
+    assert seen == [("rxe9", expected)]
+
+
+def test_echo_server_host_not_on_the_device_is_a_clear_error(monkeypatch):
+    import asyncio
+
+    import aiodat
+
+    echo_server = _echo_server_module()
+
+    def fake_open_ia(name, *args, address=None, **kwargs):
+        raise aiodat.InvalidParameter(f"{address!r} is not an address of {name}; its netdevs have: 169.254.77.1")
+
+    monkeypatch.setattr(echo_server, "default_device", lambda: "rxe9")
+    monkeypatch.setattr(aiodat, "open_ia", fake_open_ia)
+    with pytest.raises(SystemExit) as exc:
+        asyncio.run(echo_server.main(["--host", "10.1.2.3"]))
+    text = str(exc.value.code)
+    assert "--host 10.1.2.3" in text and "169.254.77.1" in text
+
+
 def test_parse_perftest_table():
     output = """
  #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] 

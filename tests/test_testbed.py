@@ -334,6 +334,31 @@ def test_run_option_errors_exit_2_before_anything_runs(argv, monkeypatch, capsys
     assert err.startswith("rxe run: ") and "usage: rxe" in err
 
 
+@pytest.mark.parametrize("argv, code", [
+    (["--help"], 0),
+    (["-h"], 0),
+    (["--json", "--help"], 0),
+    (["--bogus"], 2),
+    (["extra"], 2),
+    (["--json", "x"], 2),
+])
+def test_status_help_and_extra_arguments_do_not_probe(argv, code, monkeypatch, capsys):
+    """``rxe status --help`` prints the usage and exits 0; any argument but --json is a usage error
+    (exit 2); neither probes the machine."""
+    from aiodat.testbed import command
+
+    def must_not_probe(*args, **kwargs):
+        raise AssertionError("rxe status probed")
+
+    monkeypatch.setattr(command, "status", must_not_probe)
+    assert testbed.main(["status", *argv]) == code
+    out, err = capsys.readouterr()
+    if code == 0:
+        assert out.startswith("usage: rxe status") and not err
+    else:
+        assert err.startswith("rxe status: unexpected argument") and "usage: rxe" in err and not out
+
+
 def test_run_refuses_a_non_finite_timeout():
     with pytest.raises(ValueError, match="finite"):
         testbed.run(["true"], timeout=float("nan"))

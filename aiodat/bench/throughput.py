@@ -134,7 +134,7 @@ def setup_side(ia: Any, op: str, size: int, depth: int, server: bool, busy_poll_
     reads = min(16, dev.max_qp_init_rd_atom, dev.max_qp_rd_atom)
     recv_depth = 2 * depth if op == "send" else 1
     # min_rnr_timer 1 (0.01 ms): a Python receiver reposts more slowly than rxe delivers, and
-    # perftest's own QPs are set up the same way (docs/performance.md, "The RNR timer")
+    # perftest's own QPs are set up the same way (docs/performance-history.md, "The RNR timer")
     attrs = EPAttr(max_request_dtos=depth, max_recv_dtos=recv_depth, max_rdma_read_in=reads,
                    max_rdma_read_out=reads, min_rnr_timer=1)
     qlen = (recv_depth if server else depth) + 8

@@ -47,6 +47,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if args else 2
     sub, rest = args[0], args[1:]
     if sub == "status":
+        if any(a in ("-h", "--help") for a in rest):
+            sys.stdout.write(USAGE)
+            return 0
+        bad = [a for a in rest if a != "--json"]
+        if bad:
+            msg("rxe status: unexpected argument %r\n%s" % (bad[0], USAGE))
+            return 2
         st = status()
         if "--json" in rest:
             print(json.dumps(st, indent=2))
