@@ -49,7 +49,8 @@ async def echo(ia: aiodat.IA, pz: aiodat.PZ, cr: aiodat.CR) -> None:
 
 async def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default=os.environ.get("AIODAT_RXE_ADDR"), help="the device's IP address to listen on (default: its first)")
+    parser.add_argument("--host", default=os.environ.get("AIODAT_RXE_ADDR"),
+                        help="the device's IP address to listen on (default: its first)")
     parser.add_argument("--port", type=int, default=7471)
     parser.add_argument("--clients", type=int, default=0, help="exit after serving N clients (0: forever)")
     args = parser.parse_args(argv)
