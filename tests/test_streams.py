@@ -370,12 +370,65 @@ class _Buffered(asyncio.BufferedProtocol):
         self.got += self.buffer[:nbytes]
 
 
+class _PausesPartWay(_Buffered):
+    """A _Buffered that pauses reading after its first buffer of each message it is resumed for."""
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def buffer_updated(self, nbytes: int) -> None:
+        super().buffer_updated(nbytes)
+        self.transport.pause_reading()
+
+
 class _Plain(asyncio.Protocol):
     def __init__(self) -> None:
         self.got = bytearray()
 
     def data_received(self, data: bytes) -> None:
         self.got += data
+
+
+@pytest.mark.rxe
+@pytest.mark.parametrize("size", [8000, 300_000], ids=["data", "window"])
+async def test_a_buffered_protocol_that_pauses_part_way_gets_the_rest_on_resume(rdma_host: str, size: int) -> None:
+    """A BufferedProtocol that pauses reading in buffer_updated is fed no more, not even the rest of
+    the message under way (as asyncio's transports feed no more after a pause); resume_reading()
+    hands over the rest, then what came after it, in order.  It used to be fed the whole message."""
+    first, second = random.Random(7).randbytes(size), b"after it"
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(first)
+        await writer.drain()
+        writer.write(second)
+        await writer.drain()
+        await reader.read()
+
+    server = await aiodat.start_server(handler, rdma_host, 0)
+    transport, proto = await aiodat_streams.create_connection(_PausesPartWay, rdma_host,
+                                                             server.sockets[0].getsockname()[1])
+    assert isinstance(proto, _PausesPartWay)
+    want = first + second
+    for _ in range(600):
+        if proto.got:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # time for the rest, and the next message, to arrive
+    assert bytes(proto.got) == first[:1000] and not transport.is_reading()
+    resumes = 1
+    while len(proto.got) < len(want) and resumes < 2 * len(want) // 1000:
+        got = len(proto.got)
+        transport.resume_reading()
+        for _ in range(100):
+            if len(proto.got) > got:
+                break
+            await asyncio.sleep(0.01)
+        assert len(proto.got) - got <= 1000, "fed past a pause"
+        resumes += 1
+    assert bytes(proto.got) == want
+    transport.close()
+    server.close()
+    await server.wait_closed()
 
 
 @pytest.mark.rxe

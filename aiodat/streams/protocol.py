@@ -336,6 +336,8 @@ class Message(NamedTuple):
     slot: int
     length: int
     offset: int = 0  #: WINDOW: where in our window the bytes are
+    #: DATA, WINDOW: how many of its bytes were handed over already (a BufferedProtocol paused part way)
+    fed: int = 0
 
 
 class StreamCore(StreamState):
@@ -725,6 +727,11 @@ class StreamCore(StreamState):
     def resume_reading(self) -> None:
         """Hand over messages again; :meth:`next_held` gives the held ones in order."""
         self._reading = True
+
+    def hold_rest(self, message: Message) -> None:
+        """Hold the rest of ``message`` (its ``fed`` bytes handed over) first of all: the protocol paused
+        reading part way through it; its slot stays used until the rest went too."""
+        self._held.appendleft(message)
 
     def next_held(self, force: bool = False) -> Optional[Message]:
         """The oldest held message if reading (or ``force``: the connection is ending), else None."""

@@ -118,10 +118,13 @@ class Resources:
                     pass
 
 
-def _feed_buffered(protocol: asyncio.BufferedProtocol, data: memoryview, transport: asyncio.BaseTransport) -> None:
+def _feed_buffered(protocol: asyncio.BufferedProtocol, data: memoryview, transport: asyncio.ReadTransport,
+                   force: bool) -> int:
     """Copy ``data`` into the buffers ``protocol.get_buffer()`` hands out, calling
-    ``buffer_updated()`` for each, as asyncio's own transports feed a BufferedProtocol; the rest
-    of it is dropped once the protocol closed the transport (no data after close())."""
+    ``buffer_updated()`` for each, as asyncio's own transports feed a BufferedProtocol.  Returns how
+    many bytes are left because the protocol paused reading part way (unless ``force``: the
+    connection is ending), as asyncio feeds no more after a pause; the rest is dropped, and 0
+    returned, once it closed the transport (no data after close())."""
     while data and not transport.is_closing():
         buffer = memoryview(protocol.get_buffer(len(data))).cast("B")
         n = min(len(buffer), len(data))
@@ -130,6 +133,9 @@ def _feed_buffered(protocol: asyncio.BufferedProtocol, data: memoryview, transpo
         buffer[:n] = data[:n]
         protocol.buffer_updated(n)
         data = data[n:]
+        if data and not force and not transport.is_reading() and not transport.is_closing():
+            return len(data)
+    return 0
 
 
 def _takes_views(protocol: asyncio.BaseProtocol) -> bool:
@@ -578,8 +584,10 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             n = core.on_data(slot, res.arena, base, event.transferred_length)
             if n >= 0:  # the common case: a DATA message, handed over now
                 base += _HEADER_SIZE
-                self._data(res.view[base:base + n])
-                if self._repost(slot):
+                left = self._data(res.view[base:base + n])
+                if left:  # (a BufferedProtocol paused part way: the rest waits for resume_reading)
+                    core.hold_rest(Message(MSG_DATA, slot, n, 0, n - left))
+                elif self._repost(slot):
                     core.data_consumed(slot, n)
                 return
             try:
@@ -595,18 +603,21 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             message = self._core.next_held(force)
             if message is None:
                 return
-            self._deliver(message)
+            self._deliver(message, force)
 
-    def _deliver(self, message: Message) -> None:
+    def _deliver(self, message: Message, force: bool = False) -> None:
         res = self._res
+        left = 0
         if message.type == MSG_DATA:
             base = message.slot * self._size + _HEADER_SIZE
-            self._data(res.view[base:base + message.length])
+            left = self._data(res.view[base + message.fed:base + message.length], force)
         elif message.type == MSG_WINDOW:
-            self._data(res.window_view[message.offset:message.offset + message.length])
+            left = self._data(res.window_view[message.offset + message.fed:message.offset + message.length], force)
         elif message.type == MSG_EOF:
             self._eof()
-        if self._repost(message.slot):
+        if left:  # (a BufferedProtocol paused part way: the rest waits for resume_reading)
+            self._core.hold_rest(message._replace(fed=message.length - left))
+        elif self._repost(message.slot):
             self._core.consumed(message)
 
     def _repost(self, slot: int) -> bool:
@@ -621,19 +632,21 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             return False
         return True
 
-    def _data(self, view: memoryview) -> None:
+    def _data(self, view: memoryview, force: bool = False) -> int:
+        """Hand ``view`` to the protocol; the count of its bytes left because a BufferedProtocol
+        paused reading part way (not with ``force``: the connection is ending), else 0."""
         if self._closing and not self._lost:
-            return  # as asyncio: no data_received after close()
+            return 0  # as asyncio: no data_received after close()
         self._receiver.delivered = True
         try:
             if self._buffered:  # as asyncio's transports feed one (get_buffer, copy, buffer_updated)
-                _feed_buffered(self._protocol, view, self)  # type: ignore[arg-type]
-            else:
-                self._protocol.data_received(view if self._stream_protocol else bytes(view))  # type: ignore[attr-defined]
+                return _feed_buffered(self._protocol, view, self, force)  # type: ignore[arg-type]
+            self._protocol.data_received(view if self._stream_protocol else bytes(view))  # type: ignore[attr-defined]
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as exc:  # (a CancelledError too: asyncio's transports take any)
             self._data_received_failed(exc)
+        return 0
 
     def _data_received_failed(self, exc: BaseException) -> None:
         """As asyncio's transports: reported, and the connection dropped, lost with ``exc`` (a reader
