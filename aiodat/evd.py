@@ -444,6 +444,8 @@ class EVD(Handle, Generic[E]):
                 spin_us = 0
             else:
                 got = lib.aiodat_cq_drain(channel, self._cq, arm, wcs, room, self._status)
+            if got > 0 and self._queue_polled(got):  # (first: a failure noting the arm must not lose them)
+                notified = True
             if arm >= 0:
                 if self._status[1] or arm or self._armed_solicited:
                     self._note_arm(bool(arm), channel is not _NULL)
@@ -455,11 +457,8 @@ class EVD(Handle, Generic[E]):
                 self._unarmed = True  # the wake-up consumed the arm: whoever sleeps next arms first
                 self._arm_error = None
             channel = _NULL
-            if got:
-                if got < 0:
-                    raise error_from_errno(-got, "polling the CQ")
-                if self._queue_polled(got):
-                    notified = True
+            if got < 0:
+                raise error_from_errno(-got, "polling the CQ")
             if got < room or room == 0:
                 if self._awaited and len(queue) > self._qlen:
                     self._report_overflow(queue[-1])
@@ -544,7 +543,7 @@ class EVD(Handle, Generic[E]):
                 continue
             try:
                 event = ep._completion_event(wc, self)
-            except Exception as exc:
+            except BaseException as exc:  # (a KeyboardInterrupt too)
                 self._backlog = list(wcs)  # the rest of this batch: nothing polled is lost
                 exc.add_note(f"aiodat: the completion of wr_id {wc[0]:#x} on QP {wc[_WC_QP_NUM]} could not be "
                              f"turned into an event; {len(self._backlog)} later completion(s) are kept")

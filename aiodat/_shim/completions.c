@@ -422,13 +422,17 @@ static int queue_events(PyObject *evd, const struct aiodat_wc *wcs, int count, P
                 break;
             PyObject *ref = PyDict_GetItemWithError(refs, key);
             Py_DECREF(key);
-            Py_CLEAR(ep);
-            ep = ref ? PyWeakref_GetObject(ref) : NULL;
-            if (ep == Py_None)
-                ep = NULL;
-            if (ep == NULL && PyErr_Occurred())
+            /* this EP is taken (borrowed, then held) before the last one is let go: its finalizer may
+             * run Python that changes the table ref is borrowed from */
+            PyObject *next = ref ? PyWeakref_GetObject(ref) : NULL;
+            if (next == Py_None)
+                next = NULL;
+            if (next == NULL && PyErr_Occurred())
                 break;
-            Py_XINCREF(ep);
+            Py_XINCREF(next);
+            PyObject *last = ep;
+            ep = next;
+            Py_XDECREF(last);
         }
         if (ep == NULL)
             continue;  /* the EP is gone: its completion makes no event (as in evd.py) */
@@ -765,12 +769,16 @@ static int napi_arm(PyObject *evd)
     int *status = (int *)(uintptr_t)c.status;  /* the EVD's own: _note_arm reads the errno there */
     int got = drain_fn(NULL, (struct ibv_cq *)(uintptr_t)c.cq, 0, (struct aiodat_wc *)(uintptr_t)c.wcs,
                        c.room, status);
-    int notified = 0;
-    if (status[1]) {
+    /* what was polled becomes events first: a failure noting the arm (a KeyboardInterrupt in
+     * _note_arm) must not lose it; a failure queueing it leaves the arm to be tried again */
+    int notified = queue_drained(evd, &c, got);
+    Py_DECREF(c.queue);
+    if (notified >= 0 && status[1]) {
         PyObject *res = PyObject_CallMethodObjArgs(evd, s_note_arm, Py_False, Py_False, NULL);
-        notified = res ? 0 : -1;
+        if (res == NULL)
+            notified = -1;
         Py_XDECREF(res);
-    } else {
+    } else if (notified >= 0) {
         unsigned long long rearms;
         PyObject *more = NULL;
         if (attr_ull(evd, s_rearms, &rearms) < 0 || (more = PyLong_FromUnsignedLongLong(rearms + 1)) == NULL
@@ -778,9 +786,6 @@ static int napi_arm(PyObject *evd)
             notified = -1;
         Py_XDECREF(more);
     }
-    if (notified == 0)
-        notified = queue_drained(evd, &c, got);
-    Py_DECREF(c.queue);
     if ((notified < 0 || hand_over(evd, notified) < 0)
         && hand_exception(evd, s_napi_failed, NULL, s_polling_the_cq) < 0)
         return -1;
