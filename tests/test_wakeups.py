@@ -29,6 +29,7 @@ def no_faults_left() -> Iterator[None]:
     yield
     lib.aiodat_inject_fault(lib.AIODAT_FAULT_NOTIFY, 0)
     lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL, 0)
+    lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL_LATER_CHUNK, 0)
 
 
 def send(pair: Any, payload: bytes, cookie: Any = None) -> None:
@@ -89,6 +90,31 @@ async def test_completions_after_a_failing_one_are_kept(ia: Any, loop_errors: Li
     events = await recv_evd.wait(4, timeout=T)
     assert [e.cookie for e in events] == [0, 2, 3, 4]
     assert all(e.ok for e in events)
+    pair.close()
+
+
+async def test_a_poll_failing_after_its_first_chunk_keeps_what_that_chunk_took(ia: Any,
+                                                                            loop_errors: List[dict]) -> None:
+    """One look polls the CQ in chunks of 32; the second ibv_poll_cq fails.  The 32 completions
+    the first took become events, and the rest come with the next poll, all in order.  The poll
+    used to return the failure alone, so the 32 already taken off the CQ were lost (their
+    receives never retired: their LMR could not be freed)."""
+    many = EPAttr(max_recv_dtos=64, max_request_dtos=64)
+    pair = await make_ep_pair(ia, attrs=many)
+    recv_evd = pair.server.recv_evd
+    for i in range(40):
+        pair.server.post_recv(pair.server_lmr[i * 8:(i + 1) * 8], cookie=i)
+    for i in range(40):
+        send(pair, b"m%d" % i)
+    sends_completed_blocking(pair, 40)  # all forty receives now wait in the server's CQ
+    lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL_LATER_CHUNK, 1)
+    cookies: List[int] = []
+    deadline = time.monotonic() + T
+    while len(cookies) < 40:
+        assert time.monotonic() < deadline, f"only {cookies} arrived"
+        cookies += [e.cookie for e in await recv_evd.wait(1, timeout=T) if e.ok]
+    assert cookies == list(range(40))
+    assert pair.server.query().outstanding_recvs == 0  # every receive retired
     pair.close()
 
 

@@ -34,6 +34,8 @@ ffibuilder.set_source(
     "aiodat._shim._core",
     '#include "shim.c"',
     include_dirs=[str(HERE)],
+    # the source is an #include: name it, or an edit of shim.c alone would not rebuild the module
+    depends=[str(HERE / "shim.c"), str(HERE / "shim.h")],
     libraries=["ibverbs", "rdmacm"],
     extra_compile_args=["-O2", "-Wall", "-Wno-unused-function"],
 )

@@ -258,6 +258,8 @@ static void copy_wc(struct aiodat_wc *d, const struct ibv_wc *s)
     d->sl = s->sl;
 }
 
+static int inject_notify_failures, inject_poll_failures, inject_later_chunk_failures;
+
 /* Poll up to max completions without touching the channel. */
 int aiodat_cq_poll(struct ibv_cq *cq, struct aiodat_wc *out, int max)
 {
@@ -265,7 +267,8 @@ int aiodat_cq_poll(struct ibv_cq *cq, struct aiodat_wc *out, int max)
     int total = 0;
     while (total < max) {
         int want = max - total < 32 ? max - total : 32;
-        int got = ibv_poll_cq(cq, want, wc);
+        int got = total && inject_later_chunk_failures > 0 ? (inject_later_chunk_failures--, -1)
+                                                           : ibv_poll_cq(cq, want, wc);
         if (got < 0)  /* what earlier polls took is in out already: return it; the next call fails */
             return total ? total : -EIO;
         for (int i = 0; i < got; i++)
@@ -297,15 +300,16 @@ int aiodat_cq_spin(struct ibv_cq *cq, struct aiodat_wc *out, int max, int usec)
 }
 
 /* Fault injection for aiodat's own tests (tests/test_wakeups.py): the next `count`
- * calls of one kind fail as the device could make them fail.  Never set otherwise. */
-static int inject_notify_failures, inject_poll_failures;
-
+ * calls of one kind fail as the device could make them fail (POLL_LATER_CHUNK: an
+ * ibv_poll_cq after the first of one aiodat_cq_poll).  Never set otherwise. */
 void aiodat_inject_fault(int what, int count)
 {
     if (what == AIODAT_FAULT_NOTIFY)
         inject_notify_failures = count;
     else if (what == AIODAT_FAULT_POLL)
         inject_poll_failures = count;
+    else if (what == AIODAT_FAULT_POLL_LATER_CHUNK)
+        inject_later_chunk_failures = count;
 }
 
 static int arm_cq(struct ibv_cq *cq, int solicited_only)

@@ -19,6 +19,7 @@
 #define AIODAT_CM_PRIVATE_DATA_MAX 256
 #define AIODAT_FAULT_NOTIFY 1
 #define AIODAT_FAULT_POLL 2
+#define AIODAT_FAULT_POLL_LATER_CHUNK 3
 #endif
 #else /* AIODAT_CFFI_CDEF */
 /* ---- (1) libibverbs ---------------------------------------------------- */
@@ -191,6 +192,7 @@ int rdma_set_option(struct rdma_cm_id *id, int level, int optname, void *optval,
 #define AIODAT_CM_PRIVATE_DATA_MAX ...
 #define AIODAT_FAULT_NOTIFY ...
 #define AIODAT_FAULT_POLL ...
+#define AIODAT_FAULT_POLL_LATER_CHUNK ...
 #endif /* AIODAT_CFFI_CDEF */
 
 /* ---- (2) the shim ------------------------------------------------------ */
