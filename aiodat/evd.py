@@ -444,19 +444,21 @@ class EVD(Handle, Generic[E]):
                 spin_us = 0
             else:
                 got = lib.aiodat_cq_drain(channel, self._cq, arm, wcs, room, self._status)
-            if got > 0 and self._queue_polled(got):  # (first: a failure noting the arm must not lose them)
-                notified = True
-            if arm >= 0:
-                if self._status[1] or arm or self._armed_solicited:
-                    self._note_arm(bool(arm), channel is not _NULL)
-                else:  # the common case of _note_arm, inline: an arm for every completion worked
-                    self._rearms += 1
-                    self._unarmed = False
-                arm = -1
-            elif channel is not _NULL and lazy:
-                self._unarmed = True  # the wake-up consumed the arm: whoever sleeps next arms first
-                self._arm_error = None
-            channel = _NULL
+            try:  # the arm is noted first, while _status is this drain's
+                if arm >= 0:
+                    if self._status[1] or arm or self._armed_solicited:
+                        self._note_arm(bool(arm), channel is not _NULL)
+                    else:  # the common case of _note_arm, inline: an arm for every completion worked
+                        self._rearms += 1
+                        self._unarmed = False
+                    arm = -1
+                elif channel is not _NULL and lazy:
+                    self._unarmed = True  # the wake-up consumed the arm: whoever sleeps next arms first
+                    self._arm_error = None
+            finally:  # what was polled becomes events even when that failed (a KeyboardInterrupt)
+                channel = _NULL
+                if got > 0 and self._queue_polled(got):
+                    notified = True
             if got < 0:
                 raise error_from_errno(-got, "polling the CQ")
             if got < room or room == 0:

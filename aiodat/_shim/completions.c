@@ -769,22 +769,33 @@ static int napi_arm(PyObject *evd)
     int *status = (int *)(uintptr_t)c.status;  /* the EVD's own: _note_arm reads the errno there */
     int got = drain_fn(NULL, (struct ibv_cq *)(uintptr_t)c.cq, 0, (struct aiodat_wc *)(uintptr_t)c.wcs,
                        c.room, status);
-    /* what was polled becomes events first: a failure noting the arm (a KeyboardInterrupt in
-     * _note_arm) must not lose it; a failure queueing it leaves the arm to be tried again */
-    int notified = queue_drained(evd, &c, got);
-    Py_DECREF(c.queue);
-    if (notified >= 0 && status[1]) {
+    /* the arm is noted first, while status is the drain's (queueing a full batch may drain again,
+     * into the same status) */
+    int noted = 0;
+    if (status[1]) {
         PyObject *res = PyObject_CallMethodObjArgs(evd, s_note_arm, Py_False, Py_False, NULL);
-        if (res == NULL)
-            notified = -1;
+        noted = res ? 0 : -1;
         Py_XDECREF(res);
-    } else if (notified >= 0) {
+    } else {
         unsigned long long rearms;
         PyObject *more = NULL;
         if (attr_ull(evd, s_rearms, &rearms) < 0 || (more = PyLong_FromUnsignedLongLong(rearms + 1)) == NULL
             || PyObject_SetAttr(evd, s_rearms, more) < 0 || PyObject_SetAttr(evd, s_unarmed, Py_False) < 0)
-            notified = -1;
+            noted = -1;
         Py_XDECREF(more);
+    }
+    /* what was polled becomes events even when noting the arm failed (a KeyboardInterrupt in
+     * _note_arm): that failure is held meanwhile, and reported rather than the queue's */
+    PyObject *err_type = NULL, *err_value = NULL, *err_tb = NULL;
+    if (noted < 0)
+        PyErr_Fetch(&err_type, &err_value, &err_tb);
+    int notified = queue_drained(evd, &c, got);
+    Py_DECREF(c.queue);
+    if (noted < 0) {
+        if (notified < 0)
+            PyErr_Clear();
+        PyErr_Restore(err_type, err_value, err_tb);
+        notified = -1;
     }
     if ((notified < 0 || hand_over(evd, notified) < 0)
         && hand_exception(evd, s_napi_failed, NULL, s_polling_the_cq) < 0)
