@@ -51,6 +51,16 @@ def sends_completed_blocking(pair: Any, n: int) -> None:
             done += 1
 
 
+def receives_waiting(pair: Any, n: int) -> None:
+    """Post ``n`` receives (cookies 0..n-1) on the server and send it ``n`` messages: once this
+    returns, all ``n`` receive completions wait in the server's CQ."""
+    for i in range(n):
+        pair.server.post_recv(pair.server_lmr[i * 8:(i + 1) * 8], cookie=i)
+    for i in range(n):
+        send(pair, b"m%d" % i)
+    sends_completed_blocking(pair, n)
+
+
 async def watch(evd: Any) -> None:
     """Make the loop watch the EVD's channel (a short wait that times out)."""
     with pytest.raises(aiodat.TimeoutExpired):
@@ -63,11 +73,7 @@ async def test_completions_after_a_failing_one_are_kept(ia: Any, loop_errors: Li
     in the same batch stay and come out of the next wait, in order."""
     pair = await make_ep_pair(ia)
     recv_evd = pair.server.recv_evd
-    for i in range(5):
-        pair.server.post_recv(pair.server_lmr[i * 8:(i + 1) * 8], cookie=i)
-    for i in range(5):
-        send(pair, b"m%d" % i)
-    sends_completed_blocking(pair, 5)  # all five receives now wait in the server's CQ
+    receives_waiting(pair, 5)
 
     real = pair.server._completion_event
     calls = []
@@ -102,11 +108,7 @@ async def test_a_poll_failing_after_its_first_chunk_keeps_what_that_chunk_took(i
     many = EPAttr(max_recv_dtos=64, max_request_dtos=64)
     pair = await make_ep_pair(ia, attrs=many)
     recv_evd = pair.server.recv_evd
-    for i in range(40):
-        pair.server.post_recv(pair.server_lmr[i * 8:(i + 1) * 8], cookie=i)
-    for i in range(40):
-        send(pair, b"m%d" % i)
-    sends_completed_blocking(pair, 40)  # all forty receives now wait in the server's CQ
+    receives_waiting(pair, 40)
     lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL_LATER_CHUNK, 1)
     cookies: List[int] = []
     deadline = time.monotonic() + T
