@@ -122,6 +122,7 @@ class DrainMarker:
 
 
 def wc_status_name(status: int) -> str:
+    """The ``ibv_wc_status`` name of a work completion's status number (``IBV_WC_STATUS_<n>`` if unknown)."""
     return _WC_STATUS[status] if status < len(_WC_STATUS) else f"IBV_WC_STATUS_{status}"
 
 

@@ -186,8 +186,3 @@ def test_several_devices_and_ports_non_verbose() -> None:
     assert "fw_ver" not in rxe.attr  # not printed when empty
     assert rxe.ports[1].attr["link_layer"] == 2
     assert D.parse_devinfo("") == []
-
-
-def test_public_names_have_docstrings() -> None:
-    for name in D.__all__:
-        assert getattr(D, name).__doc__, name

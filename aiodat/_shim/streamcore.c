@@ -345,19 +345,29 @@ static PyMethodDef state_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* the underscored members are StreamCore's private state; the others are public, and documented */
 #define LL(name, field) {name, T_LONGLONG, offsetof(State, field), 0, NULL}
 #define BOOL(name, field) {name, T_BOOL, offsetof(State, field), 0, NULL}
 #define OBJ(name, field) {name, T_OBJECT_EX, offsetof(State, field), 0, NULL}
+#define DOC_LL(name, field, doc) {name, T_LONGLONG, offsetof(State, field), 0, doc}
+#define DOC_BOOL(name, field, doc) {name, T_BOOL, offsetof(State, field), 0, doc}
+#define DOC_OBJ(name, field, doc) {name, T_OBJECT_EX, offsetof(State, field), 0, doc}
 
 static PyMemberDef state_members[] = {
     LL("_credits", credits), LL("_owed", owed), LL("_pending", pending), LL("_head", head),
     LL("_unsignalled", unsignalled), LL("_signal_every", signal_every), LL("_low_slots", low_slots),
     LL("_payload_max", payload_max), LL("_bulk_from", bulk_from), LL("_release_pending", release_pending),
-    LL("_peer_credits", peer_credits), LL("nslots", nslots),
-    BOOL("eof_requested", eof_requested), BOOL("eof_sent", eof_sent), BOOL("eof_received", eof_received),
+    LL("_peer_credits", peer_credits),
+    DOC_LL("nslots", nslots, "Send slots and receive slots this side has (StreamConfig.slots)."),
+    DOC_BOOL("eof_requested", eof_requested, "write_eof() or close() was called: EOF goes once the buffer is empty."),
+    DOC_BOOL("eof_sent", eof_sent, "The EOF message was sent: this side writes no more."),
+    DOC_BOOL("eof_received", eof_received, "The peer's EOF arrived: it writes no more."),
     BOOL("_reading", reading),
     OBJ("_free_slots", free_slots), OBJ("_chunks", chunks), OBJ("_posted", posted), OBJ("_recv_posted", recv_posted),
-    OBJ("_held", held), OBJ("stats", stats), OBJ("_send_cookies", send_cookies),
+    OBJ("_held", held),
+    DOC_OBJ("stats", stats, "Messages and bytes moved, a dict: data_msgs, window_writes, window_writes_overlapped, "
+                            "window_wraps, credit_msgs, bytes_sent, bytes_received (the transport's ``stats``)."),
+    OBJ("_send_cookies", send_cookies),
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -639,7 +649,8 @@ static PyMethodDef sender_methods[] = {
 };
 
 static PyMemberDef sender_members[] = {
-    {"scheduled", T_BOOL, offsetof(Sender, scheduled), READONLY, NULL},
+    {"scheduled", T_BOOL, offsetof(Sender, scheduled), READONLY,
+     "A flush of this loop iteration's writes is scheduled (call_soon) and has not run yet."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -913,11 +924,15 @@ static PyMethodDef receiver_methods[] = {
 };
 
 static PyMemberDef receiver_members[] = {
-    {"open", T_BOOL, offsetof(Receiver, open), 0, NULL},
-    {"alive", T_BOOL, offsetof(Receiver, alive), 0, NULL},
-    {"as_view", T_BOOL, offsetof(Receiver, as_view), 0, NULL},
-    {"delivered", T_BOOL, offsetof(Receiver, delivered), 0, NULL},
-    {"protocol_failed", T_BOOL, offsetof(Receiver, protocol_failed), READONLY, NULL},
+    {"open", T_BOOL, offsetof(Receiver, open), 0,
+     "False once the transport starts to close: receive() then takes nothing."},
+    {"alive", T_BOOL, offsetof(Receiver, alive), 0, "False once the connection ended: a batch is then ignored."},
+    {"as_view", T_BOOL, offsetof(Receiver, as_view), 0,
+     "Hand data_received a memoryview of the slot (a BufferedProtocol's copy) instead of a bytes object."},
+    {"delivered", T_BOOL, offsetof(Receiver, delivered), 0,
+     "A payload went to data_received in this batch (on_events resets it per batch)."},
+    {"protocol_failed", T_BOOL, offsetof(Receiver, protocol_failed), READONLY,
+     "The last receive() failed in the protocol's data_received (not in the steps around it)."},
     {NULL, 0, 0, 0, NULL},
 };
 
