@@ -139,14 +139,28 @@ async def test_websocket_echo(web: Web) -> None:
     assert ws.closed and ws.close_code == 1000
 
 
-async def test_a_zero_connect_timeout_means_no_limit(web: Web) -> None:
-    """aiohttp reads ``sock_connect=0`` as no limit, as it does for TCP; the connector used to pass
-    it on as a 0 s connect timeout, which every request failed."""
+async def test_a_zero_connect_timeout_means_no_limit(web: Web, monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiohttp reads ``sock_connect`` 0 or None as no limit, as it does for TCP; the connector used to
+    pass 0 on as a 0 s connect timeout, which every request failed, and then left both to the
+    stream's default of 30 s.  Over RDMA the stream is asked for no limit (connect_timeout None)."""
+    from aiodat.integrations import aiohttp as integration
+
     base, session = web
-    timeout = aiohttp.ClientTimeout(total=60, sock_connect=0)
-    async with aiohttp.ClientSession(connector=type(session.connector)(), timeout=timeout) as fresh:
-        async with fresh.get(f"{base}/hello") as resp:
-            assert resp.status == 200
+    asked = []
+    real = integration.create_connection
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("connect_timeout", "the default"))
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "create_connection", recording)
+    for sock_connect in (0, None, 7.5):
+        timeout = aiohttp.ClientTimeout(total=60, sock_connect=sock_connect)
+        async with aiohttp.ClientSession(connector=type(session.connector)(), timeout=timeout) as fresh:
+            async with fresh.get(f"{base}/hello") as resp:
+                assert resp.status == 200
+    if isinstance(session.connector, integration.RdmaConnector):
+        assert asked == [None, None, 7.5]
 
 
 async def test_connection_refused_is_client_connector_error(web: Web, tmp_path: Path) -> None:

@@ -252,6 +252,64 @@ async def test_a_write_cancelled_mid_rdma_write_frees_the_queue_pair_before_the_
     assert closed_with_ep_open == []
 
 
+async def test_a_read_whose_connection_ended_is_comm_closed(echo: Tuple[Any, List[Any]]) -> None:
+    """A message announced just before the connection ended: its frames' registration on the
+    stream's (now closed) PZ fails, and the read raises CommClosedError, which distributed takes
+    for a lost connection (it retries elsewhere).  It raised aiodat's InvalidHandle, which
+    distributed's gather_dep takes for a failed task."""
+    listener, _ = echo
+    comm = await connect(listener.contact_address)
+    await comm.write({"data": to_serialize(_array(1 << 20, 3))})  # echoed: announced, its frame granted on read
+    end = time.monotonic() + 30
+    while comm._inbox.messages.qsize() == 0:
+        assert time.monotonic() < end, "the echo never announced its message"
+        await asyncio.sleep(0.01)
+    comm._transport.abort()  # the connection ends, as on a DISCONNECTED: its PZ is closed
+    with pytest.raises(CommClosedError, match="receiving the frames"):
+        await comm.read()
+    assert comm.closed()
+
+
+async def test_inline_frames_arrive_in_buffers_of_their_own(echo: Tuple[Any, List[Any]]) -> None:
+    """Two arrays sent inline (under ZERO_COPY_THRESHOLD) come back over buffers of their own, so
+    keeping one does not keep the other's bytes (they shared one bytearray: the whole message)."""
+    listener, _ = echo
+    comm = await connect(listener.contact_address)
+    try:
+        first, second = _array(100_000, 1), _array(100_000, 2)
+        await comm.write({"a": to_serialize(first), "b": to_serialize(second)})
+        reply = await comm.read()
+        assert np.array_equal(reply["a"], first) and np.array_equal(reply["b"], second)
+
+        def owner(array: Any) -> Any:
+            while isinstance(getattr(array, "base", None), (np.ndarray, memoryview)):
+                array = array.base
+            return array.obj if isinstance(array, memoryview) else array.base
+
+        assert owner(reply["a"]) is not owner(reply["b"])
+        assert len(owner(reply["a"])) == 100_000
+    finally:
+        await comm.close()
+
+
+async def test_rdma_refuses_required_encryption_and_takes_the_configured_backlog(address: str) -> None:
+    """``Security(require_encryption=True)`` refuses rdma:// (no TLS) with distributed's own error,
+    as tcp:// is refused, instead of sending in clear text; the listener's backlog is
+    ``distributed.comm.socket-backlog``, as the tcp listener's (it was aiodat's default, 100)."""
+    import dask
+
+    with pytest.raises(RuntimeError, match="encryption required"):
+        await listen(f"rdma://{address}:0", lambda comm: None, require_encryption=True).start()
+    with pytest.raises(RuntimeError, match="encryption required"):
+        await connect(f"rdma://{address}:1", require_encryption=True)
+    with dask.config.set({"distributed.comm.socket-backlog": 37}):
+        listener = await listen(f"rdma://{address}:0", lambda comm: None)
+    try:
+        assert listener._server._cr_evd.qlen == 37
+    finally:
+        listener.stop()
+
+
 async def test_errors_name_what_was_wrong(address: str) -> None:
     # nothing listens on that port: distributed retries, then times out naming the address and aiodat's error
     with pytest.raises(OSError, match=rf"rdma://{address}:1\b"):

@@ -226,6 +226,26 @@ async def test_network_backend_stream(rdma_url: str) -> None:
 
 
 @pytest.mark.rxe
+async def test_no_connect_timeout_is_no_limit(rdma_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx's connect timeout None ("no limit") asks the stream for no limit; it was turned into
+    30 s, after which it raised ConnectTimeout "within None s".  A number is passed on as it is."""
+    from aiodat.integrations import httpx as integration
+
+    asked = []
+    real = integration.open_connection
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs["connect_timeout"])
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "open_connection", recording)
+    for timeout in (httpx.Timeout(None), httpx.Timeout(20.0, connect=7.5)):
+        async with httpx.AsyncClient(transport=RdmaHTTPTransport(), timeout=timeout) as client:
+            assert (await client.get(rdma_url + "/hello")).status_code == 200
+    assert asked == [None, 7.5]
+
+
+@pytest.mark.rxe
 async def test_bytes_sent_to_an_idle_connection_make_it_readable(rdma_device: Any) -> None:
     """A server that writes to an idle keep-alive connection (a 408, say) makes it ``is_readable``,
     so httpcore drops it instead of reading those bytes as the next response's; it used to stay

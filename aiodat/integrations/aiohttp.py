@@ -166,8 +166,8 @@ class RdmaConnector(BaseConnector):
             raise ClientConnectorError(req.connection_key, OSError(
                 None, f"RdmaConnector connects to the URL's host itself and cannot go through a proxy ({req.proxy})"))
         options = dict(self._options)
-        if timeout.sock_connect and "connect_timeout" not in options:  # (aiohttp: 0 or None, no limit)
-            options["connect_timeout"] = timeout.sock_connect
+        # (aiohttp reads sock_connect 0 or None as no limit: so does the stream's connect_timeout None)
+        options.setdefault("connect_timeout", timeout.sock_connect or None)
         try:
             loop = asyncio.get_running_loop()
             _, proto = await create_connection(lambda: ResponseHandler(loop), req.host, req.port, **options)

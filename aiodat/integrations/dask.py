@@ -130,14 +130,16 @@ class _Inbox:
         except Exception as exc:  # a protocol error: nothing more on this stream can be trusted
             self.end(f"the control stream failed: {exc!r}")
 
-    async def _read_msg(self, ident: int, count: int) -> Tuple[int, List[int], bytes, bytearray]:
+    async def _read_msg(self, ident: int, count: int) -> Tuple[int, List[int], bytes, List[bytearray]]:
         reader = self.reader
         lengths = list(struct.unpack(f"!{count}Q", await reader.readexactly(8 * count))) if count else []
         modes = await reader.readexactly(count)
-        inline = sum(n for n, m in zip(lengths, modes) if m == _INLINE)
-        # frames must be writable for distributed: one bytearray for the inline ones
-        data = bytearray(await reader.readexactly(inline)) if inline else bytearray()
-        return ident, lengths, modes, data
+        # Frames must be writable for distributed, and each inline frame is a bytearray of its own:
+        # an array deserialized over one must not keep the whole message's inline bytes alive
+        # (distributed's tcp comm reads such buffers into arrays of their own for the same reason).
+        inline = [bytearray(await reader.readexactly(n)) if n else bytearray()
+                  for n, m in zip(lengths, modes) if m == _INLINE]
+        return ident, lengths, modes, inline
 
     def end(self, reason: str) -> None:
         """The connection is over: wake every waiter with CommClosedError (once: each getter puts
@@ -237,8 +239,8 @@ class RDMAComm(Comm):
         if self._closed:
             raise CommClosedError(f"{self!r}: read on a closed comm")
         with _abort_on_failure(self):
-            ident, lengths, modes, data = await self._inbox.get(self._inbox.messages)
-            frames = await self._receive_frames(ident, lengths, modes, data)
+            ident, lengths, modes, inline = await self._inbox.get(self._inbox.messages)
+            frames = await self._receive_frames(ident, lengths, modes, inline)
         try:
             return await from_frames(frames, deserialize=self.deserialize, deserializers=deserializers,
                                      allow_offload=self.allow_offload)
@@ -247,15 +249,13 @@ class RDMAComm(Comm):
             raise CommClosedError(f"{self!r}: aborted on truncated data")
 
     async def _receive_frames(self, ident: int, lengths: Sequence[int], modes: bytes,
-                              data: bytearray) -> List[Union[memoryview, bytearray]]:
-        inline = memoryview(data)
+                              inline: List[bytearray]) -> List[Union[memoryview, bytearray]]:
+        inline_frames = iter(inline)
         frames: List[Any] = []
         remote: List[memoryview] = []
-        pos = 0
         for n, mode in zip(lengths, modes):
             if mode == _INLINE:
-                frames.append(inline[pos:pos + n])
-                pos += n
+                frames.append(next(inline_frames))
             else:
                 buf = host_array(n)
                 frames.append(buf)
@@ -277,6 +277,8 @@ class RDMAComm(Comm):
                 self._send(_ACK, ident, 0)
                 if last:
                     break
+        except DATError as exc:  # (the connection ended under us: the stream's teardown closed the PZ)
+            raise CommClosedError(f"{self!r}: receiving the frames of message {ident} failed: {exc}") from exc
         finally:
             for lmr in lmrs:
                 _close_quietly(lmr)
@@ -419,6 +421,14 @@ def _address(host_port: Tuple[Any, ...]) -> str:
     return PREFIX + unparse_host_port(host_port[0], host_port[1])
 
 
+def _refuse_required_encryption(address: str, connection_args: Dict[str, Any]) -> None:
+    """rdma:// carries no TLS: refuse it when the Security config requires encryption, as
+    distributed's tcp:// does when it is not tls:// (rather than sending in clear text)."""
+    if connection_args.get("require_encryption"):
+        raise RuntimeError(f"encryption required by Dask configuration, refusing communication from/to "
+                           f"{PREFIX}{address!r}: rdma:// is not encrypted")
+
+
 class RDMAConnector(Connector):
     """Opens ``rdma://host:port`` comms (an aiodat stream to the listener there)."""
 
@@ -426,6 +436,7 @@ class RDMAConnector(Connector):
         """Connect; failures raise CommClosedError naming the address (distributed retries those
         until its connect timeout), or FatalCommClosedError when retrying cannot help (no RDMA
         device, a bad option, what aiodat does not support)."""
+        _refuse_required_encryption(address, connection_args)
         host, port = parse_host_port(address)
         try:
             reader, writer = await open_connection(host, port)
@@ -446,6 +457,7 @@ class RDMAListener(BaseListener):
     def __init__(self, address: str, comm_handler: Any, deserialize: bool = True, allow_offload: bool = True,
                  default_host: Optional[str] = None, default_port: int = 0, **connection_args: Any) -> None:
         super().__init__()
+        _refuse_required_encryption(address, connection_args)
         self.ip, self.port = parse_host_port(address, default_port)
         self.default_host = default_host
         self.comm_handler = comm_handler
@@ -455,7 +467,9 @@ class RDMAListener(BaseListener):
 
     async def start(self) -> None:
         """Start listening (raises aiodat's InvalidAddress when no RDMA device has the host's address)."""
-        self._server = await start_server(self._on_stream, self.ip or None, self.port)
+        # (the backlog of distributed's tcp listener: a worker may get a connection from every peer at once)
+        backlog = int(dask.config.get("distributed.comm.socket-backlog"))
+        self._server = await start_server(self._on_stream, self.ip or None, self.port, backlog=backlog)
 
     def stop(self) -> None:
         """Stop listening; comms already accepted stay open."""

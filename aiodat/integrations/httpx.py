@@ -180,11 +180,9 @@ class RdmaNetworkBackend(httpcore.AsyncNetworkBackend):
             raise ModelNotSupported("local_address has no meaning for an RDMA connection (the IA decides)")
         if socket_options:
             raise ModelNotSupported("socket_options have no meaning for an RDMA connection (there is no socket)")
-        connect_timeout = 30.0 if timeout is None else timeout
-        try:
+        try:  # (timeout None: httpx's "no limit", and the stream's)
             reader, writer = await asyncio.wait_for(
-                open_connection(host, port, ia=self._ia, connect_timeout=connect_timeout, **self._options),
-                timeout)
+                open_connection(host, port, ia=self._ia, connect_timeout=timeout, **self._options), timeout)
         except asyncio.TimeoutError as exc:  # asyncio's own, and aiodat's TimeoutExpired
             raise httpcore.ConnectTimeout(f"no RDMA connection to {host}:{port} within {timeout} s") from exc
         except (ConnectionError, OSError, DATError) as exc:  # (DATError: no device, no resources...)
