@@ -4,7 +4,8 @@
 object (bytearray, memoryview, mmap, array.array, numpy array).  The LMR holds
 an export of the buffer while it is registered, so the buffer cannot move: a
 registered bytearray refuses to resize (BufferError) instead of corrupting
-memory.  ``lmr[a:b]`` is a :class:`Segment` to post; ``lmr.remote()`` is a
+memory.  A ctypes object that owns its memory is refused: ctypes.resize()
+ignores exports.  ``lmr[a:b]`` is a :class:`Segment` to post; ``lmr.remote()`` is a
 :class:`RemoteRegion` a peer can target with RDMA.
 """
 from __future__ import annotations
@@ -284,6 +285,12 @@ class LMR(Handle):
             raise InvalidParameter(f"cannot register this {type(buffer).__name__}: {exc}") from None
         cdata = None
         try:
+            if getattr(view.obj, "_b_needsfree_", False):  # (a ctypes object that owns its memory)
+                raise InvalidParameter(
+                    f"cannot register a {type(view.obj).__name__} that owns its memory: ctypes.resize() moves it "
+                    f"whatever exports it (the device would write into freed memory); register a bytearray, mmap or "
+                    f"numpy array, or a ctypes object made over one with from_buffer()"
+                )
             if not view.c_contiguous:
                 raise InvalidParameter("cannot register a non-contiguous buffer")
             writes = privileges & (Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE | Privileges.REMOTE_ATOMIC)
@@ -339,7 +346,9 @@ class LMR(Handle):
     def memoryview(self) -> memoryview:
         """The registered bytes (a byte-format view of the buffer)."""
         self._check()
-        return self._view.cast("B") if self._view.format != "B" or self._view.ndim != 1 else self._view
+        # a new view each time: the caller may release it (``with lmr.memoryview() as mv``), and
+        # the LMR's own view cannot be released while the registration exports it
+        return self._view.cast("B") if self._view.format != "B" or self._view.ndim != 1 else self._view[:]
 
     def remote(self) -> RemoteRegion:
         """The whole LMR as a region a peer can target with RDMA."""
@@ -523,6 +532,7 @@ class RMR(Handle):
         self._raw.need(ep._raw)
         if waiter is not None:
             ep.request_evd._awaited += 1  # polled even if the EVD is full (docs/events.md)
+            ep.request_evd._rearm_fully()  # its channel event must come (a solicited wait may have narrowed the arm)
         return new_rkey
 
     def _check_bind(self, segment: Any, privileges: Any) -> Tuple[Segment, Privileges]:

@@ -336,9 +336,10 @@ class SRQ(Handle):
         self._check()
         if lib.ibv_query_srq(self._srq, self._attr):
             raise error_from_errno(ffi.errno, "querying the SRQ (ibv_query_srq)")
+        # (a limit of 0 while armed is the device disarming itself: its event is on its way to the
+        # async fd, and _on_async_event disarms; clearing _armed here would make a low_watermark()
+        # that looks in between refuse to wait for that event)
         limit = self._attr.srq_limit
-        if not limit:
-            self._armed = False
         not_completed = len(self._posted)
         return SRQParam(
             ia=self._ia, pz=self._pz, state=self._state,
@@ -434,7 +435,7 @@ class SRQ(Handle):
         if self._lw_fired:
             self._lw_fired = False
             return
-        if not self._armed or not self.query().low_watermark:
+        if not self._armed:
             raise InvalidState("the SRQ's low watermark is not armed: call srq.set_lw(n) first")
         fut: "asyncio.Future[None]" = loop.create_future()
         self._waiters.append(fut)

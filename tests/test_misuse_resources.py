@@ -233,6 +233,43 @@ async def test_registering_a_released_memoryview_is_invalid_parameter(ia: Any, l
 
 
 @pytest.mark.rxe
+async def test_a_ctypes_object_owning_its_memory_is_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """ctypes.resize() frees and moves a ctypes object's own memory whatever exports it, so the
+    device could write into freed memory: registering one (or a view of one) is InvalidParameter,
+    nothing registered.  One made with from_buffer() over a bytearray cannot move: it registers."""
+    import ctypes
+
+    pz = ia.create_pz()
+    owning = (ctypes.c_ubyte * 64)()
+    for buffer in (owning, memoryview(owning)):
+        with pytest.raises(aiodat.InvalidParameter, match="c_ubyte_Array_64 that owns its memory"):
+            pz.register(buffer)
+        with pytest.raises(aiodat.InvalidParameter, match="owns its memory"):
+            await pz.register_async(buffer)
+    assert not list(pz._children)
+    ctypes.resize(owning, 128)  # (no export was left behind by the refusal)
+    backing = bytearray(64)
+    lmr = pz.register((ctypes.c_ubyte * 64).from_buffer(backing))
+    lmr.memoryview()[:4] = b"ping"
+    assert backing[:4] == b"ping"
+    lmr.free()
+
+
+@pytest.mark.rxe
+async def test_lmr_memoryview_can_be_released(ia: Any, loop_errors: List[dict]) -> None:
+    """``with lmr.memoryview() as mv`` releases a view of its own: it raised BufferError, the
+    LMR's own view being exported to the registration.  The LMR works on after it."""
+    buf = bytearray(64)
+    lmr = ia.create_pz().register(buf)
+    with lmr.memoryview() as mv:
+        mv[:4] = b"ping"
+    with lmr.memoryview().cast("B", (8, 8)) as rows:
+        assert bytes(rows.tolist()[0]) == b"ping\0\0\0\0"
+    assert bytes(lmr.memoryview()[:4]) == b"ping" and bytes(lmr[0:4].memoryview()) == b"ping"
+    lmr.free()
+
+
+@pytest.mark.rxe
 async def test_segments_no_repr_can_show_are_length_errors(ia: Any, loop_errors: List[dict]) -> None:
     """lmr.segment and Segment with an offset or length too long for repr() raise LengthError naming
     its size (they raised ValueError from building the message)."""
@@ -369,6 +406,52 @@ async def test_a_datagram_timeout_that_expires_logs_nothing(ia: Any, loop_errors
     with pytest.raises(aiodat.TimeoutExpired, match="no answer within 0.2s"):
         await ep.join_multicast("239.1.2.4", timeout=0.2)
     gc.collect()
+    await asyncio.sleep(0.1)
+    assert _routes(ia) == routes and not list(ep._children)
+
+
+def _absent_neighbour(ia: Any) -> Tuple[str, str]:
+    """The IA's netdev and an address in its IPv4 subnet that nothing answers (the test bed's dummy
+    netdev has ARP off: the caller turns it on, so that resolving the address waits for a reply)."""
+    import ipaddress
+    import os
+    import subprocess
+    from pathlib import Path
+
+    netdev = Path(f"/sys/class/infiniband/{ia.device_name}/ports/{ia.port}/gid_attrs/ndevs/0")
+    if os.geteuid() != 0 or not netdev.exists() or ":" in (ia.address or ":"):
+        pytest.skip("needs root and a RoCE port with an IPv4 address (run under aiodat rxe run)")
+    name = netdev.read_text().strip()
+    shown_addrs = subprocess.run(["ip", "-o", "-4", "addr", "show", "dev", name], capture_output=True, text=True,
+                                 check=True).stdout.split()
+    ours = ipaddress.ip_interface(next(word for word in shown_addrs if word.startswith(ia.address + "/")))
+    absent = next(host for host in reversed(list(ours.network.hosts())) if host != ours.ip)
+    return name, str(absent)
+
+
+@pytest.mark.rxe
+async def test_a_resolution_the_cm_times_out_raises_the_cms_error(ia: Any, loop_errors: List[dict]) -> None:
+    """rdma_cm's own timeout (no ARP reply: RDMA_CM_EVENT_ADDR_ERROR, ETIMEDOUT) comes out as it is,
+    a TimeoutExpired naming the event.  It was taken for the caller's timeout expiring, being a
+    TimeoutError too: "no answer within Nones" with no timeout, "within 30.0s" after 2 s."""
+    import subprocess
+
+    netdev, absent = _absent_neighbour(ia)
+    ep = ia.create_ep(ia.create_pz(), attrs=UD)
+    routes = _routes(ia)
+    from pathlib import Path
+
+    noarp = int(Path(f"/sys/class/net/{netdev}/flags").read_text(), 16) & 0x80  # IFF_NOARP
+    subprocess.run(["ip", "link", "set", "dev", netdev, "arp", "on"], check=True)
+    try:
+        for timeout in (None, T):
+            with pytest.raises(aiodat.TimeoutExpired) as info:
+                await ep.resolve_datagram(absent, 4791, timeout=timeout)
+            assert "timed out (RDMA_CM_EVENT_ADDR_ERROR)" in str(info.value), str(info.value)
+    finally:
+        subprocess.run(["ip", "neigh", "flush", "dev", netdev], check=False)
+        if noarp:
+            subprocess.run(["ip", "link", "set", "dev", netdev, "arp", "off"], check=True)
     await asyncio.sleep(0.1)
     assert _routes(ia) == routes and not list(ep._children)
 
