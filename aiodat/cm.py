@@ -279,7 +279,7 @@ class CMChannel:
         #: cm_id -> the weak route to its Connection, PSP, CR or datagram resolution (see _Route)
         self._routes: Dict[int, _Route] = {}
         self._buf = ffi.new("struct aiodat_cm_event *")
-        self._sockaddrs: Dict[Tuple[str, int], Tuple[Any, Any]] = {}  # numeric addresses used: their sockaddrs
+        self._sockaddrs: Dict[Tuple[str, int], Any] = {}  # numeric addresses used: their sockaddrs
         # the loop keeps the channel (its fd) while it watches it, even if the IA is dropped
         self.watch = FdWatch(self.channel.fd, self._on_readable, "rdma_cm event channel", keep=self._raw)
 
@@ -297,19 +297,22 @@ class CMChannel:
         return self.sockaddr(require_address(self._ia, "connect from"), 0)
 
     def sockaddr(self, host: str, port: int) -> Any:
-        """``host:port`` as a ``struct sockaddr *`` (rdma_cm copies it).  A numeric one is kept (its
-        storage with it): a program connects to the same few peers again and again; a name is
-        looked up each time."""
+        """``host:port`` as a ``struct sockaddr *`` that owns its storage (rdma_cm copies it; the
+        caller holds the pointer across the call).  A numeric one is kept: a program connects to
+        the same few peers again and again; a name is looked up each time."""
         key = (host, port) if type(host) is str and type(port) is int else None  # (else _sockaddr says why not)
-        kept = self._sockaddrs.get(key) if key is not None else None
-        if kept is None:
+        addr = self._sockaddrs.get(key) if key is not None else None
+        if addr is None:
             storage = _sockaddr(host, port, _family(self._ia.address or ""))
-            kept = (storage, ffi.cast("struct sockaddr *", storage))
+            # Not ffi.cast: a cast does not keep ``storage`` alive, so an address not kept here (an
+            # int-subclass port, a str-subclass host, a name) was freed before rdma_cm read it, and a
+            # cleared cache freed one a caller still held.  A pointer from a buffer keeps the buffer.
+            addr = ffi.from_buffer("struct sockaddr *", ffi.buffer(storage))
             if key is not None and _is_numeric(host):
                 if len(self._sockaddrs) >= 256:
                     self._sockaddrs.clear()
-                self._sockaddrs[key] = kept
-        return kept[1]
+                self._sockaddrs[key] = addr
+        return addr
 
     def own_id(self, owner: Any, cm_id: Any) -> None:
         """Route ``cm_id``'s events to ``owner`` (held weakly); if the owner is dropped unclosed,
@@ -495,15 +498,17 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     _check_can_connect(ep)
     require_address(ep._ia, "connect from")
     _check_family(ep._ia, host)
+    check_port(port, lowest=1)  # (port 0 is a listener's "pick one", never a peer's)
     pdata = _private(private_data, CONNECT_PRIVATE_DATA_MAX, "connect")
     timeout = check_timeout(timeout)
     ia = ep._ia
     cm = ia._cm
     dst = cm.sockaddr(host, port)
+    src = cm.source()  # (before the cm_id: an InvalidAddress here must not leave one behind)
     ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)
     cm_id = cm.create_id(ep._conn, lib.RDMA_PS_TCP)
     resolve_ms = int(min(timeout, _RESOLVE_MS / 1000) * 1000) if timeout else _RESOLVE_MS
-    if lib.rdma_resolve_addr(cm_id, cm.source(), dst, resolve_ms):
+    if lib.rdma_resolve_addr(cm_id, src, dst, resolve_ms):
         err = ffi.errno
         cm.destroy_id(cm_id)
         raise error_from_errno(err, f"resolving {host}:{port}")
@@ -642,6 +647,9 @@ def _disconnect(ep: "EP") -> int:
 
 def _fail_connect(ep: "EP", etype: EventType, reason: str, pdata: bytes = b"") -> None:
     _cancel_timer(ep)
+    # QP to ERR, as a timed-out or cancelled attempt does: receives posted before the connect
+    # flush (in INIT or RTS they would wait for ever, with no event)
+    ep._to_error(check=False)
     ep._conn.state = EPState.DISCONNECTED
     _notify(ep, etype, pdata, reason)
 
@@ -697,7 +705,7 @@ async def connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     """``await ep.connect(...)``: see :meth:`aiodat.EP.connect`."""
     _check_can_connect(ep)
     require_address(ep._ia, "connect from")
-    check_port(port)
+    check_port(port, lowest=1)
     timeout = check_timeout(timeout)
     host, timeout = await resolve_within(host, _family(ep._ia.address or ""), timeout)
     fut: "asyncio.Future[ConnectionEvent]" = asyncio.get_running_loop().create_future()
@@ -748,6 +756,10 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
         return
     if conn.state is EPState.ERROR:
         graceful = False  # the QP broke: nothing posted on it completes any more; the DREQ goes at once
+        # The break may have overtaken a disconnect under way: as in DISCONNECT_PENDING, one
+        # awaiting task at a time (else the first one's waiter was overwritten and never woken).
+        if waiter is not None and conn.waiter is not None and not conn.waiter.done():
+            raise InvalidState("a task already awaits this EP's disconnect")
     elif conn.state is not EPState.CONNECTED:
         raise InvalidState(f"cannot disconnect an EP in state {conn.state.value}")
     try:
@@ -766,11 +778,26 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
     if drain:
         _start_drain(ep, loop, timeout or GRACEFUL_DRAIN_TIMEOUT, timeout, waiter)  # type: ignore[arg-type]
         return
+    inherited = None
+    if conn.state is EPState.ERROR:
+        # A disconnect the break overtook ends with this one: its drain stops (the DREQ goes now),
+        # its DREP timer gives way to this call's (it stays if this call has no timeout), and a
+        # task awaiting it keeps waiting for this call's DREP.
+        kept_timer = None
+        if timeout is None:
+            kept_timer, conn.timer = conn.timer, None
+        _cancel_timer(ep)
+        conn.timer = kept_timer
+        if waiter is None and conn.waiter is not None and not conn.waiter.done():
+            waiter = inherited = conn.waiter
     conn.waiter = waiter
     conn.state = EPState.DISCONNECT_PENDING
     err = _disconnect(ep)
     if err:
+        _cancel_timer(ep)
         conn.state = EPState.DISCONNECTED
+        if inherited is not None:  # the task awaiting the earlier disconnect: it is over
+            _notify(ep, EventType.CONNECTION_EVENT_DISCONNECTED, reason=f"rdma_disconnect failed: {os.strerror(err)}")
         conn.waiter = None  # the caller gets the error: later events go to the connect EVD
         raise error_from_errno(err, "rdma_disconnect")
     _start_timer(ep, timeout, EventType.CONNECTION_EVENT_DISCONNECTED, "waiting for the DREP")
@@ -927,7 +954,11 @@ class Listener(Handle):
         except BaseException:
             self._discard()
             raise
-        self._cm_id = ia._cm.create_id(self, port_space)
+        try:
+            self._cm_id = ia._cm.create_id(self, port_space)
+        except BaseException:  # (else the half-made listener stays the IA's, and keeps its cr_evd in use)
+            self._discard()
+            raise
         if lib.rdma_bind_addr(self._cm_id, ffi.cast("struct sockaddr *", addr)):
             err = ffi.errno
             self._discard()

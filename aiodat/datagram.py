@@ -49,6 +49,7 @@ from aiodat.cm import (
     _family,
     _private,
     _send_conn,
+    check_port,
     check_timeout,
     _sockaddr,
     listen_address,
@@ -222,18 +223,20 @@ def _event_name(kind: int) -> str:
 async def _await(res: _Resolution, timeout: Optional[float]) -> Any:
     try:
         return await asyncio.wait_for(asyncio.shield(res.fut), timeout)
-    except asyncio.TimeoutError:
-        # (cancelled, not failed: nobody awaits res.fut any more, and a failed one would be
-        # logged as "Future exception was never retrieved")
-        if not res.fut.done():
-            res.fut.cancel()
+    except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+        fut = res.fut
+        if fut.done() and not fut.cancelled() and fut.exception() is exc:
+            raise  # the resolution's own failure (rdma_cm's ETIMEDOUT is a TimeoutExpired too)
+        if not fut.done():
+            # (cancelled, not failed: nobody awaits res.fut any more, and a failed one would be
+            # logged as "Future exception was never retrieved")
+            fut.cancel()
+        elif not fut.cancelled() and fut.exception() is None:
+            fut.result().close()  # it came as the wait ended: nobody takes it
         res.destroy()
+        if isinstance(exc, asyncio.CancelledError):
+            raise
         raise TimeoutExpired(f"{res.what}: no answer within {timeout}s") from None
-    except asyncio.CancelledError:
-        if not res.fut.done():
-            res.fut.cancel()
-        res.destroy()
-        raise
 
 
 async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes = b"",
@@ -241,19 +244,21 @@ async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes =
     """``await ep.resolve_datagram(host, port)``: see :meth:`aiodat.EP.resolve_datagram`."""
     _check_ud(ep, "resolve_datagram")
     require_address(ep._ia, "resolve a datagram peer from")
+    check_port(port, lowest=1)  # (port 0 is a listener's "pick one", never a peer's)
     pdata = _private(private_data, RESOLVE_PRIVATE_DATA_MAX, "resolve_datagram")
     timeout = check_timeout(timeout)
     ia = ep._ia
     host, timeout = await resolve_within(host, _family(ia.address or ""), timeout)
     _check_ud(ep, "resolve_datagram")  # again: the EP, its PZ or its IA may have closed during the lookup
     _check_family(ia, host)
-    dst = ia._cm.sockaddr(host, port)
+    dst = ia._cm.sockaddr(host, port)  # (a pointer that owns its storage: held until rdma_resolve_addr)
+    src = ia._cm.source()  # (before the resolver's cm_id: an InvalidAddress here must not leave one behind)
     ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)
     fut: "asyncio.Future[AddressHandle]" = asyncio.get_running_loop().create_future()
     res = _Resolver(ep, fut, f"resolve_datagram {host}:{port}")
     res.pdata = pdata
     res.address = (host, port)
-    if lib.rdma_resolve_addr(res.cm_id, ia._cm.source(), dst, _RESOLVE_MS):
+    if lib.rdma_resolve_addr(res.cm_id, src, dst, _RESOLVE_MS):
         err = ffi.errno
         res.destroy()
         raise error_from_errno(err, f"resolving {host}:{port}")

@@ -449,3 +449,31 @@ async def test_retry_count_and_ack_timeout_reach_the_qp(ia: Any, loop_errors: Li
         name = next(iter(bad))
         with pytest.raises(aiodat.InvalidParameter, match=f"EPAttr.{name}"):
             ia.create_ep(ia.create_pz(), attrs=EPAttr(**bad))
+
+
+async def test_a_rejected_connect_flushes_the_receives_posted_before_it(ia: Any, loop_errors: List[dict]) -> None:
+    """Receives posted before a connect that is rejected (nothing listens on the port) complete as
+    flushed (IBV_WC_WR_FLUSH_ERR) with their cookies, awaited or nowait, as after a timed-out or
+    cancelled connect.  A rejected (or unreachable, or unresolved) connect left the QP in INIT, so
+    they never completed and made no event."""
+    psp, _ = listen(ia)
+    port = psp.port
+    psp.free()  # now nothing listens there
+    pz = ia.create_pz()
+    lmr = pz.register(bytearray(3 * 64))
+    for nowait in (False, True):
+        client = ia.create_ep(pz)
+        for i in range(3):
+            client.post_recv(lmr[i * 64:(i + 1) * 64], cookie=(nowait, i))
+        if nowait:
+            client.connect_nowait(ia.address, port, timeout=T)
+            await next_event(client.connect_evd, EventType.CONNECTION_EVENT_NON_PEER_REJECTED)
+        else:
+            with pytest.raises(aiodat.NonPeerRejected):
+                await client.connect(ia.address, port, timeout=T)
+        assert client.state is EPState.DISCONNECTED
+        flushed = await client.recv_evd.wait(threshold=3, timeout=10)
+        assert [e.cookie for e in flushed] == [(nowait, 0), (nowait, 1), (nowait, 2)]
+        assert all(e.status == "IBV_WC_WR_FLUSH_ERR" and e.flushed for e in flushed)
+        client.close()
+    lmr.free()

@@ -99,6 +99,8 @@ async def test_datagram_errors(ia: Any) -> None:
     assert str(port) in str(info.value)
     with pytest.raises(aiodat.InvalidParameter, match="not a multicast address"):
         await client.join_multicast("10.1.2.3")
+    with pytest.raises(aiodat.InvalidParameter, match="port must be an int between 1 and 65535, got 0"):
+        await client.resolve_datagram(ia.address, 0, timeout=T)  # (0 is a listener's "pick one")
 
 
 async def test_multicast_join_send_receive_leave(ia: Any) -> None:

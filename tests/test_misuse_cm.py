@@ -453,3 +453,140 @@ async def test_an_accept_whose_rep_failed_flushes_the_eps_receives(ia: Any, loop
     event.cr.close()
     server.close()
     client.close()
+
+
+async def test_an_address_the_ia_does_not_keep_lives_until_rdma_cm_reads_it(
+        ia: Any, loop_errors: List[dict], monkeypatch: Any) -> None:
+    """connect with an IntEnum port, or a str-subclass host, reaches a real PSP.  The IA's sockaddr
+    cache keeps only plain str/int addresses; any other address's storage was freed as
+    ``CMChannel.sockaddr`` returned (it returned a cffi cast, which keeps nothing alive), so
+    rdma_resolve_addr read freed memory.  Here every sockaddr's storage is watched, and same-sized
+    cffi buffers are filled with 0xff as the cm_id is made (between the sockaddr and
+    rdma_resolve_addr): on the old code the storage was dead there every time, and the address
+    rdma_cm then read was garbage."""
+    import enum
+    import weakref
+
+    import aiodat.cm
+    from aiodat._lib import ffi
+
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+
+    class Host(str):
+        pass
+
+    made: List[Any] = []
+    real_sockaddr = aiodat.cm._sockaddr
+
+    def recording(*args: Any) -> Any:
+        storage = real_sockaddr(*args)
+        made.append(weakref.ref(storage))
+        return storage
+
+    alive: List[bool] = []
+    scratch: List[Any] = []  # (held to the end: the freed block stays theirs)
+    real_create_id = ia._cm.create_id
+
+    def scribbling(owner: Any, port_space: int) -> Any:
+        alive.append(all(ref() is not None for ref in made))
+        size = ffi.sizeof("struct sockaddr_storage")
+        for _ in range(256):
+            buf = ffi.new("struct sockaddr_storage *")
+            ffi.buffer(buf)[:] = b"\xff" * size
+            scratch.append(buf)
+        return real_create_id(owner, port_space)
+
+    monkeypatch.setattr(aiodat.cm, "_sockaddr", recording)
+    monkeypatch.setattr(ia._cm, "create_id", scribbling)
+
+    class Port(enum.IntEnum):
+        PSP = psp.port
+
+    port = Port.PSP
+    for host, to in ((ia.address, port), (Host(ia.address), psp.port)):
+        client, server = ia.create_ep(pz), ia.create_ep(pz)
+        made.clear()  # (this connect's sockaddrs only)
+        connecting = asyncio.ensure_future(client.connect(host, to, timeout=T))
+        await (await cr_evd.wait_one(timeout=T)).cr.accept(server, timeout=T)
+        await asyncio.wait_for(connecting, T)
+        assert client.state is EPState.CONNECTED, (host, to)
+        await client.disconnect(timeout=T)
+    assert alive == [True, True], "a sockaddr's storage was freed before rdma_resolve_addr read it"
+
+
+async def test_connecting_to_port_0_is_refused_before_anything_is_sent(ia: Any, loop_errors: List[dict]) -> None:
+    """Port 0 is a listener's "pick one", never a peer's: connect and connect_nowait raise
+    InvalidParameter naming the port, and the EP stays UNCONNECTED with no cm_id.  Both took
+    it (the connect paths checked ports from 0) and sent a request to port 0."""
+    ep = ia.create_ep(ia.create_pz())
+    routes = _routes(ia)
+    with pytest.raises(aiodat.InvalidParameter, match="port must be an int between 1 and 65535, got 0"):
+        await ep.connect(ia.address, 0, timeout=T)
+    with pytest.raises(aiodat.InvalidParameter, match="port must be an int between 1 and 65535, got 0"):
+        ep.connect_nowait(ia.address, 0, timeout=T)
+    assert ep.state is EPState.UNCONNECTED and ep._cm_id == aiodat._lib.ffi.NULL
+    assert _routes(ia) == routes
+
+
+async def test_a_disconnect_the_break_overtook_still_wakes_its_task(ia: Any, loop_errors: List[dict]) -> None:
+    """An awaited graceful disconnect is draining (behind a send the peer never takes) when the QP
+    breaks (ERROR): a second awaited disconnect raises InvalidState, as in DISCONNECT_PENDING, and
+    a disconnect_nowait sends the DREQ at once, whose DREP wakes the first task.  In ERROR a later
+    call used to replace the first task's waiter (the second awaited call took the outcome, the
+    nowait one dropped it to the connect EVD) and leave its drain running: the first task waited
+    for ever.  ``cm.broken`` stands in for the device's fatal QP event, which rxe cannot raise."""
+    from aiodat import cm
+
+    pair = await make_ep_pair(ia)
+    try:
+        pair.client.post_send(pair.client_lmr[0:64], cookie="stuck")  # the server posted no receive
+        first = asyncio.ensure_future(pair.client.disconnect(timeout=T))
+        for _ in range(100):
+            if pair.client.state is EPState.DISCONNECT_PENDING:
+                break
+            await asyncio.sleep(0.01)
+        assert pair.client.state is EPState.DISCONNECT_PENDING and pair.client._conn.drain is not None
+        cm.broken(pair.client, "test: the QP broke during the drain")
+        assert pair.client.state is EPState.ERROR
+        with pytest.raises(aiodat.InvalidState, match="a task already awaits this EP's disconnect"):
+            await pair.client.disconnect(timeout=T)
+        assert not first.done() and pair.client.state is EPState.ERROR
+        pair.client.disconnect_nowait()  # (abrupt in ERROR: the DREQ goes now, the drain is over)
+        await asyncio.wait_for(first, T)
+        assert pair.client.state is EPState.DISCONNECTED
+        assert (await pair.client.connect_evd.wait_one(timeout=T)).type is EventType.CONNECTION_EVENT_BROKEN
+        assert pair.client.connect_evd.dequeue() is None  # the DISCONNECTED went to the first task
+        ev = await pair.server.connect_evd.wait_one(timeout=T)
+        assert ev.type is EventType.CONNECTION_EVENT_DISCONNECTED
+    finally:
+        pair.close()
+
+
+async def test_a_psp_whose_cm_id_cannot_be_made_leaves_nothing_behind(
+        ia: Any, loop_errors: List[dict], monkeypatch: Any) -> None:
+    """create_psp raises rdma_create_id's error and leaves nothing: no half-made PSP among the
+    IA's objects, and its cr_evd frees.  The half-made PSP stayed the IA's, so cr_evd.free() was
+    refused (a PSP still delivered to it).  The failure is faked: nothing public makes
+    rdma_create_id fail."""
+    import errno
+
+    from aiodat.errors import error_from_errno
+
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    children = dict(ia._children)
+
+    def failing(owner: Any, port_space: int) -> Any:
+        raise error_from_errno(errno.ENOMEM, "creating an rdma_cm id")
+
+    monkeypatch.setattr(ia._cm, "create_id", failing)
+    with pytest.raises(aiodat.InsufficientResources, match="creating an rdma_cm id"):
+        ia.create_psp_any(cr_evd)
+    monkeypatch.undo()
+    assert dict(ia._children) == children
+    cr_evd.free()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)  # the IA still listens
+    psp = ia.create_psp_any(cr_evd)
+    psp.free()
+    cr_evd.free()
