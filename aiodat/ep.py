@@ -355,6 +355,9 @@ class EP(Posting, Handle):
         if state not in (EPState.DISCONNECTED, EPState.ERROR, EPState.UNCONNECTED):
             raise InvalidState(f"cannot reset an EP in state {state.value}")
         cm.detach_cm_id(self)
+        # Polled before the RESET too: mlx5, mlx4 and hns clean the QP's completions out of its CQs
+        # on that transition; and after it, for what rxe's tasks flushed meanwhile.
+        self._poll_completions(reset=True)
         attr = ffi.new("struct ibv_qp_attr *")
         attr.qp_state = lib.IBV_QPS_RESET
         err = lib.ibv_modify_qp(self._qp, attr, lib.IBV_QP_STATE)
@@ -403,7 +406,8 @@ class EP(Posting, Handle):
         matters for receives taken from an SRQ, which come back to its count (and their events to a
         shared EVD); else the SRQ would count their buffers as posted for ever.  On a ``reset`` it
         matters for every request the disconnect flushed: their events, with the program's cookies,
-        go to the EP's EVDs (which stay), instead of being lost."""
+        go to the EP's EVDs (which stay), instead of being lost.  A full EVD is polled all the same,
+        its overflow reported (docs/events.md): the completions cannot wait in the CQ any more."""
         if reset:
             evds = [self.recv_evd, self.request_evd]
         else:
@@ -411,10 +415,13 @@ class EP(Posting, Handle):
         for evd in dict.fromkeys(evds):  # (one EVD may take both)
             if evd.closed:
                 continue
+            evd._awaited += 1  # polled even when the EVD is full: after this, no EP claims them
             try:
                 notified = evd._drain_cq(rearm=False, arm_if_unarmed=False)
             except DATError:
                 continue  # (the close goes on; the EVD's next wait meets the broken CQ itself)
+            finally:
+                evd._awaited -= 1
             if notified and (reset or evd not in self._own_evds):
                 evd._queued_aside()
 

@@ -424,6 +424,7 @@ class EVD(Handle, Generic[E]):
             backlog, self._backlog = self._backlog, []
             notified = self._queue_completions(iter(backlog))
         queue = self._queue
+        queued = len(queue)
         channel = self._channel if rearm else _NULL
         lazy = napi and not self._solicited
         if rearm:
@@ -431,7 +432,8 @@ class EVD(Handle, Generic[E]):
         else:
             arm = (1 if self._solicited else 0) if self._unarmed and arm_if_unarmed and not spin_us else -1
         while True:
-            if self._awaited:
+            awaited = self._awaited  # (read once: the awaited completion, polled below, lowers it)
+            if awaited:
                 room = 64
             else:
                 room = self._qlen - len(queue)
@@ -462,8 +464,9 @@ class EVD(Handle, Generic[E]):
             if got < 0:
                 raise error_from_errno(-got, "polling the CQ")
             if got < room or room == 0:
-                if self._awaited and len(queue) > self._qlen:
-                    self._report_overflow(queue[-1])
+                over = len(queue) - max(self._qlen, queued)
+                if awaited and over > 0:
+                    self._report_overflow(queue[-1], over)
                 return notified
 
     def _poll(self) -> bool:
@@ -543,6 +546,7 @@ class EVD(Handle, Generic[E]):
                 ep = ref() if ref is not None else None
             if ep is None:
                 continue
+            queued = len(queue)
             try:
                 event = ep._completion_event(wc, self)
             except BaseException as exc:  # (a KeyboardInterrupt too)
@@ -551,7 +555,10 @@ class EVD(Handle, Generic[E]):
                              f"turned into an event; {len(self._backlog)} later completion(s) are kept")
                 raise
             if event is not None:
-                queue.append(event)
+                if len(queue) == queued:
+                    queue.append(event)
+                else:  # an error completion broke its EP, whose BROKEN (this EVD also takes connection
+                    queue.insert(queued, event)  # events) was pushed meanwhile: the cause comes first
                 if wc[_WC_STATUS]:
                     self._solicited_hit = True  # an error completion always notifies
                     notified = True
@@ -686,9 +693,10 @@ class EVD(Handle, Generic[E]):
         else:
             self._wake()
 
-    def _report_overflow(self, event: Event) -> None:
-        """An event is queued beyond qlen: count it, and tell the async EVD once per overflow."""
-        self.overflow_count += 1
+    def _report_overflow(self, event: Event, count: int = 1) -> None:
+        """``count`` events, the last ``event``, are queued beyond qlen: count them, and tell the
+        async EVD once per overflow."""
+        self.overflow_count += count
         if not self._overflow_reported and not self._is_async:
             self._overflow_reported = True
             self._ia.async_evd._push(
@@ -997,10 +1005,27 @@ class EVD(Handle, Generic[E]):
             raise InvalidState("set_callback needs the running event loop the callbacks will run in: "
                                "call it from a coroutine or callback of that loop") from None
         self._attach(loop)
+        if loop is not self._callback_loop:  # (_attach refused if the last one is still open)
+            self._delivery_scheduled = False  # a delivery scheduled on a loop since closed never runs
         self._callback, self._callback_loop, self._on_error = fn, loop, on_error
         if self._queue or self._backlog or self._pending_error is not None:
             self._schedule_delivery()
-        if self._unarmed:  # the poller arms it, or delivers what comes first
+        # The CQ may hold completions no channel event will announce (a full EVD left them there
+        # under an armed CQ), or be armed for solicited completions only (a solicited wait's):
+        # the poller looks at it, delivers what it holds, and arms it for every completion.
+        self._rearm_fully(look=True)
+
+    def _rearm_fully(self, look: bool = False) -> None:
+        """Make the CQ raise a channel event for every completion again, for a consumer that is
+        no wait and relies on the channel (set_callback, an awaited ``rmr.bind``, a graceful
+        disconnect's drain marker).  A solicited wait that ended through the reader callback or
+        timed out leaves the CQ armed for solicited completions only; waits widen the arm
+        themselves, nothing else does.  The loop's poller takes the CQ: it looks at it, hands
+        what came to the callback or waiting task, and arms it for every completion (unless a
+        solicited wait is in progress) when nothing more comes.  ``look``: hand it to the poller
+        even when the arm is for every completion already.  Cheap when there is nothing to do."""
+        if (look or self._armed_solicited) and self._wcs is not None and not self._closed:
+            self._unarmed = True  # (what the poller arms: _napi_arm, which clears _armed_solicited)
             self._napi_add()
 
     def _refuse_if_callback(self, what: str) -> None:
@@ -1009,9 +1034,13 @@ class EVD(Handle, Generic[E]):
                                f"({self._callback!r}); call set_callback(None) to wait on it")
 
     def _schedule_delivery(self) -> None:
-        if not self._delivery_scheduled and self._callback_loop is not None:
-            self._delivery_scheduled = True
-            self._callback_loop.call_soon(self._scheduled_delivery)
+        # Never on a closed loop (the events stay queued for the next set_callback), and the flag
+        # only once call_soon worked: a flag left set would stop every later delivery.
+        if not self._delivery_scheduled:
+            loop = self._callback_loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon(self._scheduled_delivery)
+                self._delivery_scheduled = True
 
     def _scheduled_delivery(self) -> None:
         self._delivery_scheduled = False
@@ -1124,7 +1153,8 @@ class EVD(Handle, Generic[E]):
             raise QueueFull(f"EVD is full ({self._qlen} events queued)")
         served_by = self._callback_loop if self._callback is not None else (
             self._waiter.get_loop() if self._waited() else None)  # type: ignore[union-attr]
-        if served_by is not None:
+        # (a callback's loop that was closed serves nobody: the event waits for the next set_callback)
+        if served_by is not None and not served_by.is_closed():
             try:
                 here: Optional[asyncio.AbstractEventLoop] = _get_running_loop()
             except RuntimeError:

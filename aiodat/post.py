@@ -123,6 +123,7 @@ class Posting(WorkRequests):
     _conn: Any
     attrs: EPAttr
     max_inline: int
+    request_evd: Any  # (the EP's EVD of its send queue's completions)
 
     def _init_posting(self) -> None:
         self._windows: set = set()  # RMRs bound through this QP (memory.py registers them here)
@@ -624,4 +625,7 @@ class Posting(WorkRequests):
         marker = DrainMarker(callback)
         self._post_one(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, (), None, CompletionFlags.DEFAULT, target=marker,
                        internal=True)
+        marker.evd = evd = self.request_evd
+        evd._awaited += 1  # polled even if the EVD is full, as for an awaited bind (docs/events.md)
+        evd._rearm_fully()  # ... and announced by the channel even after a solicited wait
         return marker

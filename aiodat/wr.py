@@ -109,16 +109,26 @@ class DrainMarker:
     """The ``target`` of the internal zero-length RDMA write a graceful disconnect posts (cm.py):
     its completion means every earlier request of the send queue has completed; it makes no event."""
 
-    __slots__ = ("callback", "status")
+    __slots__ = ("callback", "status", "evd")
 
     def __init__(self, callback: Callable[[str], object]) -> None:
         self.callback = callback
         self.status: Optional[str] = None
+        #: the request EVD while the marker is posted: awaited, so its CQ is polled even when the
+        #: EVD is full (the marker's completion must not wait behind events nobody takes)
+        self.evd: Any = None
 
     def completed(self, status: str) -> None:
+        self.release()
         if self.status is None:
             self.status = status
             self.callback(status)
+
+    def release(self) -> None:
+        """The marker no longer waits on its EVD (it completed, or its QP was reset or destroyed)."""
+        evd, self.evd = self.evd, None
+        if evd is not None and evd._awaited > 0:
+            evd._awaited -= 1
 
 
 def wc_status_name(status: int) -> str:
@@ -329,6 +339,8 @@ class WorkRequests:
         for entry in self._send_q:
             run = entry[4]
             self._track(entry[3], -(run.size(entry[0]) if type(run) is SendRun else 1))
+            if type(run) is DrainMarker:
+                run.release()
         for posted in self._recv_q:
             self._track(posted[2], -1)
         self._send_q.clear()

@@ -686,3 +686,111 @@ def test_an_unarmed_cq_left_by_a_closed_loop_is_polled_by_the_next(rdma_device: 
             assert asyncio.run(bind_on_a_new_loop()) > 0
         finally:
             pair.close()
+
+
+# -- a callback whose loop was closed ----------------------------------------------------------
+def _run_on_new_loop(aiodat_loop: str, coro: Any) -> Any:
+    """Run ``coro`` on a fresh loop of the kind under test, then close that loop."""
+    from aiodat.testing.plugin import _loop_factory
+
+    loop = _loop_factory(aiodat_loop)()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def test_post_se_after_the_callbacks_loop_closed_reaches_the_next_callback(rdma_device: Any,
+                                                                           aiodat_loop: str) -> None:
+    """Once the loop a callback was set in is closed, that callback serves nobody: post_se queues
+    the event (from no loop, or from the next one) and the next set_callback delivers it.  post_se
+    used to refuse, saying the EVD was "served by another event loop"."""
+    from turns import until
+
+    with aiodat.open_ia(rdma_device.name) as ia:
+        evd = ia.create_evd(8, EvdFlags.SOFTWARE)
+        first: List[Any] = []
+
+        async def set_it() -> None:
+            evd.set_callback(first.extend)
+
+        _run_on_new_loop(aiodat_loop, set_it())
+        evd.post_se("outside")  # no loop runs
+        got: List[Any] = []
+
+        async def on_the_next_loop() -> None:
+            evd.post_se("inside")
+            evd.set_callback(got.extend)
+            evd.post_se("after")
+            await until(lambda: len(got) == 3, "the three events reached the new callback")
+
+        _run_on_new_loop(aiodat_loop, on_the_next_loop())
+        assert [ev.payload for ev in got] == ["outside", "inside", "after"] and first == []
+
+
+def test_a_delivery_left_scheduled_on_a_closed_loop_does_not_stop_the_next(rdma_device: Any,
+                                                                           aiodat_loop: str) -> None:
+    """An event pushed while the callback's loop was open but not running schedules a delivery
+    that never runs once that loop is closed.  The EVD used to believe a delivery was still
+    scheduled, and the next loop's set_callback never got the event, nor any later one."""
+    from aiodat.evd import report_internal_error
+    from aiodat.testing.plugin import _loop_factory
+    from turns import until
+
+    with aiodat.open_ia(rdma_device.name) as ia:
+        evd = ia.async_evd
+        first = _loop_factory(aiodat_loop)()
+        try:
+            async def set_it() -> None:
+                evd.set_callback(lambda events: None)
+
+            first.run_until_complete(set_it())
+            # (an async event, as the device's would be, dispatched while the loop is stopped)
+            report_internal_error(ia, RuntimeError("test"), "standing in for a device event")
+        finally:
+            first.close()
+        got: List[Any] = []
+
+        async def on_the_next_loop() -> None:
+            evd.set_callback(got.extend)
+            await until(lambda: len(got) == 1, "the queued event reached the new callback")
+            report_internal_error(ia, RuntimeError("test 2"), "a later one")
+            await until(lambda: len(got) == 2, "the later event reached the new callback")
+            evd.set_callback(None)
+
+        _run_on_new_loop(aiodat_loop, on_the_next_loop())
+        assert [ev.type for ev in got] == [aiodat.EventType.ASYNC_ERROR_PROVIDER_INTERNAL_ERROR] * 2
+
+
+def test_a_connection_event_after_the_callbacks_loop_closed_reaches_the_next_callback(
+        rdma_device: Any, aiodat_loop: str) -> None:
+    """The peer's DREQ arrives on a new loop, for an EP whose connect EVD has a callback of a loop
+    since closed.  Pushing its DISCONNECTED used to call call_soon on the closed loop (RuntimeError,
+    reported on the async EVD) and leave a delivery marked scheduled for ever: the next
+    set_callback never got the event."""
+    from turns import until
+
+    with aiodat.open_ia(rdma_device.name) as ia:
+        first: List[Any] = []
+
+        async def connect() -> Any:
+            pair = await make_ep_pair(ia)
+            pair.server.connect_evd.set_callback(first.extend)
+            return pair
+
+        pair = _run_on_new_loop(aiodat_loop, connect())
+        try:
+            got: List[Any] = []
+
+            async def disconnect_on_the_next_loop() -> None:
+                await pair.client.disconnect(timeout=T)
+                await until(lambda: pair.server.state is aiodat.EPState.DISCONNECTED, "the server saw the DREQ",
+                            turns=100000)
+                pair.server.connect_evd.set_callback(got.extend)
+                await until(lambda: got, "DISCONNECTED reached the new callback")
+                pair.server.connect_evd.set_callback(None)
+
+            _run_on_new_loop(aiodat_loop, disconnect_on_the_next_loop())
+            assert [ev.type for ev in got] == [aiodat.EventType.CONNECTION_EVENT_DISCONNECTED] and first == []
+        finally:
+            pair.close()

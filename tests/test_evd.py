@@ -305,6 +305,28 @@ async def test_software_and_dto_events_merge(ia: Any, loop_errors: List[dict]) -
     assert events[0].type is EventType.SOFTWARE_EVENT  # posted before any completion existed
 
 
+async def test_a_broken_connection_comes_after_the_completion_that_broke_it(ia: Any, loop_errors: List[dict]) -> None:
+    """On an EVD that merges DTO and connection events, the error completion comes first and the
+    CONNECTION_EVENT_BROKEN it causes after it.  BROKEN was pushed while the completion was still
+    being turned into its event, and came out first."""
+    from aiodat.cm import connect_pair
+    from aiodat.memory import RemoteRegion
+
+    pz = ia.create_pz()
+    merged = ia.create_evd(8, EvdFlags.DTO | EvdFlags.CONNECTION)
+    client = ia.create_ep(pz, request_evd=merged, connect_evd=merged)
+    server = ia.create_ep(pz)
+    clmr, slmr = pz.register(bytearray(64), Privileges.ALL), pz.register(bytearray(64), Privileges.ALL)
+    await connect_pair(client, server)  # (awaited: ESTABLISHED goes to the connect call, not the EVD)
+    good = slmr.remote()
+    client.post_rdma_write(clmr[0:8], RemoteRegion(good.address, 8, good.rmr_context ^ 0x5A5A5A00), cookie="w")
+    events: List[Any] = []
+    while not any(e.type is EventType.CONNECTION_EVENT_BROKEN for e in events):
+        events += await merged.wait(timeout=T)
+    assert [e.type for e in events] == [EventType.DTO_COMPLETION, EventType.CONNECTION_EVENT_BROKEN]
+    assert events[0].cookie == "w" and not events[0].ok
+
+
 async def test_evd_query_and_resize(ia: Any, loop_errors: List[dict]) -> None:
     evd = ia.create_evd(4, EvdFlags.DTO | EvdFlags.SOFTWARE)
     q = evd.query()

@@ -320,3 +320,98 @@ async def test_a_solicited_wait_right_after_a_wake_up_ends_at_the_solicited_comp
     # (awaited here, not as a task: the wait starts in this turn, while the CQ is still unarmed)
     events = await rx.wait(3, timeout=T, solicited_only=True)
     assert [e.cookie for e in events] == ["r1"] and loop.time() - began < T / 2
+
+
+async def test_a_callback_set_after_a_wait_took_a_full_queue_gets_what_the_cq_still_holds(
+        ia: Any, loop_errors: List[dict]) -> None:
+    """A wait takes a full queue and leaves the rest in the CQ, which the poller had armed (an armed
+    CQ raises no event for what it holds already).  set_callback on the now empty EVD used to
+    schedule nothing, and the callback saw those completions only when a new one came."""
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(2, EvdFlags.DTO))
+    rx = server.recv_evd
+    with pytest.raises(aiodat.TimeoutExpired):
+        await rx.wait(timeout=0.01)  # the loop watches its channel from here on
+    for i in range(4):
+        server.post_recv(slmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
+    for _ in range(4):
+        client.post_send(clmr[0:8])
+    await asyncio.sleep(1.0)  # two are queued, two wait in the CQ, which the poller armed
+    assert [e.cookie for e in await rx.wait(2, timeout=T)] == ["r0", "r1"]
+    got: List[Any] = []
+    rx.set_callback(got.extend)
+    for _ in range(50):
+        if len(got) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert [e.cookie for e in got] == ["r2", "r3"]
+    rx.set_callback(None)
+
+
+async def _solicited_armed(client: Any, rx: Any, clmr: Any, how: str) -> None:
+    """Leave ``rx``'s CQ armed for solicited completions only, by a solicited wait that ends through
+    the reader callback (``how == "woken"``) or times out (``"timed_out"``); r0 and r1 are taken."""
+    from aiodat import CompletionFlags
+
+    if how == "woken":
+        waiter = asyncio.ensure_future(rx.wait(4, timeout=T, solicited_only=True))
+        await asyncio.sleep(0.05)
+        client.post_send(clmr[0:8], "a")  # its channel event (the arm was broad) narrows the arm
+        await asyncio.sleep(1.0)
+        assert not waiter.done()
+        client.post_send(clmr[0:8], "b", CompletionFlags.SOLICITED_WAIT)
+        assert [e.cookie for e in await asyncio.wait_for(waiter, T)] == ["r0", "r1"]
+    else:
+        client.post_send(clmr[0:8], "a")
+        client.post_send(clmr[0:8], "b")
+        assert [e.cookie for e in await rx.wait(2, timeout=T)] == ["r0", "r1"]
+        # (in this turn, while the wake-up's CQ is unarmed: the solicited wait arms it narrow)
+        with pytest.raises(aiodat.TimeoutExpired):
+            await rx.wait(1, timeout=0.3, solicited_only=True)
+    assert rx._armed_solicited and not rx._unarmed, "the test needs the CQ armed for solicited completions only"
+
+
+@pytest.mark.parametrize("how", ["woken", "timed_out"])
+async def test_a_callback_set_after_a_solicited_wait_gets_plain_completions(
+        ia: Any, loop_errors: List[dict], how: str) -> None:
+    """A solicited wait that ends through the reader callback or times out leaves the CQ armed for
+    solicited completions only; waits widen the arm again, but set_callback did not, and plain
+    receives never reached the callback (they raise no channel event on such a CQ)."""
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(8, EvdFlags.DTO))
+    rx = server.recv_evd
+    for i in range(4):
+        server.post_recv(slmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
+    await _solicited_armed(client, rx, clmr, how)
+    got: List[Any] = []
+    rx.set_callback(got.extend)
+    await asyncio.sleep(0.5)  # the poller's turns: it arms the CQ, and c must raise a channel event
+    client.post_send(clmr[0:8], "c")
+    for _ in range(100):
+        if got:
+            break
+        await asyncio.sleep(0.1)
+    assert [e.cookie for e in got] == ["r2"]
+    rx.set_callback(None)
+
+
+async def test_rearm_fully_widens_a_solicited_arm_for_a_consumer_that_is_no_wait(
+        ia: Any, loop_errors: List[dict]) -> None:
+    """EVD._rearm_fully (what an awaited rmr.bind and a graceful disconnect's drain marker call:
+    they rely on the channel, as a callback does) arms a CQ left armed for solicited completions
+    only for every completion, so a plain completion wakes the loop again; with a broad arm it
+    does nothing."""
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(8, EvdFlags.DTO))
+    rx = server.recv_evd
+    rx._rearm_fully()
+    assert not rx._unarmed  # a broad arm already: left alone
+    for i in range(4):
+        server.post_recv(slmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
+    await _solicited_armed(client, rx, clmr, "woken")
+    rx._rearm_fully()
+    await until(lambda: not rx._unarmed, "the poller armed the CQ")
+    assert not rx._armed_solicited
+    client.post_send(clmr[0:8], "c")
+    for _ in range(100):  # nobody waits: only the channel's reader can queue it
+        if rx._queued():
+            break
+        await asyncio.sleep(0.1)
+    assert [e.cookie for e in rx._queued()] == ["r2"]
