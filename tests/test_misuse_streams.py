@@ -459,6 +459,102 @@ async def test_a_stream_reader_protocol_subclass_gets_bytes(rdma_device: Any) ->
     await asyncio.wait_for(server.wait_closed(), T)
 
 
+class TapReader(asyncio.StreamReader):
+    """A StreamReader subclass that keeps every chunk it is fed (a log, a tap)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks: List[Any] = []
+        self.fed = asyncio.Event()
+
+    def feed_data(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.fed.set()
+        super().feed_data(data)
+
+
+async def test_a_stream_reader_subclass_that_keeps_its_chunks_gets_bytes(rdma_device: Any) -> None:
+    """asyncio's own StreamReaderProtocol over a StreamReader subclass whose feed_data keeps the chunks:
+    it used to be fed memoryviews of the receive slots, so what it kept changed as the slots were
+    reused (and bytes' methods failed on them).  asyncio hands it bytes, which stay as they were;
+    so does the RDMA transport, which keeps views for asyncio's own StreamReader."""
+    readers: List[TapReader] = []
+
+    def factory() -> asyncio.StreamReaderProtocol:
+        readers.append(TapReader())  # (held here: the protocol holds its reader weakly)
+        return asyncio.StreamReaderProtocol(readers[-1])
+
+    server = await aiodat_streams.create_server(factory, rdma_device.address, 0, recv_depth=4)
+    reader, writer = await aiodat.open_connection(rdma_device.address, server.sockets[0].getsockname()[1])
+    for _ in range(int(T * 10)):
+        if readers:
+            break
+        await asyncio.sleep(0.1)
+    sent = [bytes([i]) * 100 for i in range(24)]  # more messages than the server's receive slots
+    for chunk in sent:
+        readers[0].fed.clear()
+        writer.write(chunk)
+        await asyncio.wait_for(readers[0].fed.wait(), T)
+    assert [type(c) for c in readers[0].chunks] == [bytes] * len(sent)
+    assert readers[0].chunks == sent
+    writer.close()
+    server.close()
+    server.close_clients()
+    await asyncio.wait_for(server.wait_closed(), T)
+
+
+async def test_close_cancelled_with_bytes_unsent_is_lost_with_an_error(rdma_device: Any) -> None:
+    """close() finishes in a task of the transport's.  A shutdown that cancels every task ("for t in
+    asyncio.all_tasks(): t.cancel()") cancelled it while bytes were still buffered (the peer gave no
+    credits): they were dropped and connection_lost(None) reported a clean close.  Now connection_lost
+    gets a ConnectionResetError saying how many bytes were not sent."""
+    server, port, protocols = await _server_of(Recorder, rdma_device.address)
+    tr, proto = await aiodat_streams.create_connection(Recorder, rdma_device.address, port, window_size=0,
+                                                       recv_depth=4)
+    while not server._transports:
+        await asyncio.sleep(0.05)
+    (server_side,) = server._transports
+    server_side.pause_reading()  # the server's side returns no credit
+    tr.write(b"y" * (1 << 20))
+    await asyncio.sleep(0.5)
+    assert tr.get_write_buffer_size() > 0  # stuck for credits
+    before = asyncio.all_tasks()
+    tr.close()
+    await asyncio.sleep(0.1)
+    for task in asyncio.all_tasks() - before:  # the shutdown idiom, on the tasks made since (close()'s)
+        task.cancel()
+    exc = await asyncio.wait_for(proto.lost, T)
+    assert isinstance(exc, ConnectionResetError) and re.search(r"\d+ bytes written were not sent", str(exc)), exc
+    assert tr.get_write_buffer_size() == 0
+    await asyncio.wait_for(protocols_lost(protocols), T)  # the server's side ended too
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), T)
+    assert aiodat_streams.shared_ia_count() == 0
+
+
+async def test_a_server_whose_accept_task_is_cancelled_closes(rdma_device: Any) -> None:
+    """The server accepts in a task.  Cancelled from outside (a shutdown cancelling every task), it
+    used to leave the server "serving" with nothing accepting: clients waited for their connect
+    timeout.  The server now closes: is_serving() is False, clients are refused, wait_closed() and
+    serve_forever() end (as when it is closed)."""
+    before = asyncio.all_tasks()
+    server = await aiodat.start_server(lambda r, w: None, rdma_device.address, 0)
+    port = server.sockets[0].getsockname()[1]
+    forever = asyncio.ensure_future(server.serve_forever())
+    await asyncio.sleep(0.1)
+    assert server.is_serving()
+    for task in asyncio.all_tasks() - before - {forever}:  # the shutdown idiom: the server's accept task
+        task.cancel()
+    await asyncio.sleep(0.1)
+    assert not server.is_serving() and not server.sockets
+    with pytest.raises(ConnectionRefusedError):
+        await aiodat.open_connection(rdma_device.address, port, connect_timeout=20)
+    await asyncio.wait_for(server.wait_closed(), T)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(forever, T)
+    assert aiodat_streams.shared_ia_count() == 0
+
+
 async def test_bad_server_arguments_are_refused_at_the_call(rdma_device: Any) -> None:
     """limit and backlog are checked when the server starts, naming them (asyncio's StreamReader refuses
     a bad limit only at each connection); a backlog above what the device's EVDs hold is clamped, as

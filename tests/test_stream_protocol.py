@@ -774,3 +774,43 @@ def test_bytes_from_keep_from_on_are_kept_by_reference_and_smaller_ones_copied()
     a.core.write(small)
     assert a.core._chunks[-1] is not small and type(a.core._chunks[-1]) is bytearray
     assert a.core.buffered == len(small)
+
+
+def test_only_asyncios_own_reader_gets_views_of_the_receive_slots() -> None:
+    """The transport hands data_received a view of the receive slot (reused once it returns) only where
+    asyncio's own StreamReaderProtocol feeds asyncio's own StreamReader, which copies the bytes.  A
+    StreamReader subclass overriding feed_data (or a feed_data set on the reader) used to get views
+    too, and what it kept changed under it; it gets bytes now, as from asyncio's transports, and so
+    do a data_received rebound on the protocol and a protocol without a reader it can see."""
+    import asyncio
+
+    from aiodat.streams.transport import _takes_views
+
+    class Tap(asyncio.StreamReader):
+        def feed_data(self, data: bytes) -> None:
+            super().feed_data(data)
+
+    class Subclass(asyncio.StreamReaderProtocol):
+        pass
+
+    class Broken(asyncio.StreamReaderProtocol):
+        def __init__(self) -> None:  # (never calls super().__init__: no _stream_reader to read)
+            pass
+
+    loop = asyncio.new_event_loop()
+    try:
+        kept = asyncio.StreamReader(loop=loop), Tap(loop=loop), asyncio.StreamReader(loop=loop)
+        plain, tap, patched = kept  # (held: the protocols hold their readers weakly)
+        patched.feed_data = lambda data: None  # type: ignore[method-assign]
+        assert _takes_views(asyncio.StreamReaderProtocol(plain, loop=loop))
+        assert _takes_views(Subclass(plain, loop=loop))  # (asyncio's data_received, asyncio's reader)
+        assert _takes_views(asyncio.StreamReaderProtocol(None, loop=loop))  # (no reader: data dropped)
+        assert not _takes_views(asyncio.StreamReaderProtocol(tap, loop=loop))
+        assert not _takes_views(asyncio.StreamReaderProtocol(patched, loop=loop))
+        rebound = asyncio.StreamReaderProtocol(plain, loop=loop)
+        rebound.data_received = lambda data: None  # type: ignore[method-assign]
+        assert not _takes_views(rebound)
+        assert not _takes_views(Broken())
+        assert not _takes_views(asyncio.Protocol())
+    finally:
+        loop.close()

@@ -831,6 +831,180 @@ async def test_write_flow_control_contract(transport: Tuple[Any, str]) -> None:
         await asyncio.wait_for(proto.lost, 60)
 
 
+async def _create_server(streams: Any, factory: Any, host: str, port: Any) -> Any:
+    if streams is asyncio:
+        return await asyncio.get_running_loop().create_server(factory, host, port)
+    return await aiodat_streams.create_server(factory, host, port)
+
+
+async def test_a_port_given_as_a_digit_string(transport: Tuple[Any, str]) -> None:
+    """start_server / create_server took no str port ("8888"): InvalidParameter.  asyncio's take one
+    (getaddrinfo reads it), and aiodat's open_connection did already."""
+    streams, host = transport
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(await reader.readexactly(4))
+        writer.close()
+
+    server = await streams.start_server(echo, host, "0")
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        assert isinstance(port, int) and port > 0
+        reader, writer = await streams.open_connection(host, str(port))
+        writer.write(b"ping")
+        assert await asyncio.wait_for(reader.readexactly(4), 60) == b"ping"
+        writer.close()
+        await writer.wait_closed()
+    other = await _create_server(streams, asyncio.Protocol, host, "0")
+    assert other.sockets[0].getsockname()[1] > 0
+    other.close()
+    await other.wait_closed()
+
+
+async def test_writelines_takes_any_bytes_like_item(transport: Tuple[Any, str]) -> None:
+    """writelines() refused items that are not bytes, bytearray or memoryview (array.array, mmap,
+    numpy arrays) with TypeError; asyncio's takes any bytes-like item (it joins them, or takes a
+    memoryview of each).  A C-contiguous buffer of any format goes as its bytes."""
+    import array
+    import mmap
+
+    streams, host = transport
+    received = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.set_result(await reader.read())
+        writer.close()
+
+    server = await streams.start_server(handler, host, 0)
+    async with server:
+        reader, writer = await streams.open_connection(host, server.sockets[0].getsockname()[1])
+        ints = array.array("i", [1, 2, 3])
+        with mmap.mmap(-1, 5) as m:  # (open until sent: a transport may hold a view of it)
+            m.write(b"mmap!")
+            writer.writelines([b"a", array.array("B", b"bc"), ints, m, memoryview(ints), bytearray(b"z")])
+            if streams is aiodat:  # (asyncio's own write() takes bytes, bytearray and memoryview only)
+                writer.write(array.array("B", b"-write"))
+            writer.write_eof()
+            want = b"abc" + ints.tobytes() + b"mmap!" + ints.tobytes() + b"z"
+            want += b"-write" if streams is aiodat else b""
+            assert await asyncio.wait_for(received, 60) == want
+        writer.close()
+        await writer.wait_closed()
+
+
+class _ResizesInBufferUpdated(asyncio.BufferedProtocol):
+    """A BufferedProtocol that hands out one bytearray and resizes it in buffer_updated()."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray(1000)
+        self.got = bytearray()
+        self.lost: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self.buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got += self.buffer[:nbytes]
+        self.buffer.clear()  # (a resize: refused while a view of the bytearray is alive)
+        self.buffer.extend(bytes(1000))
+
+    def connection_lost(self, exc: Any) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+async def test_a_buffered_protocol_may_resize_its_buffer_in_buffer_updated(transport: Tuple[Any, str]) -> None:
+    """The transport held a view of get_buffer()'s bytearray while buffer_updated() ran, so resizing
+    it there raised BufferError and the connection was aborted.  asyncio's own transports hold no
+    view then (recv_into has returned): the protocol gets every byte and a clean end.  (uvloop's TCP
+    transport does hold one, and aborts as the RDMA transport did: the TCP case is skipped there.)"""
+    streams, host = transport
+    if streams is asyncio and not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
+        pytest.skip("uvloop's TCP transport holds a view of the buffer during buffer_updated()")
+    payload = random.Random(4).randbytes(5000)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(payload)
+        writer.close()
+
+    server = await streams.start_server(handler, host, 0)
+    async with server:
+        tr, proto = await _create_connection(streams, _ResizesInBufferUpdated, host,
+                                              server.sockets[0].getsockname()[1])
+        assert await asyncio.wait_for(proto.lost, 60) is None
+        assert bytes(proto.got) == payload
+        tr.close()
+
+
+class _RaisesInEofReceived(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.lost: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
+
+    def eof_received(self) -> None:
+        raise ValueError("eof_received failed on purpose")
+
+    def connection_lost(self, exc: Any) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+async def test_a_raising_eof_received_aborts_with_its_error(transport: Tuple[Any, str],
+                                                            loop_errors: List[dict]) -> None:
+    """eof_received() that raises: asyncio reports it to the loop's handler and aborts the transport
+    (_fatal_error), so connection_lost gets the error.  The RDMA transport used to close gracefully
+    after reporting it, and connection_lost got None, as for a clean end."""
+    streams, host = transport
+    protocols: List[_RaisesInEofReceived] = []
+
+    def factory() -> _RaisesInEofReceived:
+        protocols.append(_RaisesInEofReceived())
+        return protocols[-1]
+
+    server = await _create_server(streams, factory, host, 0)
+    try:
+        reader, writer = await streams.open_connection(host, server.sockets[0].getsockname()[1])
+        writer.write(b"data, then EOF")
+        writer.write_eof()
+        for _ in range(600):
+            if protocols:
+                break
+            await asyncio.sleep(0.05)
+        exc = await asyncio.wait_for(protocols[0].lost, 60)
+        assert isinstance(exc, ValueError) and "on purpose" in str(exc), exc
+        assert [type(c.get("exception")) for c in loop_errors] == [ValueError], loop_errors
+        loop_errors.clear()
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_reply_written_just_before_abort_is_sent(transport: Tuple[Any, str]) -> None:
+    """``writer.write(b"503 busy\\r\\n"); writer.transport.abort()`` in one loop iteration: the
+    RDMA transport posts writes at the end of the iteration, and abort() dropped them, so the peer
+    got nothing.  asyncio's write() sends at once, so the reply leaves before the abort; so it does
+    now (abort() posts what the iteration gathered, then drops the connection)."""
+    streams, host = transport
+
+    async def busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(2)
+        writer.write(b"503 busy\r\n")
+        writer.transport.abort()
+
+    server = await streams.start_server(busy, host, 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        for _ in range(3):
+            reader, writer = await streams.open_connection(host, port)
+            writer.write(b"hi")  # (the reader waits below before the server can answer)
+            assert await asyncio.wait_for(reader.readexactly(10), 60) == b"503 busy\r\n"
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except ConnectionError:  # (RDMA: the abort is a reset; TCP: an EOF, or a reset)
+                pass
+
+
 @pytest.mark.rxe
 async def test_writes_of_one_iteration_are_one_message(rdma_host: str) -> None:
     """Small writes made in one loop iteration leave as one DATA message (aiohttp writes headers,

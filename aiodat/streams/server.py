@@ -189,6 +189,11 @@ class Server:
             try:
                 event = await self._cr_evd.wait_one()
             except asyncio.CancelledError:
+                if self._serving:
+                    # cancelled from outside (a shutdown cancelling every task): nothing would accept
+                    # any more, so the server closes, and clients are refused instead of timing out
+                    self._accept_task = None  # (this task: it ends by raising, close() need not cancel it)
+                    self.close()
                 raise
             except DATError as exc:
                 if self._sockets is None:
@@ -270,6 +275,9 @@ async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], ho
     check_timeout(accept_timeout, "accept_timeout")
     if port is None:
         port = 0
+    # as asyncio's (getaddrinfo's) and create_connection's: an int or its digits as a str
+    if isinstance(port, str) and port.isascii() and port.isdigit():
+        port = int(port)
     check_port(port)
     if not isinstance(backlog, int) or isinstance(backlog, bool):
         raise InvalidParameter(f"backlog must be an int, got {backlog!r}")

@@ -126,11 +126,12 @@ def _feed_buffered(protocol: asyncio.BufferedProtocol, data: memoryview, transpo
     connection is ending), as asyncio feeds no more after a pause; the rest is dropped, and 0
     returned, once it closed the transport (no data after close())."""
     while data and not transport.is_closing():
-        buffer = memoryview(protocol.get_buffer(len(data))).cast("B")
-        n = min(len(buffer), len(data))
-        if not n:
-            raise RuntimeError("protocol.get_buffer() returned an empty buffer")
-        buffer[:n] = data[:n]
+        # the views are released before buffer_updated(): a protocol may resize its bytearray there
+        with memoryview(protocol.get_buffer(len(data))) as given, given.cast("B") as buffer:
+            n = min(len(buffer), len(data))
+            if not n:
+                raise RuntimeError("protocol.get_buffer() returned an empty buffer")
+            buffer[:n] = data[:n]
         protocol.buffer_updated(n)
         data = data[n:]
         if data and not force and not transport.is_reading() and not transport.is_closing():
@@ -140,10 +141,35 @@ def _feed_buffered(protocol: asyncio.BufferedProtocol, data: memoryview, transpo
 
 def _takes_views(protocol: asyncio.BaseProtocol) -> bool:
     """Whether ``data_received`` may get a view of the receive slot, which is posted again once it
-    returns: only asyncio's own StreamReaderProtocol's, which copies the bytes into its reader.  A
-    subclass's own data_received gets bytes, as from asyncio's transports."""
-    return (getattr(type(protocol), "data_received", None) is asyncio.StreamReaderProtocol.data_received
-            and "data_received" not in getattr(protocol, "__dict__", ()))
+    returns: only asyncio's own StreamReaderProtocol's feeding asyncio's own StreamReader, which copies
+    the bytes into its buffer.  A subclass's data_received, one rebound on the instance, or a reader
+    whose feed_data is not StreamReader's (it may keep the chunk) gets bytes, as from asyncio's
+    transports.  Checked per connection and set_protocol(): a data_received or feed_data rebound
+    later is not seen (call set_protocol() again after rebinding)."""
+    if (getattr(type(protocol), "data_received", None) is not asyncio.StreamReaderProtocol.data_received
+            or "data_received" in getattr(protocol, "__dict__", ())):
+        return False
+    reader = getattr(protocol, "_stream_reader", _NO_READER)  # (a weakly held reader: None once gone)
+    if reader is None:
+        return True  # asyncio's data_received drops the bytes
+    return (reader is not _NO_READER
+            and getattr(type(reader), "feed_data", None) is asyncio.StreamReader.feed_data
+            and "feed_data" not in getattr(reader, "__dict__", ()))
+
+
+_NO_READER = object()
+
+
+def _byte_view(data: Any) -> memoryview:
+    """A flat byte view of any C-contiguous bytes-like object, else TypeError (not bytes-like) or
+    BufferError (not C-contiguous), as write() and writelines() raise before buffering anything."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"data argument must be a bytes-like object, not {type(data).__name__!r}") from None
+    if not view.c_contiguous:
+        raise BufferError("data is not a C-contiguous buffer")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class RdmaTransport(_asyncio_transports._FlowControlMixin):
@@ -246,6 +272,9 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                                                "exception": exc, "transport": self, "protocol": self._protocol})
             self.abort()
         if not self._lost:
+            # connection_made (a start_server callback in it) may have rebound data_received
+            if self._stream_protocol:
+                self._stream_protocol = self._receiver.as_view = _takes_views(self._protocol)
             # completions come to the Receiver from inside the loop's reader callback, as a socket's
             # bytes come to data_received: no task, no Future per wake-up.  This transport is held
             # weakly there, so a stream the program drops unclosed is collected (see __del__), as it
@@ -354,8 +383,10 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             if self._sender.write(data) > self._high_water:
                 self._maybe_pause_protocol()
             return
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"data argument must be a bytes-like object, not {type(data).__name__!r}")
+        if not isinstance(data, (bytes, bytearray)) and (type(data) is not memoryview or not data.c_contiguous):
+            # any other C-contiguous buffer (array.array, mmap, numpy...: as uvloop's write takes
+            # them, and asyncio's writelines); TypeError or BufferError otherwise
+            data = _byte_view(data)
         if self._core.eof_requested and not self._closing:
             raise RuntimeError("Cannot call write() after write_eof()")
         if not data:
@@ -371,14 +402,10 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         """Write each buffer in turn (they go out together, as every write of one iteration)."""
         if self._core.eof_requested and not self._closing:
             raise RuntimeError("Cannot call writelines() after write_eof()")
-        # all or nothing, as asyncio's: a bad item raises before any of the others is buffered
-        # (else the caller, told the call failed, would not know which bytes went out)
-        items = list_of_data if type(list_of_data) is list else list(list_of_data)
-        for data in items:
-            if not isinstance(data, (bytes, bytearray, memoryview)):
-                raise TypeError(f"data argument must be a bytes-like object, not {type(data).__name__!r}")
-            if type(data) is memoryview and not data.c_contiguous:
-                raise BufferError("writelines(): a memoryview item is not C-contiguous")
+        # any C-contiguous bytes-like item, as asyncio's (which joins them, or takes a memoryview of
+        # each); all or nothing: a bad item raises before any of the others is buffered (else the
+        # caller, told the call failed, would not know which bytes went out)
+        items = [data if isinstance(data, (bytes, bytearray)) else _byte_view(data) for data in list_of_data]
         for data in items:
             self.write(data)
 
@@ -394,7 +421,9 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         return True
 
     def abort(self) -> None:
-        """Drop the connection at once, without EOF: the peer sees ConnectionResetError."""
+        """Drop the connection at once, without EOF: the peer sees ConnectionResetError.  What this
+        loop iteration's writes gathered is posted first, as far as the peer's credits allow (asyncio's
+        write() has sent it already); anything else written and not sent is dropped."""
         self._abort(None)
 
     def _abort(self, exc: Optional[BaseException]) -> None:
@@ -403,6 +432,17 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             return
         self._closing = True
         self._receiver.open = False
+        if self._core.buffered:
+            from aiodat.ep import EPState
+
+            ep = self._res.ep
+            if not ep.closed and ep.state is EPState.CONNECTED:
+                # asyncio's write() sends at once, so a reply written just before abort() leaves:
+                # post what this iteration's writes gathered (one flush, as far as credits allow),
+                # while the QP is still ours; the rest is dropped
+                self._flush()
+                if self._lost:
+                    return
         self._core.discard()
         self._finish(exc)
 
@@ -496,7 +536,15 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                 pass
             self._finish(None)
         except asyncio.CancelledError:
-            self._finish(None)
+            # cancelled from outside (a shutdown cancelling every task): what is not sent yet is
+            # dropped, so the protocol hears of it, not of a clean close
+            core, exc = self._core, None
+            if not self._lost and not core.is_flushed():
+                what = (f"{core.buffered} bytes written were not sent" if core.buffered
+                        else "its EOF was not sent" if not core.eof_sent
+                        else "its last sends had not completed")
+                exc = ConnectionBroken(f"close() was cancelled before the stream was flushed: {what}")
+            self._finish(exc)
             raise
 
     # -- receiving: what the EVD's callback (the Receiver) leaves, then let the core decide ----------
@@ -666,9 +714,11 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
             keep_open = bool(self._protocol.eof_received())  # type: ignore[attr-defined]
         except (SystemExit, KeyboardInterrupt):
             raise
-        except BaseException as exc:
+        except BaseException as exc:  # as asyncio's _fatal_error: reported, and aborted with it
             self._loop.call_exception_handler({"message": "protocol.eof_received() failed",
                                                "exception": exc, "transport": self, "protocol": self._protocol})
+            self._abort(exc)
+            return
         if not keep_open:
             self.close()
 
