@@ -427,6 +427,16 @@ def _event_name(kind: int) -> str:
 # -- the connection state of an EP ---------------------------------------------------
 
 
+class _Drain:
+    """A graceful disconnect's drain under way (``conn.drain``, compared by identity: a later
+    reset, free or DREQ forgets it) and the DREP ``timeout`` its caller asked for."""
+
+    __slots__ = ("timeout",)
+
+    def __init__(self, timeout: Optional[float]) -> None:
+        self.timeout = timeout
+
+
 class Connection:
     """The connection state an EP owns (``ep._conn``): its DAT state, rdma_cm id, the waiting
     connect/accept/disconnect future and the timers.  Only this module changes it.
@@ -446,7 +456,7 @@ class Connection:
         self.waiter: Optional["asyncio.Future[ConnectionEvent]"] = None
         self.timer: Optional[asyncio.TimerHandle] = None
         self.pending_private = b""  # the connect private data, sent once the route is resolved
-        self.drain: Optional[object] = None  # the graceful disconnect under way, if any
+        self.drain: Optional[_Drain] = None  # the graceful disconnect under way, if any
         self.drain_timer: Optional[asyncio.TimerHandle] = None
         #: a UD EP's datagram resolutions and multicast joins under way (datagram.py): the EP's
         #: close fails them (each has ``fail(exc)``), so no task waits on an EP that is gone
@@ -786,6 +796,8 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
         kept_timer = None
         if timeout is None:
             kept_timer, conn.timer = conn.timer, None
+            if kept_timer is None and conn.drain is not None:
+                timeout = conn.drain.timeout  # (a drain had not started its DREP timer yet)
         _cancel_timer(ep)
         conn.timer = kept_timer
         if waiter is None and conn.waiter is not None and not conn.waiter.done():
@@ -808,7 +820,7 @@ def _start_drain(ep: "EP", loop: asyncio.AbstractEventLoop, drain_timeout: float
     """Graceful disconnect, first half: a signalled zero-length RDMA write goes behind every posted
     request (wr.py's DrainMarker); its completion, or ``drain_timeout``, sends the DREQ."""
     conn = ep._conn
-    token = object()  # this drain; a later reset/free/DREQ from the peer forgets it
+    token = _Drain(timeout)  # this drain; a later reset/free/DREQ from the peer forgets it
 
     def finish(_status: Optional[str] = None) -> None:
         if conn.drain is not token:

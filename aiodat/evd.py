@@ -424,7 +424,8 @@ class EVD(Handle, Generic[E]):
             backlog, self._backlog = self._backlog, []
             notified = self._queue_completions(iter(backlog))
         queue = self._queue
-        queued = len(queue)
+        queued, counted = len(queue), self.overflow_count
+        polled_past = False  # polled beyond qlen for an awaited request, in any chunk
         channel = self._channel if rearm else _NULL
         lazy = napi and not self._solicited
         if rearm:
@@ -432,8 +433,8 @@ class EVD(Handle, Generic[E]):
         else:
             arm = (1 if self._solicited else 0) if self._unarmed and arm_if_unarmed and not spin_us else -1
         while True:
-            awaited = self._awaited  # (read once: the awaited completion, polled below, lowers it)
-            if awaited:
+            if self._awaited:
+                polled_past = True  # (noted before the poll: the awaited completion lowers _awaited)
                 room = 64
             else:
                 room = self._qlen - len(queue)
@@ -464,8 +465,9 @@ class EVD(Handle, Generic[E]):
             if got < 0:
                 raise error_from_errno(-got, "polling the CQ")
             if got < room or room == 0:
-                over = len(queue) - max(self._qlen, queued)
-                if awaited and over > 0:
+                # the events this drain queued over qlen, less those _push counted itself (a BROKEN)
+                over = len(queue) - max(self._qlen, queued) - (self.overflow_count - counted)
+                if polled_past and over > 0:
                     self._report_overflow(queue[-1], over)
                 return notified
 

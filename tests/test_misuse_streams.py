@@ -503,11 +503,9 @@ async def test_a_stream_reader_subclass_that_keeps_its_chunks_gets_bytes(rdma_de
     await asyncio.wait_for(server.wait_closed(), T)
 
 
-async def test_close_cancelled_with_bytes_unsent_is_lost_with_an_error(rdma_device: Any) -> None:
-    """close() finishes in a task of the transport's.  A shutdown that cancels every task ("for t in
-    asyncio.all_tasks(): t.cancel()") cancelled it while bytes were still buffered (the peer gave no
-    credits): they were dropped and connection_lost(None) reported a clean close.  Now connection_lost
-    gets a ConnectionResetError saying how many bytes were not sent."""
+async def _stuck_for_credits(rdma_device: Any) -> Tuple[Any, List[Any], Any, Any, Any]:
+    """A client transport with 1 MiB written and stuck for credits: the server's side (paused) returns none.
+    Returns (server, the server's protocols, the client's transport and protocol, the server's transport)."""
     server, port, protocols = await _server_of(Recorder, rdma_device.address)
     tr, proto = await aiodat_streams.create_connection(Recorder, rdma_device.address, port, window_size=0,
                                                        recv_depth=4)
@@ -518,6 +516,15 @@ async def test_close_cancelled_with_bytes_unsent_is_lost_with_an_error(rdma_devi
     tr.write(b"y" * (1 << 20))
     await asyncio.sleep(0.5)
     assert tr.get_write_buffer_size() > 0  # stuck for credits
+    return server, protocols, tr, proto, server_side
+
+
+async def test_close_cancelled_with_bytes_unsent_is_lost_with_an_error(rdma_device: Any) -> None:
+    """close() finishes in a task of the transport's.  A shutdown that cancels every task ("for t in
+    asyncio.all_tasks(): t.cancel()") cancelled it while bytes were still buffered (the peer gave no
+    credits): they were dropped and connection_lost(None) reported a clean close.  Now connection_lost
+    gets a ConnectionResetError saying how many bytes were not sent."""
+    server, protocols, tr, proto, server_side = await _stuck_for_credits(rdma_device)
     before = asyncio.all_tasks()
     tr.close()
     await asyncio.sleep(0.1)
@@ -621,16 +628,7 @@ async def protocols_lost(protocols: List[Any]) -> None:
 async def test_a_lost_connection_holds_no_written_bytes(rdma_device: Any) -> None:
     """When the connection is lost, what was written and not sent is dropped (as asyncio's
     _force_close clears its buffer): get_write_buffer_size() is 0 and the chunks are not kept."""
-    server, port, protocols = await _server_of(Recorder, rdma_device.address)
-    tr, proto = await aiodat_streams.create_connection(Recorder, rdma_device.address, port, window_size=0,
-                                                       recv_depth=4)
-    while not server._transports:
-        await asyncio.sleep(0.05)
-    (server_side,) = server._transports
-    server_side.pause_reading()  # the server's side returns no credit
-    tr.write(b"y" * (1 << 20))
-    await asyncio.sleep(0.5)
-    assert tr.get_write_buffer_size() > 0  # stuck for credits
+    server, protocols, tr, proto, server_side = await _stuck_for_credits(rdma_device)
     server_side.abort()
     assert await asyncio.wait_for(proto.lost, T) is not None  # reset, with bytes unsent
     assert tr.get_write_buffer_size() == 0

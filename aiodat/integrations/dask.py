@@ -277,8 +277,10 @@ class RDMAComm(Comm):
                 self._send(_ACK, ident, 0)
                 if last:
                     break
-        except DATError as exc:  # (the connection ended under us: the stream's teardown closed the PZ)
-            raise CommClosedError(f"{self!r}: receiving the frames of message {ident} failed: {exc}") from exc
+        except DATError as exc:
+            if self._ep.closed or self._transport.is_closing():  # the connection ended: its teardown closed the PZ
+                raise CommClosedError(f"{self!r}: receiving the frames of message {ident} failed: {exc}") from exc
+            raise  # (not the connection's doing, say the memlock limit: distributed must not retry it elsewhere)
         finally:
             for lmr in lmrs:
                 _close_quietly(lmr)
