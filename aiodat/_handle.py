@@ -51,8 +51,12 @@ _retrying = False
 
 
 def _after_fork_in_child() -> None:
-    global _generation
+    global _generation, _retrying
     _generation += 1
+    # A thread of the parent may have been retrying (the flag would stay set for good in the
+    # child, which has only this thread), and the parent's deferred objects are not the child's.
+    _retrying = False
+    _deferred.clear()
     for root in list(_roots):
         root._abandon()
 

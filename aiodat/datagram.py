@@ -318,12 +318,18 @@ class _Joiner(_Resolution):
             if err:
                 self.fail(error_from_errno(err, f"{self.what}: attaching the QP to the group"))
                 return
-            group._join_event = ffi.new("struct aiodat_cm_event *", ev[0])  # its GID and LID, to detach
+            join_event = ffi.new("struct aiodat_cm_event *", ev[0])  # its GID and LID, to detach
+            # The attachment is a Raw the QP's waits for: a group dropped with its EP (a cycle the
+            # collector ends in any order) detaches first; else the QP could never be destroyed
+            # (EBUSY while attached), nor, with it, the PD, the CQs and the device context.
+            group._attachment = Raw(self.ep._qp, lambda qp: lib.aiodat_mcast_attach(qp, join_event, 0),
+                                    "multicast attachment", self.ep._raw, join_event)
             raw = lib.aiodat_create_ah(self.ep._pz._pd, ev)
             if raw == ffi.NULL:
                 self.fail(error_from_errno(ffi.errno, f"{self.what}: creating the group's address handle"))
                 return
             group.address_handle = AddressHandle(self.ep._pz, raw, ev.ud_qp_num, ev.ud_qkey, (group.group, 0))
+            group.address_handle._warn_if_dropped = False  # the group's: dropped with it, its warning says so
             group.joined = True
             self.fut.set_result(group)
             return
@@ -357,7 +363,7 @@ class MulticastGroup(Handle):
         self.group = group
         self._sockaddr = sockaddr
         self._joiner: Optional[_Joiner] = None
-        self._join_event: Any = None  # the MULTICAST_JOIN event the QP was attached by
+        self._attachment: Optional[Raw] = None  # the QP's attachment to the group, once joined
         #: the handle multicast sends go to (set once joined)
         self.address_handle: Optional[AddressHandle] = None
         self.joined = False
@@ -377,10 +383,9 @@ class MulticastGroup(Handle):
 
     def _release(self) -> None:
         joiner, self._joiner = self._joiner, None
-        if self._join_event is not None:
-            if not self.ep.closed:
-                lib.aiodat_mcast_attach(self.ep._qp, self._join_event, 0)
-            self._join_event = None
+        attachment, self._attachment = self._attachment, None
+        if attachment is not None:
+            attachment.release()  # detached (the QP's destruction waits for it, however the EP goes)
         if joiner is not None and not joiner.closed:
             if self.joined:
                 lib.rdma_leave_multicast(joiner.cm_id, ffi.cast("struct sockaddr *", self._sockaddr))
@@ -466,6 +471,7 @@ def post_recv_datagram(ep: "EP", segments: Any, cookie: Any, flags: Any) -> None
     grh = getattr(ep, "_grh_lmr", None)  # the EP's scratch for GRHs, made on first use
     if grh is None or grh.closed:
         grh = ep._grh_lmr = ep._pz.register(bytearray(GRH_SIZE), Privileges.LOCAL_WRITE)  # type: ignore[attr-defined]
+        grh._warn_if_dropped = False  # aiodat's own, dropped with the EP: the EP's warning says so
     ep.post_recv([grh.segment(), *segs], cookie, flags)
 
 

@@ -370,6 +370,9 @@ class EP(Posting, Handle):
             held.close()
         err = self._raw.release()
         if err:  # (the old QP is kept, and its destruction tried again later: see _handle.Raw)
+            # the EP cannot go on with a QP that a later retry frees under it: free the EP whole
+            self._qp, self._qp_address = ffi.NULL, 0
+            self.close()
             raise error_from_errno(err, "destroying the queue pair (ibv_destroy_qp)")
         self._ia._qpn_owner.pop(self.qp_num, None)
         try:

@@ -1213,8 +1213,15 @@ class EVD(Handle, Generic[E]):
         if not self._closed:
             self._refuse_foreign_thread()  # (before its users are closed)
             eps, psps = self._users()
+            first_error: Optional[BaseException] = None
             for user in (*eps, *psps):
-                user.close()
+                try:
+                    user.close()
+                except Exception as exc:  # keep going, and close this EVD too; report the first
+                    first_error = first_error or exc
+            if first_error is not None:
+                super().close()
+                raise first_error
         super().close()
 
     def _users(self) -> Tuple[List["EP"], List[Any]]:

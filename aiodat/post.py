@@ -304,6 +304,13 @@ class Posting(WorkRequests):
         if (self._conn.state is not EPState.CONNECTED and self.attrs.service_type is ServiceType.RC
                 and opcode != WR_BIND_MW and not internal):
             raise InvalidState(f"cannot post {op.value} on an EP in state {self._conn.state.value} (connect it first)")
+        if self._ud and ah is None and opcode != WR_BIND_MW and opcode != WR_LOCAL_INV:
+            # (a UD request's address handle shares its place with the RDMA fields: the device
+            # would read a NULL or made-up one, and the process crash)
+            raise InvalidParameter(
+                f"{op.value} on a UD endpoint: a datagram goes to an address handle, post it with "
+                f"post_send_to(segments, address_handle)" if opcode in (WR_SEND, WR_SEND_WITH_IMM) else
+                f"{op.value} on a UD endpoint: RDMA reads, writes and atomics need a connected (RC) endpoint")
         wr = self._wr
         wr_id = next(self._ids) * 2
         wr.wr_id = wr_id

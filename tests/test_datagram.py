@@ -88,6 +88,25 @@ async def test_datagram_errors(ia: Any) -> None:
         await client.connect(ia.address, 1)
     with pytest.raises(aiodat.InvalidParameter, match="AddressHandle"):
         client.post_send_to(clmr[0:5], ("1.2.3.4", 5))
+    # a UD request without an address handle: the device would read the RDMA fields as one and
+    # crash the process (a segfault in the provider); refused before anything is posted
+    with pytest.raises(aiodat.InvalidParameter, match="post_send_to"):
+        client.post_send(clmr[0:5], cookie="no destination")
+    region = clmr.remote()
+    for post in (lambda: client.post_rdma_write(clmr[0:8], region), lambda: client.post_rdma_read(clmr[0:8], region),
+                 lambda: client.post_fetch_add(clmr[0:8], region, 1)):
+        with pytest.raises(aiodat.InvalidParameter, match="need a connected"):
+            post()
+    assert client.request_evd.dequeue() is None and not client._send_q
+    # ... and the C floor under it: aiodat_post_send refuses a UD request with no address handle
+    import errno
+
+    from aiodat._lib import ffi, lib
+
+    wr, sges, posted = ffi.new("struct aiodat_send_wr *"), ffi.new("struct aiodat_sge[1]"), ffi.new("int *")
+    wr.opcode, wr.num_sge = 0, 0  # an RDMA write, its fields where a UD request's address handle goes
+    wr.remote_addr = 0xDEAD0000
+    assert lib.aiodat_post_send(client._qp, wr, 1, sges, posted) == errno.EINVAL and posted[0] == 0
     with pytest.raises(aiodat.InvalidParameter, match="max_recv_iov >= 4"):
         client.post_recv_datagram([clmr[0:1], clmr[1:2], clmr[2:3]])
     # nothing serves the port: the resolution is refused (no SIDR REP), never hangs

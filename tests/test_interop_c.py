@@ -292,7 +292,8 @@ async def test_aiodat_rping_server_against_rping_client(ia: Any) -> None:
 async def connect_when_listening(ep: Any, address: str, port: int,
                                  prepare: Optional[Callable[[], None]] = None) -> bytes:
     """Connect to a C server that binds its port a moment after it starts.  A refused attempt
-    resets the EP (a new QP), so ``prepare`` (posting receives, say) runs before each attempt."""
+    flushes the receives posted for it (their events come, flushed, with the reset) and resets the
+    EP (a new QP), so ``prepare`` (posting receives, say) runs before each attempt."""
     for _ in range(100):
         if prepare is not None:
             prepare()
@@ -300,6 +301,8 @@ async def connect_when_listening(ep: Any, address: str, port: int,
             return await ep.connect(address, port, timeout=T)
         except aiodat.NonPeerRejected:
             ep.reset()
+            while (flushed := ep.recv_evd.dequeue()) is not None:
+                assert flushed.flushed, flushed
             await asyncio.sleep(0.2)
     raise AssertionError(f"nothing listened on {address}:{port}")
 

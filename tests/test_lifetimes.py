@@ -460,3 +460,80 @@ async def test_a_dropped_stream_is_released(ia: Any, rdma_device: Any, loop_erro
     await server.wait_closed()
     await settle()
     assert kernel_counts(rdma_device.name) == counts
+
+
+async def test_a_dropped_ep_with_a_multicast_group_is_released(ia: Any, rdma_device: Any,
+                                                              loop_errors: List[dict]) -> None:
+    """A UD EP that joined a multicast group and received through the GRH scratch, dropped with
+    the group: the collector ends the cycle, the QP is detached from the group first and then
+    destroyed, and with it everything it held.  The attachment had no holder of its own: the QP's
+    destruction failed (EBUSY while attached) for good, keeping its PD, CQs and the device context.
+    The GRH scratch and the group's address handle are aiodat's own and warn nothing of their own."""
+    from aiodat import _handle
+    from aiodat.ep import EPAttr, ServiceType
+
+    await settle()
+    counts = kernel_counts(rdma_device.name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pz = ia.create_pz()
+        ep = ia.create_ep(pz, attrs=EPAttr(service_type=ServiceType.UD, max_recv_iov=2, max_request_iov=2))
+        group = await ep.join_multicast("239.1.2.9", timeout=T)
+        ep.post_recv_datagram(pz.register(bytearray(256))[0:256], cookie="rx")
+        assert group.joined and kernel_counts(rdma_device.name)["qp"] == counts["qp"] + 1
+        del pz, ep, group
+        await settle()
+    assert not [raw.what for raw in _handle._deferred]
+    assert kernel_counts(rdma_device.name) == counts
+    assert unclosed_kinds(caught) == ["ep", "lmr", "multicast", "pz"]
+
+
+async def test_a_reset_whose_qp_cannot_be_destroyed_frees_the_ep(ia: Any, loop_errors: List[dict]) -> None:
+    """ep.reset() whose ibv_destroy_qp fails (transiently, say) frees the EP and raises: the QP's
+    destruction is retried later (the device may still use it), and the EP is not used with it.
+    The EP stayed open on that QP, which a later collection destroyed: a use after free."""
+    import errno
+
+    from aiodat import _handle
+
+    pz = ia.create_pz()
+    ep = ia.create_ep(pz)
+    raw, failed = ep._raw, []
+    real = raw._destroy
+
+    def fails_once(ptr: Any) -> int:
+        if not failed:
+            failed.append(ptr)
+            return errno.EINTR
+        return real(ptr)
+
+    raw._destroy = fails_once
+    with pytest.raises(aiodat.DATError, match="destroying the queue pair"):
+        ep.reset()
+    assert ep.closed and failed
+    gc.collect()  # the retry destroys the QP now
+    assert raw.ptr == aiodat._lib.ffi.NULL and raw not in _handle._deferred
+    with pytest.raises(aiodat.InvalidHandle):
+        ep.post_recv(pz.register(bytearray(64))[0:64])
+    pz.close()
+
+
+async def test_an_evd_whose_user_fails_to_close_is_closed_still(ia: Any, loop_errors: List[dict],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """evd.close() closes the EPs that feed it; one whose close raises no longer stops it half-way:
+    the other EPs and the EVD itself close, and the first error is raised.  The EVD stayed open."""
+    pz = ia.create_pz()
+    evd = ia.create_evd(8, aiodat.EvdFlags.DTO)
+    failing, other = ia.create_ep(pz, recv_evd=evd), ia.create_ep(pz, recv_evd=evd)
+    real = type(failing)._release
+
+    def release(self: Any) -> None:
+        real(self)
+        if self is failing:
+            raise aiodat.InternalError("test: this EP's close failed")
+
+    monkeypatch.setattr(type(failing), "_release", release)
+    with pytest.raises(aiodat.InternalError, match="this EP's close failed"):
+        evd.close()
+    assert evd.closed and other.closed
+    pz.close()

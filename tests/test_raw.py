@@ -114,3 +114,31 @@ def test_a_window_that_no_longer_needs_its_qp_lets_it_go() -> None:
     assert cq._users == 2
     twice.unneed(cq)
     assert cq._users == 0 and cq.release() == 0
+
+
+def test_a_fork_while_a_thread_retries_leaves_the_child_able_to_retry(tmp_path: Any) -> None:
+    """(Pure.) A fork taken while another thread was retrying deferred destroys (the flag set) left the
+    child's flag set for good: nothing the child deferred was ever destroyed again.  Here a raw
+    object of the child's whose first destroy fails is destroyed by the next collection."""
+    script = tmp_path / "fork_retry.py"
+    script.write_text('''
+import gc, os, sys
+from aiodat import _handle
+from aiodat._lib import ffi
+_handle._retrying = True  # as if another thread were retrying when the fork came
+pid = os.fork()
+if pid == 0:
+    tries = []
+    raw = _handle.Raw(ffi.new("int *"), lambda ptr: 0 if tries.append(ptr) or len(tries) > 1 else 16,
+                      "test object")  # (16: EBUSY, the first time)
+    raw.release()
+    gc.collect()  # the deferred one is tried again
+    os._exit(0 if len(tries) == 2 and raw.ptr == ffi.NULL and not _handle._deferred else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+''')
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -39,6 +39,19 @@
 
 /* set once by configure(): the event class and the values an event carries */
 static PyObject *event_cls, *dto_completion, *op_recv, *op_recv_imm, *plain_send_ops, *success;
+/* plain_send_ops' members (enum members: singletons), compared by identity: hashing an Enum runs
+ * Python (Enum.__hash__), where a signal handler may raise in the middle of the completions */
+#define MAX_PLAIN_OPS 8
+static PyObject *plain_ops[MAX_PLAIN_OPS];
+static int n_plain_ops;
+
+static int is_plain_send(PyObject *op)
+{
+    for (int k = 0; k < n_plain_ops; k++)
+        if (op == plain_ops[k])
+            return 1;
+    return 0;
+}
 static allocfunc event_alloc;
 /* an event's __dict__ with its constant fields filled in, copied per event (configure() makes it) */
 static PyObject *event_template;
@@ -102,6 +115,15 @@ static PyObject *configure(PyObject *self, PyObject *args)
     event_alloc = alloc;
     Py_INCREF(cls); Py_INCREF(dto); Py_INCREF(recv); Py_INCREF(recv_imm); Py_INCREF(sends);
     event_cls = cls; dto_completion = dto; op_recv = recv; op_recv_imm = recv_imm; plain_send_ops = sends;
+    PyObject *it = PyObject_GetIter(sends), *member;
+    while (it != NULL && (member = PyIter_Next(it)) != NULL) {
+        if (n_plain_ops < MAX_PLAIN_OPS)
+            plain_ops[n_plain_ops++] = member;  /* (the set holds it: this module holds the set) */
+        Py_DECREF(member);
+    }
+    Py_XDECREF(it);
+    if (PyErr_Occurred())
+        return NULL;
     poll_fn = (int (*)(struct ibv_cq *, struct aiodat_wc *, int))(uintptr_t)poll_address;
     drain_fn = (int (*)(struct ibv_comp_channel *, struct ibv_cq *, int, struct aiodat_wc *, int, int *))
                (uintptr_t)drain_address;
@@ -364,12 +386,8 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
         segs = PyTuple_GetItem(head, 3);
         if (requests == 0 && target != Py_None)
             goto done;  /* a drain marker or a window bind: wr.py's business */
-        int plain = PySet_Contains(plain_send_ops, op);
-        if (plain <= 0) {
-            if (plain < 0)
-                goto error;
+        if (!is_plain_send(op))
             goto done;  /* an RDMA read or atomic: its length comes from the completion */
-        }
     }
     if (segs == NULL || !PyTuple_Check(segs))
         goto error;
@@ -448,6 +466,10 @@ static int queue_events(PyObject *evd, const struct aiodat_wc *wcs, int count, P
         *notified = 1;
     }
     Py_XDECREF(ep);
+    /* Never raises (Python meets the same completion again), but a Ctrl-C that a signal handler
+     * raised in here (any Python run on the way) is not lost: it comes again at the next check */
+    if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))
+        PyErr_SetInterrupt();
     PyErr_Clear();
     return i;
 }
@@ -634,6 +656,21 @@ static int wake_due(PyObject *evd, PyObject *queue, int notified)
     return (unsigned long long)queued >= qlen;
 }
 
+/* 1 when fut's loop is closed, 0 when not, -1 when that cannot be told (the exception being
+ * handled is kept either way) */
+static int loop_of_is_closed(PyObject *fut)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *fut_loop = PyObject_CallMethod(fut, "get_loop", NULL);
+    PyObject *closed = fut_loop ? PyObject_CallMethod(fut_loop, "is_closed", NULL) : NULL;
+    int is_closed = closed ? PyObject_IsTrue(closed) : -1;
+    Py_XDECREF(closed); Py_XDECREF(fut_loop);
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+    return is_closed;
+}
+
 /* EVD._wake() with no exception: complete the waiting task's future if the wait is satisfied. */
 static int wake(PyObject *evd, PyObject *queue)
 {
@@ -664,6 +701,10 @@ static int wake(PyObject *evd, PyObject *queue)
             PyObject *res = PyObject_CallMethodObjArgs(fut, s_set_result, Py_None, NULL);
             rc = res ? 0 : -1;
             Py_XDECREF(res);
+            if (rc < 0 && PyErr_ExceptionMatches(PyExc_RuntimeError) && loop_of_is_closed(fut) == 1) {
+                PyErr_Clear();  /* a waiter of a loop since closed: nobody to wake, as EVD._wake */
+                rc = 0;
+            }
         }
     }
     Py_DECREF(fut);
@@ -1040,6 +1081,8 @@ static int napi_add(PyObject *evd, PyObject *loop, unsigned long long busy_us)
         Py_XDECREF(hot);
     }
     Py_XDECREF(poller);
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;  /* a KeyboardInterrupt (asyncio's loop methods are Python): raised, not lost */
     PyErr_Clear();  /* (any doubt: the Python method, which says what went wrong) */
     if (held)
         return 0;

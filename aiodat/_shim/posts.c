@@ -32,6 +32,12 @@
 
 #include "pyattrs.h"
 
+/* a post's errno as a positive number: older rxe providers (rdma-core < 44) return -errno */
+static inline int post_errno(int rc)
+{
+    return rc < 0 ? -rc : rc;
+}
+
 /* set once by configure() */
 static PyObject *segment_type, *flags_type, *send_bits, *op_send, *state_connected, *state_disconnected,
                 *state_error, *send_run_type, *remote_type;
@@ -233,7 +239,7 @@ static PyObject *post_recv_one(PyObject *ep, PyObject *address, PyObject *seg, P
         return NULL;
     }
     struct ibv_recv_wr wr = { .wr_id = wr_id, .next = NULL, .sg_list = &sge, .num_sge = 1 }, *bad;
-    int err = ibv_post_recv(qp, &wr, &bad);
+    int err = post_errno(ibv_post_recv(qp, &wr, &bad));
     if (!err && record(ep, s_recv_q, entry, lmr, NULL) < 0)
         err = -2;
     Py_DECREF(entry);
@@ -312,7 +318,7 @@ static PyObject *post_send_one(PyObject *ep, PyObject *address, PyObject *seg, P
     wr.send_flags = (unsigned int)send_flags;
     wr.sg_list = &sge;
     wr.num_sge = 1;
-    int err = ibv_post_send(qp, &wr, &bad);
+    int err = post_errno(ibv_post_send(qp, &wr, &bad));
     if (!err && record(ep, s_send_q, entry, lmr, quiet_id) < 0)
         err = -2;
     Py_DECREF(entry);
@@ -514,7 +520,8 @@ static int post_copies(struct ibv_qp *qp, struct ibv_srq *srq, const struct ibv_
         }
         bad = NULL;
         rbad = NULL;
-        err = tmpl ? ibv_post_send(qp, wr, &bad) : srq ? ibv_post_srq_recv(srq, rwr, &rbad) : ibv_post_recv(qp, rwr, &rbad);
+        err = post_errno(tmpl ? ibv_post_send(qp, wr, &bad)
+                         : srq ? ibv_post_srq_recv(srq, rwr, &rbad) : ibv_post_recv(qp, rwr, &rbad));
         if (err) {
             *posted += tmpl ? TAKEN(bad, wr, count) : TAKEN(rbad, rwr, count);
             return err;

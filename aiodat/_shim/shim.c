@@ -19,6 +19,11 @@
 #include "shim.h"
 
 #define AIODAT_CHUNK 64   /* requests chained per ibv_post_* call */
+/* a post's errno as a positive number: older rxe providers (rdma-core < 44) return -errno */
+static inline int post_errno(int rc)
+{
+    return rc < 0 ? -rc : rc;
+}
 /* how many of the ``count`` chained requests from ``wr`` an ibv_post_* that failed took: those before
  * ``bad``; none when it left ``bad`` NULL or out of the chain (rxe 44 does, for some errors) */
 #define TAKEN(bad, wr, count) ((bad) != NULL && (bad) >= (wr) && (bad) < (wr) + (count) ? (int)((bad) - (wr)) : 0)
@@ -56,6 +61,10 @@ int aiodat_post_send(struct ibv_qp *qp, const struct aiodat_send_wr *wrs, int n,
             const struct aiodat_send_wr *w = &wrs[done + count];
             struct ibv_send_wr *d = &wr[count];
             if (w->num_sge < 0 || w->num_sge > 32)
+                return EINVAL;
+            /* a UD request names its address handle, whose place an RDMA request's fields share: the
+             * provider would read a NULL or made-up one (post.py refuses first; this is the floor) */
+            if (qp->qp_type == IBV_QPT_UD && !w->ah && w->opcode != IBV_WR_BIND_MW && w->opcode != IBV_WR_LOCAL_INV)
                 return EINVAL;
             if (sg_used + w->num_sge > AIODAT_CHUNK * 32)
                 break;
@@ -103,7 +112,7 @@ int aiodat_post_send(struct ibv_qp *qp, const struct aiodat_send_wr *wrs, int n,
             count++;
         }
         bad = NULL;
-        int rc = ibv_post_send(qp, wr, &bad);
+        int rc = post_errno(ibv_post_send(qp, wr, &bad));
         if (rc) {
             *n_posted = done + TAKEN(bad, wr, count);
             return rc;
@@ -163,7 +172,7 @@ int aiodat_post_recv_same(struct ibv_qp *qp, struct ibv_srq *srq, uint64_t first
             wr[i].next = i + 1 < count ? &wr[i + 1] : NULL;
         }
         bad = NULL;
-        int rc = srq ? ibv_post_srq_recv(srq, wr, &bad) : ibv_post_recv(qp, wr, &bad);
+        int rc = post_errno(srq ? ibv_post_srq_recv(srq, wr, &bad) : ibv_post_recv(qp, wr, &bad));
         if (rc) {
             *n_posted = done + TAKEN(bad, wr, count);
             return rc;
@@ -192,7 +201,7 @@ int aiodat_post_send1(struct ibv_qp *qp, uint64_t wr_id, int opcode, unsigned in
     wr.num_sge = 1;
     wr.wr.rdma.remote_addr = remote_addr;
     wr.wr.rdma.rkey = rkey;
-    return ibv_post_send(qp, &wr, &bad);
+    return post_errno(ibv_post_send(qp, &wr, &bad));
 }
 
 int aiodat_post_recv1(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr, uint32_t length, uint32_t lkey)
@@ -200,7 +209,7 @@ int aiodat_post_recv1(struct ibv_qp *qp, uint64_t wr_id, uint64_t addr, uint32_t
     struct ibv_sge sge = { .addr = addr, .length = length, .lkey = lkey };
     struct ibv_recv_wr wr = { .wr_id = wr_id, .next = NULL, .sg_list = &sge, .num_sge = 1 }, *bad;
 
-    return ibv_post_recv(qp, &wr, &bad);
+    return post_errno(ibv_post_recv(qp, &wr, &bad));
 }
 
 /* Post n receives to a QP (srq NULL) or to an SRQ. */
@@ -232,7 +241,7 @@ int aiodat_post_recv(struct ibv_qp *qp, struct ibv_srq *srq, const uint64_t *wr_
             count++;
         }
         bad = NULL;
-        int rc = srq ? ibv_post_srq_recv(srq, wr, &bad) : ibv_post_recv(qp, wr, &bad);
+        int rc = post_errno(srq ? ibv_post_srq_recv(srq, wr, &bad) : ibv_post_recv(qp, wr, &bad));
         if (rc) {
             *n_posted = done + TAKEN(bad, wr, count);
             return rc;
