@@ -5,7 +5,7 @@ behind, no outcome lost), and the objects still connect afterwards."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List
+from typing import Any, List, Optional
 
 import pytest
 
@@ -354,6 +354,18 @@ async def test_accepting_a_request_its_peer_gave_up_says_so(ia: Any, loop_errors
     await client.disconnect(timeout=T)
 
 
+async def _disconnect_stuck_in_its_drain(pair: Any, timeout: Optional[float]) -> "asyncio.Future[Any]":
+    """A graceful disconnect of the client, awaited in a task, held in its drain behind a send the
+    peer never takes (it posted no receive: RNR, retried for ever); returned once DISCONNECT_PENDING."""
+    pair.client.post_send(pair.client_lmr[0:64], cookie="stuck")
+    first = asyncio.ensure_future(pair.client.disconnect(timeout=timeout))
+    for _ in range(100):
+        if pair.client.state is EPState.DISCONNECT_PENDING:
+            break
+        await asyncio.sleep(0.01)
+    return first
+
+
 async def test_a_disconnect_under_way_can_be_joined_or_cut_short(ia: Any, loop_errors: List[dict]) -> None:
     """A graceful disconnect stuck behind a send the peer never takes (RNR, retried for ever):
     its awaited call cancelled, the EP stays DISCONNECT_PENDING; a second awaited call takes the
@@ -361,12 +373,7 @@ async def test_a_disconnect_under_way_can_be_joined_or_cut_short(ia: Any, loop_e
     Every such call used to raise InvalidState, leaving only free() until the drain timed out."""
     pair = await make_ep_pair(ia)
     try:
-        pair.client.post_send(pair.client_lmr[0:64], cookie="stuck")  # the server posted no receive
-        first = asyncio.ensure_future(pair.client.disconnect(timeout=None))
-        for _ in range(100):
-            if pair.client.state is EPState.DISCONNECT_PENDING:
-                break
-            await asyncio.sleep(0.01)
+        first = await _disconnect_stuck_in_its_drain(pair, timeout=None)
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
@@ -541,12 +548,7 @@ async def test_a_disconnect_the_break_overtook_still_wakes_its_task(ia: Any, loo
 
     pair = await make_ep_pair(ia)
     try:
-        pair.client.post_send(pair.client_lmr[0:64], cookie="stuck")  # the server posted no receive
-        first = asyncio.ensure_future(pair.client.disconnect(timeout=T))
-        for _ in range(100):
-            if pair.client.state is EPState.DISCONNECT_PENDING:
-                break
-            await asyncio.sleep(0.01)
+        first = await _disconnect_stuck_in_its_drain(pair, timeout=T)
         assert pair.client.state is EPState.DISCONNECT_PENDING and pair.client._conn.drain is not None
         cm.broken(pair.client, "test: the QP broke during the drain")
         assert pair.client.state is EPState.ERROR

@@ -9,12 +9,12 @@ import asyncio
 import socket
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from aiodat.cm import check_port, check_timeout, resolve_host
+from aiodat.cm import check_timeout, resolve_host
 from aiodat.errors import DATError, InvalidAddress, InvalidParameter, ModelNotSupported
 from aiodat.netdev import same_address
 from aiodat.streams.pool import IARef
 from aiodat.streams.protocol import DEFAULT_LIMIT, StreamConfig, parse_params, split_kwds
-from aiodat.streams.transport import RdmaTransport, Resources
+from aiodat.streams.transport import RdmaTransport, Resources, stream_port
 
 __all__ = ["Server", "ListenSocket", "create_server", "start_server"]
 
@@ -275,10 +275,7 @@ async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], ho
     check_timeout(accept_timeout, "accept_timeout")
     if port is None:
         port = 0
-    # as asyncio's (getaddrinfo's) and create_connection's: an int or its digits as a str
-    if isinstance(port, str) and port.isascii() and port.isdigit():
-        port = int(port)
-    check_port(port)
+    port = stream_port(port, lowest=0)
     if not isinstance(backlog, int) or isinstance(backlog, bool):
         raise InvalidParameter(f"backlog must be an int, got {backlog!r}")
     loop = asyncio.get_running_loop()

@@ -160,6 +160,15 @@ def _takes_views(protocol: asyncio.BaseProtocol) -> bool:
 _NO_READER = object()
 
 
+def stream_port(port: Any, lowest: int) -> int:
+    """A stream's port as asyncio takes it (getaddrinfo reads it): an int or its digits as a str,
+    not a float, which int() would cut; checked as cm.check_port checks it (create_connection and
+    create_server)."""
+    if isinstance(port, str) and port.isascii() and port.isdigit():
+        port = int(port)
+    return check_port(port, lowest)
+
+
 def _byte_view(data: Any) -> memoryview:
     """A flat byte view of any C-contiguous bytes-like object, else TypeError (not bytes-like) or
     BufferError (not C-contiguous), as write() and writelines() raise before buffering anything."""
@@ -788,10 +797,7 @@ async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol]
         raise TypeError(f"create_connection() got unexpected keyword argument(s): {', '.join(sorted(rest))}")
     if host is None or port is None:
         raise InvalidAddress("aiodat streams need both host and port (there is no sock= form)")
-    # as asyncio's (getaddrinfo's): an int or its digits as a str; not a float, which int() would cut
-    if isinstance(port, str) and port.isascii() and port.isdigit():
-        port = int(port)
-    check_port(port, lowest=1)
+    port = stream_port(port, lowest=1)
     timeout = check_timeout(connect_timeout, "connect_timeout")
     loop = asyncio.get_running_loop()
     host, timeout = await resolve_within(host, 0, timeout)  # (the lookup counts against the timeout)
