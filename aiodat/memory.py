@@ -794,29 +794,53 @@ class _Pin:
     The PZ knows its pins in flight.  Its close takes each pin's lock, so it waits for a
     registration under way (one ``ibv_reg_mr``) and a pin that starts afterwards finds the PZ
     closed; then it undoes what was registered, before the PD goes.  So no thread registers
-    on a PD being freed, and nothing registered is left behind."""
+    on a PD being freed, and nothing registered is left behind.
+
+    A cancelled await abandons its pin: the thread itself undoes a registration that ends
+    afterwards.  Nothing waits for the loop, which may have closed by then (a callback
+    scheduled on it would never run, and the MR would keep the PD from being freed)."""
 
     def __init__(self, pz: "PZ", buffer: Any, privileges: Optional[Privileges]) -> None:
         self.pz, self.buffer, self.privileges = pz, buffer, privileges
         self.pinned: Optional[Tuple[Any, Any, Any, Privileges]] = None
-        self.lock = threading.Lock()
+        self.abandoned = False
+        self.lock = threading.Lock()  # held for the whole registration: the PZ's close waits on it
+        self.handoff = threading.Lock()  # held only to hand the result over: never blocks the loop
         pz._pins.add(self)
 
     def run(self) -> None:
         """In the executor thread: check the PZ and register (the PZ's close waits for this)."""
         with self.lock:
-            self.pinned = LMR._pin(self.pz, self.buffer, self.privileges)
+            if self.abandoned:  # cancelled (or its PZ closed) before the executor got to it
+                self.pz._pins.discard(self)
+                return
+            pinned = LMR._pin(self.pz, self.buffer, self.privileges)
+            with self.handoff:
+                wanted = not self.abandoned
+                if wanted:
+                    self.pinned = pinned
+            if not wanted:  # abandoned while pinning: nobody will adopt it (inside the lock: the PD waits)
+                self.pz._pins.discard(self)
+                _unpin(pinned)
+
+    def abandon(self) -> None:
+        """In the loop's thread, on cancellation: undo the registration now if it is done,
+        else let the thread undo it when it ends."""
+        with self.handoff:
+            self.abandoned = True
+            pinned, self.pinned = self.pinned, None
+        if pinned is not None:
+            self.pz._pins.discard(self)
+            _unpin(pinned)
 
     def undo(self) -> None:
-        """In the loop's thread: the registration is not wanted (cancelled, failed, or its PZ closed)."""
+        """In the loop's thread: the registration is not wanted (failed, or its PZ closed)."""
         self.pz._pins.discard(self)
+        self.abandoned = True
         with self.lock:  # (a registration still under way ends first)
             pinned, self.pinned = self.pinned, None
         if pinned is not None:
-            view, cdata, mr, _ = pinned
-            lib.ibv_dereg_mr(mr)
-            ffi.release(cdata)
-            view.release()
+            _unpin(pinned)
 
     def adopt(self) -> "LMR":
         """In the loop's thread, once ``run`` has returned: the LMR, or InvalidHandle if the PZ's
@@ -827,6 +851,19 @@ class _Pin:
             raise InvalidHandle("pz is closed: it was closed while register_async pinned the buffer",
                                 subtype="DAT_INVALID_HANDLE_PZ")
         return LMR(self.pz, self.buffer, _pinned=pinned)
+
+
+def _retrieved(future: "asyncio.Future[None]") -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _unpin(pinned: Tuple[Any, Any, Any, Privileges]) -> None:
+    """Undo a registration no LMR took over: deregister and end the buffer's exports."""
+    view, cdata, mr, _ = pinned
+    lib.ibv_dereg_mr(mr)
+    ffi.release(cdata)
+    view.release()
 
 
 class PZ(Handle):
@@ -887,7 +924,8 @@ class PZ(Handle):
         try:
             await asyncio.shield(pinning)
         except asyncio.CancelledError:
-            pinning.add_done_callback(lambda _done: pin.undo())
+            pin.abandon()
+            pinning.add_done_callback(_retrieved)  # (a failure nobody awaits now is not "never retrieved")
             raise
         except BaseException:
             pin.undo()

@@ -432,6 +432,49 @@ async def test_a_cancelled_register_async_leaves_no_registration(ia: Any, rdma_d
     pz.free()
 
 
+def test_a_register_async_cancelled_in_a_loop_that_then_closed_leaves_nothing(rdma_device: Any,
+                                                                             aiodat_loop: str) -> None:
+    """register_async with an executor of the program's whose worker is busy, cancelled, and its
+    loop closed before the worker gets to the registration: nothing is registered then, and a
+    dropped PZ frees its PD (a callback the closed loop never ran was to undo the registration:
+    the MR stayed, and the PD could not be freed for good)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiodat import _handle
+
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool, aiodat.open_ia(rdma_device.name) as ia:
+        pool.submit(gate.wait, T)  # the only worker is busy: the registration waits in the queue
+        before = kernel_counts(rdma_device.name)
+        pz = ia.create_pz()
+
+        async def cancel_a_registration() -> None:
+            task = asyncio.ensure_future(pz.register_async(bytearray(1 << 20), executor=pool))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        loop = uvloop_or_asyncio(aiodat_loop)
+        try:
+            loop.run_until_complete(cancel_a_registration())
+        finally:
+            loop.close()
+        gate.set()
+        pool.shutdown(wait=True)  # the registration's turn came after its loop closed
+        del pz
+        gc.collect()
+        assert not [raw.what for raw in _handle._deferred]
+        assert kernel_counts(rdma_device.name) == before  # no MR, and the PD is gone
+
+
+def uvloop_or_asyncio(name: str) -> asyncio.AbstractEventLoop:
+    if name == "uvloop":
+        import uvloop
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 async def test_a_dropped_stream_is_released(ia: Any, rdma_device: Any, loop_errors: List[dict]) -> None:
     """A client drops its reader and writer without closing: its EP, EVD and registrations are
     freed (the peer sees the disconnect and ends its side), with a ResourceWarning."""
