@@ -181,3 +181,25 @@ def test_a_client_does_not_read_the_device_list_for_every_connect(monkeypatch: p
     with pytest.raises(InvalidAddress):
         pool_mod.device_for("10.0.0.9", listening=True)
     assert len(reads) == 2
+
+
+def test_the_ports_first_address_is_keyed_as_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that is the port's first address is the IA's default address: device_for names it
+    None, as for a host no device has, so a server on that address (or on None) and the clients
+    connecting to it share one pooled IA instead of opening the device twice.  Another address of
+    the port is still named."""
+    from types import SimpleNamespace
+
+    import aiodat.ia
+
+    def list_providers() -> List[Any]:
+        return [SimpleNamespace(name="rxe0", state="PORT_ACTIVE", addresses=["10.0.0.1", "10.0.0.2"])]
+
+    monkeypatch.setattr(aiodat.ia, "list_providers", list_providers)
+    monkeypatch.setattr(pool_mod, "_providers_cache", (-pool_mod.PROVIDER_CACHE_SECONDS, []))
+    monkeypatch.delenv("AIODAT_RXE_DEVICE", raising=False)
+    assert pool_mod.device_for(None, listening=True) == ("rxe0", None)
+    assert pool_mod.device_for("10.0.0.1", listening=True) == ("rxe0", None)
+    assert pool_mod.device_for("10.0.0.1") == ("rxe0", None)
+    assert pool_mod.device_for("10.0.0.9") == ("rxe0", None)
+    assert pool_mod.device_for("10.0.0.2", listening=True) == ("rxe0", "10.0.0.2")

@@ -128,7 +128,8 @@ def _active_providers(refresh: bool = False) -> List[Any]:
 
 def device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optional[str]]:
     """(device, address) for ``host``: the device that has that address, else one with an address of
-    the same family ($AIODAT_RXE_DEVICE first).  A server (``listening``) must name a device's own address."""
+    the same family ($AIODAT_RXE_DEVICE first).  A server (``listening``) must name a device's own address.
+    The address is None for the port's first one (the IA's default), so one IA serves both."""
     candidates = _active_providers()
     if listening and host and not any(same_address(a, host) for p in candidates for a in p.addresses):
         # an address may have been added since; a client's peer is mostly no local address at
@@ -137,7 +138,9 @@ def device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optio
     for p in candidates:
         for addr in p.addresses:
             if host and same_address(addr, host):
-                return p.name, addr
+                # the port's first address is the IA's default: named None, as below, so a
+                # server on that address and the clients of the loop share one IA, not two
+                return p.name, (None if addr == p.addresses[0] else addr)
     if listening and host:
         known = ", ".join(a for p in candidates for a in p.addresses) or "none"
         raise InvalidAddress(f"cannot listen on {host}: no RDMA device has that address (an aiodat server "

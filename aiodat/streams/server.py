@@ -223,14 +223,27 @@ class Server:
         try:
             peer = parse_params(cr.private_data)
         except DATError:
-            cr.reject(b"not an aiodat stream")
+            try:
+                cr.reject(b"not an aiodat stream")
+            except DATError:  # (its peer gave it up already)
+                pass
             return
         ia = self._iaref.ia
         iaref = self._iaref.share()  # each connection holds the IA too (it may outlive the server)
         res = None
         try:
             res = Resources(ia, self._cfg)
-            await cr.accept(res.ep, res.params(), timeout=self._accept_timeout)
+            try:
+                await cr.accept(res.ep, res.params(), timeout=self._accept_timeout)
+            except (ConnectionError, TimeoutError):
+                # The client gave up before the handshake ended (its connect timed out or was
+                # cancelled, its process ended): an everyday event, which asyncio's accept
+                # reports only in debug mode; not an error of the server's to log.
+                if self._loop.get_debug():
+                    raise
+                res.close()
+                iaref.release()
+                return
             # a factory that raises: the error goes to the loop's handler (_accepted) and the
             # connection is dropped here, as asyncio drops its socket, not left open and unread
             transport = RdmaTransport(self._loop, res, iaref, peer, self._factory(), on_lost=self._detach)
@@ -246,6 +259,18 @@ class Server:
             raise
         self._transports[transport] = None
         transport._start()
+
+
+class _ServerStreamProtocol(asyncio.StreamReaderProtocol):
+    """asyncio's StreamReaderProtocol, closing the connection when the ``client_connected_cb`` task
+    is cancelled, as Python 3.12's does.  Python 3.11's leaves it open: the peer never hears of
+    the end, and ``wait_closed()`` (which waits for every connection) would wait for ever."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        task: Optional["asyncio.Task[Any]"] = getattr(self, "_task", None)
+        if task is not None:
+            task.add_done_callback(lambda t: transport.close() if t.cancelled() else None)
 
 
 async def create_server(protocol_factory: Callable[[], asyncio.BaseProtocol], host: Any = None,
@@ -327,6 +352,6 @@ async def start_server(client_connected_cb: Callable[[asyncio.StreamReader, asyn
 
     def factory() -> asyncio.StreamReaderProtocol:
         reader = asyncio.StreamReader(limit=limit, loop=loop)
-        return asyncio.StreamReaderProtocol(reader, client_connected_cb, loop=loop)
+        return _ServerStreamProtocol(reader, client_connected_cb, loop=loop)
 
     return await create_server(factory, host, port, **kwds)
