@@ -8,10 +8,13 @@ differs.  Run on both loops (``--aiodat-loop asyncio`` / ``uvloop``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
+import signal
+import sys
 from pathlib import Path
-from typing import Any, AsyncIterator, Tuple
+from typing import Any, AsyncIterator, Callable, Tuple
 
 import pytest
 
@@ -205,6 +208,22 @@ def test_aiohttp_parts_we_build_on() -> None:
         f"aiohttp's BaseConnector no longer calls _create_connection {where}"
     assert list(inspect.signature(ResponseHandler.__init__).parameters) == ["self", "loop"], \
         f"aiohttp.client_proto.ResponseHandler(loop) changed {where}"
+    assert "self.transport = None" in inspect.getsource(ResponseHandler.close), \
+        f"aiohttp's ResponseHandler.close() (which RdmaConnector's protocol extends) changed {where}"
+
+
+@pytest.mark.parametrize("kind", ["tcp", "rdma"])
+async def test_a_host_name_that_does_not_resolve_is_client_connector_dns_error(kind: str) -> None:
+    """A host name that does not resolve raises aiohttp.ClientConnectorDNSError, as TCPConnector's does,
+    naming the lookup's failure; RdmaConnector raised the base ClientConnectorError, with
+    "[Unknown error -2]" as its reason.  (The lookup comes before any connection: no device needed.)"""
+    from aiodat.integrations.aiohttp import RdmaConnector
+
+    connector = aiohttp.TCPConnector() if kind == "tcp" else RdmaConnector()
+    async with aiohttp.ClientSession(connector=connector) as session:
+        with pytest.raises(aiohttp.ClientConnectorDNSError, match="no-such-host.invalid") as info:
+            await session.get("http://no-such-host.invalid:8080/")
+    assert isinstance(info.value.os_error, OSError) and "Unknown error" not in str(info.value)
 
 
 @pytest.mark.rxe
@@ -243,3 +262,59 @@ async def test_a_proxy_is_refused_not_ignored(rdma_device: Any, tmp_path: Path) 
         async with session.get(f"{base}/hello") as resp:  # the session goes on without one
             assert resp.status == 200
     assert aiodat_streams.shared_ia_count() == 0
+
+
+_HUNG_SERVER = r"""
+import asyncio, sys
+from aiohttp import web
+from aiodat.integrations.aiohttp import RdmaSite
+
+async def main() -> None:
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="hello")
+    app = web.Application()
+    app.router.add_get("/hello", hello)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = RdmaSite(runner, sys.argv[1], 0)
+    await site.start()
+    print(site.port, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@contextlib.asynccontextmanager
+async def hung_server(address: str) -> AsyncIterator[Tuple[str, Callable[[], None]]]:
+    """(base URL, freeze) of an aiohttp server over RDMA in another process; ``freeze()`` stops that
+    process (SIGSTOP), as a hung server: the kernel still takes what is sent, nothing answers."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _HUNG_SERVER, address,
+                                                stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        port = int(await asyncio.wait_for(proc.stdout.readline(), 60))
+        yield f"http://{address}:{port}", lambda: proc.send_signal(signal.SIGSTOP)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
+
+
+@pytest.mark.rxe
+async def test_closing_a_session_does_not_wait_on_a_hung_server(rdma_device: Any) -> None:
+    """``await session.close()`` waits for its connections to close; a hung server never answers an RDMA
+    connection's disconnect, which held the close for the stream's disconnect timeout (10 s; for ever
+    when the EOF could not be sent).  The connector's connections are aborted after CLOSE_TIMEOUT."""
+    from aiodat.integrations.aiohttp import CLOSE_TIMEOUT, RdmaConnector
+
+    loop = asyncio.get_running_loop()
+    async with hung_server(rdma_device.address) as (url, freeze):
+        session = aiohttp.ClientSession(connector=RdmaConnector())
+        async with session.get(f"{url}/hello") as resp:  # the connection stays in the pool
+            assert await resp.text() == "hello"
+        freeze()
+        began = loop.time()
+        await session.close()
+        assert loop.time() - began < CLOSE_TIMEOUT + 2.0
+        assert aiodat_streams.shared_ia_count() == 0

@@ -9,10 +9,14 @@ on both loops (``--aiodat-loop asyncio`` / ``uvloop``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import os
 import random
+import signal
 import socket
-from typing import Any, AsyncIterator, List, Tuple
+import sys
+from typing import Any, AsyncIterator, Callable, List, Tuple
 
 import grpclib
 import grpclib.client
@@ -256,6 +260,60 @@ async def test_wait_closed_drops_a_client_that_stopped_reading_after_close_timeo
                     await asyncio.wait_for(stream.recv_message(), 10)
     finally:
         channel.close()
+
+
+_HUNG_SERVER = r"""
+import asyncio, sys
+sys.path.insert(0, sys.argv[2])
+from aiodat.integrations.grpclib import RdmaServer
+from apps.grpc_echo import EchoService
+
+async def main() -> None:
+    server = RdmaServer([EchoService()])
+    await server.start(sys.argv[1], 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@contextlib.asynccontextmanager
+async def hung_server(address: str) -> AsyncIterator[Tuple[int, Callable[[], None]]]:
+    """(port, freeze) of an RdmaServer with the Echo service in another process; ``freeze()`` stops that
+    process (SIGSTOP), as a hung server: the kernel still takes what is sent, nothing answers."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _HUNG_SERVER, address,
+                                                os.path.dirname(os.path.abspath(__file__)),
+                                                stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        port = int(await asyncio.wait_for(proc.stdout.readline(), 60))
+        yield port, lambda: proc.send_signal(signal.SIGSTOP)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
+
+
+@pytest.mark.rxe
+async def test_a_channel_closed_on_a_hung_server_lets_its_connection_go(rdma_device: Any,
+                                                                      monkeypatch: Any) -> None:
+    """``channel.close()`` on a server that stopped answering: the connection is aborted CLOSE_TIMEOUT s
+    later.  Its graceful close waited for the server's answer to the disconnect, so the connection (EP,
+    buffers, the shared IA) stayed for the stream's disconnect timeout of 10 s, or for ever when its EOF
+    could not be sent."""
+    from aiodat import streams as aiodat_streams
+
+    monkeypatch.setattr(integration, "CLOSE_TIMEOUT", 1.0)
+    loop = asyncio.get_running_loop()
+    async with hung_server(rdma_device.address) as (port, freeze):
+        channel = RdmaChannel(rdma_device.address, port)
+        assert (await EchoStub(channel).Unary(EchoRequest(text="a"))).text == "a"
+        freeze()
+        channel.close()
+        began = loop.time()
+        await asyncio.wait_for(_until(lambda: aiodat_streams.shared_ia_count() == 0), 30)
+        assert loop.time() - began < 5.0
 
 
 async def _until(condition: Any) -> None:

@@ -8,15 +8,19 @@ run the file on both loops (``--aiodat-loop asyncio`` / ``uvloop``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
-from typing import Any, AsyncIterator, List, Tuple
+import signal
+import sys
+from typing import Any, AsyncIterator, Callable, List, Tuple
 
 import httpcore
 import httpx
 import pytest
 
 import aiodat
+from aiodat import streams as aiodat_streams
 from apps.httpx_app import PEERS, make_app, serve
 from aiodat.integrations.httpx import RdmaHTTPTransport, RdmaNetworkBackend, _httpx_errors
 
@@ -299,6 +303,73 @@ async def test_rdma_transport_errors(rdma_url: str, rdma_device: Any) -> None:
         RdmaHTTPTransport(bogus=1)
 
 
+_HUNG_SERVER = r"""
+import asyncio, sys
+from aiohttp import web
+from aiodat.integrations.aiohttp import RdmaSite
+
+async def main() -> None:
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="hello")
+    app = web.Application()
+    app.router.add_get("/hello", hello)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = RdmaSite(runner, sys.argv[1], 0)
+    await site.start()
+    print(site.port, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@contextlib.asynccontextmanager
+async def hung_server(address: str) -> AsyncIterator[Tuple[str, Callable[[], None]]]:
+    """(base URL, freeze) of an aiohttp server over RDMA in another process; ``freeze()`` stops that
+    process (SIGSTOP), as a hung server: the kernel still takes what is sent, nothing answers."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _HUNG_SERVER, address,
+                                                stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        port = int(await asyncio.wait_for(proc.stdout.readline(), 60))
+        yield f"http://{address}:{port}", lambda: proc.send_signal(signal.SIGSTOP)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
+
+
+@pytest.mark.rxe
+async def test_a_hung_server_holds_neither_a_timeout_nor_aclose(rdma_device: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that stops answering: a request's read timeout of 0.5 s raises httpx.ReadTimeout after
+    0.5 s, and aclose() returns at once, as over TCP.  Both used to wait CLOSE_TIMEOUT more for the
+    graceful close of the connection (httpcore closes it after a timeout), which the hung server never
+    answers.  The connections are still aborted after CLOSE_TIMEOUT, so nothing stays open."""
+    from aiodat.integrations import httpx as integration
+
+    monkeypatch.setattr(integration, "CLOSE_TIMEOUT", 3.0)
+    loop = asyncio.get_running_loop()
+    async with hung_server(rdma_device.address) as (url, freeze):
+        timing_out, closing = (httpx.AsyncClient(transport=RdmaHTTPTransport()) for _ in range(2))
+        for client in (timing_out, closing):  # one kept-alive connection each
+            assert (await client.get(url + "/hello")).text == "hello"
+        freeze()
+        began = loop.time()
+        with pytest.raises(httpx.ReadTimeout):
+            await timing_out.get(url + "/hello", timeout=0.5)
+        assert loop.time() - began < 2.0
+        began = loop.time()
+        await closing.aclose()
+        assert loop.time() - began < 1.0
+        for _ in range(100):  # both connections aborted CLOSE_TIMEOUT s after their close
+            if aiodat_streams.shared_ia_count() == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert aiodat_streams.shared_ia_count() == 0
+        await timing_out.aclose()
+
 
 # -- host only: the translation RdmaHTTPTransport does with public API only ------------------------
 
@@ -331,3 +402,17 @@ def test_transport_uses_public_api_only() -> None:
     assert isinstance(transport.network_backend, RdmaNetworkBackend)
     with pytest.raises(TypeError, match="httpx.Limits"):
         RdmaHTTPTransport(limits=3)  # type: ignore[arg-type]
+
+
+async def test_https_is_an_httpx_error() -> None:
+    """An https:// URL raises httpx.UnsupportedProtocol, what httpx raises for a URL its transport
+    cannot serve, so the ``except httpx.HTTPError`` / ``httpx.RequestError`` of httpx code catches
+    it; it is aiodat.ModelNotSupported too.  It used to be only the latter, which those clauses let
+    through.  (Refused before any connection: no device needed.)"""
+    from aiodat.integrations.httpx import TLSNotSupported
+
+    async with httpx.AsyncClient(transport=RdmaHTTPTransport()) as client:
+        with pytest.raises(httpx.UnsupportedProtocol, match="no TLS over RDMA") as info:
+            await client.get("https://169.254.77.1:8443/hello")
+    assert isinstance(info.value, aiodat.ModelNotSupported) and isinstance(info.value, TLSNotSupported)
+    assert info.value.request.url == "https://169.254.77.1:8443/hello"  # (httpx attached the request)

@@ -37,19 +37,25 @@ from typing import Any, Dict, List, Optional
 
 try:
     from aiohttp import web
-    from aiohttp.client_exceptions import ClientConnectorError
+    from aiohttp.client_exceptions import ClientConnectorDNSError, ClientConnectorError
     from aiohttp.client_proto import ResponseHandler
     from aiohttp.connector import BaseConnector
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("aiodat.integrations.aiohttp needs aiohttp: pip install 'aiodat[aiohttp]'") from exc
 
 from aiodat.cm import check_port, check_timeout
-from aiodat.errors import DATError, InvalidParameter
+from aiodat.errors import DATError, HostNotFound, InvalidParameter
 from aiodat.streams import create_connection, create_server
 from aiodat.streams.pool import check_ia
 from aiodat.streams.protocol import split_kwds
 
 __all__ = ["RdmaSite", "RdmaConnector"]
+
+#: how long a client connection's graceful close (EOF, then disconnect) may take before it is
+#: aborted: ``await session.close()`` waits for its connections to close, and a hung server never
+#: answers the disconnect (it held the close for the stream's disconnect timeout, or for ever when
+#: the EOF could not be sent)
+CLOSE_TIMEOUT = 1.0
 
 # the stream options that are not StreamConfig fields but create_connection/create_server take
 _CONNECT_OPTIONS = ("ia", "connect_timeout")
@@ -82,6 +88,23 @@ def _set_site_server(site: "web.BaseSite", server: Any) -> None:
 def _site_server(site: "web.BaseSite") -> Any:
     """The listener :func:`_set_site_server` gave the site (None before ``start()``)."""
     return site._server
+
+
+class _RdmaResponseHandler(ResponseHandler):
+    """aiohttp's client protocol, whose close() does not wait on the server for longer than
+    :data:`CLOSE_TIMEOUT` (a TCP socket's close does not wait on the peer at all)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self._rdma_loop = loop
+
+    def close(self) -> None:
+        """Close the connection gracefully, aborted if still open after :data:`CLOSE_TIMEOUT` s."""
+        transport = self.transport
+        super().close()
+        # (abort() of a connection already closed does nothing; a closed loop runs nothing)
+        if transport is not None and not self._rdma_loop.is_closed():
+            self._rdma_loop.call_later(CLOSE_TIMEOUT, transport.abort)
 
 
 class RdmaSite(web.BaseSite):
@@ -142,7 +165,10 @@ class RdmaConnector(BaseConnector):
     are aiodat stream options (``ia``, ``connect_timeout``, ``buffer_size``,
     ``recv_depth``, ``window_size``, ``rdma_threshold``).  A connection that
     cannot be made raises ``aiohttp.ClientConnectorError`` wrapping the aiodat
-    error (``ConnectionRefusedError`` when nothing listens), as TCP's does.
+    error (``ConnectionRefusedError`` when nothing listens), as TCP's does; a host
+    name that does not resolve raises ``aiohttp.ClientConnectorDNSError``.  A
+    connection whose graceful close takes more than :data:`CLOSE_TIMEOUT` s (a
+    hung server) is aborted.
     """
 
     def __init__(self, *, limit: int = 100, limit_per_host: int = 0, keepalive_timeout: Any = None,
@@ -170,9 +196,11 @@ class RdmaConnector(BaseConnector):
         options.setdefault("connect_timeout", timeout.sock_connect or None)
         try:
             loop = asyncio.get_running_loop()
-            _, proto = await create_connection(lambda: ResponseHandler(loop), req.host, req.port, **options)
+            _, proto = await create_connection(lambda: _RdmaResponseHandler(loop), req.host, req.port, **options)
         except asyncio.TimeoutError:
             raise  # the session turns it into ConnectionTimeoutError, as for TCP
+        except HostNotFound as exc:  # (a failed lookup: what TCPConnector raises for one)
+            raise ClientConnectorDNSError(req.connection_key, _as_os_error(exc)) from exc
         except (OSError, DATError) as exc:
             raise ClientConnectorError(req.connection_key, _as_os_error(exc)) from exc
         return proto
@@ -184,6 +212,6 @@ def _as_os_error(exc: BaseException) -> OSError:
         wrapped = OSError(None, str(exc))
         wrapped.__cause__ = exc
         return wrapped
-    if exc.strerror is None:
+    if exc.strerror is None or isinstance(exc, DATError):  # (a DATError's strerror may be "Unknown error -2")
         exc.strerror = str(exc)
     return exc

@@ -56,10 +56,14 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
 from aiodat.cm import check_port, check_timeout
 from aiodat.errors import InvalidAddress, ModelNotSupported
-from aiodat.streams import ListenSocket, Server, create_connection, create_server, split_kwds
+from aiodat.streams import ListenSocket, RdmaTransport, Server, create_connection, create_server, split_kwds
 from aiodat.streams.pool import check_ia
 
 __all__ = ["RdmaServer", "RdmaChannel"]
+
+#: how long a closed channel's connection may go on closing gracefully (EOF, then disconnect) in the
+#: background before it is aborted: a hung server never answers the disconnect
+CLOSE_TIMEOUT = 5.0
 
 
 def _stream_options(owner: str, options: Dict[str, Any]) -> Dict[str, Any]:
@@ -213,7 +217,8 @@ class RdmaChannel(grpclib.client.Channel):
     :class:`grpclib.client.Channel`; ``ia``, ``connect_timeout`` and the stream
     options as for :func:`aiodat.streams.create_connection`.  The connection is
     made at the first call (as grpclib does).  After :meth:`close` a call raises
-    RuntimeError.
+    RuntimeError; the connection's graceful close goes on in the background and is
+    aborted after :data:`CLOSE_TIMEOUT` s if the server does not complete it.
     """
 
     def __init__(self, host: str, port: int, *, codec: Optional[CodecBase] = None,
@@ -234,6 +239,8 @@ class RdmaChannel(grpclib.client.Channel):
         self._rdma_config = (Configuration() if config is None else config).__for_client__()
         self._rdma_connect_timeout = connect_timeout
         self._rdma_closed = False
+        # the connection made last, and its loop
+        self._rdma_transport: Optional[Tuple[RdmaTransport, asyncio.AbstractEventLoop]] = None
         super().__init__(host, port, codec=codec, status_details_codec=status_details_codec, config=config)
 
     async def _create_connection(self) -> H2Protocol:
@@ -249,14 +256,18 @@ class RdmaChannel(grpclib.client.Channel):
                                                       ia=self._rdma_ia, connect_timeout=self._rdma_connect_timeout,
                                                       **self._rdma_options)
         if self._rdma_closed:  # closed while connecting: grpclib would keep the connection, and use it
-            transport.close()
+            _close_bounded(transport, asyncio.get_running_loop())
             raise RuntimeError("RdmaChannel was closed while it connected: make a new channel")
+        self._rdma_transport = (transport, asyncio.get_running_loop())
         return protocol  # type: ignore[return-value]
 
     def close(self) -> None:
-        """Close the connection; the channel cannot be used afterwards."""
+        """Close the connection (without waiting); the channel cannot be used afterwards."""
         self._rdma_closed = True
-        super().close()
+        super().close()  # (grpclib closes the connection's transport)
+        made, self._rdma_transport = self._rdma_transport, None
+        if made is not None:
+            _close_bounded(*made)
 
     @property
     def is_closed(self) -> bool:
@@ -266,3 +277,15 @@ class RdmaChannel(grpclib.client.Channel):
     def __repr__(self) -> str:
         host, port = self._rdma_address
         return f"RdmaChannel({host!r}, {port!r}{', closed' if self._rdma_closed else ''})"
+
+
+def _close_bounded(transport: RdmaTransport, loop: asyncio.AbstractEventLoop) -> None:
+    """Close ``transport`` gracefully, and abort it if still open after :data:`CLOSE_TIMEOUT` s.
+
+    The graceful close of an RDMA stream waits for the peer (its EOF sent, its disconnect answered):
+    a hung server held the connection for the stream's disconnect timeout, or for ever when the EOF
+    could not be sent.  (abort() of a connection already closed does nothing.)
+    """
+    transport.close()
+    if not loop.is_closed():
+        loop.call_later(CLOSE_TIMEOUT, transport.abort)

@@ -15,6 +15,7 @@ does above the connection is unchanged: connection pooling and keep-alive,
 streamed bodies, timeouts (``httpx.ConnectTimeout``/``ReadTimeout``/...), limits.
 
 What differs from TCP: there is no TLS (an ``https://`` URL raises
+:class:`TLSNotSupported`, an ``httpx.UnsupportedProtocol`` and an
 :class:`aiodat.ModelNotSupported`), no HTTP/2 (httpcore negotiates it through
 TLS ALPN only; use :mod:`aiodat.integrations.grpclib` for HTTP/2), no proxies,
 no Unix sockets and no socket options.
@@ -39,11 +40,12 @@ from aiodat.errors import DATError, ModelNotSupported
 from aiodat.streams import open_connection, split_kwds
 from aiodat.streams.pool import check_ia
 
-__all__ = ["RdmaNetworkBackend", "RdmaNetworkStream", "RdmaHTTPTransport"]
+__all__ = ["RdmaNetworkBackend", "RdmaNetworkStream", "RdmaHTTPTransport", "TLSNotSupported"]
 
 T = TypeVar("T")
 
-#: how long aclose() waits for the graceful close (buffered bytes sent, disconnect) before aborting
+#: how long a closed connection's graceful close (EOF sent, disconnect) may go on in the background
+#: before it is aborted: a peer that is hung never completes it
 CLOSE_TIMEOUT = 5.0
 
 
@@ -58,6 +60,15 @@ async def _within(awaitable: Awaitable[T], timeout: Optional[float]) -> T:
         async with asyncio.timeout(timeout):
             return await awaitable
     return await asyncio.wait_for(awaitable, timeout)
+
+
+class TLSNotSupported(httpx.UnsupportedProtocol, ModelNotSupported):
+    """An ``https://`` URL given to :class:`RdmaHTTPTransport`: there is no TLS over aiodat streams.
+
+    Both the httpx error httpx raises for a URL scheme its transport cannot serve (so
+    ``except httpx.HTTPError`` / ``httpx.RequestError`` catch it, as they catch every failed
+    request) and :class:`aiodat.ModelNotSupported`.
+    """
 
 
 class RdmaNetworkStream(httpcore.AsyncNetworkStream):
@@ -101,24 +112,26 @@ class RdmaNetworkStream(httpcore.AsyncNetworkStream):
             raise httpcore.WriteError(f"RDMA stream lost: {exc}") from exc
 
     async def aclose(self) -> None:
-        """Close the connection; a second call does nothing.
+        """Close the connection without waiting for the server; a second call does nothing.
 
-        Graceful (EOF, then disconnect) when everything written has been sent; when bytes are still
+        Graceful (EOF, then disconnect) when everything written has been sent, completed in the
+        background and aborted if it takes more than :data:`CLOSE_TIMEOUT` s; when bytes are still
         waiting for the peer (httpcore gave up on a request, e.g. after a write timeout), the
-        connection is aborted instead of waiting for a peer that is not reading.
+        connection is aborted at once instead of waiting for a peer that is not reading.
         """
         if self._closed:
             return
         self._closed = True
-        if self._writer.transport.get_write_buffer_size() > 0:
-            self._writer.transport.abort()
+        transport = self._writer.transport
+        if transport.get_write_buffer_size() > 0:
+            transport.abort()
             return
-        self._writer.close()
-        try:
-            await asyncio.wait_for(self._writer.wait_closed(), CLOSE_TIMEOUT)
-        except (ConnectionError, OSError, asyncio.TimeoutError):
-            # the peer is gone or unresponsive: the connection is over either way
-            self._writer.transport.abort()
+        # Not awaited, as a TCP socket's close is not: httpcore closes a connection when a request
+        # times out or is cancelled, and a hung server (which never answers the disconnect) held
+        # that timeout or cancellation for CLOSE_TIMEOUT s, and the pool's aclose() as long per
+        # connection.  (abort() of a connection already closed does nothing.)
+        transport.close()
+        asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, transport.abort)
 
     async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: Optional[str] = None,
                         timeout: Optional[float] = None) -> httpcore.AsyncNetworkStream:
@@ -288,8 +301,8 @@ class RdmaHTTPTransport(httpx.AsyncBaseTransport):
         if self._closed:
             raise RuntimeError("RdmaHTTPTransport is closed: make a new one (or a new AsyncClient)")
         if request.url.scheme != "http":
-            raise ModelNotSupported(f"RdmaHTTPTransport speaks plain HTTP only (no TLS over RDMA), "
-                                    f"not {request.url.scheme}://: use an http:// URL")
+            raise TLSNotSupported(f"RdmaHTTPTransport speaks plain HTTP only (no TLS over RDMA), "
+                                  f"not {request.url.scheme}://: use an http:// URL")
         if not isinstance(request.stream, httpx.AsyncByteStream):
             raise TypeError("RdmaHTTPTransport needs an async request body (use httpx.AsyncClient)")
         core_request = httpcore.Request(
