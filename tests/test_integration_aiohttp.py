@@ -8,19 +8,18 @@ differs.  Run on both loops (``--aiodat-loop asyncio`` / ``uvloop``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import random
-import signal
 import sys
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Tuple
+from typing import Any, AsyncIterator, Tuple
 
 import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
 
 from apps import aiohttp_app  # noqa: E402  (tests/ is on sys.path, as for every test module)
+from apps.hung import hung_server  # noqa: E402
 
 import aiodat  # noqa: E402
 from aiodat import streams as aiodat_streams  # noqa: E402
@@ -264,43 +263,6 @@ async def test_a_proxy_is_refused_not_ignored(rdma_device: Any, tmp_path: Path) 
     assert aiodat_streams.shared_ia_count() == 0
 
 
-_HUNG_SERVER = r"""
-import asyncio, sys
-from aiohttp import web
-from aiodat.integrations.aiohttp import RdmaSite
-
-async def main() -> None:
-    async def hello(request: web.Request) -> web.Response:
-        return web.Response(text="hello")
-    app = web.Application()
-    app.router.add_get("/hello", hello)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = RdmaSite(runner, sys.argv[1], 0)
-    await site.start()
-    print(site.port, flush=True)
-    await asyncio.sleep(3600)
-
-asyncio.run(main())
-"""
-
-
-@contextlib.asynccontextmanager
-async def hung_server(address: str) -> AsyncIterator[Tuple[str, Callable[[], None]]]:
-    """(base URL, freeze) of an aiohttp server over RDMA in another process; ``freeze()`` stops that
-    process (SIGSTOP), as a hung server: the kernel still takes what is sent, nothing answers."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _HUNG_SERVER, address,
-                                                stdout=asyncio.subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        port = int(await asyncio.wait_for(proc.stdout.readline(), 60))
-        yield f"http://{address}:{port}", lambda: proc.send_signal(signal.SIGSTOP)
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.kill()
-        await proc.wait()
-
-
 @pytest.mark.rxe
 async def test_closing_a_session_does_not_wait_on_a_hung_server(rdma_device: Any) -> None:
     """``await session.close()`` waits for its connections to close; a hung server never answers an RDMA
@@ -309,9 +271,9 @@ async def test_closing_a_session_does_not_wait_on_a_hung_server(rdma_device: Any
     from aiodat.integrations.aiohttp import CLOSE_TIMEOUT, RdmaConnector
 
     loop = asyncio.get_running_loop()
-    async with hung_server(rdma_device.address) as (url, freeze):
+    async with hung_server("aiohttp", rdma_device.address) as (port, freeze):
         session = aiohttp.ClientSession(connector=RdmaConnector())
-        async with session.get(f"{url}/hello") as resp:  # the connection stays in the pool
+        async with session.get(f"http://{rdma_device.address}:{port}/hello") as resp:  # the connection stays in the pool
             assert await resp.text() == "hello"
         freeze()
         began = loop.time()

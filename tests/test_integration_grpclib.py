@@ -9,14 +9,10 @@ on both loops (``--aiodat-loop asyncio`` / ``uvloop``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
-import os
 import random
-import signal
 import socket
-import sys
-from typing import Any, AsyncIterator, Callable, List, Tuple
+from typing import Any, AsyncIterator, List, Tuple
 
 import grpclib
 import grpclib.client
@@ -32,6 +28,7 @@ import aiodat
 import aiodat.integrations.grpclib as integration
 from aiodat.integrations.grpclib import RdmaChannel, RdmaServer
 from apps.grpc_echo import EchoReply, EchoRequest, EchoService, EchoStub
+from apps.hung import hung_server
 
 Setup = Tuple[EchoStub, EchoService, Any]  # (stub on the channel, the service, the channel)
 
@@ -262,39 +259,6 @@ async def test_wait_closed_drops_a_client_that_stopped_reading_after_close_timeo
         channel.close()
 
 
-_HUNG_SERVER = r"""
-import asyncio, sys
-sys.path.insert(0, sys.argv[2])
-from aiodat.integrations.grpclib import RdmaServer
-from apps.grpc_echo import EchoService
-
-async def main() -> None:
-    server = RdmaServer([EchoService()])
-    await server.start(sys.argv[1], 0)
-    print(server.sockets[0].getsockname()[1], flush=True)
-    await asyncio.sleep(3600)
-
-asyncio.run(main())
-"""
-
-
-@contextlib.asynccontextmanager
-async def hung_server(address: str) -> AsyncIterator[Tuple[int, Callable[[], None]]]:
-    """(port, freeze) of an RdmaServer with the Echo service in another process; ``freeze()`` stops that
-    process (SIGSTOP), as a hung server: the kernel still takes what is sent, nothing answers."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _HUNG_SERVER, address,
-                                                os.path.dirname(os.path.abspath(__file__)),
-                                                stdout=asyncio.subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        port = int(await asyncio.wait_for(proc.stdout.readline(), 60))
-        yield port, lambda: proc.send_signal(signal.SIGSTOP)
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.kill()
-        await proc.wait()
-
-
 @pytest.mark.rxe
 async def test_a_channel_closed_on_a_hung_server_lets_its_connection_go(rdma_device: Any,
                                                                       monkeypatch: Any) -> None:
@@ -306,7 +270,7 @@ async def test_a_channel_closed_on_a_hung_server_lets_its_connection_go(rdma_dev
 
     monkeypatch.setattr(integration, "CLOSE_TIMEOUT", 1.0)
     loop = asyncio.get_running_loop()
-    async with hung_server(rdma_device.address) as (port, freeze):
+    async with hung_server("grpclib", rdma_device.address) as (port, freeze):
         channel = RdmaChannel(rdma_device.address, port)
         assert (await EchoStub(channel).Unary(EchoRequest(text="a"))).text == "a"
         freeze()

@@ -8,12 +8,9 @@ run the file on both loops (``--aiodat-loop asyncio`` / ``uvloop``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import random
-import signal
-import sys
-from typing import Any, AsyncIterator, Callable, List, Tuple
+from typing import Any, AsyncIterator, List, Tuple
 
 import httpcore
 import httpx
@@ -22,6 +19,7 @@ import pytest
 import aiodat
 from aiodat import streams as aiodat_streams
 from apps.httpx_app import PEERS, make_app, serve
+from apps.hung import hung_server
 from aiodat.integrations.httpx import RdmaHTTPTransport, RdmaNetworkBackend, _httpx_errors
 
 
@@ -303,43 +301,6 @@ async def test_rdma_transport_errors(rdma_url: str, rdma_device: Any) -> None:
         RdmaHTTPTransport(bogus=1)
 
 
-_HUNG_SERVER = r"""
-import asyncio, sys
-from aiohttp import web
-from aiodat.integrations.aiohttp import RdmaSite
-
-async def main() -> None:
-    async def hello(request: web.Request) -> web.Response:
-        return web.Response(text="hello")
-    app = web.Application()
-    app.router.add_get("/hello", hello)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = RdmaSite(runner, sys.argv[1], 0)
-    await site.start()
-    print(site.port, flush=True)
-    await asyncio.sleep(3600)
-
-asyncio.run(main())
-"""
-
-
-@contextlib.asynccontextmanager
-async def hung_server(address: str) -> AsyncIterator[Tuple[str, Callable[[], None]]]:
-    """(base URL, freeze) of an aiohttp server over RDMA in another process; ``freeze()`` stops that
-    process (SIGSTOP), as a hung server: the kernel still takes what is sent, nothing answers."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _HUNG_SERVER, address,
-                                                stdout=asyncio.subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        port = int(await asyncio.wait_for(proc.stdout.readline(), 60))
-        yield f"http://{address}:{port}", lambda: proc.send_signal(signal.SIGSTOP)
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.kill()
-        await proc.wait()
-
-
 @pytest.mark.rxe
 async def test_a_hung_server_holds_neither_a_timeout_nor_aclose(rdma_device: Any,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -351,7 +312,8 @@ async def test_a_hung_server_holds_neither_a_timeout_nor_aclose(rdma_device: Any
 
     monkeypatch.setattr(integration, "CLOSE_TIMEOUT", 3.0)
     loop = asyncio.get_running_loop()
-    async with hung_server(rdma_device.address) as (url, freeze):
+    async with hung_server("aiohttp", rdma_device.address) as (port, freeze):
+        url = f"http://{rdma_device.address}:{port}"
         timing_out, closing = (httpx.AsyncClient(transport=RdmaHTTPTransport()) for _ in range(2))
         for client in (timing_out, closing):  # one kept-alive connection each
             assert (await client.get(url + "/hello")).text == "hello"
