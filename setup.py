@@ -25,7 +25,7 @@ class BuildExtWithoutRpath(build_ext):
 # the hot paths in plain C on the limited API (aiodat/_shim/completions.c, posts.c, streamcore.c): they need no
 # library beyond the interpreter (verbs' post calls are inline)
 HOT_PATHS = [Extension(f"aiodat._shim._{name}", [f"aiodat/_shim/{name}.c"], py_limited_api=True,
-                       depends=["aiodat/_shim/pyattrs.h", "aiodat/_shim/shim.h"],
+                       depends=["aiodat/_shim/pyattrs.h", "aiodat/_shim/postcommon.h", "aiodat/_shim/shim.h"],
                        extra_compile_args=["-O2", "-Wall"]) for name in ("completions", "posts", "streamcore")]
 
 setup(cffi_modules=["aiodat/_shim/build_shim.py:ffibuilder"], ext_modules=HOT_PATHS,

@@ -307,7 +307,10 @@ class WorkRequests:
 
     def _pop_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
         q = self._recv_q
-        while q:
+        # Receives complete in order and their ids only grow: an entry before this one is done, one
+        # after it is still posted.  So a completion with no entry of its own (the post's
+        # bookkeeping failed: MemoryError) leaves the later ones where they are.
+        while q and q[0][0] <= wr_id:
             entry = q.popleft()
             if entry[0] == wr_id:
                 return entry[1], entry[2]

@@ -40,7 +40,7 @@ wanted = {p.replace(".", "/") + "/__init__.py" for p in packages}
 wanted |= set(open(sources).read().split())
 wanted |= {"aiodat/py.typed", "aiodat/_shim/shim.c", "aiodat/_shim/shim.h", "aiodat/_shim/build_shim.py",
            "aiodat/_shim/completions.c", "aiodat/_shim/posts.c", "aiodat/_shim/streamcore.c",
-           "aiodat/_shim/pyattrs.h"}
+           "aiodat/_shim/pyattrs.h", "aiodat/_shim/postcommon.h"}
 problems += [f"wheel lacks {name}" for name in sorted(wanted - names)]
 extensions = sorted(n for n in names if n.endswith(".so"))
 HOT_PATHS = ["aiodat/_shim/_completions.abi3.so", "aiodat/_shim/_posts.abi3.so", "aiodat/_shim/_streamcore.abi3.so"]
@@ -68,7 +68,7 @@ sdist_names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/"
 problems += [f"sdist lacks {n}" for n in ("pyproject.toml", "setup.py", "README.md", "aiodat/_shim/shim.c",
                                           "aiodat/_shim/shim.h", "aiodat/_shim/build_shim.py",
                                           "aiodat/_shim/completions.c", "aiodat/_shim/posts.c", "aiodat/_shim/streamcore.c",
-                                          "aiodat/_shim/pyattrs.h") if n not in sdist_names]
+                                          "aiodat/_shim/pyattrs.h", "aiodat/_shim/postcommon.h") if n not in sdist_names]
 
 
 def elf_needs(data):

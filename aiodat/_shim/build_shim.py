@@ -35,7 +35,7 @@ ffibuilder.set_source(
     '#include "shim.c"',
     include_dirs=[str(HERE)],
     # the source is an #include: name it, or an edit of shim.c alone would not rebuild the module
-    depends=[str(HERE / "shim.c"), str(HERE / "shim.h")],
+    depends=[str(HERE / "shim.c"), str(HERE / "shim.h"), str(HERE / "postcommon.h")],
     libraries=["ibverbs", "rdmacm"],
     extra_compile_args=["-O2", "-Wall", "-Wno-unused-function"],
 )

@@ -75,7 +75,7 @@ static PyObject *s_attached_loop, *s_sharers, *s_pending_error, *s_armed_solicit
                 *s_draining_the_cq;
 static PyObject *get_running_loop;  /* asyncio.events._get_running_loop: the running loop, or None */
 static PyObject *s_base, *s_last, *s_srq, *s_eps, *s_eps_seen, *s_posted;
-static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_dict;
+static PyObject *s_append, *s_recv_q, *s_send_q, *s_quiet, *s_ud, *s_lmr, *s_inflight, *s_length, *s_popleft, *s_pop, *s_dict;
 static PyObject *k_type, *k_evd, *k_ep, *k_cookie, *k_status, *k_length, *k_operation, *k_imm,
                 *k_vendor_err, *k_src_qp, *k_notify;
 
@@ -145,6 +145,26 @@ static long long segments_length(PyObject *segs)
     return total;
 }
 
+/* Append ``event`` to ``queue`` before its request's entry is taken: a deque's append may need a block,
+ * and a failure after the take would hand Python a completion whose entry is gone.  0, or -1. */
+static int queue_event(PyObject *queue, PyObject *event)
+{
+    PyObject *res = PyObject_CallMethodObjArgs(queue, s_append, event, NULL);
+    Py_XDECREF(res);
+    return res == NULL ? -1 : 0;
+}
+
+/* Take back the event queue_event just appended: its entry could not be taken (a deque's pop
+ * allocates nothing). */
+static void unqueue_event(PyObject *queue)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);  /* (the failure that is being reported) */
+    PyObject *res = PyObject_CallMethodObjArgs(queue, s_pop, NULL);
+    Py_XDECREF(res);
+    PyErr_Restore(type, value, tb);
+}
+
 /* lmr._inflight -= n: 0, or -1 on error */
 static int release_lmr(PyObject *lmr, Py_ssize_t n)
 {
@@ -166,37 +186,40 @@ static int release_segments(PyObject *segs, Py_ssize_t requests)
 
 /* Pop the ``count`` suppressed sends at the head of ``q`` and release their segments, one update of
  * an LMR's in-flight count per run of segments on it (the buffers of a pool are mostly one LMR's).
- * 0, or -1 on error (a deque's popleft and an int's decrement do not fail on real objects). */
-static int retire_head(PyObject *q, Py_ssize_t count)
+ * Every entry is popped whatever a count's update does (see drop_error).  Returns how many were
+ * popped: ``count`` (a deque's popleft, called unbound, allocates nothing and does not fail). */
+static Py_ssize_t retire_head(PyObject *q, Py_ssize_t count)
 {
-    PyObject *popleft = PyObject_GetAttr(q, s_popleft), *run_lmr = NULL;
-    Py_ssize_t run = 0;
-    int err = popleft == NULL;
-    for (Py_ssize_t k = 0; k < count && !err; k++) {
-        PyObject *old = PyObject_CallObject(popleft, NULL);
-        PyObject *segs = old && PyTuple_Check(old) && PyTuple_Size(old) == 5 ? PyTuple_GetItem(old, 3) : NULL;
-        err = segs == NULL || !PyTuple_Check(segs);
-        for (Py_ssize_t j = 0; !err && j < PyTuple_Size(segs); j++) {
+    PyObject *run_lmr = NULL;
+    Py_ssize_t run = 0, k;
+    for (k = 0; k < count; k++) {
+        PyObject *old = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
+        if (old == NULL)
+            break;
+        PyObject *segs = PyTuple_Check(old) && PyTuple_Size(old) == 5 ? PyTuple_GetItem(old, 3) : NULL;
+        for (Py_ssize_t j = 0; segs != NULL && PyTuple_Check(segs) && j < PyTuple_Size(segs); j++) {
             PyObject *lmr = PyObject_GetAttr(PyTuple_GetItem(segs, j), s_lmr);
             if (lmr == NULL) {
-                err = 1;
+                drop_error();
             } else if (lmr == run_lmr) {
                 run++;
                 Py_DECREF(lmr);
             } else {
-                err = run_lmr != NULL && release_lmr(run_lmr, run) < 0;
+                if (run_lmr != NULL && release_lmr(run_lmr, run) < 0)
+                    drop_error();
                 Py_XDECREF(run_lmr);
                 run_lmr = lmr;
                 run = 1;
             }
         }
-        Py_XDECREF(old);
+        Py_DECREF(old);
     }
-    if (!err && run_lmr != NULL)
-        err = release_lmr(run_lmr, run) < 0;
+    if (PyErr_Occurred())  /* (before the last count's update: no C API call with an error set) */
+        drop_error();
+    if (run_lmr != NULL && release_lmr(run_lmr, run) < 0)
+        drop_error();
     Py_XDECREF(run_lmr);
-    Py_XDECREF(popleft);
-    return err ? -1 : 0;
+    return k;
 }
 
 /* a DTOCompletionEvent made as DTOCompletionEvent._completed makes it: no __init__, one __dict__
@@ -274,10 +297,10 @@ static PyObject *recv_event(PyObject *evd, PyObject *ep, const struct aiodat_wc 
 /* A receive on an EP of an SRQ (its own receive queue is empty): the SRQ's entry of the request,
  * taken as srq.py's _complete takes it, while the SRQ knows every EP it has (else _complete
  * notes their EVDs first).  1, 0 (Python's path, nothing changed) or -1 on error. */
-static int srq_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject **out)
+static int srq_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject *queue)
 {
     int taken = -1;
-    PyObject *eps = NULL, *seen = NULL, *posted = NULL, *key = NULL, *entry = NULL;
+    PyObject *eps = NULL, *seen = NULL, *posted = NULL, *key = NULL, *entry = NULL, *event = NULL;
     PyObject *srq = PyObject_GetAttr(ep, s_srq);
     if (srq == NULL)
         return -1;
@@ -305,27 +328,31 @@ static int srq_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, Py
     Py_INCREF(entry);  /* (the dictionary's reference goes below) */
     if (!PyTuple_Check(entry) || PyTuple_Size(entry) != 2 || !PyTuple_Check(PyTuple_GetItem(entry, 1)))
         goto done;
-    *out = recv_event(evd, ep, wc, PyTuple_GetItem(entry, 0));
-    if (*out == NULL)
+    event = recv_event(evd, ep, wc, PyTuple_GetItem(entry, 0));
+    if (event == NULL || queue_event(queue, event) < 0)
         goto done;
-    if (PyDict_DelItem(posted, key) < 0 || release_segments(PyTuple_GetItem(entry, 1), 1) < 0) {
-        Py_CLEAR(*out);  /* (a dictionary's delete and an int's decrement do not fail on real objects) */
+    if (PyDict_DelItem(posted, key) < 0) {  /* (a dictionary's delete does not fail on real objects) */
+        unqueue_event(queue);
         goto done;
     }
+    /* taken: a count that cannot drop (an int's allocation) stays high, which refuses a free, not a post */
+    if (release_segments(PyTuple_GetItem(entry, 1), 1) < 0)
+        drop_error();
     taken = 1;
 done:
-    Py_XDECREF(entry); Py_XDECREF(key); Py_XDECREF(posted); Py_XDECREF(seen); Py_XDECREF(eps); Py_DECREF(srq);
+    Py_XDECREF(event); Py_XDECREF(entry); Py_XDECREF(key); Py_XDECREF(posted); Py_XDECREF(seen); Py_XDECREF(eps); Py_DECREF(srq);
     return taken;
 }
 
-/* The event of one completion if it is the common case (1), else 0 with nothing changed; -1 on error. */
-static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject **out)
+/* Queue the event of one completion and take its request's entry if it is the common case (1),
+ * else 0 with nothing changed; -1 on error (nothing changed either). */
+static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject *queue)
 {
     int recv = (int)(wc->wr_id & 1);
     int taken = 0;
     Py_ssize_t retire = 0;  /* suppressed sends before this one, retired with it */
     Py_ssize_t requests = 0;  /* a run's: how many requests its last completion takes */
-    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL;
+    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL, *event = NULL;
     q = PyObject_GetAttr(ep, recv ? s_recv_q : s_send_q);
     quiet = q ? PyObject_GetAttr(ep, s_quiet) : NULL;
     if (quiet == NULL)
@@ -334,7 +361,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
         goto done;
     Py_ssize_t queued = PyObject_Length(q);
     if (queued <= 0) {  /* an SRQ's EP (or an error) */
-        taken = queued < 0 ? -1 : recv ? srq_event(evd, ep, wc, out) : 0;
+        taken = queued < 0 ? -1 : recv ? srq_event(evd, ep, wc, queue) : 0;
         goto done;
     }
     head = PySequence_GetItem(q, 0);
@@ -391,31 +418,28 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     }
     if (segs == NULL || !PyTuple_Check(segs))
         goto error;
-    /* everything that can fail comes before the entry is taken: a failure leaves it for wr.py */
+    /* everything that can fail comes before the entry is taken (the event queued too): a failure
+     * leaves it for wr.py */
     if (recv) {
-        *out = recv_event(evd, ep, wc, cookie);
+        event = recv_event(evd, ep, wc, cookie);
     } else {
         long long length = segments_length(segs);
-        *out = length < 0 ? NULL : make_event(evd, ep, cookie, length, op, Py_None, wc->vendor_err, Py_None);
+        event = length < 0 ? NULL : make_event(evd, ep, cookie, length, op, Py_None, wc->vendor_err, Py_None);
     }
-    if (*out == NULL)
+    if (event == NULL || queue_event(queue, event) < 0)
         goto error;
-    if (retire > 0 && retire_head(q, retire) < 0) {  /* the suppressed sends before it */
-        Py_CLEAR(*out);
-        goto error;
-    }
-    popped = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
-    if (popped == NULL || release_segments(segs, requests ? requests : 1) < 0) {
-        /* (a deque's popleft and an int's decrement do not fail on real objects) */
-        Py_CLEAR(*out);
-        goto error;
-    }
+    /* taken from here: the suppressed sends before it, then its own entry (a deque's popleft does not
+     * fail); had fewer been popped, its own would not be at the head: it stays, counted (see drop_error) */
+    if (retire == 0 || retire_head(q, retire) == retire)
+        popped = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
+    if (popped == NULL || release_segments(segs, requests ? requests : 1) < 0)
+        drop_error();
     taken = 1;
     goto done;
 error:
     taken = -1;
 done:
-    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(popped);
+    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(popped); Py_XDECREF(event);
     return taken;
 }
 
@@ -454,23 +478,15 @@ static int queue_events(PyObject *evd, const struct aiodat_wc *wcs, int count, P
         }
         if (ep == NULL)
             continue;  /* the EP is gone: its completion makes no event (as in evd.py) */
-        PyObject *event = NULL;
-        int taken = common_event(evd, ep, wc, &event);
-        if (taken <= 0)
+        if (common_event(evd, ep, wc, queue) <= 0)
             break;
-        PyObject *appended = PyObject_CallMethodObjArgs(queue, s_append, event, NULL);
-        Py_DECREF(event);
-        if (appended == NULL)
-            break;  /* (a deque's append does not fail: the entry is taken, the event would be lost) */
-        Py_DECREF(appended);
         *notified = 1;
     }
     Py_XDECREF(ep);
     /* Never raises (Python meets the same completion again), but a Ctrl-C that a signal handler
      * raised in here (any Python run on the way) is not lost: it comes again at the next check */
-    if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))
-        PyErr_SetInterrupt();
-    PyErr_Clear();
+    if (PyErr_Occurred())
+        drop_error();
     return i;
 }
 
@@ -1623,7 +1639,7 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_recv_q, "_recv_q"); INTERN(s_send_q, "_send_q"); INTERN(s_quiet, "_quiet"); INTERN(s_ud, "_ud");
     INTERN(s_srq, "_srq"); INTERN(s_eps, "_eps"); INTERN(s_eps_seen, "_eps_seen"); INTERN(s_posted, "_posted");
     INTERN(s_lmr, "lmr"); INTERN(s_inflight, "_inflight"); INTERN(s_length, "length");
-    INTERN(s_popleft, "popleft"); INTERN(s_append, "append"); INTERN(s_base, "base"); INTERN(s_last, "last");
+    INTERN(s_popleft, "popleft"); INTERN(s_pop, "pop"); INTERN(s_append, "append"); INTERN(s_base, "base"); INTERN(s_last, "last");
     INTERN(s_closed, "_closed"); INTERN(s_backlog, "_backlog"); INTERN(s_awaited, "_awaited");
     INTERN(s_cq_address, "_cq_address"); INTERN(s_wcs_address, "_wcs_address"); INTERN(s_qlen, "_qlen");
     INTERN(s_queue, "_queue"); INTERN(s_qpn_refs, "_qpn_refs"); INTERN(s_polled, "_polled"); INTERN(s_dict, "__dict__");

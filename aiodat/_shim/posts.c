@@ -30,13 +30,8 @@
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
 
+#include "postcommon.h"
 #include "pyattrs.h"
-
-/* a post's errno as a positive number: older rxe providers (rdma-core < 44) return -errno */
-static inline int post_errno(int rc)
-{
-    return rc < 0 ? -rc : rc;
-}
 
 /* set once by configure() */
 static PyObject *segment_type, *flags_type, *send_bits, *op_send, *state_connected, *state_disconnected,
@@ -45,7 +40,8 @@ static PyObject *srq_operational;  /* SRQState.OPERATIONAL, set by configure_srq
 static PyObject *count_type;  /* itertools.count: a batch reserves its request numbers as wr.py's _take_ids */
 static PyObject *s_writable, *s_srq, *s_closed, *s_lmr, *s_pz, *s_conn, *s_state, *s_ids, *s_address, *s_offset,
                 *s_length, *s_lkey, *s_inflight, *s_recv_q, *s_send_q, *s_quiet, *s_rc, *s_max_inline,
-                *s_append, *s_add, *s_extend, *s_rmr_context, *s_srq_state, *s_posted;
+                *s_append, *s_add, *s_extend, *s_pop, *s_discard, *s_qp_address, *s_srq_address, *s_rmr_context,
+                *s_srq_state, *s_posted;
 
 static PyObject *configure(PyObject *self, PyObject *args)
 {
@@ -184,27 +180,140 @@ static int add_inflight(PyObject *lmr, Py_ssize_t n)
     return attr_add(lmr, s_inflight, n);
 }
 
-/* Record a posted request: ep.<queue>.append(entry), lmr._inflight += 1, and the quiet mark.
- * Nothing here fails on real objects; if it did, the post is done and the error is raised. */
-static int record(PyObject *ep, PyObject *queue_name, PyObject *entry, PyObject *lmr, PyObject *quiet_id)
+static int queue_call(PyObject *ep, PyObject *queue_name, PyObject *method, PyObject *arg);
+static void unrecord(PyObject *ep, PyObject *queue_name, Py_ssize_t unposted, PyObject *quiet_id);
+static void unpost(PyObject *ep, PyObject *lmr, PyObject *queue_name, PyObject *quiet_id);
+
+/* The LMR's in-flight count goes up before a post (which then cannot leave it short: lmr.free()
+ * would let the buffer go under a posted request) and back down by what did not go.  A decrement
+ * that fails (an int's allocation under memory pressure) leaves it high: that refuses a free, it
+ * loses nothing.  0, or -1 (before a post: nothing is done). */
+static int count_before_post(PyObject *lmr, Py_ssize_t n)
 {
-    PyObject *queue = PyObject_GetAttr(ep, queue_name);
-    PyObject *res = queue ? PyObject_CallMethodObjArgs(queue, s_append, entry, NULL) : NULL;
-    Py_XDECREF(queue);
-    if (res == NULL)
+    return add_inflight(lmr, n);
+}
+
+static void uncount_unposted(PyObject *lmr, Py_ssize_t unposted)
+{
+    if (unposted > 0) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (add_inflight(lmr, -unposted) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+}
+
+/* Record requests before their post, so that nothing after it needs memory (a failure there
+ * would leave a request the device has without its entry, and its completion unmatched):
+ * ep.<queue>.<method>(arg), append or extend, and the UNSIGNALLED mark.  0, or -1 with nothing
+ * recorded. */
+static int record_before_post(PyObject *ep, PyObject *queue_name, PyObject *method, PyObject *arg,
+                              PyObject *quiet_id)
+{
+    if (queue_call(ep, queue_name, method, arg) < 0)
         return -1;
-    Py_DECREF(res);
-    if (add_inflight(lmr, 1) < 0)
+    if (quiet_id != NULL && queue_call(ep, s_quiet, s_add, quiet_id) < 0) {
+        unrecord(ep, queue_name, 1, NULL);
         return -1;
-    if (quiet_id != NULL) {
-        PyObject *quiet = PyObject_GetAttr(ep, s_quiet);
-        res = quiet ? PyObject_CallMethodObjArgs(quiet, s_add, quiet_id, NULL) : NULL;
-        Py_XDECREF(quiet);
-        if (res == NULL)
-            return -1;
-        Py_DECREF(res);
     }
     return 0;
+}
+
+/* Take back the records of the last ``unposted`` requests, which did not go: a deque's pop and a
+ * set's discard allocate nothing.  Any error set stays the one raised. */
+static void unrecord(PyObject *ep, PyObject *queue_name, Py_ssize_t unposted, PyObject *quiet_id)
+{
+    if (unposted <= 0)
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    for (Py_ssize_t i = 0; i < unposted; i++)
+        if (queue_call(ep, queue_name, s_pop, NULL) < 0)
+            PyErr_Clear();
+    if (quiet_id != NULL && queue_call(ep, s_quiet, s_discard, quiet_id) < 0)
+        PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+}
+
+/* The owner (an EP, or an SRQ) still has the QP (SRQ) the post goes to, just before it: the post's own
+ * allocations may have run a finalizer that closed the EP or reset it (a reset makes a new QP), and
+ * freed the one whose address the caller passed.  1, 0 (changed: post.py's path says how), or -1. */
+static int still_at(PyObject *owner, PyObject *address_name, const void *target)
+{
+    unsigned long long now;
+    if (attr_ull(owner, address_name, &now) < 0)
+        return -1;
+    return now == (unsigned long long)(uintptr_t)target;
+}
+
+/* A single post's records, all made before it (count_before_post, record_before_post), and a last
+ * look that the EP is open.  1: post; 0: closed (nothing done: post.py's path says so); -1: error. */
+static int prepare_post(PyObject *ep, struct ibv_qp *qp, PyObject *lmr, PyObject *queue_name, PyObject *method,
+                        PyObject *entry, PyObject *quiet_id)
+{
+    if (count_before_post(lmr, 1) < 0)
+        return -1;
+    if (record_before_post(ep, queue_name, method, entry, quiet_id) < 0) {
+        uncount_unposted(lmr, 1);
+        return -1;
+    }
+    int open = still_at(ep, s_qp_address, qp);
+    if (open <= 0)
+        unpost(ep, lmr, queue_name, quiet_id);
+    return open;
+}
+
+/* Undo prepare_post: the request did not go. */
+static void unpost(PyObject *ep, PyObject *lmr, PyObject *queue_name, PyObject *quiet_id)
+{
+    unrecord(ep, queue_name, 1, quiet_id);
+    uncount_unposted(lmr, 1);
+}
+
+/* A batch's records before its post, as prepare_post's: ep.<queue>.<method>(arg), one run entry or
+ * ``entries`` of them, and a last look that the EP is open.  (The LMR counts are the caller's.) */
+static int prepare_batch(PyObject *ep, struct ibv_qp *qp, PyObject *queue_name, PyObject *method, PyObject *arg,
+                         Py_ssize_t entries)
+{
+    if (queue_call(ep, queue_name, method, arg) < 0)
+        return -1;
+    int open = still_at(ep, s_qp_address, qp);
+    if (open <= 0)
+        unrecord(ep, queue_name, entries, NULL);
+    return open;
+}
+
+/* An SRQ batch's records before its post: _posted[wr_id] = (cookie, (seg,)) for each of
+ * ``records`` ((wr_id, record) pairs), and a last look that the SRQ is open.  1, 0 or -1, as
+ * prepare_post. */
+static void unrecord_srq(PyObject *map, PyObject *records, Py_ssize_t start, Py_ssize_t stop);
+
+static int prepare_srq_batch(PyObject *srq, struct ibv_srq *queue, PyObject *map, PyObject *records)
+{
+    Py_ssize_t n = PyTuple_Size(records), i;
+    for (i = 0; i < n; i++) {
+        PyObject *record = PyTuple_GetItem(records, i);
+        if (PyDict_SetItem(map, PyTuple_GetItem(record, 0), PyTuple_GetItem(record, 1)) < 0) {
+            unrecord_srq(map, records, 0, i);
+            return -1;
+        }
+    }
+    int open = still_at(srq, s_srq_address, queue);
+    if (open <= 0)
+        unrecord_srq(map, records, 0, n);
+    return open;
+}
+
+/* Take back the SRQ records [start, stop): they did not go (a dictionary's delete allocates nothing) */
+static void unrecord_srq(PyObject *map, PyObject *records, Py_ssize_t start, Py_ssize_t stop)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    for (Py_ssize_t i = start; i < stop; i++)
+        if (PyDict_DelItem(map, PyTuple_GetItem(PyTuple_GetItem(records, i), 0)) < 0)
+            PyErr_Clear();
+    PyErr_Restore(type, value, tb);
 }
 
 static struct ibv_qp *qp_at(PyObject *address)
@@ -238,13 +347,19 @@ static PyObject *post_recv_one(PyObject *ep, PyObject *address, PyObject *seg, P
         Py_DECREF(lmr);
         return NULL;
     }
+    int open = prepare_post(ep, qp, lmr, s_recv_q, s_append, entry, NULL);
+    if (open <= 0) {
+        Py_DECREF(entry);
+        Py_DECREF(lmr);
+        return open < 0 ? NULL : PyLong_FromLong(-1);  /* (post.py's path says it is closed) */
+    }
     struct ibv_recv_wr wr = { .wr_id = wr_id, .next = NULL, .sg_list = &sge, .num_sge = 1 }, *bad;
     int err = post_errno(ibv_post_recv(qp, &wr, &bad));
-    if (!err && record(ep, s_recv_q, entry, lmr, NULL) < 0)
-        err = -2;
+    if (err)
+        unpost(ep, lmr, s_recv_q, NULL);
     Py_DECREF(entry);
     Py_DECREF(lmr);
-    return err == -2 ? NULL : PyLong_FromLong(err);
+    return PyLong_FromLong(err);
 }
 
 /* (ibv_send_flags, posted UNSIGNALLED) of a request's CompletionFlags, as post.py's _SEND_BITS
@@ -257,6 +372,8 @@ static int flag_bits(PyObject *flags, long *send_flags, int *quiet)
     if (bits < 0 || bits >= 16)
         return PyErr_Occurred() ? -1 : 0;
     PyObject *pair = PyList_GetItem(send_bits, bits);
+    if (pair == NULL || !PyTuple_Check(pair) || PyTuple_Size(pair) != 2)  /* (post.py's list, changed) */
+        return pair == NULL ? -1 : 0;
     *send_flags = PyLong_AsLong(PyTuple_GetItem(pair, 0));
     *quiet = PyObject_IsTrue(PyTuple_GetItem(pair, 1));
     return *send_flags < 0 || *quiet < 0 ? -1 : 1;
@@ -305,9 +422,12 @@ static PyObject *post_send_one(PyObject *ep, PyObject *address, PyObject *seg, P
         if (entry != NULL && quiet && (quiet_id = PyLong_FromUnsignedLongLong(wr_id)) == NULL)
             Py_CLEAR(entry);
     }
-    if (entry == NULL) {
+    int open = entry == NULL ? -1 : prepare_post(ep, qp, lmr, s_send_q, s_append, entry, quiet_id);
+    if (open <= 0) {
+        Py_XDECREF(entry);
+        Py_XDECREF(quiet_id);
         Py_DECREF(lmr);
-        return NULL;
+        return open < 0 ? NULL : PyLong_FromLong(-1);  /* (post.py's path says it is closed) */
     }
     if (sge.length <= max_inline)
         send_flags |= IBV_SEND_INLINE;
@@ -319,12 +439,12 @@ static PyObject *post_send_one(PyObject *ep, PyObject *address, PyObject *seg, P
     wr.sg_list = &sge;
     wr.num_sge = 1;
     int err = post_errno(ibv_post_send(qp, &wr, &bad));
-    if (!err && record(ep, s_send_q, entry, lmr, quiet_id) < 0)
-        err = -2;
+    if (err)
+        unpost(ep, lmr, s_send_q, quiet_id);
     Py_DECREF(entry);
     Py_XDECREF(quiet_id);
     Py_DECREF(lmr);
-    return err == -2 ? NULL : PyLong_FromLong(err);
+    return PyLong_FromLong(err);
 }
 
 /* post_recv(ep, qp_address, segments, cookie) -> 0 | errno | -1 */
@@ -356,10 +476,6 @@ static PyObject *post_send(PyObject *self, PyObject *args)
 }
 
 /* -- the batch fast paths: every request on the very same one segment (and remote region) -- */
-
-#define CHUNK 64  /* requests chained per ibv_post_* call (as shim.c's AIODAT_CHUNK) */
-/* as shim.c's: of the ``count`` chained requests from ``wr``, those a failed post took (before ``bad``) */
-#define TAKEN(bad, wr, count) ((bad) != NULL && (bad) >= (wr) && (bad) < (wr) + (count) ? (int)((bad) - (wr)) : 0)
 
 /* A batch's items when every one is an exact tuple of ``width`` whose first element (and, with width
  * 3, second) is the very object of the first item's: sets *shared and *remote to those (new
@@ -450,7 +566,7 @@ static PyObject *run_entry(unsigned long long first, PyObject *cookies, PyObject
 static int queue_call(PyObject *ep, PyObject *queue_name, PyObject *method, PyObject *arg)
 {
     PyObject *queue = PyObject_GetAttr(ep, queue_name);
-    PyObject *res = queue ? PyObject_CallMethodObjArgs(queue, method, arg, NULL) : NULL;
+    PyObject *res = queue ? PyObject_CallMethodObjArgs(queue, method, arg, NULL) : NULL;  /* (arg NULL: none) */
     Py_XDECREF(queue);
     Py_XDECREF(res);
     return res ? 0 : -1;
@@ -489,11 +605,11 @@ static int post_copies(struct ibv_qp *qp, struct ibv_srq *srq, const struct ibv_
                        long long max_inline, unsigned int last_flags, unsigned long long first, Py_ssize_t n,
                        Py_ssize_t *posted)
 {
-    struct ibv_send_wr wr[CHUNK], *bad;
-    struct ibv_recv_wr rwr[CHUNK], *rbad;
+    struct ibv_send_wr wr[AIODAT_CHUNK], *bad;
+    struct ibv_recv_wr rwr[AIODAT_CHUNK], *rbad;
     *posted = 0;
     while (*posted < n) {
-        int count = n - *posted < CHUNK ? (int)(n - *posted) : CHUNK, err;
+        int count = n - *posted < AIODAT_CHUNK ? (int)(n - *posted) : AIODAT_CHUNK, err;
         for (int i = 0; i < count; i++) {
             Py_ssize_t k = *posted + i;
             unsigned long long wr_id = first + 2 * (unsigned long long)k;
@@ -665,17 +781,33 @@ static void release_items(struct items *it)
     Py_XDECREF(it->cookies); Py_XDECREF(it->lmrs); Py_XDECREF(it->segs); Py_XDECREF(it->snapshot);
 }
 
-/* lmrs[i]._inflight += 1 for the first ``posted`` items, once per run of items on one LMR: 0 or -1 */
-static int add_inflight_each(PyObject *lmrs, Py_ssize_t posted)
+/* lmrs[i]._inflight += 1 for the items in [0, n), once per run of items on one LMR, before a
+ * batch's post (as count_before_post): 0, or -1 with none of them counted. */
+static void uncount_items(PyObject *lmrs, Py_ssize_t start, Py_ssize_t stop);
+
+static int count_items(PyObject *lmrs, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0, run; i < posted; i += run) {
+    for (Py_ssize_t i = 0, run; i < n; i += run) {
         PyObject *lmr = PyTuple_GetItem(lmrs, i);
-        for (run = 1; i + run < posted && PyTuple_GetItem(lmrs, i + run) == lmr; run++)
+        for (run = 1; i + run < n && PyTuple_GetItem(lmrs, i + run) == lmr; run++)
             ;
-        if (add_inflight(lmr, run) < 0)
+        if (add_inflight(lmr, run) < 0) {
+            uncount_items(lmrs, 0, i);
             return -1;
+        }
     }
     return 0;
+}
+
+/* Take back the counts of the items in [start, stop) (they were not posted), as uncount_unposted */
+static void uncount_items(PyObject *lmrs, Py_ssize_t start, Py_ssize_t stop)
+{
+    for (Py_ssize_t i = start, run; i < stop; i += run) {
+        PyObject *lmr = PyTuple_GetItem(lmrs, i);
+        for (run = 1; i + run < stop && PyTuple_GetItem(lmrs, i + run) == lmr; run++)
+            ;
+        uncount_unposted(lmr, run);
+    }
 }
 
 /* What a send-side batch's requests share: the opcode (a send, RDMA write or RDMA read), their
@@ -697,6 +829,28 @@ static int mark_batch_quiet(PyObject *ep, unsigned long long first, Py_ssize_t p
     if (bits->last_quiet && posted == n && mark_quiet(ep, first + 2 * (unsigned long long)(n - 1), 1) < 0)
         return -1;
     return 0;
+}
+
+/* A run (one send-queue entry for the n requests of a batch) of which the queue took only ``posted``
+ * (at least 1): its entry is swapped for one of what went (a deque's item assignment allocates
+ * nothing), and the others' counts are taken back.  If that entry cannot be made (memory), or
+ * Python run meanwhile added to the queue, the run stays whole and counted whole: that refuses a
+ * free and loses nothing. */
+static void shorten_run(PyObject *ep, PyObject *lmr, PyObject *run, unsigned long long first, PyObject *cookies,
+                        PyObject *op, PyObject *segs, Py_ssize_t posted, Py_ssize_t n)
+{
+    PyObject *went = PyTuple_GetSlice(cookies, 0, posted), *made = NULL, *entry = NULL;
+    if (went != NULL)
+        made = posted > 1 ? run_entry(first, went, op, segs) : entries(first, went, 1, op, segs, 0);
+    entry = made == NULL ? NULL : posted > 1 ? made : PyList_GetItem(made, 0);
+    PyObject *q = entry ? PyObject_GetAttr(ep, s_send_q) : NULL;
+    Py_ssize_t len = q ? PyObject_Length(q) : -1;
+    PyObject *last = len > 0 ? PySequence_GetItem(q, len - 1) : NULL;
+    if (last != NULL && last == run && PySequence_SetItem(q, len - 1, entry) == 0)
+        uncount_unposted(lmr, n - posted);
+    if (PyErr_Occurred())
+        drop_error();
+    Py_XDECREF(last); Py_XDECREF(q); Py_XDECREF(made); Py_XDECREF(went);
 }
 
 /* A send-side batch every item of which is on the very same one segment (and remote region): the
@@ -722,29 +876,31 @@ static PyObject *same_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
     int as_run = n > 1 && !(bits->flags & IBV_SEND_SIGNALED);  /* all but the last suppressed: a run */
     if (segs != NULL)  /* made before the post: once it is posted, recording it must not need memory */
         queued = as_run ? run_entry(first, cookies, op, segs) : entries(first, cookies, n, op, segs, 0);
+    int counted = queued != NULL && count_before_post(lmr, n) == 0;
+    if (queued != NULL && (ok = counted ? prepare_batch(ep, qp, s_send_q, as_run ? s_append : s_extend, queued,
+                                                        as_run ? 1 : n)
+                                        : -1) != 1) {
+        if (counted)
+            uncount_unposted(lmr, n);
+        Py_CLEAR(queued);
+    }
     if (queued == NULL) {
         if (ok == 0)
-            result = not_ready(0);  /* not the fast path */
+            result = not_ready(0);  /* not the fast path (or closed: post.py's path says so) */
         goto done;
     }
     struct ibv_send_wr tmpl = { .opcode = bits->opcode, .send_flags = bits->flags, .sg_list = &sge, .num_sge = 1,
                                 .wr.rdma.remote_addr = remote_addr, .wr.rdma.rkey = (uint32_t)rkey };
     int err = post_copies(qp, NULL, &tmpl, NULL, NULL, NULL, bits->max_inline, bits->last_flags, first, n, &posted);
-    int failed = 0;
-    if (posted < n && posted > 0) {  /* refused part way (rare): record what went, as post.py does */
-        PyObject *went = PyTuple_GetSlice(cookies, 0, posted);
-        Py_DECREF(queued);
-        queued = went == NULL ? NULL : as_run && posted > 1 ? run_entry(first, went, op, segs)
-                                                            : entries(first, went, posted, op, segs, 0);
-        Py_XDECREF(went);
-        as_run = as_run && posted > 1;
-        failed = queued == NULL;
+    if (posted < n && (!as_run || posted == 0)) {  /* refused part way (rare): take back what did not go */
+        unrecord(ep, s_send_q, as_run ? 1 : n - posted, NULL);
+        uncount_unposted(lmr, n - posted);
+    } else if (posted < n) {
+        shorten_run(ep, lmr, queued, first, cookies, op, segs, posted, n);
     }
-    if (posted > 0 && !failed)
-        failed = queue_call(ep, s_send_q, as_run ? s_append : s_extend, queued) < 0
-                 || add_inflight(lmr, posted) < 0 || mark_batch_quiet(ep, first, posted, n, bits) < 0;
-    if (!failed)
-        result = batch_result(posted, n, err);
+    if (posted > 0 && mark_batch_quiet(ep, first, posted, n, bits) < 0)
+        drop_error();  /* (the batch went: a mark missing only makes a flushed request report) */
+    result = batch_result(posted, n, err);
 done:
     Py_XDECREF(queued); Py_XDECREF(segs); Py_XDECREF(lmr); Py_XDECREF(seg);
     return result;
@@ -764,23 +920,25 @@ static PyObject *each_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
     unsigned long long first = (unsigned long long)id * 2;
     if (id >= 0)  /* made before the post: once it is posted, recording it must not need memory */
         queued = entries(first, it.cookies, n, op, it.segs, 1);
+    int counted = queued != NULL && count_items(it.lmrs, n) == 0;
+    if (queued != NULL && (ok = counted ? prepare_batch(ep, qp, s_send_q, s_extend, queued, n) : -1) != 1) {
+        if (counted)
+            uncount_items(it.lmrs, 0, n);
+        Py_CLEAR(queued);
+    }
     if (queued == NULL) {
         if (ok == 0)
-            result = not_ready(0);
+            result = not_ready(0);  /* not the fast path (or closed: post.py's path says so) */
         goto done;
     }
     struct ibv_send_wr tmpl = { .opcode = bits->opcode, .send_flags = bits->flags, .num_sge = 1 };
     int err = post_copies(qp, NULL, &tmpl, NULL, it.sges, it.remotes, bits->max_inline, bits->last_flags, first, n,
                           &posted);
-    int failed = 0;
-    if (posted > 0) {
-        PyObject *went = PyList_GetSlice(queued, 0, posted);
-        failed = went == NULL || queue_call(ep, s_send_q, s_extend, went) < 0
-                 || add_inflight_each(it.lmrs, posted) < 0 || mark_batch_quiet(ep, first, posted, n, bits) < 0;
-        Py_XDECREF(went);
-    }
-    if (!failed)
-        result = batch_result(posted, n, err);
+    uncount_items(it.lmrs, posted, n);
+    unrecord(ep, s_send_q, n - posted, NULL);
+    if (posted > 0 && mark_batch_quiet(ep, first, posted, n, bits) < 0)
+        drop_error();  /* (the batch went: a mark missing only makes a flushed request report) */
+    result = batch_result(posted, n, err);
 done:
     Py_XDECREF(queued);
     release_items(&it);
@@ -891,27 +1049,26 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
         else
             PyTuple_SetItem(records, i, record);
     }
+    int counted = records != NULL && count_items(it.lmrs, n) == 0;
+    if (records != NULL && (ok = !counted ? -1 : srq != NULL ? prepare_srq_batch(owner, srq, map, records)
+                                                              : prepare_batch(owner, qp, s_recv_q, s_extend, records, n)) != 1) {
+        if (counted)
+            uncount_items(it.lmrs, 0, n);
+        Py_CLEAR(records);
+    }
     if (records == NULL) {
         if (ok == 0)
-            result = not_ready(0);
+            result = not_ready(0);  /* not the fast path (or closed: post.py's path says so) */
         goto done;
     }
     struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = NULL, .num_sge = 1 };
     int err = post_copies(qp, srq, NULL, &tmpl, it.sges, NULL, -1, 0, first, n, &posted);
-    int failed = 0;
-    for (Py_ssize_t i = 0; srq != NULL && i < posted && !failed; i++) {
-        PyObject *record = PyTuple_GetItem(records, i);
-        failed = PyDict_SetItem(map, PyTuple_GetItem(record, 0), PyTuple_GetItem(record, 1)) < 0;
-    }
-    if (!failed)
-        failed = add_inflight_each(it.lmrs, posted) < 0;
-    if (!failed && srq == NULL && posted > 0) {
-        PyObject *went = PyTuple_GetSlice(records, 0, posted);
-        failed = went == NULL || queue_call(owner, s_recv_q, s_extend, went) < 0;
-        Py_XDECREF(went);
-    }
-    if (!failed)
-        result = batch_result(posted, n, err);
+    uncount_items(it.lmrs, posted, n);
+    if (srq != NULL)
+        unrecord_srq(map, records, posted, n);
+    else
+        unrecord(owner, s_recv_q, n - posted, NULL);
+    result = batch_result(posted, n, err);
 done:
     Py_XDECREF(records); Py_XDECREF(map);
     release_items(&it);
@@ -999,7 +1156,8 @@ PyMODINIT_FUNC PyInit__posts(void)
     INTERN(s_writable, "_writable");
     INTERN(s_inflight, "_inflight"); INTERN(s_recv_q, "_recv_q"); INTERN(s_send_q, "_send_q");
     INTERN(s_quiet, "_quiet"); INTERN(s_rc, "_rc"); INTERN(s_max_inline, "max_inline");
-    INTERN(s_append, "append"); INTERN(s_add, "add"); INTERN(s_extend, "extend");
+    INTERN(s_append, "append"); INTERN(s_add, "add"); INTERN(s_extend, "extend"); INTERN(s_pop, "pop"); INTERN(s_discard, "discard");
+    INTERN(s_qp_address, "_qp_address"); INTERN(s_srq_address, "_srq_address");
     INTERN(s_rmr_context, "rmr_context"); INTERN(s_srq_state, "_state"); INTERN(s_posted, "_posted");
     if (count_type == NULL && (count_type = module_attr("itertools", "count")) == NULL)
         return NULL;

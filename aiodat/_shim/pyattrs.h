@@ -56,4 +56,14 @@ static inline PyObject *module_attr(const char *module, const char *name)
     return value;
 }
 
+/* Forget an error of the bookkeeping once a request is posted or taken (an allocation failed under
+ * memory pressure: a count stays high, which refuses a free and loses nothing), but not a Ctrl-C
+ * that a signal handler raised on the way: it comes again at the next check. */
+static inline void drop_error(void)
+{
+    if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))
+        PyErr_SetInterrupt();
+    PyErr_Clear();
+}
+
 #endif

@@ -18,15 +18,7 @@
 #include <time.h>
 #include "shim.h"
 
-#define AIODAT_CHUNK 64   /* requests chained per ibv_post_* call */
-/* a post's errno as a positive number: older rxe providers (rdma-core < 44) return -errno */
-static inline int post_errno(int rc)
-{
-    return rc < 0 ? -rc : rc;
-}
-/* how many of the ``count`` chained requests from ``wr`` an ibv_post_* that failed took: those before
- * ``bad``; none when it left ``bad`` NULL or out of the chain (rxe 44 does, for some errors) */
-#define TAKEN(bad, wr, count) ((bad) != NULL && (bad) >= (wr) && (bad) < (wr) + (count) ? (int)((bad) - (wr)) : 0)
+#include "postcommon.h"
 
 int aiodat_set_nonblocking(int fd)
 {

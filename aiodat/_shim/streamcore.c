@@ -117,16 +117,20 @@ static int check_members(State *self)
 }
 
 /* stats[key] += by */
-static int stat_add(State *self, PyObject *key, long long by)
+static void stat_add(State *self, PyObject *key, long long by)
 {
+    /* Called once the state has changed: a count never fails the stream.  A value the program put
+     * there that is not an int starts again from 0; a failed allocation leaves the count behind. */
     PyObject *old = PyDict_GetItem(self->stats, key);  /* borrowed */
-    long long value = old ? PyLong_AsLongLong(old) : 0;
-    if (value == -1 && PyErr_Occurred())
-        return -1;
+    long long value = old && PyLong_Check(old) ? PyLong_AsLongLong(old) : 0;
+    if (value == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        value = 0;
+    }
     PyObject *now = PyLong_FromLongLong(value + by);
-    int err = now ? PyDict_SetItem(self->stats, key, now) : -1;
+    if (now == NULL || PyDict_SetItem(self->stats, key, now) < 0)
+        PyErr_Clear();
     Py_XDECREF(now);
-    return err;
 }
 
 /* the bytes of a bytes or bytearray object, else NULL (no error set) */
@@ -220,6 +224,16 @@ static PyObject *take_data(PyObject *op, PyObject *args)
         Py_XDECREF(result);
         return NULL;
     }
+    /* those allocations may have run a finalizer that wrote to this stream (a bytearray chunk grows,
+     * and may move): if what was looked at changed, the Python path takes it */
+    if (PyList_Size(self->chunks) != 1 || PyList_GetItem(self->chunks, 0) != chunk
+        || PyList_Size(self->free_slots) != nfree || self->pending != n
+        || (src = bytes_of(chunk, &chunk_len)) == NULL || chunk_len != n) {
+        Py_ssize_t posted = PyList_Size(self->posted);
+        PyList_SetSlice(self->posted, posted - 1, posted, NULL);
+        Py_DECREF(result);
+        Py_RETURN_NONE;
+    }
     unsigned char *out = (unsigned char *)PyByteArray_AsString(dest) + base + slot * slot_size;
     out[0] = MSG_DATA;
     out[1] = 0;
@@ -236,10 +250,8 @@ static PyObject *take_data(PyObject *op, PyObject *args)
     self->owed = 0;
     self->credits -= 1;
     self->pending = 0;
-    if (stat_add(self, s_data_msgs, 1) < 0 || stat_add(self, s_bytes_sent, n) < 0) {
-        Py_DECREF(result);
-        return NULL;
-    }
+    stat_add(self, s_data_msgs, 1);
+    stat_add(self, s_bytes_sent, n);
     return result;
 }
 
@@ -284,12 +296,11 @@ static long long take_message(State *self, Py_ssize_t slot, PyObject *buf, Py_ss
 /* data_consumed's work: the slot is posted again, one credit owed */
 static int consume_message(State *self, Py_ssize_t slot, long long length)
 {
-    if (stat_add(self, s_bytes_received, length) < 0)
-        return -1;
     Py_INCREF(Py_True);
     if (PyList_SetItem(self->recv_posted, slot, Py_True) < 0)  /* (steals the reference) */
         return -1;
     self->owed += 1;
+    stat_add(self, s_bytes_received, length);
     return 0;
 }
 
@@ -432,18 +443,23 @@ static PyObject *hand_exception(PyObject *owner, PyObject *name, PyObject *kinds
  * takes every other case and raises what is wrong.  A new reference to None, or NULL. */
 static PyObject *post(PyObject *ep, PyObject *hot, PyObject *name, PyObject *a, PyObject *b, PyObject *c)
 {
-    PyObject *qp = PyObject_GetAttr(ep, s__qp_address);
+    if (a == NULL || b == NULL)  /* (a list item the caller could not get: its error is set) */
+        return NULL;
+    /* held: the callers pass list items, and the post's allocations may run a finalizer that changes the list */
+    Py_INCREF(a);
+    Py_INCREF(b);
+    PyObject *result = NULL, *qp = PyObject_GetAttr(ep, s__qp_address);
     PyObject *err = qp ? PyObject_CallFunctionObjArgs(hot, ep, qp, a, b, c, NULL) : NULL;
     Py_XDECREF(qp);
-    if (err == NULL)
-        return NULL;
-    long code = PyLong_Check(err) ? PyLong_AsLong(err) : -1;
-    Py_DECREF(err);
+    long code = err == NULL ? -2 : PyLong_Check(err) ? PyLong_AsLong(err) : -1;
+    Py_XDECREF(err);
     if (code == 0)
-        return new_none();
-    if (PyErr_Occurred())
-        return NULL;
-    return PyObject_CallMethodObjArgs(ep, name, a, b, c, NULL);
+        result = new_none();
+    else if (!PyErr_Occurred())
+        result = PyObject_CallMethodObjArgs(ep, name, a, b, c, NULL);
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return result;
 }
 
 /* -- Sender: a small write, from the core's take_data to the post, and the flush's scheduling ------- */

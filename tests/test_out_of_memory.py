@@ -1,0 +1,97 @@
+"""A MemoryError in the middle of a post loses nothing.
+
+CPython's own ``_testcapi.set_nomemory(start, stop)`` makes the allocations numbered ``start`` to
+``stop`` fail.  Each round fails the next allocation of one post, so the
+failure lands on every step in turn: before the post, and in its bookkeeping after it.  An LMR's
+in-flight count above 256 (CPython's small ints) makes each change of it allocate too.
+
+What must hold: a post that raised posted nothing; a request the device has is counted on its LMR
+(a count short would let ``lmr.free()`` take the buffer from under it) and has its entry (a
+completion without one was matched to a later request), and each completion is reported once,
+with its own cookie.
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+import pytest
+
+import aiodat
+from aiodat.testing.plugin import make_ep_pair
+
+_testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory) to fail allocations")
+
+pytestmark = pytest.mark.rxe
+
+T = 30.0
+ROUNDS = 40  # more than the allocations of one post
+HIGH = 300  # requests held first, so that the counts are no small ints
+
+
+def failing_the_nth_allocation(n: int, call: Any, *args: Any) -> bool:
+    """Run ``call(*args)`` with its ``n``-th allocation failing: True if it raised MemoryError."""
+    _testcapi.set_nomemory(n, n + 1)
+    try:
+        call(*args)
+    except MemoryError:
+        return True
+    finally:
+        _testcapi.remove_mem_hooks()
+    return False
+
+
+def post_one(ep: Any, how: str, seg: Any, cookie: Any) -> None:
+    if how.endswith("_batch"):
+        getattr(ep, how)([(seg, cookie)])
+    else:
+        getattr(ep, how)(seg, cookie)
+
+
+@pytest.mark.parametrize("how", ["post_recv", "post_recv_batch", "post_send", "post_send_batch"])
+async def test_a_post_that_runs_out_of_memory_is_counted_and_recorded(ia: Any, how: str) -> None:
+    depth = HIGH + 2 * ROUNDS
+    pair = await make_ep_pair(ia, attrs=aiodat.EPAttr(max_recv_dtos=depth, max_request_dtos=depth))
+    try:
+        sends = how.startswith("post_send")
+        ep, lmr = (pair.client, pair.client_lmr) if sends else (pair.server, pair.server_lmr)
+        queue, evd = (ep._send_q, ep.request_evd) if sends else (ep._recv_q, ep.recv_evd)
+        seg = lmr[0:64]
+        if sends:  # a receive waits for every send
+            pair.server.post_recv_batch([(pair.server_lmr[0:64], None) for _ in range(depth)])
+        # held first: their completions are not taken until the end, so the count stays above 256
+        getattr(ep, "post_send_batch" if sends else "post_recv_batch")([(seg, ("held", i)) for i in range(HIGH)])
+        failures = 0
+        for n in range(ROUNDS):
+            failed = failing_the_nth_allocation(n, post_one, ep, how, seg, ("round", n))
+            failures += failed
+            # a post that raised posted nothing; one that returned is recorded
+            assert (("round", n) in [entry[1] for entry in queue]) is not failed, f"round {n}, failed: {failed}"
+            # every request the EP holds an entry for is counted (more is the safe side)
+            assert lmr._inflight >= len(queue), f"round {n}: {lmr._inflight} < {len(queue)}"
+        assert failures, "no allocation failed: the injection did not reach the post"
+        # every request the device holds is found again when it completes, with its own cookie
+        expected = [entry[1] for entry in queue]
+        if not sends:
+            await send(pair, len(expected))
+        events = await events_of(evd, len(expected))
+        assert [e.cookie for e in events] == expected
+        assert lmr._inflight == 0
+    finally:
+        pair.close()
+
+
+async def events_of(evd: Any, count: int) -> List[Any]:
+    events: List[Any] = []
+    while len(events) < count:
+        events += await evd.wait(timeout=T)
+    assert all(e.ok for e in events)
+    return events
+
+
+async def send(pair: Any, count: int) -> None:
+    """Send ``count`` messages from the client, 32 at a time."""
+    src = pair.client_lmr[0:8]
+    for sent in range(0, count, 32):
+        batch = min(32, count - sent)
+        pair.client.post_send_batch([(src, None) for _ in range(batch)])
+        await events_of(pair.client.request_evd, batch)
