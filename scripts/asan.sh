@@ -5,7 +5,7 @@
 # instrumented: libasan is preloaded, leak detection is off (CPython keeps memory until exit),
 # and any heap overflow, use-after-free or double free in the shim aborts the run (non-zero).
 #
-#   scripts/asan.sh [PYTEST ARGS...]     default: tests/test_misuse.py tests/test_rdma.py tests/test_evd.py tests/test_wakeups.py tests/test_delivery_modes.py tests/test_lifetimes.py tests/test_connection_rules.py tests/test_hot_paths_c.py tests/test_batch_posts_c.py tests/test_srq_c.py tests/test_srq.py tests/test_streams.py tests/test_stream_c_steps.py tests/test_stream_protocol.py
+#   scripts/asan.sh [PYTEST ARGS...]     default: tests/test_misuse.py tests/test_rdma.py tests/test_evd.py tests/test_wakeups.py tests/test_delivery_modes.py tests/test_lifetimes.py tests/test_connection_rules.py tests/test_hot_paths_c.py tests/test_batch_posts_c.py tests/test_srq_c.py tests/test_srq.py tests/test_streams.py tests/test_stream_c_steps.py tests/test_stream_protocol.py tests/test_out_of_memory.py
 #
 # Needs a device: run it under the test bed, e.g.
 #   .venv/bin/aiodat rxe run -- scripts/asan.sh            (scripts/test.sh does this as its last stage)
@@ -51,7 +51,7 @@ export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:verify_asan
 export PYTHONPATH="$PWD/$OUT${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -P -c 'import aiodat, sys; f = aiodat._lib.__file__; assert "/build/asan/" in f, f; print("aiodat from", f)'
 if [ $# -eq 0 ]; then
-  set -- tests/test_misuse.py tests/test_rdma.py tests/test_evd.py tests/test_wakeups.py tests/test_delivery_modes.py tests/test_lifetimes.py tests/test_connection_rules.py tests/test_hot_paths_c.py tests/test_batch_posts_c.py tests/test_srq_c.py tests/test_srq.py tests/test_streams.py tests/test_stream_c_steps.py tests/test_stream_protocol.py
+  set -- tests/test_misuse.py tests/test_rdma.py tests/test_evd.py tests/test_wakeups.py tests/test_delivery_modes.py tests/test_lifetimes.py tests/test_connection_rules.py tests/test_hot_paths_c.py tests/test_batch_posts_c.py tests/test_srq_c.py tests/test_srq.py tests/test_streams.py tests/test_stream_c_steps.py tests/test_stream_protocol.py tests/test_out_of_memory.py
 fi
 # (host-only tests of these files run too: tests/test_stream_c_steps.py drives streamcore.c's every case)
 exec "$PY" -P -m pytest -q -p no:cacheprovider -m "not hosts2" "$@"
