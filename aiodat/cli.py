@@ -15,7 +15,7 @@ Subcommands::
     aiodat bench dask [...]             a Dask worker-to-worker transfer, rdma:// beside tcp://
 
 Exit status: 0 success, 1 failure (no device, a DAT error, ...), 2 usage
-error.  See docs/cli.md.
+error, 130 interrupted (Ctrl-C).  See docs/cli.md.
 """
 from __future__ import annotations
 
@@ -35,6 +35,35 @@ NO_DEVICE = (
 
 #: largest ping message (bytes); the echo server posts receives of this size
 PING_MAX = 4096
+#: largest RDMA message (bytes): 2**31, InfiniBand's and rxe's max_msg_sz; a bench --size above it cannot run
+MSG_MAX = 1 << 31
+#: aiodat.poller.MAX_BUSY_POLL_US (not imported: --help must work without the compiled shim)
+BUSY_POLL_MAX = 1_000_000
+
+
+def _int_in(low: int, high: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse ``type``: an int from ``low`` to ``high``, so a value out of range is a usage error
+    naming the flag and the value (argparse prints the usage, exit status 2)."""
+    def parse(text: str) -> int:
+        value = int(text)  # (ValueError: argparse says "invalid int value")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"must be >= {low}, got {value}" if high is None else f"must be between {low} and {high}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse ``type``: a finite float > 0 (float() alone takes "nan" and "inf")."""
+    value = float(text)
+    if not _positive(value):
+        raise argparse.ArgumentTypeError(f"must be finite and > 0, got {text}")
+    return value
+
+
+_positive_float.__name__ = "float"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,8 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("host", nargs="?", help="the server's address")
     p.add_argument("port", nargs="?", type=int, help="the server's port")
     p.add_argument("--server", metavar="PORT", type=int, default=None, help="listen on PORT and echo")
-    p.add_argument("--count", "-c", type=int, default=5, help="messages to send (default 5)")
-    p.add_argument("--size", "-s", type=int, default=64, help=f"message size in bytes (1..{PING_MAX}, default 64)")
+    p.add_argument("--count", "-c", type=_int_in(1), default=5, help="messages to send (default 5)")
+    p.add_argument("--size", "-s", type=_int_in(1, PING_MAX), default=64,
+                   help=f"message size in bytes (1..{PING_MAX}, default 64)")
     p.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
 
     b = sub.add_parser("bench", help="benchmarks beside perftest", description="Benchmarks.")
@@ -77,12 +107,13 @@ def _parser() -> argparse.ArgumentParser:
                     "ib_send_lat -R, same size and iterations, in the same run.  Figures are round-trip "
                     "medians (us; perftest's half round trips doubled); ratios are aiodat / peer within a "
                     "round, and the median of the rounds.")
-    lat.add_argument("--size", "-s", type=int, default=64, help="message size in bytes (default 64)")
-    lat.add_argument("--iters", "-n", type=int, default=1000, help="measured iterations (default 1000)")
+    lat.add_argument("--size", "-s", type=_int_in(1, MSG_MAX), default=64, help="message size in bytes (default 64)")
+    lat.add_argument("--iters", "-n", type=_int_in(1), default=1000, help="measured iterations (default 1000)")
     lat.add_argument("--mode", action="append", choices=("await", "callback", "busypoll"), default=None,
                      help="aiodat's way to wait: await (evd.wait), callback (evd.set_callback), busypoll "
                           "(create_evd(busy_poll_us=N)); repeat the flag for several (default: all three)")
-    lat.add_argument("--busy-poll-us", type=int, default=50, help="busy_poll_us of --mode busypoll (default 50)")
+    lat.add_argument("--busy-poll-us", type=_int_in(0, BUSY_POLL_MAX), default=50,
+                     help="busy_poll_us of --mode busypoll (default 50)")
     lat.add_argument("--processes", type=int, choices=(1, 2), default=1,
                      help="1: client and server in one process (default); 2: aiodat's server in a child process")
     lat.add_argument("--no-perftest", action="store_true", help="skip ib_send_lat")
@@ -96,17 +127,17 @@ def _parser() -> argparse.ArgumentParser:
                     "The servers run in a child process, as rstream's (--processes 1: on the client's loop).  "
                     "--two-hosts (inside `aiodat rxe run --hosts 2`): the servers run on host B, aiodat and "
                     "asyncio TCP over the same virtio link.")
-    st.add_argument("--write-size", type=int, default=65536, help="bytes per write (default 65536)")
-    st.add_argument("--total", type=int, default=8 << 20, help="bytes to send for throughput (default 8 MiB)")
-    st.add_argument("--size", "-s", type=int, default=64, help="request/response size (default 64)")
-    st.add_argument("--iters", "-n", type=int, default=1000, help="measured round trips (default 1000)")
+    st.add_argument("--write-size", type=_int_in(1), default=65536, help="bytes per write (default 65536)")
+    st.add_argument("--total", type=_int_in(1), default=8 << 20, help="bytes to send for throughput (default 8 MiB)")
+    st.add_argument("--size", "-s", type=_int_in(1), default=64, help="request/response size (default 64)")
+    st.add_argument("--iters", "-n", type=_int_in(1), default=1000, help="measured round trips (default 1000)")
     st.add_argument("--no-rstream", action="store_true", help="skip rstream")
     st.add_argument("--processes", type=int, choices=(1, 2), default=2,
                     help="2 (default): the aiodat and TCP servers are a child process, as rstream's server is; "
                          "1: client and server on one loop")
     st.add_argument("--two-hosts", action="store_true",
                     help="servers on host B of `aiodat rxe run --hosts 2`, client here (aiodat vs asyncio TCP)")
-    st.add_argument("--busy-poll-us", type=int, default=1000,
+    st.add_argument("--busy-poll-us", type=_int_in(0, BUSY_POLL_MAX), default=1000,
                     help="also run aiodat with this busy_poll_us stream option on both sides, as rstream spins "
                          "before it sleeps (default 1000; 0: not run)")
     _common_bench_args(st)
@@ -116,24 +147,25 @@ def _parser() -> argparse.ArgumentParser:
                     "(one crossing into C per batch, one completion per batch), then runs the perftest "
                     "tool with the same size, depth and iterations; per round, and the median ratio.")
     bw.add_argument("--op", choices=("write", "read", "send"), default="write", help="operation (default write)")
-    bw.add_argument("--size", "-s", type=int, default=65536, help="bytes per operation (default 65536)")
-    bw.add_argument("--depth", "-t", type=int, default=64, help="requests in flight (default 64)")
-    bw.add_argument("--iters", "-n", type=int, default=1000, help="operations (default 1000)")
-    bw.add_argument("--batch", type=int, default=16, help="requests per batch post (default 16)")
+    bw.add_argument("--size", "-s", type=_int_in(1, MSG_MAX), default=65536, help="bytes per operation (default 65536)")
+    bw.add_argument("--depth", "-t", type=_int_in(1), default=64, help="requests in flight (default 64)")
+    bw.add_argument("--iters", "-n", type=_int_in(1), default=1000, help="operations (default 1000)")
+    bw.add_argument("--batch", type=_int_in(1), default=16, help="requests per batch post (default 16)")
     rt = bsub.add_parser(
         "rate", help="small-message send rate vs ib_send_bw -R (polling), -R -e (events) and -R -l BATCH",
         description="aiodat's send message rate (SIZE-byte sends, DEPTH in flight, batched posts) beside "
                     "ib_send_bw -R, ib_send_bw -R -e (sleeping on its completion channel, as an awaited "
                     "EVD does) and ib_send_bw -R -l BATCH (posting BATCH requests per call, as a batch post "
                     "does) with the same size, depth and iterations; Mpps per round, median ratios.")
-    rt.add_argument("--size", "-s", type=int, default=64, help="bytes per message (default 64)")
-    rt.add_argument("--depth", "-t", type=int, default=128, help="sends in flight (default 128)")
-    rt.add_argument("--iters", "-n", type=int, default=20000, help="messages (default 20000)")
-    rt.add_argument("--batch", type=int, default=32, help="sends per batch post (default 32)")
+    rt.add_argument("--size", "-s", type=_int_in(1, MSG_MAX), default=64, help="bytes per message (default 64)")
+    rt.add_argument("--depth", "-t", type=_int_in(1), default=128, help="sends in flight (default 128)")
+    rt.add_argument("--iters", "-n", type=_int_in(1), default=20000, help="messages (default 20000)")
+    rt.add_argument("--batch", type=_int_in(1), default=32, help="sends per batch post (default 32)")
     for sp in (bw, rt):
         sp.add_argument("--mode", action="append", choices=("await", "callback", "busypoll"), default=None,
                         help="how the sender learns of completions (default: all three)")
-        sp.add_argument("--busy-poll-us", type=int, default=50, help="busy_poll_us of --mode busypoll (default 50)")
+        sp.add_argument("--busy-poll-us", type=_int_in(0, BUSY_POLL_MAX), default=50,
+                        help="busy_poll_us of --mode busypoll (default 50)")
         sp.add_argument("--no-perftest", action="store_true", help="measure aiodat only")
         sp.add_argument("--srq", action="store_true",
                         help="the receiver takes its receives from an SRQ (srq.post_recv_batch), and perftest "
@@ -149,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
         "connect", help="connection set-up rate vs cmtime",
         description="aiodat connects N EP pairs at once (connect + accept), then disconnects and frees them; "
                     "beside cmtime -c N in the same run.  Per-connection times (us) and ratios.")
-    cn.add_argument("--connections", "-c", type=int, default=100, help="connections (default 100, as cmtime)")
+    cn.add_argument("--connections", "-c", type=_int_in(1), default=100, help="connections (default 100, as cmtime)")
     cn.add_argument("--mode", action="append", choices=("await", "callback"), default=None,
                     help="await: a task per connection awaiting connect/accept/disconnect; callback: both sides "
                          "driven from EVD callbacks (connect_nowait, accept_nowait), as cmtime drives its "
@@ -165,9 +197,9 @@ def _parser() -> argparse.ArgumentParser:
                     "read-back, fetch-add and occasional reconnects for SECONDS; prints throughput, "
                     "p50/p99 latency, open fds and RSS every INTERVAL seconds.  Exit status 1 if an "
                     "operation failed or fds/RSS grew.")
-    so.add_argument("--seconds", type=float, default=60.0, help="how long (default 60)")
-    so.add_argument("--connections", "-c", type=int, default=16, help="connections (default 16)")
-    so.add_argument("--interval", type=float, default=5.0, help="reporting interval in seconds (default 5)")
+    so.add_argument("--seconds", type=_positive_float, default=60.0, help="how long (default 60)")
+    so.add_argument("--connections", "-c", type=_int_in(1), default=16, help="connections (default 16)")
+    so.add_argument("--interval", type=_positive_float, default=5.0, help="reporting interval in seconds (default 5)")
     so.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop", help="event loop (default uvloop)")
     so.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
     so.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -177,7 +209,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``aiodat`` command line; return the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:  # `aiodat query | head`: the reader left; no traceback, nothing more to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (or the flush at exit fails again)
+        os.close(devnull)
+        return 1
+
+
+def _main(args_list: List[str]) -> int:
     if args_list and args_list[0] == "rxe":
         from aiodat import testbed
 
@@ -418,12 +459,6 @@ def cmd_ping(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if port is not None and not 0 <= port <= 65535:
             _err(usage + f"aiodat ping: error: {what} must be between 0 and 65535, got {port}")
             return 2
-    if not 1 <= args.size <= PING_MAX:
-        _err(f"aiodat ping: error: --size must be between 1 and {PING_MAX}")
-        return 2
-    if args.count < 1:
-        _err("aiodat ping: error: --count must be >= 1")
-        return 2
     device = args.device or default_device()
     if device is None:
         _err("aiodat ping: " + NO_DEVICE.format(command="ping ..."))
@@ -467,6 +502,10 @@ def _run_bench(name: str, args: argparse.Namespace, run: Callable[[], Any],
     except failures as exc:
         _err(f"{name}: {exc}")
         return 1
+    except (MemoryError, OverflowError, OSError, ValueError) as exc:  # e.g. --iters or --depth too large here
+        _err(f"{name}: {type(exc).__name__}: {exc or 'out of memory'} (smaller --size, --iters or --depth?)"
+             if isinstance(exc, (MemoryError, OverflowError)) else f"{name}: {type(exc).__name__}: {exc}")
+        return 1
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.format())
     return 0 if getattr(report, "ok", True) else 1
 
@@ -474,7 +513,7 @@ def _run_bench(name: str, args: argparse.Namespace, run: Callable[[], Any],
 def _common_bench_args(sp: argparse.ArgumentParser) -> None:
     """--loop, --repeat, --device and --json, shared by the comparisons."""
     sp.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)")
-    sp.add_argument("--repeat", type=int, default=3,
+    sp.add_argument("--repeat", type=_int_in(1), default=3,
                     help="rounds: every figure is taken N times and each ratio is the median of the rounds' "
                          "ratios (default 3)")
     sp.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
@@ -492,12 +531,7 @@ def _progress(args: argparse.Namespace) -> Optional[Callable[[str], None]]:
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     """``aiodat bench latency``: see :func:`aiodat.bench.bench_latency`."""
     from aiodat import bench
-    from aiodat.poller import MAX_BUSY_POLL_US
 
-    if args.size < 1 or args.iters < 1 or args.repeat < 1 or not 0 <= args.busy_poll_us <= MAX_BUSY_POLL_US:
-        _err("aiodat bench latency: error: --size and --iters must be >= 1, --repeat >= 1, "
-             f"--busy-poll-us between 0 and {MAX_BUSY_POLL_US}")
-        return 2
     modes = tuple(dict.fromkeys(args.mode)) if args.mode else bench.MODES
     return _run_bench("aiodat bench latency", args, lambda: bench.bench_latency(
         args.size, args.iters, args.loop, repeat=args.repeat, modes=modes, busy_poll_us=args.busy_poll_us,
@@ -508,13 +542,10 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     """``aiodat bench bandwidth`` / ``aiodat bench rate``: see :func:`aiodat.bench.bandwidth` and ``rate``."""
     from aiodat import bench
-    from aiodat.poller import MAX_BUSY_POLL_US
 
     name = f"aiodat bench {args.bench}"
-    if min(args.size, args.depth, args.iters, args.batch, args.repeat) < 1 or args.batch > args.depth \
-            or not 0 <= args.busy_poll_us <= MAX_BUSY_POLL_US:
-        _err(f"{name}: error: --size, --depth, --iters, --batch and --repeat must be >= 1, --batch <= --depth, "
-             f"--busy-poll-us between 0 and {MAX_BUSY_POLL_US}")
+    if args.batch > args.depth:  # (each value's own range is checked by the parser)
+        _err(f"{name}: error: --batch ({args.batch}) cannot exceed --depth ({args.depth})")
         return 2
     if args.srq and args.bench == "bandwidth" and args.op != "send":
         _err(f"{name}: error: --srq holds receives: it needs --op send")
@@ -536,12 +567,9 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
 def cmd_bench_streams(args: argparse.Namespace) -> int:
     """``aiodat bench streams``: see :func:`aiodat.bench.streams`."""
     from aiodat import bench
-    from aiodat.poller import MAX_BUSY_POLL_US
 
-    if (args.write_size < 1 or args.total < args.write_size or args.size < 1 or args.iters < 1 or args.repeat < 1
-            or not 0 <= args.busy_poll_us <= MAX_BUSY_POLL_US):
-        _err("aiodat bench streams: error: --write-size, --size, --iters and --repeat must be >= 1, "
-             f"--total >= --write-size, --busy-poll-us between 0 and {MAX_BUSY_POLL_US}")
+    if args.total < args.write_size:
+        _err(f"aiodat bench streams: error: --total ({args.total}) must be at least --write-size ({args.write_size})")
         return 2
     if args.two_hosts:
         from aiodat.testbed import hosts
@@ -561,9 +589,6 @@ def cmd_bench_connect(args: argparse.Namespace) -> int:
     """``aiodat bench connect``: see :func:`aiodat.bench.connect`."""
     from aiodat import bench
 
-    if args.connections < 1 or args.repeat < 1:
-        _err("aiodat bench connect: error: --connections and --repeat must be >= 1")
-        return 2
     return _run_bench("aiodat bench connect", args, lambda: bench.connect(
         args.connections, args.loop, repeat=args.repeat, cmtime=not args.no_cmtime, device=args.device,
         processes=args.processes, modes=tuple(dict.fromkeys(args.mode)) if args.mode else bench.CONNECT_MODES,
@@ -574,9 +599,6 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     """``aiodat bench soak``: see :func:`aiodat.bench.soak`."""
     from aiodat import bench
 
-    if not (_positive(args.seconds) and _positive(args.interval)) or args.connections < 1:
-        _err("aiodat bench soak: error: --seconds and --interval must be finite and > 0, --connections >= 1")
-        return 2
     return _run_bench("aiodat bench soak", args, lambda: bench.soak(
         args.seconds, args.connections, args.loop, interval=args.interval, device=args.device))
 
@@ -596,8 +618,8 @@ def _add_bench_dask(bsub: Any) -> None:
         description="A LocalCluster with two workers per protocol on the device's address: an array of SIZE "
                     "bytes made on worker A is consumed on worker B, REPEAT times; prints the median time, "
                     "MB/s and the rdma:// / tcp:// ratio.")
-    dk.add_argument("--size", "-s", type=int, default=64 << 20, help="bytes per transfer (default 64 MiB)")
-    dk.add_argument("--repeat", "-n", type=int, default=3, help="transfers per protocol (default 3)")
+    dk.add_argument("--size", "-s", type=_int_in(1), default=64 << 20, help="bytes per transfer (default 64 MiB)")
+    dk.add_argument("--repeat", "-n", type=_int_in(1), default=3, help="transfers per protocol (default 3)")
     dk.add_argument("--processes", action="store_true", help="workers in processes of their own (default: threads)")
     dk.add_argument("--protocol", choices=("rdma", "tcp"), action="append", default=None,
                     help="measure only this protocol (repeatable; default both)")
@@ -608,9 +630,6 @@ def _add_bench_dask(bsub: Any) -> None:
 
 def cmd_bench_dask(args: argparse.Namespace) -> int:
     """``aiodat bench dask``: see :func:`aiodat.bench.dask.dask_transfer`."""
-    if args.size < 1 or args.repeat < 1:
-        _err("aiodat bench dask: error: --size and --repeat must be >= 1")
-        return 2
     try:
         from aiodat.bench.dask import dask_transfer
         import distributed  # noqa: F401

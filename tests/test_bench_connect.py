@@ -94,3 +94,21 @@ def test_bench_connect_beside_cmtime(rdma_device: Any, request: Any, capsys: Any
     for mode in ("await", "callback"):
         assert data["figures"][f"aiodat_{mode}_connect"]["median"] <= data["figures"][f"aiodat_{mode}_cycle"]["median"]
     assert len(data["ratios"]) == 4 and all(r["median"] > 0 for r in data["ratios"])
+
+
+def test_a_cmtime_figure_of_nothing_says_why(monkeypatch: Any) -> None:
+    """cmtime ran but every step took 0 (as its clock now and then says under TCG): the figure is n/a
+    with a reason under the table, and no ratio is made of it (it used to be n/a with no reason)."""
+    import sys
+
+    connect_mod = sys.modules["aiodat.bench.connect"]  # (aiodat.bench.connect is also the function)
+
+    zero = {step: {"total(ms)": 0.0, "max(ms)": 0.0, "min(us)": 0.0, "us/conn": 0.0}
+            for step in ("create id", "connect", "disconnect", "destroy")}
+    monkeypatch.setattr(connect_mod, "device_and_address", lambda d, a: ("rxe0", "192.0.2.1"))
+    monkeypatch.setattr(connect_mod, "run_on_loop", lambda loop, factory: (0.001, 0.002))
+    monkeypatch.setattr(connect_mod, "run_cmtime_pair", lambda address, n, timeout: bench.CmtimeResult(n, zero, ""))
+    report = bench.connect(8, repeat=1, modes=("await",))
+    out = report.format()
+    assert "not measured: cmtime connect (set-up steps): cmtime's table has no time above 0" in out, out
+    assert all(r.median is None for r in report.ratios) and report.ok

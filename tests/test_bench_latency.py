@@ -124,7 +124,7 @@ def test_busy_poll_us_over_the_maximum_is_a_usage_error(which: str, capsys: Any)
 
     assert main(["bench", which, "--mode", "busypoll", "--busy-poll-us", str(MAX_BUSY_POLL_US + 1),
                  "--no-perftest"]) == 2
-    assert f"--busy-poll-us between 0 and {MAX_BUSY_POLL_US}" in capsys.readouterr().err
+    assert f"argument --busy-poll-us: must be between 0 and {MAX_BUSY_POLL_US}" in capsys.readouterr().err
 
 
 def test_a_missing_chrt_is_not_measured() -> None:

@@ -11,11 +11,17 @@ from aiodat import bench
 from aiodat.cli import main
 
 
-@pytest.mark.parametrize("argv", [["--seconds", "nan"], ["--seconds", "inf"], ["--seconds", "0"],
-                                  ["--interval", "nan"], ["--interval=-inf"], ["--connections", "0"]])
-def test_bad_arguments_are_refused(argv: Any, capsys: Any) -> None:
+@pytest.mark.parametrize("argv, said", [
+    (["--seconds", "nan"], "argument --seconds: must be finite and > 0, got nan"),
+    (["--seconds", "inf"], "argument --seconds: must be finite and > 0"),
+    (["--seconds", "0"], "argument --seconds: must be finite and > 0, got 0"),
+    (["--interval", "nan"], "argument --interval: must be finite and > 0"),
+    (["--interval=-inf"], "argument --interval: must be finite and > 0"),
+    (["--connections", "0"], "argument --connections/-c: must be >= 1, got 0")])
+def test_bad_arguments_are_refused(argv: Any, said: str, capsys: Any) -> None:
     assert main(["bench", "soak", *argv]) == 2
-    assert "must be finite and > 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert said in err and "usage:" in err
 
 
 @pytest.mark.parametrize("kwargs", [{"seconds": float("nan")}, {"interval": float("nan")},

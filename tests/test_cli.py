@@ -47,6 +47,173 @@ def test_usage_errors_exit_2(argv, capsys):
     assert "usage:" in err and "error" in err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["bench", "latency", "--iters", "0"], "argument --iters/-n: must be >= 1, got 0"),
+    (["bench", "latency", "--size", "3000000000"], "argument --size/-s: must be between 1 and 2147483648"),
+    (["bench", "latency", "--repeat", "-2"], "argument --repeat: must be >= 1, got -2"),
+    (["bench", "latency", "--busy-poll-us", "-1"], "argument --busy-poll-us: must be between 0 and 1000000"),
+    (["bench", "bandwidth", "--size", "4294967296"], "argument --size/-s: must be between 1 and 2147483648"),
+    (["bench", "rate", "--depth", "0"], "argument --depth/-t: must be >= 1, got 0"),
+    (["bench", "rate", "--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    (["bench", "streams", "--write-size", "0"], "argument --write-size: must be >= 1, got 0"),
+    (["bench", "streams", "--iters", "0"], "argument --iters/-n: must be >= 1, got 0"),
+    (["bench", "connect", "--connections", "-5"], "argument --connections/-c: must be >= 1, got -5"),
+    (["bench", "connect", "--repeat", "0"], "argument --repeat: must be >= 1, got 0"),
+    (["bench", "dask", "--size", "0"], "argument --size/-s: must be >= 1, got 0"),
+    (["ping", "1.2.3.4", "7471", "--count", "0"], "argument --count/-c: must be >= 1, got 0"),
+    (["ping", "1.2.3.4", "7471", "--size", "5000"], "argument --size/-s: must be between 1 and 4096, got 5000"),
+])
+def test_out_of_range_values_name_the_flag(argv, said, capsys):
+    """A value out of range is a usage error naming that flag and value (not a list of every rule),
+    refused before any device is looked for."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and "usage:" in err, err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["bench", "rate", "--batch", "64", "--depth", "8"], "--batch (64) cannot exceed --depth (8)"),
+    (["bench", "streams", "--total", "10", "--write-size", "100"], "--total (10) must be at least --write-size (100)"),
+])
+def test_values_out_of_step_name_both(argv, said, capsys):
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_busy_poll_max_is_the_pollers():
+    from aiodat import cli
+    from aiodat.poller import MAX_BUSY_POLL_US
+
+    assert cli.BUSY_POLL_MAX == MAX_BUSY_POLL_US
+
+
+@pytest.mark.parametrize("exc", [MemoryError(), OverflowError("cannot fit 'int' into an index-sized integer"),
+                                 OSError(24, "Too many open files")])
+def test_a_bench_out_of_resources_is_one_line(exc, monkeypatch, capsys):
+    """--iters 10**10 (a list of time stamps), a huge --depth: exit 1 with what ran out, no traceback."""
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(bench, "bench_latency", fail)
+    assert main(["bench", "latency", "--iters", "10000000000", "--no-perftest"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiodat bench latency: {type(exc).__name__}") and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _interrupt_in(seconds):
+    """Raise KeyboardInterrupt in the main thread after ``seconds``, as Ctrl-C does."""
+    import signal
+
+    def raise_kbi(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, raise_kbi)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    return lambda: (signal.setitimer(signal.ITIMER_REAL, 0), signal.signal(signal.SIGALRM, old))
+
+
+@pytest.mark.parametrize("tool", ["ib_send_lat", "rstream"])
+def test_ctrl_c_during_a_peer_tool_stops_its_server(tool, tmp_path, monkeypatch):
+    """Ctrl-C while perftest's or rstream's pair runs: both processes end at once (the server used to
+    be waited for until the run's deadline, then killed)."""
+    import time
+
+    from aiodat.bench.perftest import run_perftest_pair
+    from aiodat.bench.rstream import run_rstream_pair
+
+    pids = tmp_path / "pids"
+    fake = tmp_path / tool
+    fake.write_text(f"#!/bin/sh\necho $$ >> {pids}\nexec sleep 300\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    restore = _interrupt_in(1.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if tool == "rstream":
+                run_rstream_pair("192.0.2.1", [], timeout=30.0, start_delay=0.1)
+            else:
+                run_perftest_pair(tool, [], device="rxe0", address="192.0.2.1", timeout=30.0, start_delay=0.1)
+        took = time.monotonic() - start
+    finally:
+        restore()
+        started = [int(p) for p in pids.read_text().split()] if pids.exists() else []
+        deadline = time.monotonic() + 3  # (SIGKILL sent: give the kernel a moment)
+        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p for p in started if _alive(p)]
+        for pid in left:
+            os.kill(pid, 9)
+    assert len(started) == 2 and not left, (started, left)
+    assert took < 10, took
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_ctrl_c_during_a_run_kills_its_child(loop, monkeypatch):
+    """Ctrl-C stops run_on_loop between two steps: the run is cancelled and its finally blocks kill
+    the child server it started (a stream server serves forever; it used to be left running)."""
+    import asyncio
+
+    from aiodat.bench import streams_vs_tcp
+    from aiodat.bench.harness import run_on_loop
+
+    pytest.importorskip(loop)
+    children = []
+    start_child = streams_vs_tcp.start_child
+
+    async def recording(args, loop_name):
+        proc, port = await start_child(args, loop_name)
+        children.append(proc)
+        asyncio.get_running_loop().call_later(0.5, interrupt)  # mid-run
+        return proc, port
+
+    monkeypatch.setattr(streams_vs_tcp, "start_child", recording)
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    async def run():
+        # (so much to send that Ctrl-C comes first)
+        return await streams_vs_tcp.measure_child(asyncio, "tcp", "127.0.0.1", 65536, 1 << 42, 64, 10, loop)
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_on_loop(loop, run)
+        assert len(children) == 1
+        assert not _alive(children[0].pid)
+    finally:
+        for proc in children:
+            if _alive(proc.pid):
+                os.kill(proc.pid, 9)
+
+
+def test_ctrl_c_in_a_bench_child_is_quiet():
+    """Ctrl-C goes to the whole process group: a child (`python -m aiodat.bench ...`) ends with 130
+    and no traceback; the parent says it was interrupted."""
+    import signal
+
+    child = subprocess.Popen([sys.executable, "-m", "aiodat.bench", "stream-server", "tcp", "127.0.0.1", "0", "0",
+                              "asyncio"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert child.stdout.readline().startswith("port ")
+        child.send_signal(signal.SIGINT)
+        _out, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 130 and "Traceback" not in err, err
+
+
 def test_help_exits_0(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
@@ -63,7 +230,7 @@ def test_rxe_delegates_to_the_testbed(capsys):
 def test_python_m_aiodat_same_as_main():
     result = run_module("bench", "latency", "--size", "0", timeout=60)
     assert result.returncode == 2
-    assert "--size and --iters must be >= 1" in result.stderr
+    assert "argument --size/-s: must be between 1 and 2147483648, got 0" in result.stderr
 
 
 def test_cli_py_run_as_a_script():
@@ -250,3 +417,164 @@ def test_echo_client_reports_a_missing_server(rdma_device):
                              "--count", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode != 0
     assert "Rejected" in result.stderr or "Unreachable" in result.stderr or "rejected" in result.stderr
+
+
+def _session(sid):
+    """The live processes of session ``sid`` (pid, command line)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append((int(entry), cmdline))
+    return found
+
+
+@pytest.mark.rxe
+@pytest.mark.parametrize("target", ["group", "parent"])
+@pytest.mark.parametrize("which", ["latency", "rate"])
+def test_ctrl_c_mid_bench_leaves_nothing_running(which, target, rdma_device, request):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it, or to aiodat alone) while aiodat's
+    child runs: exit 130 saying so, no traceback from any process, no child left (it used to wait
+    for its peer forever, or print a KeyboardInterrupt traceback)."""
+    import signal
+    import time
+
+    loop = request.config.getoption("--aiodat-loop") or "asyncio"
+    argv = [sys.executable, "-m", "aiodat", "bench", which, "--repeat", "1", "--mode", "await", "--no-perftest",
+            "--progress", "--loop", loop, "--device", rdma_device.name]
+    argv += ["--iters", "2000000", "--processes", "2", "--no-pyverbs"] if which == "latency" else ["--iters", "100000000"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        assert "round 1: aiodat await" in proc.stderr.readline()
+        deadline = time.monotonic() + 60
+        while not any("aiodat.bench" in cmd for _pid, cmd in _session(proc.pid)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the bench child did not start"
+            time.sleep(0.2)
+        time.sleep(2.0)  # mid-run
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+        time.sleep(1.0)
+        left = _session(proc.pid)
+    finally:
+        for pid, _cmd in _session(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait()
+    assert proc.returncode == 130 and "aiodat: interrupted" in err, err
+    assert "Traceback" not in err, err
+    assert not left, left
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_bench_child_ignores_ctrl_c(loop):
+    """The terminal's Ctrl-C reaches the bench's children too: they ignore it, so none prints a
+    traceback (not even while still importing), and the interrupted parent kills them."""
+    import signal
+
+    from aiodat.bench.harness import run_on_loop
+    from aiodat.bench.peer import kill_child, start_child
+
+    pytest.importorskip(loop)
+
+    async def run():
+        proc, port = await start_child(["stream-server", "tcp", "127.0.0.1", "0", "0"], loop)
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+            os.kill(proc.pid, signal.SIGINT)
+            await asyncio.sleep(0.5)
+            return port, ignored, proc.returncode
+        finally:
+            await kill_child(proc)
+
+    import asyncio
+
+    port, ignored, returncode = run_on_loop(loop, run)
+    assert port > 0 and ignored & (1 << (signal.SIGINT - 1)) and returncode is None
+
+
+def test_docs_name_every_flag_in_its_section():
+    """docs/cli.md and the parser agree: each subcommand has its section, and each of its flags is named
+    there (the shared bench flags once, above)."""
+    import argparse
+
+    from aiodat.cli import _parser
+
+    with open(os.path.join(ROOT, "docs", "cli.md")) as f:
+        doc = f.read()
+    sections = {s.split("\n")[0]: s for s in doc.split("\n## ")[1:] + doc.split("\n### ")[1:]}
+    shared = {"--help", "--loop", "--repeat", "--device", "--json", "--progress"}
+
+    def subcommands(parser):
+        return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+    commands = {f"aiodat {name}": sp for name, sp in subcommands(_parser()).items() if name != "bench"}
+    commands.update({f"aiodat bench {name}": sp for name, sp in subcommands(subcommands(_parser())["bench"]).items()})
+    missing = []
+    for command, sp in commands.items():
+        section = next((text for head, text in sections.items()
+                        if f"`{command}`" in head or f"`{command} " in head), None)
+        if section is None:
+            missing.append(command)
+            continue
+        missing += [f"{command} {flag}" for a in sp._actions for flag in a.option_strings
+                    if flag.startswith("--") and flag not in shared and flag not in section]
+    assert not missing, missing
+
+
+def test_output_into_a_closed_pipe_is_quiet():
+    """`aiodat ... | head -1`: the reader has gone; exit without a BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        # (a device's `aiodat query` prints pages; here a stand-in prints more than a pipe buffer)
+        code = ("import aiodat.cli as cli; cli.cmd_devices = lambda: print('x' * 100000) or 0; "
+                "raise SystemExit(cli.main(['devices']))")
+        result = subprocess.run([sys.executable, "-c", code], stdout=write,
+                                stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT)
+    finally:
+        os.close(write)
+    assert result.returncode == 1 and "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, \
+        result.stderr
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_ctrl_c_cancels_every_task_of_the_run(loop):
+    """The soak runs a task per connection: after Ctrl-C each is cancelled and ends (its finally frees
+    what it holds), none is left pending on a closed loop."""
+    import asyncio
+
+    from aiodat.bench.harness import run_on_loop
+
+    pytest.importorskip(loop)
+    tasks, cleaned = [], []
+
+    async def worker():
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cleaned.append(True)
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    async def run():
+        tasks.extend(asyncio.ensure_future(worker()) for _ in range(3))
+        asyncio.get_running_loop().call_later(0.2, interrupt)
+        await asyncio.sleep(3600)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_on_loop(loop, run)
+    assert all(t.cancelled() for t in tasks) and len(cleaned) == 3

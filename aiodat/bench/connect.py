@@ -341,7 +341,7 @@ async def connect_cycle_remote(device: str, address: str, connections: int, loop
     """:func:`connect_cycle` with the accepting side in a child process; timed on this (client) side."""
     from aiodat import EPAttr, EvdFlags, open_ia
 
-    from .peer import finish_child, start_child
+    from .peer import finish_child, kill_child, start_child
 
     attrs = EPAttr(max_recv_dtos=1, max_request_dtos=1)
     child, port = await start_child(["acceptor", device, str(connections), mode], loop_name)
@@ -361,6 +361,9 @@ async def connect_cycle_remote(device: str, address: str, connections: int, loop
             for ep in clients:
                 ep.free()
             end = time.perf_counter()
+    except BaseException:  # (a failure or Ctrl-C: the child would wait up to its timeout for connections)
+        await kill_child(child)
+        raise
     finally:
         await finish_child(child)
     if child.returncode != 0:
@@ -417,8 +420,9 @@ def connect(connections: int = 100, loop: str = "asyncio", *, repeat: int = 3, c
             if progress:
                 progress(f"round {r + 1}: cmtime")
             res = run_cmtime_pair(address, connections, timeout=timeout)
-            c_conn.record(res.connect_us(), res.error or None)
-            c_cycle.record(res.cycle_us(), res.error or None)
+            why = res.error or "cmtime's table has no time above 0"  # (n/a always comes with a reason)
+            c_conn.record(res.connect_us(), why)
+            c_cycle.record(res.cycle_us(), why)
     return report
 
 

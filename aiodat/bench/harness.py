@@ -63,7 +63,18 @@ def run_on_loop(loop_name: str, factory: Callable[[], Awaitable[T]]) -> T:
         raise ValueError(f"loop must be one of {LOOPS}, not {loop_name!r}")
     try:
         asyncio.set_event_loop(loop)
-        return loop.run_until_complete(factory())
+        task = asyncio.ensure_future(factory(), loop=loop)
+        try:
+            return loop.run_until_complete(task)
+        except KeyboardInterrupt:
+            # Ctrl-C stops the loop between two steps of the run: cancel it (and the tasks it started) and
+            # let it end, so that its finally blocks kill the child processes it started instead of
+            # leaving them running, and no task is destroyed pending
+            pending = asyncio.all_tasks(loop)
+            for each in pending:
+                each.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            raise
     finally:
         asyncio.set_event_loop(None)
         loop.close()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .harness import device_and_address, run_on_loop
-from .peer import accept_one, finish_child, start_child
+from .peer import accept_one, finish_child, kill_child, start_child
 from .perftest import PerftestResult, run_perftest_pair
 from .pyverbs_peer import run_pyverbs_pingpong
 from .rounds import Comparison
@@ -279,6 +279,10 @@ async def latency_pingpong(device: str, address: str, size: int = 64, iters: int
                 if s_bufs[1] != c_bufs[0]:
                     raise AssertionError("the server received other bytes than the client sent")
             await client.disconnect()
+        except BaseException:  # (a failure or Ctrl-C: the child would wait for messages that never come)
+            if child is not None:
+                await kill_child(child)
+            raise
         finally:
             if served is not None and not served.done():
                 served.cancel()

@@ -7,9 +7,16 @@ import sys
 from typing import Any, List, Optional, Tuple
 
 
+#: ``python -m aiodat.bench`` with SIGINT ignored before any import: Ctrl-C reaches the whole process
+#: group, and a child interrupted even while importing prints a traceback; the interrupted parent kills
+#: it instead (a preexec_fn's SIG_IGN does not survive uvloop's spawn)
+_CHILD = ("import runpy, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+          "runpy.run_module('aiodat.bench', run_name='__main__', alter_sys=True)")
+
+
 async def start_child(args: List[str], loop_name: str) -> Tuple[Any, int]:
-    """Start ``python -m aiodat.bench ARGS... LOOP`` and read the port it listens on."""
-    return await start_process([sys.executable, "-m", "aiodat.bench", *args, loop_name], args[0])
+    """Start ``python -m aiodat.bench ARGS... LOOP`` (as :data:`_CHILD`) and read the port it listens on."""
+    return await start_process([sys.executable, "-c", _CHILD, *args, loop_name], args[0])
 
 
 async def start_process(argv: List[str], what: str, timeout: float = 60.0) -> Tuple[Any, int]:
@@ -28,17 +35,17 @@ async def start_process(argv: List[str], what: str, timeout: float = 60.0) -> Tu
     except asyncio.TimeoutError:
         pass
     except BaseException:  # (cancelled: the child goes too)
-        await _kill(proc)
+        await kill_child(proc)
         raise
     parts = (line or b"").split()
     if len(parts) < 2 or parts[0] != b"port" or not parts[1].isdigit():
-        await _kill(proc)
+        await kill_child(proc)
         why = f"no port within {timeout:g} s" if line is None else f"said {line!r}"
         raise RuntimeError(f"the {what} process did not start ({why})")
     return proc, int(parts[1])
 
 
-async def _kill(proc: Any) -> None:
+async def kill_child(proc: Any) -> None:
     """SIGKILL a child started by :func:`start_process` and reap it."""
     try:
         proc.kill()

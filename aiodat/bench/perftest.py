@@ -126,6 +126,7 @@ def _run_pair_once(path: str, tool: str, args: Sequence[str], device: str, addre
     client_out = ""
     client_rc: Optional[int] = None
     error = ""
+    finished = False
     try:
         time.sleep(start_delay)
         while True:
@@ -145,9 +146,13 @@ def _run_pair_once(path: str, tool: str, args: Sequence[str], device: str, addre
             if client_rc == 0 or server.poll() is not None:
                 break
             time.sleep(start_delay)  # the server may not be listening yet
+        finished = True
     finally:
+        if not finished:  # Ctrl-C (or a failure): the server goes now, not at its deadline
+            server.kill()
         try:  # (once the pair ran out of time, the server is not waited for)
-            server_out, _ = server.communicate(timeout=0 if error else max(5.0, deadline - time.monotonic()))
+            server_out, _ = server.communicate(
+                timeout=0 if error or not finished else max(5.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             server.kill()
             server_out, _ = server.communicate()

@@ -101,6 +101,7 @@ def run_rstream_pair(address: str, args: Sequence[str], *, timeout: float = 300.
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
     out, error = "", ""
     attempts = 5
+    finished = False
     try:
         time.sleep(start_delay)
         for _attempt in range(attempts):
@@ -122,9 +123,12 @@ def run_rstream_pair(address: str, args: Sequence[str], *, timeout: float = 300.
             time.sleep(start_delay)  # the server may not be listening yet
         else:
             error = f"rstream client failed {attempts} times (last exit status {client.returncode})"
+        finished = True
     finally:
+        if not finished:  # Ctrl-C (or a failure): the server goes now, not at its deadline
+            server.kill()
         try:  # (after a failure the server is not waited for, as in perftest.py)
-            server.communicate(timeout=0 if error else max(5.0, deadline - time.monotonic()))
+            server.communicate(timeout=0 if error or not finished else max(5.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             server.kill()
             server.communicate()

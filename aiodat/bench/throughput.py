@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from aiodat.errors import InvalidState
 
 from .harness import device_and_address, run_on_loop
-from .peer import accept_one, finish_child, start_child
+from .peer import accept_one, finish_child, kill_child, start_child
 from .perftest import PerftestResult, run_perftest_pair
 from . import stats
 from .rounds import Comparison
@@ -250,8 +250,7 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
             try:
                 remote = RemoteRegion.from_bytes(await client.connect(address, port, timeout=30))
             except BaseException:
-                child.kill()
-                await finish_child(child)
+                await kill_child(child)
                 raise
 
         # n requests in one call, only the last signalled: its cookie says how many it completes
@@ -344,6 +343,10 @@ async def bandwidth_stream(device: str, address: str, op: str = "write", size: i
             if (op == "read" or child is None) and bytes(c_buf if op == "read" else s_buf) != expected:
                 raise AssertionError(f"the {op} bandwidth run moved other bytes than it should have")
             await client.disconnect()
+        except BaseException:  # (a failure or Ctrl-C: the child would wait for a disconnect that never comes)
+            if child is not None:
+                await kill_child(child)
+            raise
         finally:
             if child is not None:
                 await finish_child(child)
