@@ -19,8 +19,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=random.randint(7000, 7999))
     parser.add_argument("--count", type=int, default=10)
-    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--size", type=int, default=64, help="bytes per message (1..4096)")
     args = parser.parse_args()
+    if not 1 <= args.size <= 4096:  # (else the client refuses only after the server is up, which then waits)
+        parser.error(f"--size {args.size}: must be 1 to 4096 (the echo server's receive buffer)")
+    if args.count < 1:
+        parser.error(f"--count {args.count}: must be at least 1")
     server = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "echo_server.py"), "--port", str(args.port),
                                "--clients", "1"], stdout=subprocess.PIPE, text=True)
     out = server.stdout
@@ -41,6 +45,7 @@ def main() -> int:
         server.kill()
         server_rc = -1
     relay.join()
+    out.close()
     ok = client.returncode == 0 and server_rc == 0
     print(f"demo: {'ok' if ok else 'FAILED'} (client exit {client.returncode}, server exit {server_rc})")
     return 0 if ok else 1

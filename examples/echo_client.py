@@ -28,6 +28,12 @@ async def main() -> int:
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--size", type=int, default=64, help="bytes per message (1..4096)")
     args = parser.parse_args()
+    # (checked before anything is sent: a message larger than the server's 4096-byte receive buffer
+    # failed both sides with a completion error, and --count 0 ended in a traceback from min())
+    if not 1 <= args.size <= 4096:
+        parser.error(f"--size {args.size}: must be 1 to 4096 (the echo server's receive buffer)")
+    if args.count < 1:
+        parser.error(f"--count {args.count}: must be at least 1")
     with aiodat.open_ia(default_device()) as ia:
         host = args.host or ia.address
         pz = ia.create_pz()

@@ -44,7 +44,11 @@ async def echo(ia: aiodat.IA, pz: aiodat.PZ, cr: aiodat.CR) -> None:
             ep.post_recv(rlmr[0:SIZE])  # the next receive goes up before the reply
             ep.post_send(slmr[0:n])
     print(f"server: client {cr.remote_address} gone", flush=True)
+    # free what this client had: a server that runs on would otherwise hold each one's until it exits
     ep.free()
+    rlmr.free()
+    slmr.free()
+    evd.free()
 
 
 async def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -51,7 +51,7 @@ async def client(ia: aiodat.IA, port: int, me: int, increments: int) -> Tuple[Li
     (await ep.request_evd.wait_one()).raise_for_status()
     won = int.from_bytes(result.memoryview(), sys.byteorder) == 0
     await ep.disconnect()
-    ep.free()
+    pz.close()  # its EP and LMR too
     return seen, won
 
 

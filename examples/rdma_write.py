@@ -49,6 +49,7 @@ async def server(ia: aiodat.IA, cr_evd: aiodat.EVD, size: int) -> None:
     print(f"server: client says it wrote {event.imm_data} bytes; contents {'verified' if ok else 'WRONG'}",
           flush=True)
     await ep.disconnect()
+    pz.close()  # its EP and LMR too
     if not ok:
         raise SystemExit(1)
 
@@ -70,6 +71,7 @@ async def client(ia: aiodat.IA, port: int, size: int, chunk: int) -> None:
     ep.post_rdma_write(None, remote[0:0], "notify", imm_data=size)
     (await ep.request_evd.wait_one()).raise_for_status()
     await ep.connect_evd.wait_one()  # the server disconnects once it has checked the data
+    pz.close()  # its EP and LMR too
 
 
 async def main() -> None:

@@ -110,12 +110,25 @@ async def test_second_reuses_it_on_the_same_loop(shared_pair):
     assert await ping(shared_pair, b"two") == b"two"
 
 
-async def test_function_fixture_in_a_module_loop_is_refused(ep_pair):
-    # ep_pair connected on its own (function-scoped) loop, which is still open: aiodat objects
-    # belong to one loop, so this module-loop test gets a clear error, not a hang
+async def test_ep_pair_follows_the_module_loop(ep_pair):
+    # the plugin connects ep_pair on the test's own loop (aiodat objects belong to one loop):
+    # on the function loop of the fixture default this wait raised InvalidState
     assert asyncio.get_running_loop() is LOOPS[0]
+    assert await ping(ep_pair, b"three") == b"three"
+
+
+async def test_a_fixture_on_another_loop_is_refused(function_loop_pair):
+    # a user's own async fixture on its own (function-scoped) loop, which is still open:
+    # this module-loop test gets a clear error, not a hang
     with pytest.raises(aiodat.InvalidState, match="belongs to the event loop"):
-        await ping(ep_pair, b"three")
+        await ping(function_loop_pair, b"four")
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def function_loop_pair(ia):
+    pair = await make_ep_pair(ia, 256)
+    yield pair
+    pair.close()
 '''
 
 
@@ -149,7 +162,7 @@ def test_user_suite_passes_on_rxe(pytester: pytest.Pytester, request: pytest.Fix
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--aiodat-loop={loop}", "-v",
                                            timeout=600)
     result.stdout.fnmatch_lines([f"aiodat: loop={loop} *"])
-    result.assert_outcomes(passed=7)
+    result.assert_outcomes(passed=8)
 
 
 STRICT_SUITE = '''
@@ -177,6 +190,118 @@ def test_ep_pair_in_pytest_asyncio_strict_mode(pytester: pytest.Pytester, reques
     result.assert_outcomes(passed=1)
 
 
+TEARDOWN_SUITE = '''
+import pytest
+
+SEEN = {}
+
+
+@pytest.mark.rxe
+async def test_fails_holding_everything(ia, ep_pair):
+    pair = ep_pair
+    handles = {"ia": ia, "pz": pair.pz, "client": pair.client, "server": pair.server, "psp": pair.psp,
+               "cr_evd": pair.cr_evd, "client_lmr": pair.client_lmr, "server_lmr": pair.server_lmr}
+    # (taken now: an EP makes its connect EVD when first asked for it, which a closed EP cannot)
+    handles.update((f"client evd {i}", evd) for i, evd in enumerate(pair.client_evds))
+    handles.update((f"server evd {i}", evd) for i, evd in enumerate(pair.server_evds))
+    SEEN["handles"] = handles
+    assert False, "this test fails on purpose"
+
+
+@pytest.mark.rxe
+async def test_closes_the_ia_itself(ia, ep_pair):
+    ia.close()  # the fixtures' teardown must not trip over what the test already closed
+    SEEN["closed_ia"] = ia
+
+
+def test_nothing_was_left_open():
+    assert [name for name, handle in SEEN["handles"].items() if not handle.closed] == []
+    assert SEEN["closed_ia"].closed
+'''
+
+
+@pytest.mark.rxe
+def test_fixtures_leave_nothing_open_after_a_failure(pytester: pytest.Pytester,
+                                                     request: pytest.FixtureRequest) -> None:
+    """``ia`` and everything ``ep_pair`` made are closed after a test that fails, and a test that closes
+    the IA itself leaves the teardown nothing to trip over (no error at teardown)."""
+    pytester.makeini(INI)
+    pytester.makepyfile(test_teardown=TEARDOWN_SUITE)
+    loop = request.config.getoption("--aiodat-loop") or "asyncio"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", f"--aiodat-loop={loop}",
+                                           "-W", "error::pytest.PytestUnraisableExceptionWarning", timeout=600)
+    result.assert_outcomes(failed=1, passed=2)
+    result.stdout.fnmatch_lines(["*this test fails on purpose*"])
+
+
+EP_PAIR_LOOP_CONFTEST = '''
+import asyncio
+
+import pytest
+
+import aiodat.testing.plugin as plugin
+
+
+class FakePair:
+    closed_on = None
+
+    def close(self):
+        self.closed_on = asyncio.get_running_loop()
+
+
+@pytest.fixture
+def ia():  # no device: the user's own ia, and a pair that records the loop it was made on
+    return object()
+
+
+@pytest.fixture(autouse=True)
+def fake_pairs(monkeypatch):
+    async def make_ep_pair(ia, buffer_size=4096, attrs=None):
+        pair = FakePair()
+        pair.made_on = asyncio.get_running_loop()
+        return pair
+
+    monkeypatch.setattr(plugin, "make_ep_pair", make_ep_pair)
+'''
+
+EP_PAIR_LOOP_SUITE = '''
+import asyncio
+
+import pytest
+
+PAIRS = []
+
+
+async def test_function_loop(ep_pair):
+    assert ep_pair.made_on is asyncio.get_running_loop()
+    PAIRS.append(ep_pair)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_module_loop(ep_pair):
+    assert ep_pair.made_on is asyncio.get_running_loop()
+    PAIRS.append(ep_pair)
+
+
+def test_each_pair_was_closed_on_its_own_loop():
+    assert [pair.closed_on for pair in PAIRS] == [pair.made_on for pair in PAIRS]
+'''
+
+
+@pytest.mark.parametrize("fixture_loop_scope", ["function", "session"])
+def test_ep_pair_connects_on_the_tests_loop(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+                                           fixture_loop_scope: str) -> None:
+    """``ep_pair`` is made and closed on the loop of the test that uses it (it ran on the loop of
+    asyncio_default_fixture_loop_scope: with ``session``, or in a module-loop test, every wait on the
+    pair raised InvalidState, the pair belonging to another loop that was still open)."""
+    monkeypatch.delenv("AIODAT_LOOP", raising=False)
+    pytester.makeini(INI.replace("= function", f"= {fixture_loop_scope}"))
+    pytester.makeconftest(EP_PAIR_LOOP_CONFTEST)
+    pytester.makepyfile(test_pair_loop=EP_PAIR_LOOP_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", timeout=300)
+    result.assert_outcomes(passed=3)
+
+
 def test_user_suite_skips_without_device(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a device (host-side), device tests skip saying how to run them; the rest still runs."""
     if not _no_device():
@@ -186,7 +311,7 @@ def test_user_suite_skips_without_device(pytester: pytest.Pytester, monkeypatch:
     monkeypatch.setenv("EXPECT_LOOP", "uvloop")
     _write_suite(pytester)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--aiodat-loop=uvloop", "-rs", timeout=300)
-    result.assert_outcomes(passed=2, skipped=5)
+    result.assert_outcomes(passed=2, skipped=6)
     result.stdout.fnmatch_lines(["*SKIPPED*no RDMA device here*aiodat rxe run -- python -m pytest*"])
 
 
@@ -348,6 +473,19 @@ def test_a_loop_without_pytest_asyncios_hook_is_refused(pytester: pytest.Pyteste
     result.stderr.fnmatch_lines(["*needs pytest-asyncio >= 1.4*pytest-asyncio * is not loaded*"])
     # the default loop needs no hook
     pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio", timeout=300).assert_outcomes(passed=1)
+
+
+def test_uvloop_not_installed_is_a_usage_error(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--aiodat-loop uvloop without uvloop installed stops the run saying what to install (it was a
+    collection error in every test file, a traceback into the plugin's loop factory)."""
+    monkeypatch.delenv("AIODAT_LOOP", raising=False)
+    pytester.makeini(INI)
+    # (the subprocess finds modules in the pytester directory first: this one stands for a missing uvloop)
+    pytester.makepyfile(uvloop="raise ModuleNotFoundError(\"No module named 'uvloop'\", name='uvloop')\n",
+                        test_loop="async def test_loop(aiodat_loop):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--aiodat-loop=uvloop", timeout=300)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "needs uvloop: No module named 'uvloop'; pip install 'aiodat[uvloop]'" in result.stderr.str()
 
 
 @pytest.mark.parametrize("name,value", [("AIODAT_LOOP", "UVLOOP"), ("AIODAT_REQUIRE_DEVICE", "maybe"),

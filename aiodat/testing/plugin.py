@@ -160,6 +160,13 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"aiodat loop {settings.loop!r} (--aiodat-loop / AIODAT_LOOP) needs pytest-asyncio >= "
             f"{LOOP_HOOK_VERSION} loaded in this run (its pytest_asyncio_loop_factories hook): {found}")
+    if settings.loop == "uvloop":
+        # checked here: the import at collection failed every test file with a traceback into this plugin
+        try:
+            import uvloop  # noqa: F401
+        except ImportError as exc:
+            raise pytest.UsageError(f"aiodat loop 'uvloop' (--aiodat-loop / AIODAT_LOOP) needs uvloop: {exc}; "
+                                    "pip install 'aiodat[uvloop]'") from None
     config.stash[_SETTINGS] = settings
 
 
@@ -368,9 +375,41 @@ async def make_ep_pair(ia: Any, buffer_size: int = 4096, attrs: Any = None) -> E
     return pair
 
 
+def _test_loop_scope(item: Any) -> str:
+    """The loop scope pytest-asyncio runs ``item`` in: its ``asyncio`` marker's, else the ini default."""
+    marker = item.get_closest_marker("asyncio") if isinstance(item, pytest.Item) else None
+    scope = marker.kwargs.get("loop_scope") or marker.kwargs.get("scope") if marker is not None else None
+    return str(scope or item.config.getini("asyncio_default_test_loop_scope") or "function")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Any:
+    """Run ``ep_pair`` on the loop of the test that uses it.
+
+    An aiodat object belongs to the loop it first waited on, and pytest-asyncio
+    would connect the pair on the loop of ``asyncio_default_fixture_loop_scope``:
+    with that set to ``session``, or in a test of ``loop_scope="module"``, every
+    wait of the test on the pair raised InvalidState.
+    """
+    func: Any = getattr(fixturedef, "func", None)
+    if (fixturedef.argname != "ep_pair" or getattr(func, "__module__", None) != __name__
+            or not request.config.pluginmanager.has_plugin("asyncio")):
+        return (yield)  # (a user's own ep_pair fixture keeps its loop; no pytest-asyncio, no loop scopes)
+    # pytest-asyncio (wrapped by this hook) reads the loop scope from the function's _loop_scope
+    saved = getattr(func, "_loop_scope", None)
+    func._loop_scope = _test_loop_scope(request.node)
+    try:
+        return (yield)
+    finally:
+        func._loop_scope = saved
+
+
 @_async_fixture
 async def ep_pair(ia: Any) -> AsyncIterator[EPPair]:
-    """Two endpoints connected to each other on ``ia`` (see :class:`EPPair`), freed after the test."""
+    """Two endpoints connected to each other on ``ia`` (see :class:`EPPair`), freed after the test.
+
+    The pair is connected on the event loop the test runs on, whatever its loop scope.
+    """
     pair = await make_ep_pair(ia)
     try:
         yield pair
