@@ -207,12 +207,11 @@ class EP(Posting, Handle):
     @property
     def connect_evd(self) -> "EVD":
         """The EVD the EP's connection events go to: the one passed to create_ep, else the EP's own
-        (made on first use, freed with the EP)."""
+        (made on first use, freed with the EP).  InvalidHandle for a freed EP that never made one."""
         evd = self._connect_evd
         if evd is None:
+            self._check()  # an EP freed before it ever needed one has none (its IA may be gone too)
             evd = self._connect_evd = self._private_evd(16, EvdFlags.CONNECTION, "connect_evd")
-            if self._closed:  # an EP freed before it ever needed one: its EVD is freed too
-                self._destroy_own_evds()
         return evd
 
     def _evds(self) -> Tuple[Optional["EVD"], ...]:

@@ -285,3 +285,18 @@ async def test_a_reset_keeps_the_events_of_the_requests_the_disconnect_flushed(i
     assert [e.cookie for e in events] == ["r0", "r1", "r2", "r3"] and all(e.flushed for e in events)
     assert pair.server_lmr._inflight == 0
     pair.close()
+
+
+@pytest.mark.parametrize("ia_too", [False, True])
+async def test_the_connect_evd_of_a_freed_ep_that_never_made_one_is_invalid_handle(ia: Any, ia_too: bool) -> None:
+    """A freed EP whose connection events never needed an EVD of its own has none: reading
+    ``connect_evd`` raises InvalidHandle, as any use after close does.  It used to make one and
+    free it at once, and with its IA closed too it raised AttributeError from inside."""
+    other = aiodat.open_ia(ia.device_name)
+    ep = other.create_ep(other.create_pz())
+    ep.free()
+    if ia_too:
+        other.close()
+    with pytest.raises(aiodat.InvalidHandle, match="ep is closed"):
+        ep.connect_evd
+    other.close()
