@@ -201,8 +201,10 @@ def test_ctrl_c_in_a_bench_child_is_quiet():
     and no traceback; the parent says it was interrupted."""
     import signal
 
+    # (SIGINT at its default in the child: a shell's background job, as CI may run this, inherits it ignored)
     child = subprocess.Popen([sys.executable, "-m", "aiodat.bench", "stream-server", "tcp", "127.0.0.1", "0", "0",
-                              "asyncio"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                              "asyncio"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert child.stdout.readline().startswith("port ")
         child.send_signal(signal.SIGINT)
@@ -452,7 +454,8 @@ def test_ctrl_c_mid_bench_leaves_nothing_running(which, target, rdma_device, req
             "--progress", "--loop", loop, "--device", rdma_device.name]
     argv += ["--iters", "2000000", "--processes", "2", "--no-pyverbs"] if which == "latency" else ["--iters", "100000000"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True,  # (SIGINT at its default: see the test above)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert "round 1: aiodat await" in proc.stderr.readline()
         deadline = time.monotonic() + 60
