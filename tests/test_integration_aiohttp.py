@@ -207,8 +207,6 @@ def test_aiohttp_parts_we_build_on() -> None:
         f"aiohttp's BaseConnector no longer calls _create_connection {where}"
     assert list(inspect.signature(ResponseHandler.__init__).parameters) == ["self", "loop"], \
         f"aiohttp.client_proto.ResponseHandler(loop) changed {where}"
-    assert "self.transport = None" in inspect.getsource(ResponseHandler.close), \
-        f"aiohttp's ResponseHandler.close() (which RdmaConnector's protocol extends) changed {where}"
 
 
 @pytest.mark.parametrize("kind", ["tcp", "rdma"])
@@ -267,7 +265,7 @@ async def test_a_proxy_is_refused_not_ignored(rdma_device: Any, tmp_path: Path) 
 async def test_closing_a_session_does_not_wait_on_a_hung_server(rdma_device: Any) -> None:
     """``await session.close()`` waits for its connections to close; a hung server never answers an RDMA
     connection's disconnect, which held the close for the stream's disconnect timeout (10 s; for ever
-    when the EOF could not be sent).  The connector's connections are aborted after CLOSE_TIMEOUT."""
+    when the EOF could not be sent).  The connector's connections have close_timeout CLOSE_TIMEOUT."""
     from aiodat.integrations.aiohttp import CLOSE_TIMEOUT, RdmaConnector
 
     loop = asyncio.get_running_loop()

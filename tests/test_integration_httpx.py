@@ -378,3 +378,15 @@ async def test_https_is_an_httpx_error() -> None:
             await client.get("https://169.254.77.1:8443/hello")
     assert isinstance(info.value, aiodat.ModelNotSupported) and isinstance(info.value, TLSNotSupported)
     assert info.value.request.url == "https://169.254.77.1:8443/hello"  # (httpx attached the request)
+
+
+@pytest.mark.parametrize("scheme", ["ws", "ftp"])
+async def test_another_scheme_is_unsupported_protocol_without_speaking_of_tls(scheme: str) -> None:
+    """A URL of a scheme that is not HTTP (a WebSocket's ws://) is httpx.UnsupportedProtocol naming
+    it, as httpx's own transport says; it raised TLSNotSupported, whose message spoke of TLS."""
+    from aiodat.integrations.httpx import TLSNotSupported
+
+    async with httpx.AsyncClient(transport=RdmaHTTPTransport()) as client:
+        with pytest.raises(httpx.UnsupportedProtocol, match=f"http:// URLs only, not {scheme}://") as info:
+            await client.get(f"{scheme}://169.254.77.1:8080/hello")
+    assert not isinstance(info.value, TLSNotSupported)

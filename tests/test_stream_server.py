@@ -178,3 +178,26 @@ async def test_a_server_and_the_clients_of_its_loop_share_one_ia(rdma_device: An
         server.close()
         await asyncio.wait_for(server.wait_closed(), T)
         assert aiodat_streams.shared_ia_count() == 0
+
+
+async def test_wait_closed_returns_even_if_releasing_the_shared_ia_raises(rdma_device: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last step of a server's close gives its shared IA back; when that raised (closing an IA
+    can fail, e.g. from another thread than its loop's), the error went to close() and every
+    wait_closed() waiter stayed asleep for ever.  The release is made to raise here by wrapping the
+    server's own reference; the IA is given back for real afterwards."""
+    server = await aiodat.start_server(lambda r, w: None, rdma_device.address, 0)
+    waiter = asyncio.ensure_future(server.wait_closed())
+    await asyncio.sleep(0)
+    iaref = server._iaref  # (the server's reference to the loop's shared IA)
+    real_release = iaref.release
+
+    def failing_release() -> None:
+        raise RuntimeError("release failed")
+
+    monkeypatch.setattr(iaref, "release", failing_release)
+    with pytest.raises(RuntimeError, match="release failed"):
+        server.close()
+    await asyncio.wait_for(waiter, T)
+    real_release()
+    assert aiodat_streams.shared_ia_count() == 0

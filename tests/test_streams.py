@@ -354,6 +354,62 @@ async def test_a_peer_gone_before_a_closing_writer_sent_everything_is_a_reset(rd
     await server.wait_closed()
 
 
+@pytest.mark.rxe
+async def test_close_gives_up_on_a_peer_that_takes_nothing_for_close_timeout(rdma_host: str) -> None:
+    """close() with bytes buffered for a peer that never reads (so returns no credits): after
+    ``close_timeout`` s without progress the connection is aborted, and wait_closed() raises saying
+    why.  It used to wait for ever, holding the connection (the integrations each bounded it from
+    outside with their own abort timer)."""
+    gate = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await gate.wait()  # never reads
+
+    server = await aiodat.start_server(handler, rdma_host, 0, window_size=262144)
+    reader, writer = await aiodat.open_connection(rdma_host, server.sockets[0].getsockname()[1],
+                                                  window_size=262144, close_timeout=1.0)
+    writer.write(b"w" * (2 * 1024 * 1024))  # far more than the peer's buffers take
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    writer.close()
+    with pytest.raises(ConnectionResetError, match=r"no progress for 1.0 s \(close_timeout\) and \d+ bytes"):
+        await asyncio.wait_for(writer.wait_closed(), 60)
+    assert 1.0 <= loop.time() - began < 10.0
+    gate.set()
+    server.close()
+    await server.wait_closed()
+    assert aiodat_streams.shared_ia_count() == 0
+
+
+@pytest.mark.rxe
+async def test_close_waits_on_a_slow_reader_for_longer_than_close_timeout(rdma_host: str) -> None:
+    """close_timeout bounds a close without progress, not the close: a peer that keeps taking the
+    bytes, slowly (64 KiB every 0.1 s, over 3 s in all), gets every one and the close is clean."""
+    payload = os.urandom(2 * 1024 * 1024)
+    got: "asyncio.Future[bytes]" = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = bytearray()
+        while chunk := await reader.read(65536):
+            data += chunk
+            await asyncio.sleep(0.1)
+        got.set_result(bytes(data))
+        writer.close()
+
+    server = await aiodat.start_server(handler, rdma_host, 0, limit=65536, window_size=131072)
+    reader, writer = await aiodat.open_connection(rdma_host, server.sockets[0].getsockname()[1],
+                                                  window_size=131072, close_timeout=1.0)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    writer.write(payload)
+    writer.close()
+    await asyncio.wait_for(writer.wait_closed(), 60)  # clean: no ConnectionResetError
+    assert await asyncio.wait_for(got, 60) == payload
+    assert loop.time() - began > 1.0  # (the close outlasted close_timeout, and still ended cleanly)
+    server.close()
+    await server.wait_closed()
+
+
 class _Buffered(asyncio.BufferedProtocol):
     """A BufferedProtocol with a small buffer (so one message fills several), recording calls."""
 
@@ -1096,6 +1152,10 @@ def test_config_validation_host() -> None:
     for bad in (-1, 1_000_001, 1.5, True):
         with pytest.raises(aiodat.InvalidParameter, match="busy_poll_us"):
             aiodat_streams.StreamConfig(busy_poll_us=bad).validate()
+    for bad in (0, -1.0, float("nan"), "1"):
+        with pytest.raises(aiodat.InvalidParameter, match="close_timeout"):
+            aiodat_streams.StreamConfig(close_timeout=bad).validate()
+    assert aiodat_streams.StreamConfig(close_timeout=None).validate().close_timeout is None
     assert aiodat_streams.HEADER.size == 8
 
 

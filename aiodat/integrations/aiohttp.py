@@ -27,12 +27,14 @@ checked by ``tests/test_integration_aiohttp.py::test_aiohttp_parts_we_build_on``
 aiohttp is imported by this module only (``pip install aiodat[aiohttp]``);
 ``import aiodat`` never needs it.  Keyword arguments the two classes do not
 take themselves are aiodat stream options (``ia``, ``buffer_size``,
-``recv_depth``, ``window_size``, ``rdma_threshold``, see docs/streams.md),
+``recv_depth``, ``window_size``, ``rdma_threshold``, ``busy_poll_us``,
+``close_timeout``, see docs/streams.md),
 checked when the site or connector is made.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, Dict, List, Optional
 
 try:
@@ -47,19 +49,20 @@ from aiodat.cm import check_port, check_timeout
 from aiodat.errors import DATError, HostNotFound, InvalidParameter
 from aiodat.streams import create_connection, create_server
 from aiodat.streams.pool import check_ia
-from aiodat.streams.protocol import split_kwds
+from aiodat.streams.protocol import StreamConfig, split_kwds
 
 __all__ = ["RdmaSite", "RdmaConnector"]
 
-#: how long a client connection's graceful close (EOF, then disconnect) may take before it is
-#: aborted: ``await session.close()`` waits for its connections to close, and a hung server never
-#: answers the disconnect (it held the close for the stream's disconnect timeout, or for ever when
-#: the EOF could not be sent)
+#: the connector's default ``close_timeout`` stream option: how long a client connection's graceful
+#: close waits on a server that makes no progress before it is aborted.  ``await session.close()``
+#: waits for its connections to close, and a live server answers in milliseconds (a TCP socket's
+#: close does not wait on the peer at all)
 CLOSE_TIMEOUT = 1.0
 
 # the stream options that are not StreamConfig fields but create_connection/create_server take
 _CONNECT_OPTIONS = ("ia", "connect_timeout")
 _SERVER_OPTIONS = ("ia", "accept_timeout")
+_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(StreamConfig))
 
 
 def _stream_options(options: Dict[str, Any], own: tuple, who: str) -> Dict[str, Any]:
@@ -68,7 +71,7 @@ def _stream_options(options: Dict[str, Any], own: tuple, who: str) -> Dict[str, 
     _, unknown = split_kwds(rest)
     if unknown:
         raise TypeError(f"{who} got unexpected keyword argument(s): {', '.join(sorted(unknown))} "
-                        f"(aiodat stream options are ia, buffer_size, recv_depth, window_size, rdma_threshold)")
+                        f"(aiodat stream options are {', '.join(own + _CONFIG_FIELDS)})")
     # (here, not at each request: there aiohttp would report them as a connection error, and retry)
     check_ia(options.get("ia"))
     for name in own:
@@ -90,23 +93,6 @@ def _site_server(site: "web.BaseSite") -> Any:
     return site._server
 
 
-class _RdmaResponseHandler(ResponseHandler):
-    """aiohttp's client protocol, whose close() does not wait on the server for longer than
-    :data:`CLOSE_TIMEOUT` (a TCP socket's close does not wait on the peer at all)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop)
-        self._rdma_loop = loop
-
-    def close(self) -> None:
-        """Close the connection gracefully, aborted if still open after :data:`CLOSE_TIMEOUT` s."""
-        transport = self.transport
-        super().close()
-        # (abort() of a connection already closed does nothing; a closed loop runs nothing)
-        if transport is not None and not self._rdma_loop.is_closed():
-            self._rdma_loop.call_later(CLOSE_TIMEOUT, transport.abort)
-
-
 class RdmaSite(web.BaseSite):
     """A ``web.BaseSite`` serving an ``AppRunner``'s application over aiodat RDMA streams.
 
@@ -114,7 +100,8 @@ class RdmaSite(web.BaseSite):
     ``port`` 0 asks for a free port (read it back from :attr:`port` or
     ``runner.addresses`` after ``start()``).  ``**options`` are aiodat stream
     options (``ia``, ``accept_timeout``, ``buffer_size``, ``recv_depth``,
-    ``window_size``, ``rdma_threshold``).
+    ``window_size``, ``rdma_threshold``, ``busy_poll_us``,
+    ``close_timeout``).
     """
 
     __slots__ = ("_host", "_port", "_bound_port", "_options", "_rdma_runner", "_rdma_backlog")
@@ -163,12 +150,13 @@ class RdmaConnector(BaseConnector):
     raises ``ClientConnectorError``).  ``limit``, ``limit_per_host``,
     ``keepalive_timeout`` and ``force_close`` are BaseConnector's; ``**options``
     are aiodat stream options (``ia``, ``connect_timeout``, ``buffer_size``,
-    ``recv_depth``, ``window_size``, ``rdma_threshold``).  A connection that
+    ``recv_depth``, ``window_size``, ``rdma_threshold``, ``busy_poll_us``,
+    ``close_timeout``).  A connection that
     cannot be made raises ``aiohttp.ClientConnectorError`` wrapping the aiodat
     error (``ConnectionRefusedError`` when nothing listens), as TCP's does; a host
     name that does not resolve raises ``aiohttp.ClientConnectorDNSError``.  A
-    connection whose graceful close takes more than :data:`CLOSE_TIMEOUT` s (a
-    hung server) is aborted.
+    connection whose graceful close waits more than ``close_timeout`` s (default
+    :data:`CLOSE_TIMEOUT`) on a server that makes no progress (a hung server) is aborted.
     """
 
     def __init__(self, *, limit: int = 100, limit_per_host: int = 0, keepalive_timeout: Any = None,
@@ -192,11 +180,12 @@ class RdmaConnector(BaseConnector):
             raise ClientConnectorError(req.connection_key, OSError(
                 None, f"RdmaConnector connects to the URL's host itself and cannot go through a proxy ({req.proxy})"))
         options = dict(self._options)
+        options.setdefault("close_timeout", CLOSE_TIMEOUT)
         # (aiohttp reads sock_connect 0 or None as no limit: so does the stream's connect_timeout None)
         options.setdefault("connect_timeout", timeout.sock_connect or None)
         try:
             loop = asyncio.get_running_loop()
-            _, proto = await create_connection(lambda: _RdmaResponseHandler(loop), req.host, req.port, **options)
+            _, proto = await create_connection(lambda: ResponseHandler(loop), req.host, req.port, **options)
         except asyncio.TimeoutError:
             raise  # the session turns it into ConnectionTimeoutError, as for TCP
         except HostNotFound as exc:  # (a failed lookup: what TCPConnector raises for one)

@@ -61,8 +61,9 @@ from aiodat.streams.pool import check_ia
 
 __all__ = ["RdmaServer", "RdmaChannel"]
 
-#: how long a closed channel's connection may go on closing gracefully (EOF, then disconnect) in the
-#: background before it is aborted: a hung server never answers the disconnect
+#: a channel's default ``close_timeout`` stream option: how long its connection's graceful close
+#: (EOF, then disconnect), which goes on in the background, waits on a server that makes no progress
+#: before it is aborted (a hung server never answers the disconnect)
 CLOSE_TIMEOUT = 5.0
 
 
@@ -154,18 +155,19 @@ class RdmaServer(grpclib.server.Server):
 
         ``host`` is the address of an RDMA device (None: the default device).
         ``ia`` and the stream options (``buffer_size``, ``recv_depth``,
-        ``window_size``, ``rdma_threshold``) are those of
+        ``window_size``, ``rdma_threshold``, ``busy_poll_us``) are those of
         :func:`aiodat.streams.create_server`.  ``ssl`` must be None.
         ``close_timeout``: how long :meth:`wait_closed` lets the clients'
         connections send what they hold and close before it drops them
-        (None: as long as it takes).
+        (None: as long as it takes); it is also each connection's
+        ``close_timeout`` stream option.
         """
         if ssl is not None:
             raise ModelNotSupported("TLS over an aiodat RDMA stream is not supported: start RdmaServer without ssl")
         if self._rdma_listener is not None:
             raise RuntimeError("Server is already started")
         self._rdma_close_timeout = check_timeout(close_timeout, "close_timeout")
-        options = _stream_options("RdmaServer.start()", stream_options)
+        options = _stream_options("RdmaServer.start()", dict(stream_options, close_timeout=close_timeout))
         self._rdma_listener = await create_server(self._rdma_new_connection, host, port, ia=ia, backlog=backlog, **options)
         self._rdma_close_called = asyncio.Event()
 
@@ -218,7 +220,8 @@ class RdmaChannel(grpclib.client.Channel):
     options as for :func:`aiodat.streams.create_connection`.  The connection is
     made at the first call (as grpclib does).  After :meth:`close` a call raises
     RuntimeError; the connection's graceful close goes on in the background and is
-    aborted after :data:`CLOSE_TIMEOUT` s if the server does not complete it.
+    aborted if the server makes no progress for ``close_timeout`` s (default
+    :data:`CLOSE_TIMEOUT`).
     """
 
     def __init__(self, host: str, port: int, *, codec: Optional[CodecBase] = None,
@@ -231,6 +234,7 @@ class RdmaChannel(grpclib.client.Channel):
         check_port(port, lowest=1)
         if stream_options.get("ssl") not in (None, False):
             raise ModelNotSupported("TLS over an aiodat RDMA stream is not supported: RdmaChannel has no ssl")
+        stream_options.setdefault("close_timeout", CLOSE_TIMEOUT)
         self._rdma_options = _stream_options("RdmaChannel()", stream_options)
         check_ia(ia)  # (here, not at the first call)
         check_timeout(connect_timeout, "connect_timeout")
@@ -239,8 +243,8 @@ class RdmaChannel(grpclib.client.Channel):
         self._rdma_config = (Configuration() if config is None else config).__for_client__()
         self._rdma_connect_timeout = connect_timeout
         self._rdma_closed = False
-        # the connection made last, and its loop
-        self._rdma_transport: Optional[Tuple[RdmaTransport, asyncio.AbstractEventLoop]] = None
+        # the connection made last
+        self._rdma_transport: Optional[RdmaTransport] = None
         super().__init__(host, port, codec=codec, status_details_codec=status_details_codec, config=config)
 
     async def _create_connection(self) -> H2Protocol:
@@ -256,9 +260,9 @@ class RdmaChannel(grpclib.client.Channel):
                                                       ia=self._rdma_ia, connect_timeout=self._rdma_connect_timeout,
                                                       **self._rdma_options)
         if self._rdma_closed:  # closed while connecting: grpclib would keep the connection, and use it
-            _close_bounded(transport, asyncio.get_running_loop())
+            transport.close()
             raise RuntimeError("RdmaChannel was closed while it connected: make a new channel")
-        self._rdma_transport = (transport, asyncio.get_running_loop())
+        self._rdma_transport = transport
         return protocol  # type: ignore[return-value]
 
     def close(self) -> None:
@@ -267,7 +271,7 @@ class RdmaChannel(grpclib.client.Channel):
         super().close()  # (grpclib closes the connection's transport)
         made, self._rdma_transport = self._rdma_transport, None
         if made is not None:
-            _close_bounded(*made)
+            made.close()
 
     @property
     def is_closed(self) -> bool:
@@ -278,14 +282,3 @@ class RdmaChannel(grpclib.client.Channel):
         host, port = self._rdma_address
         return f"RdmaChannel({host!r}, {port!r}{', closed' if self._rdma_closed else ''})"
 
-
-def _close_bounded(transport: RdmaTransport, loop: asyncio.AbstractEventLoop) -> None:
-    """Close ``transport`` gracefully, and abort it if still open after :data:`CLOSE_TIMEOUT` s.
-
-    The graceful close of an RDMA stream waits for the peer (its EOF sent, its disconnect answered):
-    a hung server held the connection for the stream's disconnect timeout, or for ever when the EOF
-    could not be sent.  (abort() of a connection already closed does nothing.)
-    """
-    transport.close()
-    if not loop.is_closed():
-        loop.call_later(CLOSE_TIMEOUT, transport.abort)

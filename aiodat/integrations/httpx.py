@@ -44,8 +44,9 @@ __all__ = ["RdmaNetworkBackend", "RdmaNetworkStream", "RdmaHTTPTransport", "TLSN
 
 T = TypeVar("T")
 
-#: how long a closed connection's graceful close (EOF sent, disconnect) may go on in the background
-#: before it is aborted: a peer that is hung never completes it
+#: the backend's default ``close_timeout`` stream option: how long a closed connection's graceful
+#: close (EOF sent, disconnect), which goes on in the background, waits on a server that makes no
+#: progress before it is aborted (a hung server never completes it)
 CLOSE_TIMEOUT = 5.0
 
 
@@ -115,9 +116,10 @@ class RdmaNetworkStream(httpcore.AsyncNetworkStream):
         """Close the connection without waiting for the server; a second call does nothing.
 
         Graceful (EOF, then disconnect) when everything written has been sent, completed in the
-        background and aborted if it takes more than :data:`CLOSE_TIMEOUT` s; when bytes are still
-        waiting for the peer (httpcore gave up on a request, e.g. after a write timeout), the
-        connection is aborted at once instead of waiting for a peer that is not reading.
+        background and aborted if the server makes no progress for ``close_timeout`` s (default
+        :data:`CLOSE_TIMEOUT`); when bytes are still waiting for the peer (httpcore gave up on a
+        request, e.g. after a write timeout), the connection is aborted at once instead of waiting
+        for a peer that is not reading.
         """
         if self._closed:
             return
@@ -127,11 +129,9 @@ class RdmaNetworkStream(httpcore.AsyncNetworkStream):
             transport.abort()
             return
         # Not awaited, as a TCP socket's close is not: httpcore closes a connection when a request
-        # times out or is cancelled, and a hung server (which never answers the disconnect) held
-        # that timeout or cancellation for CLOSE_TIMEOUT s, and the pool's aclose() as long per
-        # connection.  (abort() of a connection already closed does nothing.)
+        # times out or is cancelled, and a hung server (which never answers the disconnect) would hold
+        # that timeout or cancellation, and the pool's aclose() as long per connection.
         transport.close()
-        asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, transport.abort)
 
     async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: Optional[str] = None,
                         timeout: Optional[float] = None) -> httpcore.AsyncNetworkStream:
@@ -166,13 +166,15 @@ class RdmaNetworkBackend(httpcore.AsyncNetworkBackend):
     """An httpcore network backend whose ``connect_tcp`` opens an aiodat stream (RC over RDMA).
 
     ``ia`` and ``stream_options`` (``buffer_size``, ``recv_depth``,
-    ``window_size``, ``rdma_threshold``) are passed to
+    ``window_size``, ``rdma_threshold``, ``busy_poll_us``,
+    ``close_timeout``) are passed to
     :func:`aiodat.streams.open_connection` for every connection; they are
     checked here, so a bad value fails at construction.
     ``connections_opened`` counts the connections made.
     """
 
     def __init__(self, *, ia: Any = None, **stream_options: Any) -> None:
+        stream_options.setdefault("close_timeout", CLOSE_TIMEOUT)
         cfg, rest = split_kwds(stream_options)
         if rest:
             raise TypeError(f"RdmaNetworkBackend() got unexpected keyword argument(s): {', '.join(sorted(rest))}")
@@ -263,7 +265,8 @@ class RdmaHTTPTransport(httpx.AsyncBaseTransport):
     client goes over RDMA to the URL's host and port (an aiodat stream server).
     ``limits`` and ``retries`` mean what they mean for
     :class:`httpx.AsyncHTTPTransport`; ``ia`` and the stream options
-    (``buffer_size``, ``recv_depth``, ``window_size``, ``rdma_threshold``) are
+    (``buffer_size``, ``recv_depth``, ``window_size``, ``rdma_threshold``, ``busy_poll_us``,
+    ``close_timeout``) are
     passed to every connection (see :class:`RdmaNetworkBackend`).  After
     :meth:`aclose` a request raises RuntimeError.
 
@@ -300,9 +303,12 @@ class RdmaHTTPTransport(httpx.AsyncBaseTransport):
         """Send ``request`` over an RDMA connection of the pool (httpx calls this)."""
         if self._closed:
             raise RuntimeError("RdmaHTTPTransport is closed: make a new one (or a new AsyncClient)")
-        if request.url.scheme != "http":
+        scheme = request.url.scheme
+        if scheme in ("https", "wss"):
             raise TLSNotSupported(f"RdmaHTTPTransport speaks plain HTTP only (no TLS over RDMA), "
-                                  f"not {request.url.scheme}://: use an http:// URL")
+                                  f"not {scheme}://: use an http:// URL")
+        if scheme != "http":  # (as httpx's own transport refuses a scheme it does not serve)
+            raise httpx.UnsupportedProtocol(f"RdmaHTTPTransport serves http:// URLs only, not {scheme}://")
         if not isinstance(request.stream, httpx.AsyncByteStream):
             raise TypeError("RdmaHTTPTransport needs an async request body (use httpx.AsyncClient)")
         core_request = httpcore.Request(

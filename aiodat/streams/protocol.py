@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 from aiodat._shim._streamcore import StreamState
+from aiodat.cm import check_timeout
 from aiodat.errors import ConnectionBroken, InvalidParameter, ModelNotSupported
 from aiodat.poller import MAX_BUSY_POLL_US
 
@@ -98,7 +99,7 @@ MAX_CONNECTION_MEMORY = 1 << 32
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """Per-connection buffer sizes of an aiodat stream (keyword arguments of open_connection/start_server).
+    """Per-connection settings of an aiodat stream (keyword arguments of open_connection/start_server).
 
     ``buffer_size``: bytes per send/receive slot (header included), so the
     largest DATA message; ``recv_depth``: receive slots posted for data, i.e.
@@ -109,7 +110,9 @@ class StreamConfig:
     polling its CQ after its last completion before it sleeps (0: it sleeps at
     once; see ``ia.create_evd``), as rsockets' ``polling_time``: it saves the
     sleep and the wake-up when the peer answers within that time, and burns a
-    CPU while it spins.
+    CPU while it spins.  ``close_timeout``: how long ``close()`` waits on a
+    peer that makes no progress (takes no data, returns no credits, answers no
+    disconnect) before it aborts the connection; None waits for ever.
     """
 
     buffer_size: int = 16384
@@ -117,6 +120,7 @@ class StreamConfig:
     window_size: int = 1 << 20
     rdma_threshold: int = 65536
     busy_poll_us: int = 0
+    close_timeout: Optional[float] = 10.0
 
     def validate(self) -> "StreamConfig":
         """Return self, or raise InvalidParameter naming the bad value."""
@@ -129,6 +133,7 @@ class StreamConfig:
         w = self.window_size
         if not isinstance(w, int) or isinstance(w, bool) or not (w == 0 or 4096 <= w <= 1 << 30):
             raise InvalidParameter(f"window_size must be 0 or an int between 4096 and 2**30, got {w!r}")
+        check_timeout(self.close_timeout, "close_timeout")  # (NaN, 0 and non-numbers: refused naming the field)
         if self.memory > MAX_CONNECTION_MEMORY:  # each field may be in range and the sum still absurd
             raise InvalidParameter(
                 f"a connection with buffer_size={self.buffer_size}, recv_depth={self.recv_depth} and "
@@ -158,7 +163,7 @@ class StreamConfig:
         return self.recv_depth + self.extra_slots
 
 
-_CONFIG_KEYS = ("buffer_size", "recv_depth", "window_size", "rdma_threshold", "busy_poll_us")
+_CONFIG_KEYS = ("buffer_size", "recv_depth", "window_size", "rdma_threshold", "busy_poll_us", "close_timeout")
 # keyword arguments of loop.create_connection / create_server that have no meaning here: accepted when
 # left at their "off" value, refused otherwise
 _IGNORABLE = {"ssl": (None, False), "sock": (None,), "local_addr": (None,), "server_hostname": (None,),

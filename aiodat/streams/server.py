@@ -174,11 +174,13 @@ class Server:
     def _maybe_done(self) -> None:
         if self._sockets is not None or self._transports or self._pending:
             return
-        self._iaref.release()
         waiters, self._waiters = self._waiters, None
-        for waiter in waiters or ():
-            if not waiter.done():
-                waiter.set_result(None)
+        try:
+            self._iaref.release()
+        finally:  # (a release that raised must not leave wait_closed() waiting for ever)
+            for waiter in waiters or ():
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def _detach(self, transport: RdmaTransport) -> None:
         self._transports.pop(transport, None)

@@ -246,6 +246,7 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         self._conn_lost_writes = 0
         self._idle: Optional[asyncio.Future[None]] = None
         self._close_task: Optional[asyncio.Task[None]] = None
+        self._close_watch: Optional[asyncio.TimerHandle] = None
         self._stream_protocol = _takes_views(protocol)
         #: an asyncio.BufferedProtocol: fed through get_buffer()/buffer_updated() by the Python path
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
@@ -321,7 +322,11 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         return self._closing
 
     def close(self) -> None:
-        """Send what is buffered, then EOF, then disconnect; ``connection_lost(None)`` follows."""
+        """Send what is buffered, then EOF, then disconnect; ``connection_lost(None)`` follows.
+
+        A peer that makes no progress (takes no data, returns no credits, answers no disconnect)
+        for the ``close_timeout`` stream option's seconds has the connection aborted instead:
+        ``connection_lost`` then gets a ConnectionBroken saying what was not sent."""
         if self._closing:
             return
         self._closing = True
@@ -532,27 +537,53 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         if idle is not None and not idle.done() and self._core.is_flushed():
             idle.set_result(None)
 
+    def _close_progress(self) -> Tuple[int, int, int, bool]:
+        """What changes while the peer takes the close's data: bytes not yet sent, free send slots
+        (a send completed), window writes in flight, the EOF sent."""
+        core = self._core
+        return core.buffered, core.free_send_slots, core.windows_in_flight, core.eof_sent
+
+    def _unsent(self) -> str:
+        """What a close that ends now leaves undone, for connection_lost's error."""
+        core = self._core
+        return (f"{core.buffered} bytes written were not sent" if core.buffered
+                else "its EOF was not sent" if not core.eof_sent
+                else "its last sends had not completed")
+
+    def _watch_close(self, before: Tuple[int, int, int, bool], timeout: float) -> None:
+        """close()'s bound: a peer that took nothing for ``timeout`` s (hung, or not reading) has the
+        connection aborted, as it would hold it, and the close, for ever; one that moves is waited on."""
+        if self._lost or self._core.is_flushed():
+            return
+        now = self._close_progress()
+        if now != before:
+            self._close_watch = self._loop.call_later(timeout, self._watch_close, now, timeout)
+            return
+        self._abort(ConnectionBroken(f"close() gave up: the peer made no progress for {timeout} s "
+                                     f"(close_timeout) and {self._unsent()}"))
+
     async def _close_when_flushed(self) -> None:
+        timeout = self._res.cfg.close_timeout
         try:
             if not self._core.is_flushed() and not self._lost:
                 self._idle = self._loop.create_future()
+                if timeout is not None:
+                    self._close_watch = self._loop.call_later(timeout, self._watch_close,
+                                                              self._close_progress(), timeout)
                 await self._idle
             if self._lost:
                 return
             try:
-                await self._res.ep.disconnect(graceful=True, timeout=10.0)
+                await self._res.ep.disconnect(graceful=True, timeout=timeout)
             except DATError:
                 pass
             self._finish(None)
         except asyncio.CancelledError:
             # cancelled from outside (a shutdown cancelling every task): what is not sent yet is
             # dropped, so the protocol hears of it, not of a clean close
-            core, exc = self._core, None
-            if not self._lost and not core.is_flushed():
-                what = (f"{core.buffered} bytes written were not sent" if core.buffered
-                        else "its EOF was not sent" if not core.eof_sent
-                        else "its last sends had not completed")
-                exc = ConnectionBroken(f"close() was cancelled before the stream was flushed: {what}")
+            exc = None
+            if not self._lost and not self._core.is_flushed():
+                exc = ConnectionBroken(f"close() was cancelled before the stream was flushed: {self._unsent()}")
             self._finish(exc)
             raise
 
@@ -749,6 +780,8 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
         task = self._close_task
         if task is not None and task is not current and not task.done():
             task.cancel()
+        if self._close_watch is not None:
+            self._close_watch.cancel()
         evd = self._res.evd
         assert evd is not None  # (a transport's Resources are complete)
         if not evd.closed:
