@@ -31,6 +31,28 @@ def test_sample_units() -> None:
     assert sample.mib_per_s == pytest.approx(31.25) and sample.mpps == pytest.approx(0.0005)
 
 
+@pytest.mark.parametrize("kind,row,shown", [
+    ("bandwidth", {"MsgRate[Mpps]": 0.5}, ["n/a", "0.5000"]),  # no BW_average: the ratio's figure
+    ("rate", {"BW_average[MB/sec]": 800.0}, ["800.00", "n/a"]),  # no MsgRate: the ratio's figure
+    ("bandwidth", {"BW_average[MB/sec]": math.inf, "MsgRate[Mpps]": 0.5}, ["n/a", "0.5000"]),
+])
+def test_a_missing_perftest_figure_prints_na_and_no_ratio(kind: str, row: Any, shown: List[str]) -> None:
+    """A perftest row without a figure (or with inf) prints n/a, as every other report does for a missing
+    peer figure, and no ratio against it; it printed 0.00, which read as perftest having measured nothing."""
+    from aiodat.bench.perftest import PerftestResult
+
+    res = PerftestResult("ib_send_bw", ("ib_send_bw", "-R"), 0, "", rows=[row])
+    report = bench.BandwidthReport("rxe0", "10.0.0.1", "asyncio", "send", 65536, 64, 16,
+                                   bench.BandwidthSample("send", 65536, 1000, 2.0), res, kind=kind)
+    assert res.ok and report.ratio() is None
+    line = next(x for x in report.format().splitlines() if x.lstrip().startswith("ib_send_bw -R"))
+    assert line.split()[2:] == shown
+    assert report.format().splitlines()[-1].endswith(": n/a")
+    # a complete row still prints both figures and its ratio
+    res.rows = [{"BW_average[MB/sec]": 62.5, "MsgRate[Mpps]": 0.001}]
+    assert report.format().splitlines()[-1].endswith(": 0.50")  # 31.25 / 62.5 MB/s, 0.0005 / 0.001 Mpps
+
+
 @pytest.mark.rxe
 @pytest.mark.parametrize("processes", [1, 2])
 @pytest.mark.parametrize("op", ["write", "read", "send"])

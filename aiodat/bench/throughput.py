@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -13,7 +14,7 @@ from .harness import device_and_address, run_on_loop
 from .peer import accept_one, finish_child, kill_child, start_child
 from .perftest import PerftestResult, run_perftest_pair
 from . import stats
-from .rounds import Comparison
+from .rounds import Comparison, _num
 
 #: perftest's tool for each operation
 BW_TOOLS = {"write": "ib_write_bw", "read": "ib_read_bw", "send": "ib_send_bw"}
@@ -91,14 +92,21 @@ class BandwidthReport:
         if res is not None:
             label = f"{tool} -R"
             if res.ok:
-                lines.append(f"  {label:<36}{res.value('BW_average[MB/sec]') or 0:>10.2f}"
-                             f"{res.value('MsgRate[Mpps]') or 0:>10.4f}")
+                # a figure perftest did not print (or printed as inf) is n/a, as in every other
+                # report's table, never 0: a 0 read as a measured figure, and no ratio is taken to it
+                lines.append(f"  {label:<36}{_figure(res.value('BW_average[MB/sec]'), 10, 2)}"
+                             f"{_figure(res.value('MsgRate[Mpps]'), 10, 4)}")
             else:
                 lines.append(f"  {label:<36}  not measured: {res.error}")
             ratio = self.ratio()
             what = "message rate" if self.kind == "rate" else "bandwidth"
             lines.append(f"ratio (aiodat / {tool} {what}): " + (f"{ratio:.2f}" if ratio is not None else "n/a"))
         return "\n".join(lines)
+
+
+def _figure(value: Optional[float], width: int, digits: int) -> str:
+    """A peer's figure in a column of ``width``: ``n/a`` when it is missing or not finite."""
+    return _num(value if value is not None and math.isfinite(value) else None, width, digits)
 
 
 def check_args(op: str, size: int, depth: int, iters: int, batch: int, srq: bool = False) -> None:
