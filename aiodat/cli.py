@@ -302,10 +302,19 @@ def cmd_devices() -> int:
 
 
 def default_device() -> Optional[str]:
-    """``$AIODAT_RXE_DEVICE``, else the first provider's name, else None."""
-    env = os.environ.get("AIODAT_RXE_DEVICE")
-    if env:
-        return env
+    """The port ``$AIODAT_RXE_DEVICE`` or ``$AIODAT_RXE_ADDR`` names, else the first provider's name
+    (whatever its state: ``query`` shows it), else None.
+
+    Read as the benchmarks and the pytest plugin read them (:func:`aiodat.ia.environment_port`):
+    a variable that names no active port raises :class:`aiodat.ProviderNotFound` naming it, its
+    value and the ports there are.
+    """
+    from aiodat.ia import ADDRESS_ENV, DEVICE_ENV, environment_port
+
+    if os.environ.get(DEVICE_ENV) or os.environ.get(ADDRESS_ENV):
+        found = environment_port()
+        if found is not None:
+            return found.name
     providers = _providers()
     return providers[0].name if providers else None
 
@@ -341,7 +350,11 @@ def cmd_query(name: Optional[str], as_json: bool) -> int:
     """``aiodat query [NAME] [--json]``: dat_ia_query on NAME (default: the test bed's or the first device)."""
     from aiodat import DATError, open_ia
 
-    name = name or default_device()
+    try:
+        name = name or default_device()
+    except DATError as exc:  # the environment names no port here
+        _err(f"aiodat query: {exc}")
+        return 1
     if name is None:
         _err("aiodat query: " + NO_DEVICE.format(command="query"))
         return 1
@@ -459,7 +472,11 @@ def cmd_ping(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if port is not None and not 0 <= port <= 65535:
             _err(usage + f"aiodat ping: error: {what} must be between 0 and 65535, got {port}")
             return 2
-    device = args.device or default_device()
+    try:
+        device = args.device or default_device()
+    except DATError as exc:  # the environment names no port here
+        _err(f"aiodat ping: {exc}")
+        return 1
     if device is None:
         _err("aiodat ping: " + NO_DEVICE.format(command="ping ..."))
         return 1

@@ -12,9 +12,11 @@ rdma_cm event channel (see cm.py).  Everything else is created from the IA.
 """
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, MutableMapping, Optional, Sequence, Tuple, overload
+from typing import (TYPE_CHECKING, Any, Dict, List, Literal, Mapping, MutableMapping, NamedTuple, Optional, Sequence,
+                    Tuple, overload)
 
 from aiodat._handle import Raw, RootHandle
 from aiodat._lib import ffi, lib
@@ -176,6 +178,65 @@ def list_providers() -> List[Provider]:
             finally:
                 lib.ibv_close_device(context)
     return providers
+
+
+#: the environment variables that name the device (``aiodat rxe run`` sets both): see :func:`environment_port`
+DEVICE_ENV, ADDRESS_ENV = "AIODAT_RXE_DEVICE", "AIODAT_RXE_ADDR"
+
+
+class EnvironmentPort(NamedTuple):
+    """What :func:`environment_port` found: the IA name, its address, and the test bed's netdev
+    (``$AIODAT_RXE_NETDEV``, only when the environment named both device and address)."""
+
+    name: str
+    address: str
+    netdev: Optional[str] = None
+
+
+def environment_port(environ: Optional[Mapping[str, str]] = None) -> Optional[EnvironmentPort]:
+    """The device port the environment names, else the first active port with an IP address.
+
+    The one reading of ``$AIODAT_RXE_DEVICE`` and ``$AIODAT_RXE_ADDR`` for the CLI, the
+    benchmarks and the pytest plugin.  Both set (``aiodat rxe run`` sets both): taken as given,
+    nothing is opened.  ``AIODAT_RXE_DEVICE`` alone: the active port of that name (``rxe0``,
+    ``rxe0:1`` and ``RO_AWARE_rxe0`` all name port 1 of rxe0), with its first address;
+    ``AIODAT_RXE_ADDR`` alone: the active port with that address.  Neither: the first active
+    port with an address, or None when there is none.  A variable that names no active port
+    with an address raises :class:`aiodat.ProviderNotFound` naming the variable, its value and
+    the ports that exist (it used to be ignored, and the first port used instead).
+    """
+    env = os.environ if environ is None else environ
+    name, addr = env.get(DEVICE_ENV) or None, env.get(ADDRESS_ENV) or None
+    if name and addr:
+        return EnvironmentPort(name, addr, env.get("AIODAT_RXE_NETDEV"))
+    every = list_providers()
+    for provider in every:
+        if provider.state != "PORT_ACTIVE" or not provider.addresses:
+            continue
+        if name is not None:
+            if _names_port(name, provider):
+                return EnvironmentPort(name, provider.addresses[0])
+        elif addr is not None:
+            for address in provider.addresses:
+                if same_address(address, addr):
+                    return EnvironmentPort(provider.name, address)
+        else:
+            return EnvironmentPort(provider.name, provider.addresses[0])
+    if name is None and addr is None:
+        return None
+    ports = "; ".join(f"{p.name} ({p.state}, {', '.join(p.addresses) or 'no IP address'})" for p in every)
+    what = f"{DEVICE_ENV}={name}" if name is not None else f"{ADDRESS_ENV}={addr}"
+    raise ProviderNotFound(f"no active port matches {what} (set in the environment); the RDMA ports here: "
+                           + (ports or "none (run under `aiodat rxe run`)"))
+
+
+def _names_port(name: str, provider: Provider) -> bool:
+    """Whether the IA name ``name`` opens ``provider``'s port, as open_ia reads it."""
+    try:
+        device, port, _ = _parse_name(name)
+    except InvalidParameter:  # (not an IA name: it names no port)
+        return False
+    return device == provider.device and port == provider.port
 
 
 def _parse_name(name: str) -> Tuple[str, int, bool]:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from aiodat import bench
+from aiodat import ProviderNotFound, bench
 from aiodat.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -255,6 +255,60 @@ def test_query_without_device_says_how(monkeypatch, capsys):
     assert main(["devices"]) == 1
 
 
+def _fake_ports(monkeypatch):
+    """Two ports (an active one first, then a down one) in place of this machine's, for the one
+    reading of AIODAT_RXE_DEVICE / AIODAT_RXE_ADDR (aiodat.ia.environment_port)."""
+    import aiodat
+    import aiodat.ia
+    from aiodat import Provider
+
+    ports = [Provider("mlx0", "mlx0", 1, "Ethernet", "PORT_ACTIVE", (), ("10.0.0.1",)),
+             Provider("rxe1", "rxe1", 1, "Ethernet", "PORT_DOWN", (), ("10.0.0.2",))]
+    for where in (aiodat, aiodat.ia):  # (the package's name, and the one aiodat.ia's functions call)
+        monkeypatch.setattr(where, "list_providers", lambda: ports)
+    monkeypatch.setattr("aiodat.cli._providers", lambda: ports)
+    return ports
+
+
+@pytest.mark.parametrize("var,value", [("AIODAT_RXE_DEVICE", "nosuchdev9"), ("AIODAT_RXE_DEVICE", "rxe1"),
+                                       ("AIODAT_RXE_ADDR", "10.9.9.9")])
+def test_an_environment_naming_no_port_is_an_error(monkeypatch, capsys, var, value):
+    """AIODAT_RXE_DEVICE (or AIODAT_RXE_ADDR) alone naming no active port stops the benchmark, query and
+    ping with one line naming the variable, its value and the ports there are, exit status 1 as a wrong
+    --device or NAME: the benchmark used to run on the first device, saying nothing."""
+    _fake_ports(monkeypatch)
+    for each in ("AIODAT_RXE_DEVICE", "AIODAT_RXE_ADDR"):
+        monkeypatch.delenv(each, raising=False)
+    monkeypatch.setenv(var, value)
+    expected = (f"no active port matches {var}={value} (set in the environment); the RDMA ports here: "
+                "mlx0 (PORT_ACTIVE, 10.0.0.1); rxe1 (PORT_DOWN, 10.0.0.2)")
+    with pytest.raises(ProviderNotFound) as caught:
+        bench.device_and_address()
+    assert str(caught.value) == expected
+    for argv in (["bench", "latency", "--iters", "1", "--repeat", "1"], ["bench", "rate"], ["query"],
+                 ["ping", "10.0.0.1", "7471"]):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err == f"aiodat {argv[0]}{' ' + argv[1] if argv[0] == 'bench' else ''}: {expected}\n", argv
+
+
+def test_an_environment_naming_a_port_picks_it(monkeypatch):
+    """Either variable alone picks the active port it names (AIODAT_RXE_ADDR alone was ignored too);
+    both are taken as given; neither: the first active port."""
+    _fake_ports(monkeypatch)
+    monkeypatch.delenv("AIODAT_RXE_ADDR", raising=False)
+    monkeypatch.setenv("AIODAT_RXE_DEVICE", "mlx0:1")
+    assert bench.device_and_address() == ("mlx0:1", "10.0.0.1")
+    monkeypatch.delenv("AIODAT_RXE_DEVICE")
+    monkeypatch.setenv("AIODAT_RXE_ADDR", "10.0.0.1")
+    assert bench.device_and_address() == ("mlx0", "10.0.0.1")
+    monkeypatch.setenv("AIODAT_RXE_DEVICE", "given0")
+    assert bench.device_and_address() == ("given0", "10.0.0.1")
+    for each in ("AIODAT_RXE_DEVICE", "AIODAT_RXE_ADDR"):
+        monkeypatch.delenv(each)
+    assert bench.device_and_address() == ("mlx0", "10.0.0.1")
+
+
 def _echo_server_module():
     """examples/echo_server.py, imported (a script, not part of a package)."""
     import importlib.util
@@ -374,6 +428,26 @@ def test_query_default_name_and_text(ia, rdma_device, capsys, monkeypatch):
     assert f"max_eps: {q.ia_attr.max_eps}" in out
     assert f"max_evd_qlen: {q.ia_attr.max_evd_qlen}" in out
     assert f"provider_name: {q.provider_attr.provider_name}" in out
+
+
+@pytest.mark.rxe
+def test_bench_refuses_an_environment_device_that_is_not_there(rdma_device, monkeypatch, capsys):
+    """AIODAT_RXE_DEVICE alone naming no port: the benchmark stops before it starts, naming the
+    variable, its value and the ports there are (it ran on the first device, saying nothing); naming
+    the device's port picks it, with that port's address."""
+    from aiodat import list_providers
+
+    monkeypatch.delenv("AIODAT_RXE_ADDR", raising=False)
+    monkeypatch.setenv("AIODAT_RXE_DEVICE", "nosuchdev9")
+    assert main(["bench", "latency", "--iters", "1", "--repeat", "1", "--no-perftest", "--no-pyverbs",
+                 "--mode", "await"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aiodat bench latency: no active port matches AIODAT_RXE_DEVICE=nosuchdev9 "), err
+    port = next(p for p in list_providers() if p.state == "PORT_ACTIVE" and p.addresses)
+    assert f"{port.name} (PORT_ACTIVE, {port.addresses[0]}" in err and err.count("\n") == 1, err
+    assert main(["query"]) == 1 and "AIODAT_RXE_DEVICE=nosuchdev9" in capsys.readouterr().err
+    monkeypatch.setenv("AIODAT_RXE_DEVICE", port.name)
+    assert bench.device_and_address() == (port.name, port.addresses[0])
 
 
 @pytest.mark.rxe

@@ -535,7 +535,7 @@ def test_device_or_address_alone_picks_that_port(monkeypatch: pytest.MonkeyPatch
 
     ports = [port("mlx0", "mlx0", 1, "10.0.0.1"), port("rxe1", "rxe1", 1, "10.0.0.2", "fe80::2"),
              port("rxe1:2", "rxe1", 2, "10.0.0.3")]
-    monkeypatch.setattr(aiodat, "list_providers", lambda: ports)
+    monkeypatch.setattr(aiodat.ia, "list_providers", lambda: ports)  # (what environment_port reads)
     monkeypatch.delenv("AIODAT_RXE_ADDR", raising=False)
     for name, expected in [("rxe1", RdmaDevice("rxe1", "10.0.0.2")), ("rxe1:2", RdmaDevice("rxe1:2", "10.0.0.3")),
                            ("rxe1:1", RdmaDevice("rxe1:1", "10.0.0.2")), ("rxe7", None)]:

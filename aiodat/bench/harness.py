@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Awaitable, Callable, Optional, Tuple, TypeVar
 
 T = TypeVar("T")
@@ -12,13 +11,17 @@ LOOPS = ("asyncio", "uvloop")
 
 
 def device_and_address(device: Optional[str] = None, address: Optional[str] = None) -> Tuple[str, str]:
-    """The IA name and IPv4 address to benchmark on.
+    """The IA name and IP address to benchmark on.
 
     Defaults: ``$AIODAT_RXE_DEVICE`` / ``$AIODAT_RXE_ADDR`` (set by ``aiodat rxe
-    run``), else the first active port with an IPv4 GID.  Raises
-    :class:`aiodat.ProviderNotFound` when there is none.
+    run``; either alone picks the active port it names), else the first active
+    port with an address: :func:`aiodat.ia.environment_port`, as the CLI and the
+    pytest plugin read them.  Raises :class:`aiodat.ProviderNotFound` when there
+    is none, or when a variable names no active port (naming it, its value and
+    the ports there are: a wrong name used to run on the first device).
     """
     from aiodat import ProviderNotFound, open_ia
+    from aiodat.ia import environment_port
 
     if device and address:
         return device, address
@@ -28,26 +31,13 @@ def device_and_address(device: Optional[str] = None, address: Optional[str] = No
         if not address:
             raise ProviderNotFound(f"{device} has no IPv4 address (GID) for rdma_cm")
         return device, address
-    found = _find_device()
+    found = environment_port()
     if found is None:
         raise ProviderNotFound(
             "no RDMA device with an IPv4 address here; run the benchmark where rxe is up: "
             "`aiodat rxe run -- aiodat bench ...`"
         )
-    return found[0], address or found[1]
-
-
-def _find_device() -> Optional[Tuple[str, str]]:
-    """The test bed's device (its environment), else the first active port with an IPv4 address."""
-    from aiodat import list_providers
-
-    name, addr = os.environ.get("AIODAT_RXE_DEVICE"), os.environ.get("AIODAT_RXE_ADDR")
-    if name and addr:
-        return name, addr
-    for provider in list_providers():
-        if provider.state == "PORT_ACTIVE" and provider.address:
-            return provider.name, provider.address
-    return None
+    return found.name, address or found.address
 
 
 def run_on_loop(loop_name: str, factory: Callable[[], Awaitable[T]]) -> T:

@@ -57,41 +57,25 @@ def find_device() -> Optional[RdmaDevice]:
 
     ``AIODAT_RXE_DEVICE`` and ``AIODAT_RXE_ADDR`` together (``aiodat rxe run``
     sets both) are taken as given: nothing is opened.  ``AIODAT_RXE_DEVICE``
-    alone picks the active port of that name (as aiodat's CLI and streams read
-    it), ``AIODAT_RXE_ADDR`` alone the active port with that address; None
-    when there is no such port.
+    alone picks the active port of that name (as aiodat's CLI, benchmarks and
+    streams read it), ``AIODAT_RXE_ADDR`` alone the active port with that
+    address; None when there is no such port.  One reading with the CLI's and
+    the benchmarks': :func:`aiodat.ia.environment_port`.
     """
-    from aiodat import list_providers
-    from aiodat.netdev import same_address
-
-    name = os.environ.get("AIODAT_RXE_DEVICE") or None
-    addr = os.environ.get("AIODAT_RXE_ADDR") or None
-    if name and addr:
-        return RdmaDevice(name, addr, os.environ.get("AIODAT_RXE_NETDEV"))
-    for provider in list_providers():
-        if provider.state != "PORT_ACTIVE" or not provider.address:
-            continue
-        if name is not None:
-            if _names_port(name, provider):
-                return RdmaDevice(name, provider.address)
-        elif addr is not None:
-            for address in provider.addresses:
-                if same_address(address, addr):
-                    return RdmaDevice(provider.name, address)
-        else:
-            return RdmaDevice(provider.name, provider.address)
-    return None
-
-
-def _names_port(name: str, provider: Any) -> bool:
-    # as open_ia reads the name: "rxe0", "rxe0:1" and "RO_AWARE_rxe0" all open port 1 of rxe0
-    from aiodat.ia import _parse_name
+    from aiodat import ProviderNotFound
 
     try:
-        device, port, _ = _parse_name(name)
-    except Exception:  # (not an IA name: it names no port)
-        return False
-    return bool(device == provider.device and port == provider.port)
+        return _lookup()
+    except ProviderNotFound:
+        return None
+
+
+def _lookup() -> Optional[RdmaDevice]:
+    # ProviderNotFound (naming the variable and the ports there are) when the environment names no port
+    from aiodat.ia import environment_port
+
+    found = environment_port()
+    return None if found is None else RdmaDevice(found.name, found.address, found.netdev)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -255,6 +239,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 _device_cache: Dict[str, Optional[RdmaDevice]] = {}
+_device_cache_why: Dict[str, str] = {}  # why _device_cache holds None when the environment named a device
 
 
 def _device_or_skip(config: Optional[pytest.Config] = None) -> RdmaDevice:
@@ -262,17 +247,18 @@ def _device_or_skip(config: Optional[pytest.Config] = None) -> RdmaDevice:
     required = (config.stash[_SETTINGS] if config is not None else _settings_from_env(None)).require_device
     if "d" not in _device_cache:
         try:
-            _device_cache["d"] = find_device()
+            _device_cache["d"] = _lookup()
         except ImportError as exc:
             pytest.fail(str(exc)) if required else pytest.skip(str(exc))
+        except LookupError as exc:  # aiodat.ProviderNotFound: the environment names no port here
+            _device_cache["d"], _device_cache_why["d"] = None, str(exc)
     device = _device_cache["d"]
     if device is None:
-        named = " ".join(f"{var}={os.environ[var]}" for var in ("AIODAT_RXE_DEVICE", "AIODAT_RXE_ADDR")
-                         if os.environ.get(var))
+        why = _device_cache_why.get("d")  # (which names the variable, its value and the ports there are)
         if required:
             pytest.fail(f"AIODAT_REQUIRE_DEVICE={required} but no RDMA device is up"
-                        + (f": no active port matches {named}" if named else " (did rxe fail to come up?)"))
-        pytest.skip(f"no active RDMA port matches {named}; {HOW_TO_RUN}" if named else HOW_TO_RUN)
+                        + (f": {why}" if why else " (did rxe fail to come up?)"))
+        pytest.skip(f"{why}; {HOW_TO_RUN}" if why else HOW_TO_RUN)
     return device
 
 
