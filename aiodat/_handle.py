@@ -99,7 +99,7 @@ class Raw:
     Nothing is destroyed in a forked child.
     """
 
-    __slots__ = ("ptr", "what", "_destroy", "_deps", "_generation", "_users", "__weakref__")
+    __slots__ = ("ptr", "what", "_destroy", "_deps", "_generation", "_users", "then", "__weakref__")
 
     def __init__(self, ptr: Any, destroy: Callable[[Any], int], what: str, *deps: Any) -> None:
         self.ptr = ptr
@@ -109,6 +109,9 @@ class Raw:
         self._generation = _generation
         #: how many live Raw holders depend on this one (hold it in their deps)
         self._users = 0
+        #: called once the object is gone (destroyed now or by a later retry, or left to the parent
+        #: in a forked child): what the device held through it is released then, not before
+        self.then: Optional[Callable[[], None]] = None
         for dep in deps:
             if isinstance(dep, Raw):
                 dep._users += 1
@@ -130,9 +133,12 @@ class Raw:
     def _forget(self) -> None:
         """Mark the object gone and let go of what it depended on (which may release them in turn)."""
         deps, self.ptr, self._deps = self._deps, ffi.NULL, ()
+        then, self.then = self.then, None
         for dep in deps:
             if isinstance(dep, Raw):
                 dep._users -= 1
+        if then is not None:
+            then()
 
     def release(self) -> int:
         """Destroy the object (once); return the destroy call's result (0 or an errno).

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -152,6 +153,9 @@ class SRQ(Handle):
             pz._children.pop(self, None)
             raise error_from_errno(err, f"creating an SRQ of {max_recv_dtos} x {max_recv_iov} (ibv_create_srq)")
         self._raw = Raw(srq, lib.ibv_destroy_srq, "SRQ", pz._raw)
+        # the receives still posted hold their LMRs until the device lets go of them: when the SRQ is
+        # destroyed, by free() or by a retry after a destruction that failed (see _release)
+        self._raw.then = functools.partial(_release_posted, self._posted)
         self._srq = srq  # (set once its Raw is: _release frees what is set)
         try:  # a failure from here closes the SRQ: what was made is freed, and the PZ lets go of it
             self._srq_address = int(ffi.cast("uintptr_t", srq))  # for the batch post in C (_posts)
@@ -485,19 +489,28 @@ class SRQ(Handle):
         self._fail_waiters(InvalidHandle("the SRQ was freed while a task waited for its low watermark"))
         if self._srq != ffi.NULL:
             self._ia._srq_owner.pop(self._srq_address, None)
-            err = self._raw.release()
+            err = self._raw.release()  # (gone: its Raw's ``then`` has released the buffers still posted)
             self._srq, self._srq_address = ffi.NULL, 0
             if err:
+                # The device still has the SRQ and the receives posted on it (its Raw keeps it and
+                # destroys it on a later retry), so their LMRs stay counted in flight, lmr.free()
+                # refused, as for any request the device holds, until that retry releases them (they
+                # used to stay counted for good: the SRQ is closed, and nothing else released them).
                 raise error_from_errno(err, "destroying the SRQ (ibv_destroy_srq)")
-        for _, segs in self._posted.values():
-            for seg in segs:
-                seg.lmr._inflight -= 1
-        self._posted.clear()
+        _release_posted(self._posted)  # (a half-made SRQ posted nothing; idempotent after its Raw's)
 
     def __repr__(self) -> str:
         if self._closed:
             return "<aiodat.SRQ closed>"
         return f"<aiodat.SRQ max_recv_dtos={self._max_wr} posted={len(self._posted)} eps={len(self._eps)}>"
+
+
+def _release_posted(posted: Dict[int, Tuple[Any, Tuple[Segment, ...]]]) -> None:
+    """The SRQ is gone: its posted buffers are the device's no more (their LMRs can be freed)."""
+    for _, segs in posted.values():
+        for seg in segs:
+            seg.lmr._inflight -= 1
+    posted.clear()
 
 
 def _expire(fut: "asyncio.Future[None]", timeout: float) -> None:

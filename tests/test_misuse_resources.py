@@ -570,6 +570,38 @@ def test_an_object_a_failed_destruction_still_needs_is_kept() -> None:
             raw.ptr, raw._deps = ffi.NULL, ()
 
 
+def test_what_a_failed_destruction_holds_is_released_when_the_object_goes() -> None:
+    """A Raw's ``then`` (an SRQ's: release the LMR counts of the receives still posted on it) runs
+    once the object is really destroyed: not when its destruction fails (the device still holds it
+    and what was posted on it), but by the retry that destroys it, and only once."""
+    import errno
+
+    import aiodat._handle as handle
+    from aiodat._handle import Raw
+    from aiodat._lib import ffi
+
+    released: List[str] = []
+    busy = [True]
+    srq = Raw(ffi.new("int *"), lambda _: errno.EBUSY if busy[0] else 0, "srq")
+    srq.then = lambda: released.append("counts")
+    try:
+        assert srq.release() == errno.EBUSY and srq in handle._deferred
+        assert released == []  # the device still holds the buffers
+        gc.collect()  # a retry that fails again releases nothing either
+        assert released == [] and srq in handle._deferred
+        busy[0] = False
+        gc.collect()  # the retry that destroys it releases them
+        assert released == ["counts"] and srq not in handle._deferred and srq.ptr == ffi.NULL
+        assert srq.release() == 0 and released == ["counts"]
+        plain = Raw(ffi.new("int *"), lambda _: 0, "srq")
+        plain.then = lambda: released.append("at once")
+        assert plain.release() == 0 and released == ["counts", "at once"]  # destroyed at once: released at once
+    finally:
+        if srq in handle._deferred:
+            handle._deferred.remove(srq)
+        srq.ptr, srq._deps, srq.then = ffi.NULL, (), None
+
+
 @pytest.mark.rxe
 async def test_imm_data_no_repr_can_show_is_invalid_parameter_on_every_post(ia: Any, loop_errors: List[dict]) -> None:
     """post_send and post_rdma_write with an imm_data too long for repr() raise InvalidParameter naming it

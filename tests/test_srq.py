@@ -424,3 +424,63 @@ async def test_arming_again_forgets_an_event_still_unread_on_the_async_fd(ia: An
     assert (await client.request_evd.wait_one(timeout=T)).ok
     assert (await server.recv_evd.wait_one(timeout=T)).ok
     srq.set_lw(None)
+
+
+async def test_a_failed_destroy_keeps_the_buffers_counted_until_the_srq_goes(ia: Any) -> None:
+    """ibv_destroy_srq failing for real (EBUSY: the kernel still has a QP on the SRQ, made here with
+    verbs directly, which aiodat does not know of): the SRQ's handle is closed and the error raised;
+    the receives still posted are the device's, so their LMR stays counted (lmr.free() refused).
+    Once that QP is gone, the next destruction of anything retries the SRQ's, and that releases the
+    count: the LMR can be freed.  It used to stay counted for good (nothing could release it)."""
+    from aiodat._lib import ffi, lib
+
+    pz = ia.create_pz()
+    srq = ia.create_srq(pz, 16)
+    lmr = pz.register(bytearray(1024))
+    srq.post_recv(lmr[0:64], cookie="one")  # (a single post: Python's records)
+    srq.post_recv_batch([(lmr[64 * i:64 * i + 64], i) for i in range(1, 5)])  # (a batch: C's records)
+    assert lmr._inflight == 5
+    evd = ia.create_evd(8)
+    init = ffi.new("struct ibv_qp_init_attr *")
+    init.send_cq = init.recv_cq = evd._cq
+    init.srq = srq._srq
+    init.qp_type = lib.IBV_QPT_RC
+    init.cap.max_send_wr, init.cap.max_send_sge = 1, 1
+    qp = lib.ibv_create_qp(pz._pd, init)
+    assert qp != ffi.NULL, ffi.errno
+    try:
+        with pytest.raises(aiodat.DATError, match="ibv_destroy_srq") as caught:
+            srq.free()
+        assert caught.value.errno == 16  # EBUSY, from the kernel
+        assert srq.closed
+        with pytest.raises(aiodat.InvalidState, match="5 posted request"):
+            lmr.free()  # the device still holds the SRQ and its five receives
+    finally:
+        assert lib.ibv_destroy_qp(qp) == 0
+    ia.create_pz().free()  # a destruction that works retries the ones that failed: the SRQ's goes now
+    assert lmr._inflight == 0
+    lmr.free()
+    pz.free()  # (nothing is left in it: the SRQ's PD reference went with the SRQ)
+    evd.free()
+
+
+async def test_an_srq_dropped_with_buffers_posted_releases_them(ia: Any) -> None:
+    """An SRQ dropped without close() goes with its Raw holder, and so do the receives posted on it:
+    their LMR can be freed then (it stayed counted for good, as lmr.free() refused for ever)."""
+    import gc
+    import warnings
+
+    pz = ia.create_pz()
+    lmr = pz.register(bytearray(256))
+    srq = ia.create_srq(pz, 8)
+    srq.post_recv(lmr[0:64])
+    srq.post_recv_batch([(lmr[64:128], 1), (lmr[128:192], 2)])
+    with pytest.raises(aiodat.InvalidState, match="3 posted request"):
+        lmr.free()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # (unclosed SRQ: meant here)
+        del srq
+        gc.collect()
+    assert lmr._inflight == 0
+    lmr.free()
+    pz.free()
