@@ -1,11 +1,13 @@
 """Posting work requests (dat_ep_post_*): the DAT completion flags, the verbs opcode and flag tables.
 
 Every post goes through the C shim, one crossing per call (or per batch with
-``post_*_batch``); the request is then remembered by the tracking of wr.py.
+``post_*_batch``); the request is remembered by the tracking of wr.py, every
+record made before the post (:meth:`Posting._record`), so that a MemoryError
+posts nothing and a request the device holds is always counted and found again.
 The hot paths (one segment, default flags; and a batch whose items all share
 one segment) are C (aiodat/_shim/posts.c): they check the same things as the
-general paths and record the same, and leave anything else, and every error
-message, to the general paths.
+general paths and record the same, the same way, and leave anything else, and
+every error message, to the general paths.
 
 :class:`Posting` is a mixin of :class:`aiodat.EP`: it owns the scratch request
 and scatter/gather arrays set by :meth:`Posting._init_posting` and reads the
@@ -18,7 +20,7 @@ import enum
 import functools
 import itertools
 from itertools import repeat
-from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from aiodat._lib import ffi, lib
 from aiodat._shim import _posts
@@ -45,6 +47,43 @@ def check_imm_data(imm_data: Optional[int]) -> None:
     """InvalidParameter unless ``imm_data`` is None or a 32-bit unsigned int (a send's immediate data)."""
     if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
         raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {shown(imm_data)}")
+
+
+def _lmr_counts(column: Iterable[Tuple[Segment, ...]], times: int = 1) -> Dict[Any, int]:
+    """How many times each LMR is used by the requests of ``column`` (a segment, a use), ``times`` over."""
+    counts: Dict[Any, int] = {}
+    for segs in column:
+        for seg in segs:
+            counts[seg.lmr] = counts.get(seg.lmr, 0) + times
+    return counts
+
+
+def _count(counts: Dict[Any, int]) -> None:
+    """Add ``counts`` to their LMRs' in-flight counts, before the post: a request the device holds
+    must be counted, else lmr.free() could take its buffer.  An error (MemoryError: the new int):
+    none added."""
+    done = None  # the last LMR counted (tracked by identity: no int to allocate)
+    try:
+        for lmr, n in counts.items():
+            lmr._inflight += n
+            done = lmr
+    except BaseException:
+        if done is not None:
+            _uncount(counts, done)
+        raise
+
+
+def _uncount(counts: Dict[Any, int], through: Any = None) -> None:
+    """Take ``counts`` back from their LMRs (those up to ``through``; all by default): their requests
+    did not go.  A count that cannot go down (its int's allocation failed) stays high: that refuses
+    a free and loses nothing."""
+    try:
+        for lmr, n in counts.items():
+            lmr._inflight -= n
+            if lmr is through:
+                return
+    except MemoryError:
+        pass
 
 
 class CompletionFlags(enum.IntFlag):
@@ -174,15 +213,14 @@ class Posting(WorkRequests):
             raise InvalidState(f"cannot post a receive on an EP in state {self._conn.state.value}")
         wr_id = next(self._ids) * 2 + 1
         fill_sges(self._sges, 0, segs)
-        ids, starts, counts = self._recv_wr  # made once per EP: no allocation per post
-        ids[0], counts[0] = wr_id, len(segs)
-        err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, 1, self._sges, self._posted)
+        ids, starts, nums = self._recv_wr  # made once per EP: no allocation per post
+        ids[0], nums[0] = wr_id, len(segs)
+        uses, quiet_id = _lmr_counts((segs,)), wr_id if flags & CompletionFlags.UNSIGNALLED else None
+        qp, mark = self._record(self._recv_q, ((wr_id, cookie, segs),), uses, quiet_id)
+        err = lib.aiodat_post_recv(qp, ffi.NULL, ids, starts, nums, 1, self._sges, self._posted)
         if err:
+            self._unrecord(self._recv_q, mark, uses, quiet_id)
             raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
-        self._recv_q.append((wr_id, cookie, segs))
-        self._track(segs, 1)
-        if flags & CompletionFlags.UNSIGNALLED:
-            self._quiet.add(wr_id)
 
     def post_recv_batch(self, items: Iterable[Tuple[Segments, Any]]) -> int:
         """Post many receives in one crossing into C; ``items`` are (segments, cookie) pairs.
@@ -212,14 +250,14 @@ class Posting(WorkRequests):
             sges = ffi.new("struct aiodat_sge[]", max(1, len(first)))
             fill_sges(sges, 0, first)
             first_id = self._take_ids(n) * 2 + 1
-            err = lib.aiodat_post_recv_same(self._qp, ffi.NULL, first_id, 2, n, sges, len(first), self._posted)
+            entries = list(zip(range(first_id, first_id + 2 * n, 2), cookies, repeat(first)))
+            qp, mark = self._record(self._recv_q, entries, _lmr_counts((first,), n))
+            err = lib.aiodat_post_recv_same(qp, ffi.NULL, first_id, 2, n, sges, len(first), self._posted)
+            if not err:
+                return n
             posted = self._posted[0]
-            self._recv_q.extend(zip(range(first_id, first_id + 2 * posted, 2), cookies, repeat(first)))
-            for seg in first:
-                seg.lmr._inflight += posted
-            if err:
-                raise self._refused_batch((posted, n, err), "post_recv_batch", True)
-            return posted
+            self._unposted(self._recv_q, mark, entries, posted, (first,), n - posted)
+            raise self._refused_batch((posted, n, err), "post_recv_batch", True)
         id_gen = self._ids
         wr_ids = [next(id_gen) * 2 + 1 for _ in range(n)]
         sges = ffi.new("struct aiodat_sge[]", max(1, sum(map(len, segs_column))))
@@ -231,15 +269,14 @@ class Posting(WorkRequests):
         starts = ffi.new("int[]", start_list)
         counts = ffi.new("int[]", [len(segs) for segs in segs_column])
         ids = ffi.new("uint64_t[]", wr_ids)
-        err = lib.aiodat_post_recv(self._qp, ffi.NULL, ids, starts, counts, n, sges, self._posted)
+        entries = list(zip(wr_ids, cookies, segs_column))
+        qp, mark = self._record(self._recv_q, entries, _lmr_counts(segs_column))
+        err = lib.aiodat_post_recv(qp, ffi.NULL, ids, starts, counts, n, sges, self._posted)
+        if not err:
+            return n
         posted = self._posted[0]
-        self._recv_q.extend(zip(wr_ids[:posted], cookies, segs_column))
-        for segs in segs_column[:posted]:
-            for seg in segs:
-                seg.lmr._inflight += 1
-        if err:
-            raise self._refused_batch((posted, n, err), "post_recv_batch", True)
-        return posted
+        self._unposted(self._recv_q, mark, entries, posted, segs_column[posted:])
+        raise self._refused_batch((posted, n, err), "post_recv_batch", True)
 
     def _checked(self, inputs: Sequence[Segments], limit: int,
                  what: str, writes: bool = False) -> Tuple[List[Tuple[Segment, ...]], bool]:
@@ -271,6 +308,54 @@ class Posting(WorkRequests):
         if err == 12:  # ENOMEM from a full work queue
             return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding)")
         return error_from_errno(err, what)
+
+    # -- the records of a post, all made before it, as posts.c makes them --------------
+    # A request the device holds must be counted on its LMRs (else lmr.free() could take its
+    # buffer) and have its queue entry (else its completion is matched to another request).
+    # Made before the post, a record that fails (MemoryError) stops it with nothing posted; what
+    # the device did not take is taken back with calls that allocate nothing.
+    def _record(self, q: Deque[Any], entries: Sequence[Any], uses: Dict[Any, int],
+                quiet_id: Optional[int] = None) -> Tuple[Any, Any]:
+        """Before a post: count ``uses`` on their LMRs, put ``entries`` on the queue ``q``, and mark
+        ``quiet_id`` UNSIGNALLED.  Returns the QP to post to and the mark for :meth:`_unrecord`
+        (the queue's newest entry before these).  An error: nothing recorded."""
+        qp, mark = self._qp, (q[-1] if q else None)
+        _count(uses)
+        try:
+            q.extend(entries)
+            if quiet_id is not None:
+                self._quiet.add(quiet_id)
+            if self._qp is not qp:  # an allocation above ran a finalizer that closed or reset the EP
+                self._check()
+                raise InvalidState("cannot post: the EP was reset meanwhile")
+        except BaseException:
+            self._unrecord(q, mark, uses, quiet_id)
+            raise
+        return qp, mark
+
+    def _unrecord(self, q: Deque[Any], mark: Any, uses: Dict[Any, int], quiet_id: Optional[int] = None) -> None:
+        """Take back what :meth:`_record` made: the requests did not go.  A deque's pop and a set's
+        discard allocate nothing (an LMR count: see _uncount)."""
+        if quiet_id is not None:
+            self._quiet.discard(quiet_id)
+        while q and q[-1] is not mark:
+            q.pop()
+        _uncount(uses)
+
+    def _unposted(self, q: Deque[Any], mark: Any, entries: Sequence[Any], posted: int,
+                  column: Sequence[Tuple[Segment, ...]], times: int = 1) -> None:
+        """A batch recorded by :meth:`_record` of which the queue took only ``posted``: take back the
+        entries of the others, and their uses (``column`` their segments, ``times`` over).  If that
+        needs memory it cannot have, the others stay recorded and counted: the safe side (they are
+        retired with the next completion)."""
+        try:
+            last = entries[posted - 1] if posted else mark
+            uses = _lmr_counts(column, times)
+        except MemoryError:
+            return
+        while q and q[-1] is not last:
+            q.pop()
+        _uncount(uses)
 
     def _batch_in_c(self, opcode: int, op: DTOOp, items: Any, flags: Any, last_flags: Any) -> Optional[int]:
         """A send-side batch whose items (a list or tuple) are each on one segment, the very same one
@@ -328,13 +413,12 @@ class Posting(WorkRequests):
         else:
             wr.mw, wr.mw_rkey, wr.bind_mr = ffi.NULL, 0, ffi.NULL
         fill_sges(self._sges, 0, segs)
-        err = lib.aiodat_post_send(self._qp, wr, 1, self._sges, self._posted)
+        uses, quiet_id = _lmr_counts((segs,)), wr_id if quiet else None
+        qp, mark = self._record(self._send_q, ((wr_id, cookie, op, segs, target),), uses, quiet_id)
+        err = lib.aiodat_post_send(qp, wr, 1, self._sges, self._posted)
         if err:
+            self._unrecord(self._send_q, mark, uses, quiet_id)
             raise self._post_error(err, f"post {op.value}", self._sends_outstanding(), self.attrs.max_request_dtos)
-        self._send_q.append((wr_id, cookie, op, segs, target))
-        self._track(segs, 1)
-        if quiet:
-            self._quiet.add(wr_id)
 
     def post_send(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT, *, imm_data: Optional[int] = None) -> None:
@@ -549,9 +633,10 @@ class Posting(WorkRequests):
         (send_flags, quiet), (last_send_flags, last_quiet) = bits
         entries = []
         start = 0
+        first = self._take_ids(n) * 2
         for i, (segs, cookie) in enumerate(zip(segs_column, cookies)):
             wr = wrs[i]
-            wr_id = next(self._ids) * 2
+            wr_id = first + 2 * i
             wr.wr_id, wr.opcode = wr_id, opcode
             wr.send_flags = (send_flags if i + 1 < n else last_send_flags) | self._inline_bit(opcode, segs)
             wr.sge_start, wr.num_sge = start, len(segs)
@@ -560,16 +645,16 @@ class Posting(WorkRequests):
             fill_sges(sges, start, segs)
             start += len(segs)
             entries.append((wr_id, cookie, op, segs, None))
-        err = lib.aiodat_post_send(self._qp, wrs, n, sges, self._posted)
-        posted = self._posted[0]
-        for i, entry in enumerate(entries[:posted]):
-            self._send_q.append(entry)
-            self._track(entry[3], 1)
-            if quiet if i + 1 < n else last_quiet:
-                self._quiet.add(entry[0])
+        qp, mark = self._record(self._send_q, entries, _lmr_counts(segs_column))
+        err = lib.aiodat_post_send(qp, wrs, n, sges, self._posted)
+        posted = n if not err else self._posted[0]
+        if err:
+            self._unposted(self._send_q, mark, entries, posted, segs_column[posted:])
+        if quiet or last_quiet:
+            self._mark_quiet(first, posted, n, quiet, last_quiet)
         if err:
             raise self._refused_batch((posted, n, err), f"post {op.value} batch")
-        return posted
+        return n
 
     def _post_same(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookies: Sequence[Any],
                    bits: Tuple[Tuple[int, bool], Tuple[int, bool]], remote: Optional["RemoteRegion"]) -> int:
@@ -589,23 +674,55 @@ class Posting(WorkRequests):
         if remote is not None:
             wr.remote_addr, wr.rkey = remote.address, remote.rmr_context
         first = self._take_ids(n) * 2
-        err = lib.aiodat_post_send_same(self._qp, wr, last_send_flags, sges, first, 2, n, self._posted)
-        posted = self._posted[0]
-        wr_ids = range(first, first + 2 * posted, 2)
-        if posted > 1 and not send_flags & SEND_SIGNALED:
-            cookies = cookies if type(cookies) is tuple and posted == n else tuple(cookies[:posted])
-            self._send_q.append((first, cookies, op, segs, SendRun(first, wr_ids[-1])))
+        q = self._send_q
+        as_run = not send_flags & SEND_SIGNALED  # all but the last suppressed: one entry, a run
+        if as_run:
+            cookies = cookies if type(cookies) is tuple else tuple(cookies)
+            entries: Sequence[Any] = ((first, cookies, op, segs, SendRun(first, first + 2 * (n - 1))),)
         else:
-            self._send_q.extend(zip(wr_ids, cookies, repeat(op), repeat(segs), repeat(None)))
-        for seg in segs:
-            seg.lmr._inflight += posted
-        if quiet:
-            self._quiet.update(wr_ids[:n - 1])
-        if last_quiet and posted == n:
-            self._quiet.add(wr_ids[-1])
+            entries = list(zip(range(first, first + 2 * n, 2), cookies, repeat(op), repeat(segs), repeat(None)))
+        qp, mark = self._record(q, entries, _lmr_counts((segs,), n))
+        err = lib.aiodat_post_send_same(qp, wr, last_send_flags, sges, first, 2, n, self._posted)
+        posted = n if not err else self._posted[0]
+        if err and as_run and posted:  # the run's entry is swapped for one of what went
+            self._shorten_run(entries[0], posted, n)
+        elif err:
+            self._unposted(q, mark, entries, 0 if as_run else posted, (segs,), n - posted)
+        if quiet or last_quiet:
+            self._mark_quiet(first, posted, n, quiet, last_quiet)
         if err:
             raise self._refused_batch((posted, n, err), f"post {op.value} batch")
-        return posted
+        return n
+
+    def _shorten_run(self, run_entry: Tuple[Any, ...], posted: int, n: int) -> None:
+        """A run of which the queue took only ``posted`` (at least 1) of ``n``: its entry is swapped
+        for one of what went (a deque's item assignment allocates nothing), the others' counts are
+        taken back.  If that entry cannot be made (memory), the run stays whole and counted whole:
+        that refuses a free and loses nothing (its requests are retired with the next completion)."""
+        first, cookies, op, segs, _ = run_entry
+        q = self._send_q
+        try:
+            went = ((first, cookies[:posted], op, segs, SendRun(first, first + 2 * (posted - 1))) if posted > 1
+                    else (first, cookies[0], op, segs, None))
+            uses = _lmr_counts((segs,), n - posted)
+        except MemoryError:
+            return
+        if q and q[-1] is run_entry:
+            q[-1] = went
+            _uncount(uses)
+
+    def _mark_quiet(self, first: int, posted: int, n: int, quiet: bool, last_quiet: bool) -> None:
+        """The UNSIGNALLED marks of a send batch (wr_ids ``first``, ``first + 2``, ...) of which
+        ``posted`` of ``n`` went: made after its post, as posts.c's mark_batch_quiet; the batch
+        went, so a mark that cannot be made (memory) is dropped: it only makes that request's
+        event notify."""
+        try:
+            if quiet:
+                self._quiet.update(range(first, first + 2 * min(posted, n - 1), 2))
+            if last_quiet and posted == n:
+                self._quiet.add(first + 2 * (n - 1))
+        except MemoryError:
+            pass
 
     # -- memory windows (called by memory.py) --------------------------------------
     def _bind_window(self, rmr: Any, op: DTOOp, bind: Tuple[Any, int, Any, int, int, int], cookie: Any) -> None:
@@ -614,8 +731,16 @@ class Posting(WorkRequests):
         ``bind`` is (mw, rkey, mr, address, length, access) as struct aiodat_send_wr takes it.
         """
         opcode = WR_BIND_MW if op is DTOOp.BIND else WR_LOCAL_INV
-        self._post_one(op, opcode, (), cookie, CompletionFlags.DEFAULT, target=rmr, bind=bind)
+        # known before the post, as its other records: a QP destroyed with a window bound through it
+        # waits for it (rxe: 50 s), unless _drop_windows finds it here
+        known = rmr in self._windows
         self._windows.add(rmr)
+        try:
+            self._post_one(op, opcode, (), cookie, CompletionFlags.DEFAULT, target=rmr, bind=bind)
+        except BaseException:
+            if not known:
+                self._windows.discard(rmr)
+            raise
 
     def _forget_window(self, rmr: Any) -> None:
         """memory.py: ``rmr`` is no longer bound through this QP."""
@@ -630,9 +755,14 @@ class Posting(WorkRequests):
         address for it (IBA C9-88), so the peer sees nothing.  Raises QueueFull when the
         send queue has no room for it."""
         marker = DrainMarker(callback)
-        self._post_one(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, (), None, CompletionFlags.DEFAULT, target=marker,
-                       internal=True)
+        # awaited before the post, as the request's records are made (undone by release())
         marker.evd = evd = self.request_evd
         evd._awaited += 1  # polled even if the EVD is full, as for an awaited bind (docs/events.md)
-        evd._rearm_fully()  # ... and announced by the channel even after a solicited wait
+        try:
+            evd._rearm_fully()  # ... and announced by the channel even after a solicited wait
+            self._post_one(DTOOp.RDMA_WRITE, WR_RDMA_WRITE, (), None, CompletionFlags.DEFAULT, target=marker,
+                           internal=True)
+        except BaseException:
+            marker.release()
+            raise
         return marker
