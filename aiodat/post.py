@@ -82,7 +82,7 @@ def _uncount(counts: Dict[Any, int], through: Any = None) -> None:
             lmr._inflight -= n
             if lmr is through:
                 return
-    except MemoryError:
+    except Exception:  # (MemoryError; or CPython's SystemError for a frame it could not allocate)
         pass
 
 
@@ -144,6 +144,8 @@ def _flag_bits(name: str, value: Any) -> Tuple[int, bool]:
 
 # the hot paths compare by identity with these
 _NO_FLAGS = CompletionFlags.DEFAULT
+_UNSIGNALLED = CompletionFlags.UNSIGNALLED
+_NULL = ffi.NULL
 # the hot paths of post_recv and post_send, and of a batch on one segment, in C (_shim/posts.c), with
 # what they compare and record
 _posts.configure(Segment, CompletionFlags, _SEND_BITS, DTOOp.SEND, EPState.CONNECTED, EPState.DISCONNECTED,
@@ -215,11 +217,11 @@ class Posting(WorkRequests):
         fill_sges(self._sges, 0, segs)
         ids, starts, nums = self._recv_wr  # made once per EP: no allocation per post
         ids[0], nums[0] = wr_id, len(segs)
-        uses, quiet_id = _lmr_counts((segs,)), wr_id if flags & CompletionFlags.UNSIGNALLED else None
-        qp, mark = self._record(self._recv_q, ((wr_id, cookie, segs),), uses, quiet_id)
-        err = lib.aiodat_post_recv(qp, ffi.NULL, ids, starts, nums, 1, self._sges, self._posted)
+        uses, quiet_id, entries = _lmr_counts((segs,)), wr_id if flags & _UNSIGNALLED else None, ((wr_id, cookie, segs),)
+        err = self._post_recorded(self._recv_q, entries, uses, lib.aiodat_post_recv,
+                                  (self._qp, _NULL, ids, starts, nums, 1, self._sges, self._posted), quiet_id)
         if err:
-            self._unrecord(self._recv_q, mark, uses, quiet_id)
+            self._take_back(self._recv_q, entries, 0, uses, quiet_id)
             raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
 
     def post_recv_batch(self, items: Iterable[Tuple[Segments, Any]]) -> int:
@@ -251,12 +253,12 @@ class Posting(WorkRequests):
             fill_sges(sges, 0, first)
             first_id = self._take_ids(n) * 2 + 1
             entries = list(zip(range(first_id, first_id + 2 * n, 2), cookies, repeat(first)))
-            qp, mark = self._record(self._recv_q, entries, _lmr_counts((first,), n))
-            err = lib.aiodat_post_recv_same(qp, ffi.NULL, first_id, 2, n, sges, len(first), self._posted)
+            err = self._post_recorded(self._recv_q, entries, _lmr_counts((first,), n), lib.aiodat_post_recv_same,
+                                      (self._qp, _NULL, first_id, 2, n, sges, len(first), self._posted))
             if not err:
                 return n
             posted = self._posted[0]
-            self._unposted(self._recv_q, mark, entries, posted, (first,), n - posted)
+            self._take_back(self._recv_q, entries, posted, _lmr_counts((first,), n - posted))
             raise self._refused_batch((posted, n, err), "post_recv_batch", True)
         id_gen = self._ids
         wr_ids = [next(id_gen) * 2 + 1 for _ in range(n)]
@@ -270,12 +272,12 @@ class Posting(WorkRequests):
         counts = ffi.new("int[]", [len(segs) for segs in segs_column])
         ids = ffi.new("uint64_t[]", wr_ids)
         entries = list(zip(wr_ids, cookies, segs_column))
-        qp, mark = self._record(self._recv_q, entries, _lmr_counts(segs_column))
-        err = lib.aiodat_post_recv(qp, ffi.NULL, ids, starts, counts, n, sges, self._posted)
+        err = self._post_recorded(self._recv_q, entries, _lmr_counts(segs_column), lib.aiodat_post_recv,
+                                  (self._qp, _NULL, ids, starts, counts, n, sges, self._posted))
         if not err:
             return n
         posted = self._posted[0]
-        self._unposted(self._recv_q, mark, entries, posted, segs_column[posted:])
+        self._take_back(self._recv_q, entries, posted, _lmr_counts(segs_column[posted:]))
         raise self._refused_batch((posted, n, err), "post_recv_batch", True)
 
     def _checked(self, inputs: Sequence[Segments], limit: int,
@@ -314,47 +316,49 @@ class Posting(WorkRequests):
     # buffer) and have its queue entry (else its completion is matched to another request).
     # Made before the post, a record that fails (MemoryError) stops it with nothing posted; what
     # the device did not take is taken back with calls that allocate nothing.
-    def _record(self, q: Deque[Any], entries: Sequence[Any], uses: Dict[Any, int],
-                quiet_id: Optional[int] = None) -> Tuple[Any, Any]:
-        """Before a post: count ``uses`` on their LMRs, put ``entries`` on the queue ``q``, and mark
-        ``quiet_id`` UNSIGNALLED.  Returns the QP to post to and the mark for :meth:`_unrecord`
-        (the queue's newest entry before these).  An error: nothing recorded."""
-        qp, mark = self._qp, (q[-1] if q else None)
+    def _post_recorded(self, q: Deque[Any], entries: Sequence[Any], uses: Dict[Any, int], post: Any,
+                       args: Tuple[Any, ...], quiet_id: Optional[int] = None) -> int:
+        """Record requests, then post them: count ``uses`` on their LMRs, put their ``entries`` on
+        the queue ``q``, mark ``quiet_id`` UNSIGNALLED, then ``post(*args)`` (a lib.aiodat_post_*
+        function, with the EP's QP first: all looked up and made before, so that nothing between
+        the records and the post can fail).  Returns the post's errno: 0, every request went;
+        else the caller takes back what did not (:meth:`_take_back`).  An error raised: nothing
+        posted, nothing recorded."""
+        mark = q[-1] if q else None  # (the newest entry before these)
         _count(uses)
         try:
             q.extend(entries)
             if quiet_id is not None:
                 self._quiet.add(quiet_id)
-            if self._qp is not qp:  # an allocation above ran a finalizer that closed or reset the EP
+            if self._qp is not args[0]:  # an allocation above ran a finalizer that closed or reset the EP
                 self._check()
                 raise InvalidState("cannot post: the EP was reset meanwhile")
         except BaseException:
-            self._unrecord(q, mark, uses, quiet_id)
+            if quiet_id is not None:
+                self._quiet.discard(quiet_id)
+            while q and q[-1] is not mark:
+                q.pop()
+            _uncount(uses)
             raise
-        return qp, mark
+        try:
+            return post(*args)  # (the tuple passed as is: nothing to make)
+        except MemoryError:  # the call could not be made: nothing went
+            self._take_back(q, entries, 0, uses, quiet_id)
+            raise
 
-    def _unrecord(self, q: Deque[Any], mark: Any, uses: Dict[Any, int], quiet_id: Optional[int] = None) -> None:
-        """Take back what :meth:`_record` made: the requests did not go.  A deque's pop and a set's
-        discard allocate nothing (an LMR count: see _uncount)."""
+    def _take_back(self, q: Deque[Any], entries: Sequence[Any], posted: int, uses: Dict[Any, int],
+                   quiet_id: Optional[int] = None) -> None:
+        """The device took only the first ``posted`` of the requests :meth:`_post_recorded` recorded:
+        take back the others' entries (the newest of ``q``: a deque's pop allocates nothing), the
+        UNSIGNALLED mark ``quiet_id`` and ``uses`` (their LMR uses).  A queue whose newest entry is
+        not theirs was emptied meanwhile (the EP closed or reset, its records all taken back)."""
+        if not q or q[-1] is not entries[-1]:
+            return
+        first = entries[posted]
+        while q.pop() is not first:
+            pass
         if quiet_id is not None:
             self._quiet.discard(quiet_id)
-        while q and q[-1] is not mark:
-            q.pop()
-        _uncount(uses)
-
-    def _unposted(self, q: Deque[Any], mark: Any, entries: Sequence[Any], posted: int,
-                  column: Sequence[Tuple[Segment, ...]], times: int = 1) -> None:
-        """A batch recorded by :meth:`_record` of which the queue took only ``posted``: take back the
-        entries of the others, and their uses (``column`` their segments, ``times`` over).  If that
-        needs memory it cannot have, the others stay recorded and counted: the safe side (they are
-        retired with the next completion)."""
-        try:
-            last = entries[posted - 1] if posted else mark
-            uses = _lmr_counts(column, times)
-        except MemoryError:
-            return
-        while q and q[-1] is not last:
-            q.pop()
         _uncount(uses)
 
     def _batch_in_c(self, opcode: int, op: DTOOp, items: Any, flags: Any, last_flags: Any) -> Optional[int]:
@@ -413,11 +417,11 @@ class Posting(WorkRequests):
         else:
             wr.mw, wr.mw_rkey, wr.bind_mr = ffi.NULL, 0, ffi.NULL
         fill_sges(self._sges, 0, segs)
-        uses, quiet_id = _lmr_counts((segs,)), wr_id if quiet else None
-        qp, mark = self._record(self._send_q, ((wr_id, cookie, op, segs, target),), uses, quiet_id)
-        err = lib.aiodat_post_send(qp, wr, 1, self._sges, self._posted)
+        uses, quiet_id, entries = _lmr_counts((segs,)), wr_id if quiet else None, ((wr_id, cookie, op, segs, target),)
+        err = self._post_recorded(self._send_q, entries, uses, lib.aiodat_post_send,
+                                  (self._qp, wr, 1, self._sges, self._posted), quiet_id)
         if err:
-            self._unrecord(self._send_q, mark, uses, quiet_id)
+            self._take_back(self._send_q, entries, 0, uses, quiet_id)
             raise self._post_error(err, f"post {op.value}", self._sends_outstanding(), self.attrs.max_request_dtos)
 
     def post_send(self, segments: Segments, cookie: Any = None,
@@ -645,11 +649,11 @@ class Posting(WorkRequests):
             fill_sges(sges, start, segs)
             start += len(segs)
             entries.append((wr_id, cookie, op, segs, None))
-        qp, mark = self._record(self._send_q, entries, _lmr_counts(segs_column))
-        err = lib.aiodat_post_send(qp, wrs, n, sges, self._posted)
+        err = self._post_recorded(self._send_q, entries, _lmr_counts(segs_column), lib.aiodat_post_send,
+                                  (self._qp, wrs, n, sges, self._posted))
         posted = n if not err else self._posted[0]
         if err:
-            self._unposted(self._send_q, mark, entries, posted, segs_column[posted:])
+            self._take_back(self._send_q, entries, posted, _lmr_counts(segs_column[posted:]))
         if quiet or last_quiet:
             self._mark_quiet(first, posted, n, quiet, last_quiet)
         if err:
@@ -681,13 +685,13 @@ class Posting(WorkRequests):
             entries: Sequence[Any] = ((first, cookies, op, segs, SendRun(first, first + 2 * (n - 1))),)
         else:
             entries = list(zip(range(first, first + 2 * n, 2), cookies, repeat(op), repeat(segs), repeat(None)))
-        qp, mark = self._record(q, entries, _lmr_counts((segs,), n))
-        err = lib.aiodat_post_send_same(qp, wr, last_send_flags, sges, first, 2, n, self._posted)
+        err = self._post_recorded(q, entries, _lmr_counts((segs,), n), lib.aiodat_post_send_same,
+                                  (self._qp, wr, last_send_flags, sges, first, 2, n, self._posted))
         posted = n if not err else self._posted[0]
         if err and as_run and posted:  # the run's entry is swapped for one of what went
             self._shorten_run(entries[0], posted, n)
         elif err:
-            self._unposted(q, mark, entries, 0 if as_run else posted, (segs,), n - posted)
+            self._take_back(q, entries, 0 if as_run else posted, _lmr_counts((segs,), n - posted))
         if quiet or last_quiet:
             self._mark_quiet(first, posted, n, quiet, last_quiet)
         if err:
@@ -705,7 +709,7 @@ class Posting(WorkRequests):
             went = ((first, cookies[:posted], op, segs, SendRun(first, first + 2 * (posted - 1))) if posted > 1
                     else (first, cookies[0], op, segs, None))
             uses = _lmr_counts((segs,), n - posted)
-        except MemoryError:
+        except Exception:
             return
         if q and q[-1] is run_entry:
             q[-1] = went
@@ -721,7 +725,7 @@ class Posting(WorkRequests):
                 self._quiet.update(range(first, first + 2 * min(posted, n - 1), 2))
             if last_quiet and posted == n:
                 self._quiet.add(first + 2 * (n - 1))
-        except MemoryError:
+        except Exception:
             pass
 
     # -- memory windows (called by memory.py) --------------------------------------
