@@ -12,6 +12,7 @@ with its own cookie.
 """
 from __future__ import annotations
 
+import traceback
 from typing import Any, List
 
 import pytest
@@ -26,18 +27,24 @@ pytestmark = pytest.mark.rxe
 T = 30.0
 ROUNDS = 40  # more than the allocations of one post
 HIGH = 300  # requests held first, so that the counts are no small ints
+PYTHON_ROUNDS = 1000  # at most, on the Python paths
 
 
 def failing_the_nth_allocation(n: int, call: Any, *args: Any) -> bool:
     """Run ``call(*args)`` with its ``n``-th allocation failing: True if it raised MemoryError."""
+    return raised_at(n, call, *args) is not None
+
+
+def raised_at(n: int, call: Any, *args: Any) -> Any:
+    """The MemoryError ``call(*args)`` raised with its ``n``-th allocation failing, or None."""
     _testcapi.set_nomemory(n, n + 1)
     try:
         call(*args)
-    except MemoryError:
-        return True
+    except (MemoryError, SystemError) as e:  # (CPython 3.11 reports a frame it could not allocate as SystemError)
+        return e
     finally:
         _testcapi.remove_mem_hooks()
-    return False
+    return None
 
 
 def post_one(ep: Any, how: str, seg: Any, cookie: Any) -> None:
@@ -95,3 +102,83 @@ async def send(pair: Any, count: int) -> None:
         batch = min(32, count - sent)
         pair.client.post_send_batch([(src, None) for _ in range(batch)])
         await events_of(pair.client.request_evd, batch)
+
+
+# The general paths, in Python (aiodat/post.py): several segments to a request, immediate data,
+# RDMA and atomics, and the batches C leaves to Python.  Each case posts ``len(cookies)`` requests;
+# ``_two`` gives a fresh list of two segments (a batch of the very same list twice takes one of the
+# same-segments paths, of two lists the path of a request each).  These paths allocate more than
+# C's: the rounds go on until the post has got through a few times.
+def _two(lmr: Any) -> List[Any]:
+    return [lmr[0:32], lmr[32:64]]
+
+
+PYTHON_PATHS = {
+    # on the server (receives)
+    "post_recv two segments": (1, lambda ep, lmr, remote, c: ep.post_recv(_two(lmr), c[0])),
+    "post_recv_batch same segments": (2, lambda ep, lmr, remote, c: ep.post_recv_batch(
+        [(segs, cookie) for segs in [_two(lmr)] for cookie in c])),
+    "post_recv_batch two segments each": (2, lambda ep, lmr, remote, c: ep.post_recv_batch(
+        [(_two(lmr), cookie) for cookie in c])),
+    # on the client (sends, RDMA, atomics)
+    "post_send two segments": (1, lambda ep, lmr, remote, c: ep.post_send(_two(lmr), c[0])),
+    "post_send imm_data": (1, lambda ep, lmr, remote, c: ep.post_send(lmr[0:64], c[0], imm_data=7)),
+    "post_send_batch two segments each": (2, lambda ep, lmr, remote, c: ep.post_send_batch(
+        [(_two(lmr), cookie) for cookie in c])),
+    "post_rdma_write": (1, lambda ep, lmr, remote, c: ep.post_rdma_write(lmr[0:64], remote, c[0])),
+    "post_rdma_read": (1, lambda ep, lmr, remote, c: ep.post_rdma_read(lmr[0:64], remote, c[0])),
+    "post_fetch_add": (1, lambda ep, lmr, remote, c: ep.post_fetch_add(lmr[0:8], remote[0:8], 1, c[0])),
+    "post_rdma_write_batch same segments": (2, lambda ep, lmr, remote, c: ep.post_rdma_write_batch(
+        [(segs, remote, cookie) for segs in [_two(lmr)] for cookie in c])),
+    # (reads take one segment on rxe, max_sge_rd; items from a generator are not C's)
+    "post_rdma_read_batch each": (2, lambda ep, lmr, remote, c: ep.post_rdma_read_batch(
+        (lmr[0:64], remote, cookie) for cookie in c)),
+}
+
+
+@pytest.mark.parametrize("how", list(PYTHON_PATHS))
+async def test_a_python_post_that_runs_out_of_memory_is_counted_and_recorded(ia: Any, how: str) -> None:
+    per_round, post = PYTHON_PATHS[how]
+    depth = HIGH + per_round * 3
+    attrs = aiodat.EPAttr(max_recv_dtos=depth, max_request_dtos=depth, max_recv_iov=2, max_request_iov=2)
+    pair = await make_ep_pair(ia, attrs=attrs)
+    try:
+        sends = not how.startswith("post_recv")
+        ep, lmr = (pair.client, pair.client_lmr) if sends else (pair.server, pair.server_lmr)
+        queue, evd = (ep._send_q, ep.request_evd) if sends else (ep._recv_q, ep.recv_evd)
+        segs_at = 3 if sends else 2  # (the segments' place in a queue entry)
+        remote = pair.server_lmr.remote()[0:64]
+        if sends:  # a receive waits for every send
+            pair.server.post_recv_batch([(pair.server_lmr[0:64], None) for _ in range(depth)])
+        # held first (by C's paths): their completions are not taken until the end, so the count
+        # stays above 256
+        seg = lmr[0:64]
+        getattr(ep, "post_send_batch" if sends else "post_recv_batch")([(seg, ("held", i)) for i in range(HIGH)])
+        failures = successes = n = 0
+        while successes < 3:
+            assert n < PYTHON_ROUNDS, f"the post failed all of {n} rounds"
+            cookies = [("round", n, k) for k in range(per_round)]
+            error = raised_at(n, post, ep, lmr, remote, cookies)
+            failed = error is not None
+            # a post that raised posted nothing (no entry); one that returned is recorded, each request
+            queued = {entry[1] for entry in queue}
+            assert [c in queued for c in cookies] == [not failed] * per_round, \
+                f"round {n}: {''.join(traceback.format_exception(error)) if failed else 'no error'}"
+            # every segment of every request the EP holds an entry for is counted (more is the safe side)
+            uses = sum(len(entry[segs_at]) for entry in queue)
+            assert lmr._inflight >= uses, f"round {n}: {lmr._inflight} < {uses}"
+            failures += failed
+            successes += not failed
+            n += 1
+        assert failures, "no allocation failed: the injection did not reach the post"
+        # every request the device holds is found again when it completes, with its own cookie; a
+        # post that raised yet went would complete too, and take the place of another
+        expected = [entry[1] for entry in queue]
+        if not sends:
+            await send(pair, len(expected))
+        events = await events_of(evd, len(expected))
+        assert [e.cookie for e in events] == expected
+        assert lmr._inflight == 0
+        assert not ep._quiet
+    finally:
+        pair.close()
