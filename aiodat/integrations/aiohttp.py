@@ -34,7 +34,6 @@ checked when the site or connector is made.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any, Dict, List, Optional
 
 try:
@@ -49,7 +48,7 @@ from aiodat.cm import check_port, check_timeout
 from aiodat.errors import DATError, HostNotFound, InvalidParameter
 from aiodat.streams import create_connection, create_server
 from aiodat.streams.pool import check_ia
-from aiodat.streams.protocol import StreamConfig, split_kwds
+from aiodat.streams.protocol import CONFIG_KEYS, split_kwds
 
 __all__ = ["RdmaSite", "RdmaConnector"]
 
@@ -62,7 +61,6 @@ CLOSE_TIMEOUT = 1.0
 # the stream options that are not StreamConfig fields but create_connection/create_server take
 _CONNECT_OPTIONS = ("ia", "connect_timeout")
 _SERVER_OPTIONS = ("ia", "accept_timeout")
-_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(StreamConfig))
 
 
 def _stream_options(options: Dict[str, Any], own: tuple, who: str) -> Dict[str, Any]:
@@ -71,7 +69,7 @@ def _stream_options(options: Dict[str, Any], own: tuple, who: str) -> Dict[str, 
     _, unknown = split_kwds(rest)
     if unknown:
         raise TypeError(f"{who} got unexpected keyword argument(s): {', '.join(sorted(unknown))} "
-                        f"(aiodat stream options are {', '.join(own + _CONFIG_FIELDS)})")
+                        f"(aiodat stream options are {', '.join(own + CONFIG_KEYS)})")
     # (here, not at each request: there aiohttp would report them as a connection error, and retry)
     check_ia(options.get("ia"))
     for name in own:

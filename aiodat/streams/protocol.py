@@ -27,6 +27,7 @@ parsed by :func:`encode_params` / :func:`parse_params`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import socket
 import struct
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ __all__ = [
     "MSG_EOF", "FLAG_RELEASE", "RELEASE_MASK", "FLAG_WRAP", "MAX_WINDOWS", "DEFAULT_LIMIT", "MAX_CONNECTION_MEMORY",
     "StreamConfig",
     "PeerParams", "WindowDesc", "StreamProtocolError", "Header", "Send", "Message", "StreamCore", "encode_params",
-    "parse_params", "encode_header", "decode_header", "split_kwds",
+    "parse_params", "encode_header", "decode_header", "split_kwds", "CONFIG_KEYS",
 ]
 
 #: asyncio's default StreamReader limit
@@ -163,7 +164,8 @@ class StreamConfig:
         return self.recv_depth + self.extra_slots
 
 
-_CONFIG_KEYS = ("buffer_size", "recv_depth", "window_size", "rdma_threshold", "busy_poll_us", "close_timeout")
+#: the keyword arguments that are StreamConfig fields (split_kwds takes them; the integrations name them)
+CONFIG_KEYS = tuple(field.name for field in dataclasses.fields(StreamConfig))
 # keyword arguments of loop.create_connection / create_server that have no meaning here: accepted when
 # left at their "off" value, refused otherwise
 _IGNORABLE = {"ssl": (None, False), "sock": (None,), "local_addr": (None,), "server_hostname": (None,),
@@ -179,7 +181,7 @@ def split_kwds(kwds: Dict[str, Any]) -> Tuple[StreamConfig, Dict[str, Any]]:
     Returns the validated config and what is left (unknown keywords, for the caller's TypeError).
     """
     kwds = dict(kwds)
-    cfg = {k: kwds.pop(k) for k in _CONFIG_KEYS if k in kwds}
+    cfg = {k: kwds.pop(k) for k in CONFIG_KEYS if k in kwds}
     for name, value in list(kwds.items()):
         if name in _IGNORABLE:
             if value not in _IGNORABLE[name]:
