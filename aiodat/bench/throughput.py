@@ -92,8 +92,9 @@ class BandwidthReport:
         if res is not None:
             label = f"{tool} -R"
             if res.ok:
-                # a figure perftest did not print (or printed as inf) is n/a, as in every other
-                # report's table, never 0: a 0 read as a measured figure, and no ratio is taken to it
+                # a figure perftest did not print (or printed as inf) is n/a, as a missing figure is
+                # in every other report's table, never 0: a 0 read as a measured figure (no ratio is
+                # taken to it)
                 lines.append(f"  {label:<36}{_figure(res.value('BW_average[MB/sec]'), 10, 2)}"
                              f"{_figure(res.value('MsgRate[Mpps]'), 10, 4)}")
             else:
