@@ -13,6 +13,7 @@ with its own cookie.
 from __future__ import annotations
 
 import asyncio
+import collections
 import traceback
 from typing import Any, List
 
@@ -192,5 +193,102 @@ async def test_a_python_post_that_runs_out_of_memory_is_counted_and_recorded(ia:
         assert evd.dequeue() is None and not no_entry, f"completions of no request: {no_entry}"
         assert lmr._inflight == 0
         assert not ep._quiet
+    finally:
+        pair.close()
+
+
+# A batch whose queue entries a deque's extend adds part way (posts.c's prepare_batch): a deque
+# allocates a block every 64 entries, so a batch of 8 begun 3 short of a block's end fails at its
+# 4th entry when that allocation does.  The entries added must be taken back with the counts, else
+# their later retirement lowers the LMR's count a second time (short: lmr.free() could release a
+# buffer the device uses).  sys.getsizeof(deque) counts its blocks: it tells where one begins.
+BATCH = 8
+
+
+def _to_block_end(ep: Any, sends: bool, seg: Any, short: int) -> None:
+    """Post single requests (unhindered) until the EP's queue is ``short`` entries from a block's end."""
+    import sys
+
+    queue = ep._send_q if sends else ep._recv_q
+    post = ep.post_send if sends else ep.post_recv
+    size = sys.getsizeof(queue)
+    while sys.getsizeof(queue) == size:  # (the first entry of a new block)
+        post(seg, ("pad", len(queue)))
+    for _ in range(64 - 1 - short):
+        post(seg, ("pad", len(queue)))
+
+
+@pytest.mark.parametrize("how", ["post_recv_batch", "post_send_batch"])
+async def test_a_batch_whose_queue_entries_are_added_part_way_takes_them_back(ia: Any, how: str) -> None:
+    depth = HIGH + 256 + BATCH * ROUNDS
+    pair = await make_ep_pair(ia, attrs=aiodat.EPAttr(max_recv_dtos=depth, max_request_dtos=depth))
+    try:
+        sends = how == "post_send_batch"
+        ep, lmr = (pair.client, pair.client_lmr) if sends else (pair.server, pair.server_lmr)
+        queue, evd = (ep._send_q, ep.request_evd) if sends else (ep._recv_q, ep.recv_evd)
+        seg = lmr[0:64]
+        if sends:
+            pair.server.post_recv_batch([(pair.server_lmr[0:64], None) for _ in range(depth)])
+        getattr(ep, how)([(seg, ("held", i)) for i in range(HIGH)])
+        _to_block_end(ep, sends, seg, 3)
+        failures = 0
+        for n in range(ROUNDS):
+            cookies = [("round", n, k) for k in range(BATCH)]
+            failed = failing_the_nth_allocation(n, getattr(ep, how), [(seg, c) for c in cookies])
+            failures += failed
+            queued = [entry[1] for entry in queue]
+            assert [c in queued for c in cookies] == [not failed] * BATCH, f"round {n}, failed: {failed}"
+            assert lmr._inflight == len(queue), f"round {n}: {lmr._inflight} != {len(queue)}"
+        assert failures, "no allocation failed: the injection did not reach the post"
+        expected = [entry[1] for entry in queue]
+        if not sends:
+            await send(pair, len(expected))
+        events = await events_of(evd, len(expected))
+        assert [e.cookie for e in events] == expected
+        assert lmr._inflight == 0
+    finally:
+        pair.close()
+
+
+# An allocation after a post's records could run a finalizer that closes or resets the EP: its
+# _retire_all (wr.py) takes every entry off the queue and lowers their counts.  The post then sees
+# the QP gone (still_at) and gives its records back: it must not lower the counts a second time.
+# Python's collector does not run at those points today (no allocation of a collected object falls
+# between the records and that look), so the finalizer is stood in for, deterministically, by a
+# queue whose append / extend closes the EP right after adding.
+class _ClosingQueue(collections.deque):
+    ep: Any = None
+
+    def append(self, entry: Any) -> None:
+        super().append(entry)
+        self.ep.close()
+
+    def extend(self, entries: Any) -> None:
+        super().extend(entries)
+        self.ep.close()
+
+
+@pytest.mark.parametrize("how", ["post_recv", "post_recv_batch", "post_send", "post_send_batch"])
+async def test_a_post_whose_ep_is_closed_after_its_records_lowers_no_count_twice(ia: Any, how: str) -> None:
+    pair = await make_ep_pair(ia)
+    try:
+        sends = how.startswith("post_send")
+        ep, lmr = (pair.client, pair.client_lmr) if sends else (pair.server, pair.server_lmr)
+        seg = lmr[0:64]
+        if sends:
+            pair.server.post_recv_batch([(pair.server_lmr[0:64], None) for _ in range(4)])
+        getattr(ep, "post_send_batch" if sends else "post_recv_batch")([(seg, ("held", i)) for i in range(2)])
+        name = "_send_q" if sends else "_recv_q"
+        closing = _ClosingQueue(getattr(ep, name))
+        closing.ep = ep
+        setattr(ep, name, closing)
+        with pytest.raises(aiodat.DATError):
+            if how.endswith("_batch"):
+                getattr(ep, how)([(seg, ("late", k)) for k in range(3)])
+            else:
+                getattr(ep, how)(seg, "late")
+        assert ep._closed
+        assert not getattr(ep, name)
+        assert lmr._inflight == 0
     finally:
         pair.close()

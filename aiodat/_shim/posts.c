@@ -182,7 +182,8 @@ static int add_inflight(PyObject *lmr, Py_ssize_t n)
 
 static int queue_call(PyObject *ep, PyObject *queue_name, PyObject *method, PyObject *arg);
 static void unrecord(PyObject *ep, PyObject *queue_name, Py_ssize_t unposted, PyObject *quiet_id);
-static void unpost(PyObject *ep, PyObject *lmr, PyObject *queue_name, PyObject *quiet_id);
+static void unpost(PyObject *ep, PyObject *lmr, PyObject *queue_name, PyObject *entry, PyObject *quiet_id);
+static int unrecord_last(PyObject *ep, PyObject *queue_name, Py_ssize_t count, PyObject *last, PyObject *quiet_id);
 
 /* The LMR's in-flight count goes up before a post (which then cannot leave it short: lmr.free()
  * would let the buffer go under a posted request) and back down by what did not go.  A decrement
@@ -207,16 +208,14 @@ static void uncount_unposted(PyObject *lmr, Py_ssize_t unposted)
 /* Record requests before their post, so that nothing after it needs memory (a failure there
  * would leave a request the device has without its entry, and its completion unmatched):
  * ep.<queue>.<method>(arg), append or extend, and the UNSIGNALLED mark.  0, or -1 with nothing
- * recorded. */
+ * recorded (-2: nor counted, the entry retired by a close or reset meanwhile: see unrecord_last). */
 static int record_before_post(PyObject *ep, PyObject *queue_name, PyObject *method, PyObject *arg,
                               PyObject *quiet_id)
 {
     if (queue_call(ep, queue_name, method, arg) < 0)
         return -1;
-    if (quiet_id != NULL && queue_call(ep, s_quiet, s_add, quiet_id) < 0) {
-        unrecord(ep, queue_name, 1, NULL);
-        return -1;
-    }
+    if (quiet_id != NULL && queue_call(ep, s_quiet, s_add, quiet_id) < 0)  /* -2: retired already */
+        return unrecord_last(ep, queue_name, 1, arg, NULL) ? -1 : -2;
     return 0;
 }
 
@@ -254,33 +253,112 @@ static int prepare_post(PyObject *ep, struct ibv_qp *qp, PyObject *lmr, PyObject
 {
     if (count_before_post(lmr, 1) < 0)
         return -1;
-    if (record_before_post(ep, queue_name, method, entry, quiet_id) < 0) {
-        uncount_unposted(lmr, 1);
+    int recorded = record_before_post(ep, queue_name, method, entry, quiet_id);
+    if (recorded < 0) {
+        if (recorded == -1)  /* (-2: a close or reset retired the entry and its count meanwhile) */
+            uncount_unposted(lmr, 1);
         return -1;
     }
     int open = still_at(ep, s_qp_address, qp);
     if (open <= 0)
-        unpost(ep, lmr, queue_name, quiet_id);
+        unpost(ep, lmr, queue_name, entry, quiet_id);
     return open;
 }
 
-/* Undo prepare_post: the request did not go. */
-static void unpost(PyObject *ep, PyObject *lmr, PyObject *queue_name, PyObject *quiet_id)
+/* Pop the last ``count`` entries of ep.<queue>, the records of requests that did not go, if they
+ * are still there: its last item is ``last`` (the same object).  They may not be: an allocation
+ * after the records could run a finalizer that closed or reset the EP, whose _retire_all (wr.py)
+ * took every entry off the queue and lowered its LMR counts already; then nothing is popped and the
+ * caller must not lower the counts again (they would end short: lmr.free() could release a buffer
+ * the device uses).  The UNSIGNALLED mark ``quiet_id`` is discarded either way (_retire_all clears
+ * them all).  1 when popped, else 0.  A deque's pop and item read, a set's discard allocate
+ * nothing; any error set stays the one raised. */
+static int unrecord_last(PyObject *ep, PyObject *queue_name, Py_ssize_t count, PyObject *last, PyObject *quiet_id)
 {
-    unrecord(ep, queue_name, 1, quiet_id);
-    uncount_unposted(lmr, 1);
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int there = 0;
+    PyObject *q = PyObject_GetAttr(ep, queue_name);
+    Py_ssize_t len = q != NULL ? PyObject_Length(q) : -1;
+    if (count > 0 && len >= count) {
+        PyObject *item = PySequence_GetItem(q, len - 1);
+        there = item != NULL && item == last;
+        Py_XDECREF(item);
+    }
+    for (Py_ssize_t i = 0; there && i < count; i++) {
+        PyObject *popped = PyObject_CallMethodObjArgs(q, s_pop, NULL);
+        Py_XDECREF(popped);
+    }
+    Py_XDECREF(q);
+    if (quiet_id != NULL && queue_call(ep, s_quiet, s_discard, quiet_id) < 0)
+        PyErr_Clear();
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+    return there;
 }
 
-/* A batch's records before its post, as prepare_post's: ep.<queue>.<method>(arg), one run entry or
- * ``entries`` of them, and a last look that the EP is open.  (The LMR counts are the caller's.) */
-static int prepare_batch(PyObject *ep, struct ibv_qp *qp, PyObject *queue_name, PyObject *method, PyObject *arg,
-                         Py_ssize_t entries)
+/* Undo prepare_post: the request ``entry`` did not go.  Its count is lowered only with its entry
+ * taken off here (unrecord_last): else a close or reset retired both already. */
+static void unpost(PyObject *ep, PyObject *lmr, PyObject *queue_name, PyObject *entry, PyObject *quiet_id)
 {
-    if (queue_call(ep, queue_name, method, arg) < 0)
+    if (unrecord_last(ep, queue_name, 1, entry, quiet_id))
+        uncount_unposted(lmr, 1);
+}
+
+/* A batch's records before its post, as prepare_post's: ep.<queue>.<method>(arg), one run entry
+ * (append) or ``entries`` of them (extend, of a list or tuple), and a last look that the EP is open.
+ * (The LMR counts are the caller's.)  On 0 or -1 nothing is recorded, and *uncount says whether the
+ * caller takes its counts back: not when a close or reset (a finalizer run by an allocation here)
+ * retired the entries, and their counts, already. */
+static int prepare_batch(PyObject *ep, struct ibv_qp *qp, PyObject *queue_name, PyObject *method, PyObject *arg,
+                         Py_ssize_t entries, int *uncount)
+{
+    *uncount = 1;
+    PyObject *q = PyObject_GetAttr(ep, queue_name);
+    if (q == NULL)
         return -1;
+    PyObject *res = PyObject_CallMethodObjArgs(q, method, arg, NULL);
+    if (res == NULL) {
+        /* extend can fail part way (a deque takes a new block every 64 entries): the entries it
+         * added, arg[0..k], stay, and are popped back here (from the right: that allocates
+         * nothing), else their later retirement would lower the counts the caller takes back now
+         * a second time.  How many: the place in ``arg`` of the queue's last item (its own new
+         * tuples: no other entry is the same object), not a length taken before, which a
+         * finalizer's _retire_all (run by extend's allocation of its iterator) could clear. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        Py_ssize_t len = PyObject_Length(q), added = 0;
+        PyObject *tail = len > 0 ? PySequence_GetItem(q, len - 1) : NULL;
+        if (tail != NULL && method == s_append)
+            added = tail == arg;
+        else if (tail != NULL)
+            for (Py_ssize_t j = entries - 1; added == 0 && j >= 0; j--) {
+                PyObject *mine = PySequence_GetItem(arg, j);  /* (a list's or tuple's: no allocation) */
+                if (mine == tail)
+                    added = j + 1;
+                Py_XDECREF(mine);
+            }
+        Py_XDECREF(tail);
+        for (Py_ssize_t i = 0; i < added; i++) {
+            PyObject *popped = PyObject_CallMethodObjArgs(q, s_pop, NULL);
+            Py_XDECREF(popped);
+        }
+        if (PyErr_Occurred())
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        Py_DECREF(q);
+        return -1;
+    }
+    Py_DECREF(res);
+    Py_DECREF(q);
     int open = still_at(ep, s_qp_address, qp);
-    if (open <= 0)
-        unrecord(ep, queue_name, entries, NULL);
+    if (open <= 0) {
+        PyObject *last = method == s_append ? arg : PySequence_GetItem(arg, entries - 1);
+        *uncount = unrecord_last(ep, queue_name, method == s_append ? 1 : entries, last, NULL);
+        if (method != s_append)
+            Py_XDECREF(last);
+    }
     return open;
 }
 
@@ -289,8 +367,9 @@ static int prepare_batch(PyObject *ep, struct ibv_qp *qp, PyObject *queue_name, 
  * prepare_post. */
 static void unrecord_srq(PyObject *map, PyObject *records, Py_ssize_t start, Py_ssize_t stop);
 
-static int prepare_srq_batch(PyObject *srq, struct ibv_srq *queue, PyObject *map, PyObject *records)
+static int prepare_srq_batch(PyObject *srq, struct ibv_srq *queue, PyObject *map, PyObject *records, int *uncount)
 {
+    *uncount = 1;
     Py_ssize_t n = PyTuple_Size(records), i;
     for (i = 0; i < n; i++) {
         PyObject *record = PyTuple_GetItem(records, i);
@@ -300,8 +379,15 @@ static int prepare_srq_batch(PyObject *srq, struct ibv_srq *queue, PyObject *map
         }
     }
     int open = still_at(srq, s_srq_address, queue);
-    if (open <= 0)
-        unrecord_srq(map, records, 0, n);
+    if (open <= 0) {
+        /* A finalizer run by an allocation here that closed the SRQ cleared _posted and lowered
+         * the counts of all it held (srq.py's _release_posted): then the caller must not lower
+         * them again.  Our records are all there or all gone; the first one tells. */
+        PyObject *first = n > 0 ? PyDict_GetItem(map, PyTuple_GetItem(PyTuple_GetItem(records, 0), 0)) : NULL;
+        *uncount = first != NULL && first == PyTuple_GetItem(PyTuple_GetItem(records, 0), 1);
+        if (*uncount)
+            unrecord_srq(map, records, 0, n);
+    }
     return open;
 }
 
@@ -356,7 +442,7 @@ static PyObject *post_recv_one(PyObject *ep, PyObject *address, PyObject *seg, P
     struct ibv_recv_wr wr = { .wr_id = wr_id, .next = NULL, .sg_list = &sge, .num_sge = 1 }, *bad;
     int err = post_errno(ibv_post_recv(qp, &wr, &bad));
     if (err)
-        unpost(ep, lmr, s_recv_q, NULL);
+        unpost(ep, lmr, s_recv_q, entry, NULL);
     Py_DECREF(entry);
     Py_DECREF(lmr);
     return PyLong_FromLong(err);
@@ -440,7 +526,7 @@ static PyObject *post_send_one(PyObject *ep, PyObject *address, PyObject *seg, P
     wr.num_sge = 1;
     int err = post_errno(ibv_post_send(qp, &wr, &bad));
     if (err)
-        unpost(ep, lmr, s_send_q, quiet_id);
+        unpost(ep, lmr, s_send_q, entry, quiet_id);
     Py_DECREF(entry);
     Py_XDECREF(quiet_id);
     Py_DECREF(lmr);
@@ -876,11 +962,11 @@ static PyObject *same_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
     int as_run = n > 1 && !(bits->flags & IBV_SEND_SIGNALED);  /* all but the last suppressed: a run */
     if (segs != NULL)  /* made before the post: once it is posted, recording it must not need memory */
         queued = as_run ? run_entry(first, cookies, op, segs) : entries(first, cookies, n, op, segs, 0);
-    int counted = queued != NULL && count_before_post(lmr, n) == 0;
+    int counted = queued != NULL && count_before_post(lmr, n) == 0, uncount = 1;
     if (queued != NULL && (ok = counted ? prepare_batch(ep, qp, s_send_q, as_run ? s_append : s_extend, queued,
-                                                        as_run ? 1 : n)
+                                                        as_run ? 1 : n, &uncount)
                                         : -1) != 1) {
-        if (counted)
+        if (counted && uncount)
             uncount_unposted(lmr, n);
         Py_CLEAR(queued);
     }
@@ -920,9 +1006,9 @@ static PyObject *each_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
     unsigned long long first = (unsigned long long)id * 2;
     if (id >= 0)  /* made before the post: once it is posted, recording it must not need memory */
         queued = entries(first, it.cookies, n, op, it.segs, 1);
-    int counted = queued != NULL && count_items(it.lmrs, n) == 0;
-    if (queued != NULL && (ok = counted ? prepare_batch(ep, qp, s_send_q, s_extend, queued, n) : -1) != 1) {
-        if (counted)
+    int counted = queued != NULL && count_items(it.lmrs, n) == 0, uncount = 1;
+    if (queued != NULL && (ok = counted ? prepare_batch(ep, qp, s_send_q, s_extend, queued, n, &uncount) : -1) != 1) {
+        if (counted && uncount)
             uncount_items(it.lmrs, 0, n);
         Py_CLEAR(queued);
     }
@@ -1049,10 +1135,11 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
         else
             PyTuple_SetItem(records, i, record);
     }
-    int counted = records != NULL && count_items(it.lmrs, n) == 0;
-    if (records != NULL && (ok = !counted ? -1 : srq != NULL ? prepare_srq_batch(owner, srq, map, records)
-                                                              : prepare_batch(owner, qp, s_recv_q, s_extend, records, n)) != 1) {
-        if (counted)
+    int counted = records != NULL && count_items(it.lmrs, n) == 0, uncount = 1;
+    if (records != NULL && (ok = !counted ? -1 : srq != NULL ? prepare_srq_batch(owner, srq, map, records, &uncount)
+                                                              : prepare_batch(owner, qp, s_recv_q, s_extend, records, n,
+                                                                              &uncount)) != 1) {
+        if (counted && uncount)
             uncount_items(it.lmrs, 0, n);
         Py_CLEAR(records);
     }
