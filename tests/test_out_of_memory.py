@@ -20,6 +20,7 @@ from typing import Any, List
 import pytest
 
 import aiodat
+import aiodat.srq
 from aiodat.testing.plugin import make_ep_pair
 
 _testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory) to fail allocations")
@@ -292,3 +293,39 @@ async def test_a_post_whose_ep_is_closed_after_its_records_lowers_no_count_twice
         assert lmr._inflight == 0
     finally:
         pair.close()
+
+
+# The same for an SRQ's batch (posts.c's prepare_srq_batch): a close meanwhile clears _posted and
+# lowers the counts of what it held (srq.py's _release_posted).  C's records go into _posted with
+# PyDict_SetItem (no method to stand in), so the close is made where C takes its last look, on its
+# read of _srq_address, once C's records are there.
+class _SRQClosingOnLook(aiodat.srq.SRQ):
+    @property
+    def _srq_address(self) -> int:
+        address = self.__dict__["_srq_address"]
+        if address and not self.__dict__.get("_closing") and any(
+                cookie == "late" for cookie, _ in self.__dict__.get("_posted", {}).values()):
+            self.__dict__["_closing"] = True
+            self.close()
+            return 0
+        return address
+
+    @_srq_address.setter
+    def _srq_address(self, value: int) -> None:
+        self.__dict__["_srq_address"] = value
+
+
+async def test_an_srq_batch_whose_srq_is_closed_after_its_records_lowers_no_count_twice(ia: Any) -> None:
+    pz = ia.create_pz()
+    try:
+        srq = ia.create_srq(pz, 8)
+        lmr = pz.register(bytearray(4096))
+        seg = lmr[0:64]
+        srq.post_recv_batch([(seg, ("held", i)) for i in range(2)])
+        srq.__class__ = _SRQClosingOnLook
+        with pytest.raises(aiodat.DATError):
+            srq.post_recv_batch([(seg, "late") for _ in range(3)])
+        assert srq.__dict__.get("_closing") and not srq._posted
+        assert lmr._inflight == 0
+    finally:
+        pz.close()
