@@ -487,17 +487,22 @@ class SRQ(Handle):
 
     def _release(self) -> None:
         self._fail_waiters(InvalidHandle("the SRQ was freed while a task waited for its low watermark"))
-        if self._srq != ffi.NULL:
-            self._ia._srq_owner.pop(self._srq_address, None)
-            err = self._raw.release()  # (gone: its Raw's ``then`` has released the buffers still posted)
-            self._srq, self._srq_address = ffi.NULL, 0
-            if err:
-                # The device still has the SRQ and the receives posted on it (its Raw keeps it and
-                # destroys it on a later retry), so their LMRs stay counted in flight, lmr.free()
-                # refused, as for any request the device holds, until that retry releases them (they
-                # used to stay counted for good: the SRQ is closed, and nothing else released them).
-                raise error_from_errno(err, "destroying the SRQ (ibv_destroy_srq)")
-        _release_posted(self._posted)  # (a half-made SRQ posted nothing; idempotent after its Raw's)
+        try:
+            if self._srq != ffi.NULL:
+                self._ia._srq_owner.pop(self._srq_address, None)
+                err = self._raw.release()  # (gone: its Raw's ``then`` has released the buffers still posted)
+                self._srq, self._srq_address = ffi.NULL, 0
+                if err:
+                    # The device still has the SRQ and the receives posted on it (its Raw keeps it and
+                    # destroys it on a later retry), so their LMRs stay counted in flight, lmr.free()
+                    # refused, as for any request the device holds, until that retry releases them (they
+                    # used to stay counted for good: the SRQ is closed, and nothing else released them).
+                    raise error_from_errno(err, "destroying the SRQ (ibv_destroy_srq)")
+        finally:
+            if self._raw.ptr == ffi.NULL:  # destroyed (a half-made SRQ posted nothing)
+                # again if its Raw's ``then`` ran out of memory part way: this SRQ is closed, and
+                # nothing else would release the rest
+                _release_posted(self._posted)
 
     def __repr__(self) -> str:
         if self._closed:
@@ -506,11 +511,19 @@ class SRQ(Handle):
 
 
 def _release_posted(posted: Dict[int, Tuple[Any, Tuple[Segment, ...]]]) -> None:
-    """The SRQ is gone: its posted buffers are the device's no more (their LMRs can be freed)."""
-    for _, segs in posted.values():
-        for seg in segs:
-            seg.lmr._inflight -= 1
-    posted.clear()
+    """The SRQ is gone: its posted buffers are the device's no more (their LMRs can be freed).
+
+    Each receive is released whole or not at all, so a call that ran out of memory part way can be
+    made again: what can allocate comes first, then the counts are written, then the entry goes.
+    """
+    while posted:
+        wr_id = next(iter(posted))
+        lowered: Dict[Any, int] = {}
+        for seg in posted[wr_id][1]:
+            lowered[seg.lmr] = lowered.get(seg.lmr, seg.lmr._inflight) - 1
+        for lmr, count in lowered.items():  # (its iterator is made before the first write)
+            lmr._inflight = count
+        del posted[wr_id]  # (last: freeing its cookie may run code that changes a count)
 
 
 def _expire(fut: "asyncio.Future[None]", timeout: float) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 import aiodat
 import aiodat.srq
+from aiodat._lib import ffi
 from aiodat.testing.plugin import make_ep_pair
 
 _testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory) to fail allocations")
@@ -326,6 +327,39 @@ async def test_an_srq_batch_whose_srq_is_closed_after_its_records_lowers_no_coun
         with pytest.raises(aiodat.DATError):
             srq.post_recv_batch([(seg, "late") for _ in range(3)])
         assert srq.__dict__.get("_closing") and not srq._posted
+        assert lmr._inflight == 0
+    finally:
+        pz.close()
+
+
+async def test_an_srq_closed_out_of_memory_releases_each_posted_receive_once(ia: Any) -> None:
+    # Each allocation of close() fails in turn.  Wherever it fails, once the SRQ is gone (closed
+    # again, or released after a close that raised before its destruction), each receive it held is taken off
+    # its LMR's count once: none left counted for good (the LMR could never be freed), none twice.
+    pz = ia.create_pz()
+    try:
+        lmr = pz.register(bytearray(4096))
+        holder = ia.create_srq(pz, HIGH)
+        holder.post_recv_batch([(lmr[0:64], ("held", i)) for i in range(HIGH)])  # counts above 256
+        failures = through = 0
+        for n in range(PYTHON_ROUNDS):
+            srq = ia.create_srq(pz, 8)
+            srq.post_recv_batch([(lmr[64:128], ("round", n, i)) for i in range(3)])
+            assert lmr._inflight == HIGH + 3
+            raw = srq._raw
+            failed = failing_the_nth_allocation(n, srq.close)
+            failures += failed
+            through = 0 if failed else through + 1
+            srq.close()  # (again: a close that raised before it began is made again; idempotent after)
+            assert srq.closed
+            if raw.ptr != ffi.NULL:  # a close that raised before the destruction left it to the
+                assert raw.release() == 0  # finalizer: its release (CPython 3.11 can leak the
+                # reference a call that could not allocate its frame held, so it is called here)
+            assert lmr._inflight == HIGH, f"allocation {n} failed: {failed}"
+            if through == THROUGH:
+                break
+        assert failures and through == THROUGH
+        holder.close()
         assert lmr._inflight == 0
     finally:
         pz.close()
