@@ -203,3 +203,23 @@ def test_the_ports_first_address_is_keyed_as_the_default(monkeypatch: pytest.Mon
     assert pool_mod.device_for("10.0.0.1") == ("rxe0", None)
     assert pool_mod.device_for("10.0.0.9") == ("rxe0", None)
     assert pool_mod.device_for("10.0.0.2", listening=True) == ("rxe0", "10.0.0.2")
+
+
+@pytest.mark.parametrize("env", ["rxe1", "rxe1:1", "RO_AWARE_rxe1"])
+def test_the_device_the_environment_names_is_preferred_however_it_is_named(
+        monkeypatch: pytest.MonkeyPatch, env: str) -> None:
+    """$AIODAT_RXE_DEVICE is read as environment_port and open_ia read it: every IA name of a port
+    makes it the one a client picks for a peer no device has (an exact compare of the provider's
+    name missed ``rxe1:1`` and ``RO_AWARE_rxe1`` and took the first device)."""
+    import aiodat.ia
+    from aiodat.ia import Provider
+
+    def list_providers() -> List[Any]:
+        return [Provider(f"rxe{i}", f"rxe{i}", 1, "Ethernet", "PORT_ACTIVE", (), (f"10.0.{i}.1",)) for i in (0, 1)]
+
+    monkeypatch.setattr(aiodat.ia, "list_providers", list_providers)
+    monkeypatch.setattr(pool_mod, "_providers_cache", (-pool_mod.PROVIDER_CACHE_SECONDS, []))
+    monkeypatch.setenv("AIODAT_RXE_DEVICE", env)
+    assert pool_mod.device_for("10.9.9.9") == ("rxe1", None)
+    monkeypatch.setenv("AIODAT_RXE_DEVICE", "rxe0")
+    assert pool_mod.device_for("10.9.9.9") == ("rxe0", None)

@@ -130,6 +130,8 @@ def device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optio
     """(device, address) for ``host``: the device that has that address, else one with an address of
     the same family ($AIODAT_RXE_DEVICE first).  A server (``listening``) must name a device's own address.
     The address is None for the port's first one (the IA's default), so one IA serves both."""
+    from aiodat.ia import DEVICE_ENV, _names_port
+
     candidates = _active_providers()
     if listening and host and not any(same_address(a, host) for p in candidates for a in p.addresses):
         # an address may have been added since; a client's peer is mostly no local address at
@@ -146,8 +148,9 @@ def device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optio
         raise InvalidAddress(f"cannot listen on {host}: no RDMA device has that address (an aiodat server "
                              f"listens on a device's address; the devices have: {known})")
     family6 = bool(host) and ":" in str(host)
-    env = os.environ.get("AIODAT_RXE_DEVICE")
-    candidates.sort(key=lambda p: p.name != env)
+    env = os.environ.get(DEVICE_ENV) or None
+    # (as environment_port reads it: "rxe0", "rxe0:1" and "RO_AWARE_rxe0" name the same port)
+    candidates.sort(key=lambda p: not (env and _names_port(env, p)))
     for p in candidates:
         for addr in p.addresses:
             if (":" in addr) == family6:
