@@ -116,12 +116,15 @@ class Raw:
             if isinstance(dep, Raw):
                 dep._users += 1
 
-    def need(self, dep: Any) -> None:
-        """Also keep ``dep`` alive until this object is destroyed (a window bound through a QP)."""
+    def need(self, dep: Any) -> bool:
+        """Also keep ``dep`` alive until this object is destroyed (a window bound through a QP);
+        True if it was not kept already."""
         if self.ptr != ffi.NULL and not any(d is dep for d in self._deps):
             self._deps += (dep,)
             if isinstance(dep, Raw):
                 dep._users += 1
+            return True
+        return False
 
     def unneed(self, dep: Any) -> None:
         """Stop keeping ``dep`` alive for this object (a window no longer bound through that QP)."""

@@ -516,23 +516,48 @@ class RMR(Handle):
                 raise InvalidState("the window is bound: unbind it first (type-2 windows cannot be rebound in place)")
             new_rkey = int(lib.ibv_inc_rkey(self._rkey))
             access = ibv_access(privileges) & ~lib.IBV_ACCESS_LOCAL_WRITE & ~lib.IBV_ACCESS_MW_BIND
-            ep._bind_window(self, op, (self._mw, new_rkey, segment.lmr._mr, segment.address, segment.length,
-                                       access), cookie)
-            segment.lmr._inflight += 1  # the LMR cannot be freed while the window points into it
-            segment.lmr._windows.add(self)  # ... and its close closes the window first
+            bind = (self._mw, new_rkey, segment.lmr._mr, segment.address, segment.length, access)
             if self._ep is not None and self._ep is not ep:
                 self._leave_ep()  # (nothing is bound or pending there: the old QP has no claim left)
         else:
             # _check_unbind made sure: bound through this very EP, nothing pending, so the key is the bound one
             new_rkey = self._rkey
-            ep._bind_window(self, op, (self._mw, self._rkey, ffi.NULL, 0, 0, 0), cookie)
-        self._pending.append((waiter, op, new_rkey, segment, privileges))
+            bind = (self._mw, self._rkey, ffi.NULL, 0, 0, 0)
+        # Every record of the request is made before its post, as a post's are (docs/reliability.md,
+        # Memory pressure), and taken back if the post does not go: a bind the device has is always
+        # pending here, and counted on its LMR.
+        entry = (waiter, op, new_rkey, segment, privileges)
+        ep_before, evd = self._ep, ep.request_evd
+        self._pending.append(entry)
         self._ep = ep
-        # a bound window holds a reference on the QP: if both are dropped, free the window first
-        self._raw.need(ep._raw)
-        if waiter is not None:
-            ep.request_evd._awaited += 1  # polled even if the EVD is full (docs/events.md)
-            ep.request_evd._rearm_fully()  # its channel event must come (a solicited wait may have narrowed the arm)
+        needed = awaited = False
+        counted: Optional[LMR] = None
+        try:
+            # a bound window holds a reference on the QP: if both are dropped, free the window first
+            needed = self._raw.need(ep._raw)
+            if segment is not None:
+                segment.lmr._inflight += 1  # the LMR cannot be freed while the window points into it
+                counted = segment.lmr
+                segment.lmr._windows.add(self)  # ... and its close closes the window first
+            if waiter is not None:
+                evd._awaited += 1  # polled even if the EVD is full (docs/events.md)
+                awaited = True
+                evd._rearm_fully()  # its channel event must come (a solicited wait may have narrowed the arm)
+            ep._bind_window(self, op, bind, cookie)
+        except BaseException:
+            self._pending.pop()
+            self._ep = ep_before
+            if awaited:
+                evd._awaited -= 1
+            try:  # (what cannot be taken back for want of memory stays: the safe side)
+                if counted is not None:
+                    counted._windows.discard(self)
+                    counted._inflight -= 1  # (else high: that refuses a free and loses nothing)
+                if needed:
+                    self._raw.unneed(ep._raw)  # (else kept: the QP outlives the window)
+            except Exception:  # (MemoryError; or CPython's SystemError for a frame it could not allocate)
+                pass
+            raise
         return new_rkey
 
     def _check_bind(self, segment: Any, privileges: Any) -> Tuple[Segment, Privileges]:

@@ -363,3 +363,43 @@ async def test_an_srq_closed_out_of_memory_releases_each_posted_receive_once(ia:
         assert lmr._inflight == 0
     finally:
         pz.close()
+
+
+async def test_a_window_bind_that_runs_out_of_memory_is_pending_and_counted_or_not_posted(ia: Any) -> None:
+    # Each allocation of rmr.bind_nowait fails in turn.  A bind that raised did not go (no send
+    # queue entry of its cookie); one that returned is pending on the window and counted on its
+    # LMR, and completes with its own cookie.  The LMR's count is held above 256 by receives, so
+    # that each change of it allocates.  (The records came after the post: a failure there left a
+    # bind the device had with no pending entry and its LMR short of a count.)
+    pair = await make_ep_pair(ia, attrs=aiodat.EPAttr(max_recv_dtos=HIGH))
+    try:
+        exposed = pair.pz.register(bytearray(4096), aiodat.Privileges.LOCAL_WRITE | aiodat.Privileges.MW_BIND)
+        rmr = pair.pz.create_rmr()
+        pair.server.post_recv_batch([(exposed[0:64], ("held", i)) for i in range(HIGH)])
+        evd = pair.server.request_evd
+        # once first: what is made on the first bind only (the flag enum's combined member, the EP's
+        # work request) would take the first rounds' failures
+        await rmr.bind(exposed[1024:2048], aiodat.Privileges.REMOTE_READ, pair.server)
+        await rmr.unbind(pair.server)
+        failures = through = 0
+        for n in range(PYTHON_ROUNDS):
+            cookie = ("round", n)
+            failed = failing_the_nth_allocation(
+                n, rmr.bind_nowait, exposed[1024:2048], aiodat.Privileges.REMOTE_READ, pair.server, cookie)
+            failures += failed
+            through = 0 if failed else through + 1
+            went = cookie in [entry[1] for entry in pair.server._send_q]
+            assert went is not failed, f"round {n}, failed: {failed}"
+            assert len(rmr._pending) == went and exposed._inflight == HIGH + went, f"round {n}"
+            if went:
+                event = await evd.wait_one(timeout=T)
+                assert (event.type, event.cookie, event.ok) == (aiodat.EventType.RMR_BIND_COMPLETION, cookie, True)
+                assert rmr.bound and exposed._inflight == HIGH + 1
+                await rmr.unbind(pair.server)
+            assert not rmr.bound and exposed._inflight == HIGH and evd.dequeue() is None, f"round {n}"
+            if through == THROUGH:
+                break
+        assert failures and through == THROUGH
+        rmr.free()
+    finally:
+        pair.close()
