@@ -33,7 +33,7 @@ import sys
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable, ClassVar, List, MutableMapping, Optional, Set, Tuple
+from typing import Any, Callable, ClassVar, Iterator, List, MutableMapping, Optional, Set, Tuple
 
 from aiodat._lib import ffi, lib
 from aiodat.errors import InvalidHandle, InvalidState
@@ -133,10 +133,16 @@ class Raw:
             dep._users -= len(self._deps) - len(kept)  # (once per copy, as __init__ counted them)
         self._deps = kept
 
-    def _forget(self) -> None:
-        """Mark the object gone and let go of what it depended on (which may release them in turn)."""
-        deps, self.ptr, self._deps = self._deps, ffi.NULL, ()
-        then, self.then = self.then, None
+    def _forget(self, deps: Optional[Iterator[Any]] = None) -> None:
+        """Mark the object gone and let go of what it depended on (which may release them in turn).
+
+        ``deps`` is the iterator of its deps, made before anything changed: nothing allocates
+        between forgetting the deps and lowering their users, so a MemoryError cannot leave one
+        counted for good (never destroyed)."""
+        if deps is None:
+            deps = iter(self._deps)
+        then = self.then
+        self.ptr, self._deps, self.then = ffi.NULL, (), None
         for dep in deps:
             if isinstance(dep, Raw):
                 dep._users -= 1
@@ -167,12 +173,14 @@ class Raw:
                     _deferred.append(self)  # (from a finalizer: resurrected until then)
                 if self._users:  # (again: a collection in the append may have freed the last)
                     return errno.EBUSY
+        deps = iter(self._deps)  # (made before the destruction: see _forget)
         err = self._destroy(self.ptr)
         if err:
             if not any(raw is self for raw in _deferred):
                 _deferred.append(self)
             return err
-        self._forget()  # dropping the deps may release them in turn
+        self.ptr = ffi.NULL  # at once: nothing may fail before a destroyed object is marked gone
+        self._forget(deps)  # dropping the deps may release them in turn
         if _deferred:
             if any(raw is self for raw in _deferred):  # it had failed before: no longer deferred
                 _deferred[:] = [raw for raw in _deferred if raw is not self]

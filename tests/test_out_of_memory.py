@@ -363,6 +363,9 @@ async def test_an_srq_closed_out_of_memory_releases_each_posted_receive_once(ia:
         assert lmr._inflight == 0
     finally:
         pz.close()
+    # and the PD went with it: no SRQ's destruction left it counted as a user (Raw._forget had
+    # lowered none when its iterator could not be made)
+    assert pz._raw.ptr == ffi.NULL
 
 
 async def test_a_window_bind_that_runs_out_of_memory_is_pending_and_counted_or_not_posted(ia: Any) -> None:
