@@ -34,6 +34,7 @@ import enum
 import struct
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Deque, Generic, List, Optional, Tuple, TypeVar
@@ -344,8 +345,12 @@ class EVD(Handle, Generic[E]):
         self._cq_address = self._wcs_address = self._channel_address = self._status_address = 0
         self._qpn_refs = ia._qpn_owner.data  # type: ignore[attr-defined]  # (the WeakValueDictionary's weak refs)
         self._polled: Tuple[int, int, int] = (0, 0, 0)
-        #: completions polled from the CQ whose events could not be made yet (a failure halfway)
-        self._backlog: List[Any] = []
+        # Completions polled from the CQ whose events are not queued yet stay where the poll put
+        # them, in _wcs[_wc_next:_backlog] (0: none), and every drain takes them first: the CQ is
+        # not polled again (into the same array) until they are.  Both are set with small ints
+        # and no allocation, so a MemoryError anywhere in taking completions loses none of them.
+        self._backlog = 0
+        self._wc_next = 0
         #: a failure of the reader callback with no task waiting: raised by the next wait or dequeue
         self._pending_error: Optional[BaseException] = None
         self._unarmed = False  # the last arm failed: arm again before anyone sleeps
@@ -411,7 +416,7 @@ class EVD(Handle, Generic[E]):
         spin (or told not to: ``arm_if_unarmed``).
         ``spin_us``: poll for up to that long in C when the CQ is empty (busy polling).  Completions polled but not yet turned into
         events when something raised stay in ``_backlog`` and come first next
-        time.  While an awaited request (``rmr.bind``) is outstanding the CQ is
+        time (see _queue_backlog).  While an awaited request (``rmr.bind``) is outstanding the CQ is
         polled even when the EVD is full, so its completion cannot be stranded
         behind the EVD's capacity.  Returns True when an event that notifies
         arrived (anything but an UNSIGNALLED completion).
@@ -420,9 +425,8 @@ class EVD(Handle, Generic[E]):
         if wcs is None:
             return False
         notified = False
-        if self._backlog:
-            backlog, self._backlog = self._backlog, []
-            notified = self._queue_completions(iter(backlog))
+        if self._backlog:  # (raises with what is left still there: the CQ is not polled over it)
+            notified = self._queue_backlog()
         queue = self._queue
         queued, counted = len(queue), self.overflow_count
         polled_past = False  # polled beyond qlen for an awaited request, in any chunk
@@ -447,6 +451,8 @@ class EVD(Handle, Generic[E]):
                 spin_us = 0
             else:
                 got = lib.aiodat_cq_drain(channel, self._cq, arm, wcs, room, self._status)
+            if got > 0:
+                self._backlog = got  # first: what was polled is kept whatever fails from here
             try:  # the arm is noted first, while _status is this drain's
                 if arm >= 0:
                     if self._status[1] or arm or self._armed_solicited:
@@ -489,10 +495,10 @@ class EVD(Handle, Generic[E]):
                 return False
             return self._drain_cq(rearm=False, arm_if_unarmed=False)
         # completions were polled that C left to Python
-        got, taken, notified = self._polled
+        got, _, notified = self._polled
         if got < 0:
             raise error_from_errno(-got, "polling the CQ")
-        notified = self._queue_rest(got, taken, bool(notified))
+        notified = self._queue_backlog() or notified  # (C noted what it did not take as the backlog)
         if got == 64:  # more may wait: the full drain takes them
             notified = self._drain_cq(rearm=False, arm_if_unarmed=False) or notified
         return bool(notified)
@@ -522,51 +528,74 @@ class EVD(Handle, Generic[E]):
         self._armed_solicited = solicited and (fired or was_solicited_arm or was_unarmed)
 
     def _queue_polled(self, got: int) -> bool:
-        """Turn the ``got`` completions just polled into ``_wcs`` into events; True if one of them
-        notifies.  The leading common-case ones are done in C (aiodat/_shim/completions.c: a
-        success that is the oldest request of its EP's queue, or a send after suppressed ones),
-        the rest from the first other one on by _queue_completions."""
+        """Turn the ``got`` completions just polled into ``_wcs`` (the backlog: _drain_cq noted it)
+        into events; True if one of them notifies.  The leading common-case ones are done in C
+        (aiodat/_shim/completions.c: a success that is the oldest request of its EP's queue, or a
+        send after suppressed ones), which moves the backlog past them itself, the rest from the
+        first other one on by _queue_backlog."""
         taken, notified = _queue_common(self, self._wcs_address, got, self._qpn_refs, self._queue)
-        return self._queue_rest(got, taken, notified)
-
-    def _queue_rest(self, got: int, taken: int, notified: bool) -> bool:
-        """After C took the first ``taken`` of ``got`` polled completions: the rest, in Python."""
-        if taken < got and self._queue_completions(_WC.iter_unpack(self._wc_bytes[taken * _WC_SIZE:got * _WC_SIZE])):
-            return True
+        if taken < got:  # (C noted it too, in case its answer could not be made)
+            self._wc_next = taken
+            return self._queue_backlog() or bool(notified)
+        self._backlog = 0
         return bool(notified)
 
-    def _queue_completions(self, wcs: Any) -> bool:
-        """Turn polled completions (struct aiodat_wc tuples, see _WC) into events; True if one
-        of them notifies.  If one raises, the ones after it are kept in ``_backlog``."""
+    def _queue_backlog(self) -> bool:
+        """Turn the polled completions in ``_wcs[_wc_next:_backlog]`` into events, in order; True
+        if one of them notifies.  Each is taken whole or not at all: its event is given its place
+        in the queue first, then its request's entry is taken (wr.py: only steps that allocate
+        nothing, after everything that can fail), then the backlog moves past it.  So when one
+        raises (a MemoryError), it and those after it stay in the backlog for the next drain:
+        none is lost, none is taken twice."""
         notified = False
-        queue, refs = self._queue, self._ia._qpn_owner.data  # type: ignore[attr-defined]  # (its table of weak refs)
+        queue, refs, wcs = self._queue, self._ia._qpn_owner.data, self._wc_bytes  # type: ignore[attr-defined]
         qpn = ep = None  # a batch mostly comes from one QP: look its EP up once
-        for wc in wcs:
+        while True:
+            at = self._wc_next
+            if at >= self._backlog:
+                break
+            wc = _WC.unpack_from(wcs, at * _WC_SIZE)
             if wc[_WC_QP_NUM] != qpn:
-                qpn = wc[_WC_QP_NUM]
-                ref = refs.get(qpn)
+                ref = refs.get(wc[_WC_QP_NUM])
                 ep = ref() if ref is not None else None
-            if ep is None:
-                continue
-            queued = len(queue)
-            try:
-                event = ep._completion_event(wc, self)
-            except BaseException as exc:  # (a KeyboardInterrupt too)
-                self._backlog = list(wcs)  # the rest of this batch: nothing polled is lost
-                exc.add_note(f"aiodat: the completion of wr_id {wc[0]:#x} on QP {wc[_WC_QP_NUM]} could not be "
-                             f"turned into an event; {len(self._backlog)} later completion(s) are kept")
-                raise
-            if event is not None:
-                if len(queue) == queued:
-                    queue.append(event)
-                else:  # an error completion broke its EP, whose BROKEN (this EVD also takes connection
-                    queue.insert(queued, event)  # events) was pushed meanwhile: the cause comes first
-                if wc[_WC_STATUS]:
-                    self._solicited_hit = True  # an error completion always notifies
+                qpn = wc[_WC_QP_NUM]
+            if ep is not None:
+                if self._queue_one(ep, wc, queue):
                     notified = True
-                elif event.notify:
-                    notified = True
+            self._wc_next = at + 1  # (at most 64: a cached int, no allocation)
+        self._backlog = self._wc_next = 0
         return notified
+
+    def _queue_one(self, ep: Any, wc: Any, queue: Any) -> bool:
+        """Queue the event of one completion of ``ep``; True if it notifies.  Raises with nothing
+        changed (the queue as it was, the entry not taken), or queues it with the entry taken."""
+        place = len(queue)
+        queue.append(None)  # the event's place, made first: a deque's append may need a block
+        try:
+            event = ep._completion_event(wc, self)
+        except BaseException as exc:  # (a KeyboardInterrupt too)
+            self._free_place(queue, place)
+            exc.add_note(f"aiodat: the completion of wr_id {wc[0]:#x} on QP {wc[_WC_QP_NUM]} could not be "
+                         f"turned into an event; it and {self._backlog - self._wc_next - 1} later "
+                         f"completion(s) are kept for the next wait or drain")
+            raise
+        if event is None:
+            self._free_place(queue, place)
+            return False
+        # (an error completion that broke its EP had its BROKEN, this EVD taking connection
+        # events too, pushed after this place: the cause comes first)
+        queue[place] = event
+        if wc[_WC_STATUS]:
+            self._solicited_hit = True  # an error completion always notifies
+            return True
+        return bool(event.notify)
+
+    @staticmethod
+    def _free_place(queue: Any, place: int) -> None:
+        if len(queue) == place + 1:
+            queue.pop()  # (allocates nothing)
+        else:  # events were pushed after it meanwhile (an EP broken by an error completion)
+            del queue[place]
 
     def _on_readable(self) -> None:
         """The loop's reader callback for the completion channel: one C call (_completions.wakeup)
@@ -744,7 +773,11 @@ class EVD(Handle, Generic[E]):
             queue.clear()
             self._overflow_reported = False  # there is room again
         else:
-            events = [queue.popleft() for _ in range(max_events)]
+            # copied first, then popped by a loop that allocates nothing (its iterator is made
+            # before the first pop): a MemoryError halfway would lose the events popped
+            events = list(islice(queue, max_events))
+            for _ in events:
+                queue.popleft()
             if len(queue) < self._qlen:
                 self._overflow_reported = False
         return events

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import Counter, deque
-from itertools import chain, compress, repeat, starmap
+from itertools import compress, islice, repeat
 from typing import TYPE_CHECKING, Any, Callable, Deque, Iterable, List, Optional, Tuple
 
 from aiodat._shim import _completions
@@ -45,7 +45,6 @@ WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 _WC_WR_FLUSH_ERR = 5
 _RECV, _RECV_IMM = DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM
 _WR_ID, _SEGS, _TARGET = operator.itemgetter(0), operator.itemgetter(3), operator.itemgetter(4)  # of a send entry
-_LMR = operator.attrgetter("lmr")  # of a Segment
 
 
 def _entries_before(q: Deque[Tuple[Any, ...]], wr_id: int) -> int:
@@ -149,6 +148,21 @@ _WC_STATUS = [
 
 
 
+def _lowered(released: List[Tuple[Tuple[Segment, ...], int]]) -> List[Tuple[Any, int]]:
+    """The in-flight count each LMR will have once ``released`` (segments, requests) are taken off
+    it: (lmr, count) pairs, worked out before anything is taken (a count that is no small int
+    allocates), and set by a loop that allocates nothing."""
+    if len(released) == 1 and len(released[0][0]) == 1:  # the usual case: one segment
+        segs, n = released[0]
+        lmr = segs[0].lmr
+        return [(lmr, lmr._inflight - n)]
+    by_lmr: Counter = Counter()
+    for segs, n in released:
+        for seg in segs:
+            by_lmr[seg.lmr] += n
+    return [(lmr, lmr._inflight - n) for lmr, n in by_lmr.items()]
+
+
 class WorkRequests:
     """Mixin of the EP: the table of posted requests and the turning of completions into events."""
 
@@ -179,39 +193,52 @@ class WorkRequests:
 
     # -- completions (called by evd.py) ---------------------------------------
     def _completion_event(self, wc: Tuple[int, ...], evd: "EVD") -> Any:
-        """The event of one completion; ``wc`` is a struct aiodat_wc as a tuple (evd._WC)."""
+        """The event of one completion; ``wc`` is a struct aiodat_wc as a tuple (evd._WC).
+
+        Under memory pressure it raises with nothing changed, or returns with the request's entry
+        taken: what it takes and the counts it lowers are worked out first (they allocate), and
+        taken by steps that allocate nothing (a MemoryError in between would lose the cookie).
+        (Not so for an SRQ's receive, whose entry srq.py takes, and a window's bind.)"""
         wr_id = wc[0]
+        code = wc[1]
+        event: Any
         if wr_id & 1:
             q = self._recv_q  # (empty on an SRQ's EP)
             if q and q[0][0] == wr_id:  # the usual case: receives complete in the order they were posted
-                _, cookie, segs = q.popleft()
+                _, cookie, segs = q[0]
+                pops, released = 1, [(segs, 1)]
             elif self._srq is not None:
                 cookie, segs = self._srq._complete(wr_id)
+                pops, released = 0, [(segs, 1)]
             else:
-                cookie, segs = self._pop_recv(wr_id)
-            if len(segs) == 1:
-                segs[0].lmr._inflight -= 1
-            else:
-                self._track(segs, -1)
-            code = wc[1]
-            notify = True
-            if self._quiet and wr_id in self._quiet:
-                self._quiet.discard(wr_id)
-                notify = bool(code)
-            return DTOCompletionEvent._completed(
+                cookie, segs, pops, released = self._plan_recv(wr_id)
+            notify = not (self._quiet and wr_id in self._quiet) or bool(code)
+            event = DTOCompletionEvent._completed(
                 evd, self, cookie, wc_status_name(code) if code else "IBV_WC_SUCCESS", wc[4],
                 _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
                 wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
                 wc[3], wc[7] if self._ud else None, notify)
-        code, byte_len, vendor_err = wc[1], wc[4], wc[3]
+            counts = _lowered(released)
+            # taken from here: nothing below allocates
+            for _ in repeat(None, pops):
+                q.popleft()
+            for lmr, count in counts:
+                lmr._inflight = count
+            if self._quiet:
+                self._quiet.discard(wr_id)
+            return event
+        byte_len, vendor_err = wc[4], wc[3]
         status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
-        entry = self._pop_send(wr_id)
+        entry, pops, head, released, quiet = self._plan_send(wr_id)
         if entry is None:
+            self._take_send(pops, head, _lowered(released), quiet)
             return None
         _, cookie, op, segs, target = entry
-        self._track(segs, -1)
+        released.append((segs, 1))
+        event = None
         if target is not None and type(target) is DrainMarker:
-            self._quiet.discard(wr_id)
+            # taken first: its callback may go on to reset the QP (which forgets every entry)
+            self._take_send(pops, head, _lowered(released), quiet if not self._quiet else [*quiet, wr_id])
             if code and code != _WC_WR_FLUSH_ERR and self._rc:
                 self._on_async_error(f"the drain before a graceful disconnect completed with {status}")
             target.completed(status)
@@ -220,102 +247,118 @@ class WorkRequests:
             if code and code != _WC_WR_FLUSH_ERR and self._rc:
                 # a failed bind or invalidation puts the RC QP in ERR too: the connection is broken
                 self._on_async_error(f"memory window {op.value} with cookie {shown(cookie)} completed with {status}")
-            return target._bind_completed(evd, cookie, status, op)
-        if op is DTOOp.RDMA_READ:
-            length = byte_len
-        elif op is DTOOp.COMPARE_SWAP or op is DTOOp.FETCH_ADD:
-            length = 8 if not code else byte_len  # verbs leaves byte_len undefined; 8 bytes landed locally
+            event = target._bind_completed(evd, cookie, status, op)
         else:
-            length = segs[0].length if len(segs) == 1 else sum(s.length for s in segs)
-        notify = True
-        if self._quiet and wr_id in self._quiet:
-            self._quiet.discard(wr_id)
-            notify = bool(code)
-        if code and code != _WC_WR_FLUSH_ERR and self._rc:
-            # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
-            # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
-            self._on_async_error(f"{op.value} with cookie {shown(cookie)} completed with {status}")
-        return DTOCompletionEvent._completed(evd, self, cookie, status, length, op,
-                                             None, vendor_err, None, notify)
+            if op is DTOOp.RDMA_READ:
+                length = byte_len
+            elif op is DTOOp.COMPARE_SWAP or op is DTOOp.FETCH_ADD:
+                length = 8 if not code else byte_len  # verbs leaves byte_len undefined; 8 bytes landed locally
+            else:
+                length = segs[0].length if len(segs) == 1 else sum(s.length for s in segs)
+            notify = not (self._quiet and wr_id in self._quiet) or bool(code)
+            event = DTOCompletionEvent._completed(evd, self, cookie, status, length, op,
+                                                  None, vendor_err, None, notify)
+            if code and code != _WC_WR_FLUSH_ERR and self._rc:
+                # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
+                # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
+                # (Before the entry is taken: a retry after a failure here breaks it again, a no-op.)
+                self._on_async_error(f"{op.value} with cookie {shown(cookie)} completed with {status}")
+        self._take_send(pops, head, _lowered(released), quiet if not self._quiet else [*quiet, wr_id])
+        return event
 
-    def _pop_send(self, wr_id: int) -> Any:
-        """Take the entry of ``wr_id`` off the send queue (None if it is not there).  The entries
-        before it, posted without a completion of their own, finished before it: they are retired
-        in bulk, with no Python step per entry (one per run and per distinct LMR, none for plain
-        entries on one buffer)."""
+    def _plan_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...], int, List[Tuple[Any, int]]]:
+        """A receive that is not the oldest entry: (cookie, segments, entries to pop, segments
+        released), changing nothing.  Receives complete in order and their ids only grow: an entry
+        before this one is done, one after it is still posted.  So a completion with no entry of
+        its own (the post's bookkeeping failed: MemoryError) leaves the later ones where they are."""
+        pops = 0
+        released: List[Tuple[Any, int]] = []
+        for entry in self._recv_q:
+            if entry[0] > wr_id:
+                break
+            pops += 1
+            if entry[0] == wr_id:
+                released.append((entry[2], 1))
+                return entry[1], entry[2], pops, released
+            released.append((entry[2], 1))
+        return None, (), pops, released
+
+    def _plan_send(self, wr_id: int) -> Tuple[Any, int, Any, List[Tuple[Any, int]], List[int]]:
+        """How the completion of ``wr_id`` takes the send queue, changing nothing: (its entry or
+        None, how many entries to pop from the head, the entry then put at the head or None, the
+        segments released with the requests they stand for, the wr_ids whose UNSIGNALLED marks
+        go).  The entries before it, posted without a completion of their own, finished before
+        it: they are retired with it, with no Python step per entry (one per run and per distinct
+        LMR, none for plain entries on one buffer).  Its own segments are the caller's to add."""
         q = self._send_q
         if not q:
-            return None
+            return None, 0, None, [], []
         head = q[0]
         if head[0] == wr_id and type(head[4]) is not SendRun:  # the oldest request
-            return q.popleft()
-        if type(head[4]) is SendRun and head[0] <= wr_id <= head[4].last:  # a batch's completion
-            return self._take_from_run(head, wr_id)
-        held = _entries_before(q, wr_id + 1)  # the entries posted at or before wr_id
-        if not held:
-            return None
-        newest = q[held - 1]
-        inside = newest[0] == wr_id or (type(newest[4]) is SendRun and wr_id <= newest[4].last)
-        self._retire(held - 1 if inside else held)
-        if not inside:
-            return None
-        head = q[0]
-        return self._take_from_run(head, wr_id) if type(head[4]) is SendRun else q.popleft()
-
-    def _take_from_run(self, head: Tuple[Any, ...], wr_id: int) -> Tuple[Any, ...]:
-        """The entry of ``wr_id``, which the run at the head of the send queue holds; the run's
-        requests before it completed (suppressed) and are retired, those after it stay."""
+            return head, 1, None, [], []
+        retire = 0
+        released: List[Tuple[Any, int]] = []
+        quiet: List[int] = []
+        if not (type(head[4]) is SendRun and head[0] <= wr_id <= head[4].last):  # not a batch's completion
+            held = _entries_before(q, wr_id + 1)  # the entries posted at or before wr_id
+            if not held:
+                return None, 0, None, [], []
+            newest = q[held - 1]
+            inside = newest[0] == wr_id or (type(newest[4]) is SendRun and wr_id <= newest[4].last)
+            retire = held - 1 if inside else held
+            released, quiet = self._retired(retire)
+            if not inside:
+                return None, retire, None, released, quiet
+            head = q[retire]
+            if type(head[4]) is not SendRun:
+                return head, retire + 1, None, released, quiet
+        # the run at the head holds it: its requests before it completed (suppressed), those after stay
         first, cookies, op, segs, run = head
-        q = self._send_q
-        if wr_id == run.last:
-            q.popleft()
-        else:
-            q[0] = (wr_id + 2, cookies, op, segs, run)
         done = (wr_id - first) // 2  # suppressed requests before wr_id
         if done:
-            for seg in segs:
-                seg.lmr._inflight -= done
+            released.append((segs, done))
             if self._quiet:
-                self._quiet.difference_update(range(first, wr_id, 2))
-        return (wr_id, cookies[(wr_id - run.base) // 2], op, segs, None)
+                quiet += range(first, wr_id, 2)
+        entry = (wr_id, cookies[(wr_id - run.base) // 2], op, segs, None)
+        if wr_id == run.last:
+            return entry, retire + 1, None, released, quiet
+        return entry, retire, (wr_id + 2, cookies, op, segs, run), released, quiet
 
-    def _retire(self, n: int) -> None:
-        """Retire the ``n`` oldest entries of the send queue (they completed without a completion
-        of their own): release their LMRs and forget their UNSIGNALLED marks."""
-        q = self._send_q
-        retired = list(starmap(q.popleft, repeat((), n)))  # n pops, in C
-        if not retired:
-            return
-        # the LMR of every segment of every retired entry, gathered in C
-        lmrs = list(map(_LMR, chain.from_iterable(map(_SEGS, retired))))
-        runs = list(compress(retired, map(_IS_RUN, map(_TARGET, retired))))
-        for first, _, _, segs, run in runs:  # a run's other requests
-            lmrs += map(_LMR, segs * (run.size(first) - 1))
-        if lmrs and all_same(lmrs):  # the usual case: one buffer
-            lmrs[0]._inflight -= len(lmrs)
-        else:
-            for lmr, count in Counter(lmrs).items():
-                lmr._inflight -= count
+    def _retired(self, n: int) -> Tuple[List[Tuple[Any, int]], List[int]]:
+        """The ``n`` oldest entries of the send queue, to be retired (they completed without a
+        completion of their own): their segments with the requests they stand for, and their
+        wr_ids for the UNSIGNALLED marks (none when there are no marks)."""
+        retired = list(islice(self._send_q, n))
+        released: List[Tuple[Any, int]] = [(e[3], e[4].size(e[0]) if type(e[4]) is SendRun else 1) for e in retired]
+        quiet: List[int] = []
         if self._quiet:
-            self._quiet.difference_update(map(_WR_ID, retired))
-            for first, _, _, _, run in runs:
-                self._quiet.difference_update(range(first, run.last + 1, 2))
+            quiet += map(_WR_ID, retired)
+            for first, _, _, _, run in compress(retired, map(_IS_RUN, map(_TARGET, retired))):
+                quiet += range(first, run.last + 1, 2)
+        return released, quiet
+
+    def _take_send(self, pops: int, head: Any, counts: List[Tuple[Any, int]], quiet: List[int]) -> None:
+        """Take what _plan_send planned, with steps that allocate nothing."""
+        q = self._send_q
+        for _ in repeat(None, pops):
+            q.popleft()
+        if head is not None:
+            q[0] = head
+        for lmr, count in counts:
+            lmr._inflight = count
+        if quiet and self._quiet:
+            self._quiet.difference_update(quiet)
+
+    def _pop_send(self, wr_id: int) -> Any:
+        """Take the entry of ``wr_id`` off the send queue (None if it is not there), retiring the
+        entries before it (see _plan_send); its own segments stay counted."""
+        entry, pops, head, released, quiet = self._plan_send(wr_id)
+        self._take_send(pops, head, _lowered(released), quiet)
+        return entry
 
     def _sends_outstanding(self) -> int:
         """How many requests the send queue holds (a run entry stands for several)."""
         return sum(e[4].size(e[0]) if type(e[4]) is SendRun else 1 for e in self._send_q)
-
-    def _pop_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
-        q = self._recv_q
-        # Receives complete in order and their ids only grow: an entry before this one is done, one
-        # after it is still posted.  So a completion with no entry of its own (the post's
-        # bookkeeping failed: MemoryError) leaves the later ones where they are.
-        while q and q[0][0] <= wr_id:
-            entry = q.popleft()
-            if entry[0] == wr_id:
-                return entry[1], entry[2]
-            self._track(entry[2], -1)
-        return None, ()
 
     def recv_query(self) -> "EPRecvInfo":
         """Receive buffers held by the EP (dat_ep_recv_query): ``(nbufs_allocated, bufs_alloc_span)``.

@@ -267,14 +267,13 @@ async def test_a_ping_pong_takes_the_c_path(ep_pair: Any, monkeypatch: pytest.Mo
     """On rxe: signalled sends and receives become events in C (Python's path sees none of them), with
     the cookies, lengths and immediate data the posts gave, and the LMRs free afterwards."""
     python_path: List[int] = []
-    original = EVD._queue_completions
+    original = EVD._queue_one
 
-    def counting(self: EVD, wcs: Any) -> bool:
-        wcs = list(wcs)
-        python_path.extend(wc[0] for wc in wcs)
-        return original(self, iter(wcs))
+    def counting(self: EVD, ep: Any, wc: Any, queue: Any) -> bool:
+        python_path.append(wc[0])
+        return original(self, ep, wc, queue)
 
-    monkeypatch.setattr(EVD, "_queue_completions", counting)
+    monkeypatch.setattr(EVD, "_queue_one", counting)
     pair = ep_pair
     c_recv, c_req, _ = pair.client_evds
     s_recv, _, _ = pair.server_evds

@@ -195,6 +195,154 @@ async def test_a_python_post_that_runs_out_of_memory_is_counted_and_recorded(ia:
         assert evd.dequeue() is None and not no_entry, f"completions of no request: {no_entry}"
         assert lmr._inflight == 0
         assert not ep._quiet
+# -- taking completions under memory pressure (evd.py, wr.py, completions.c) -------------------
+#
+# The requests' completions wait in the CQ; then each round takes some of them (an EVD of qlen 4
+# polls at most 4 at a time) with its n-th allocation failing, n going round.  What must hold:
+# every completion comes out exactly once, in order, with its own cookie, whichever way it is
+# taken (a MemoryError may reach the caller of that wait, the next one has the events), and the
+# LMR's count is back to 0.
+
+TAKE_QLEN = 4
+TAKE_CYCLE = 48  # more than the allocations of one wait, dequeue or wake-up
+
+
+def _taken_cookies(events: List[Any]) -> List[Any]:
+    assert all(e.ok for e in events), [e.status for e in events if not e.ok]
+    return [e.cookie for e in events]
+
+
+async def _completions_waiting(ia: Any, sends: bool) -> Any:
+    """A pair whose client (``sends``) or server has HIGH + 100 completions waiting in its CQ, of
+    requests on one LMR (its count above 256 for the first 144); (pair, evd, lmr, cookies)."""
+    total = HIGH + 100
+    pair = await make_ep_pair(ia, attrs=aiodat.EPAttr(max_recv_dtos=total, max_request_dtos=total))
+    src, dst = pair.client_lmr[0:8], pair.server_lmr[0:64]
+    cookies = [("taken", i) for i in range(total)]
+    if sends:
+        pair.server.post_recv_batch([(dst, None) for _ in range(total)])
+        pair.client.post_send_batch([(src, c) for c in cookies])
+        await events_of(pair.server.recv_evd, total)  # received: the sends have completed too
+        evd, lmr = pair.client.request_evd, pair.client_lmr
+    else:
+        pair.server.post_recv_batch([(dst, c) for c in cookies])
+        pair.client.post_send_batch([(src, None) for _ in range(total)])
+        await events_of(pair.client.request_evd, total)  # sent: they were received
+        evd, lmr = pair.server.recv_evd, pair.server_lmr
+    assert lmr._inflight == total
+    evd.resize(TAKE_QLEN)
+    # its channel watched by this loop first: asyncio's add_reader under a failing allocation
+    # is asyncio's business (CPython's WeakValueDictionary raises a SystemError there)
+    evd._attach(asyncio.get_running_loop())
+    return pair, evd, lmr, cookies
+
+
+def _check_taken(evd: Any, lmr: Any, taken: List[Any], cookies: List[Any], failures: int) -> None:
+    assert failures, "no allocation failed: the injection did not reach the taking of completions"
+    assert taken == cookies, (f"{len(taken)} of {len(cookies)} taken; missing "
+                              f"{[c for c in cookies if c not in taken][:5]}, "
+                              f"twice {[c for c in set(taken) if taken.count(c) > 1][:5]}")
+    assert lmr._inflight == 0
+    assert not evd._queue and not evd._backlog
+
+
+@pytest.mark.parametrize("sends", [False, True], ids=["recv", "send"])
+@pytest.mark.parametrize("max_events", [None, 2], ids=["wait", "wait_max_events"])
+async def test_waits_that_run_out_of_memory_lose_no_completion(ia: Any, sends: bool,
+                                                               max_events: Any) -> None:
+    """``await evd.wait()``: C's wait (wait_begin: its look and its take), or with ``max_events``
+    Python's (the look's rest in Python, _take)."""
+    pair, evd, lmr, cookies = await _completions_waiting(ia, sends)
+    try:
+        taken: List[Any] = []
+        failures = rounds = 0
+        while len(taken) < len(cookies) and rounds < 20 * len(cookies):
+            n = rounds % TAKE_CYCLE
+            rounds += 1
+            events: List[Any] = []
+            _testcapi.set_nomemory(n, n + 1)
+            try:
+                events = await evd.wait(timeout=2.0, max_events=max_events)
+            except MemoryError:
+                failures += 1
+            except aiodat.TimeoutExpired:
+                break  # nothing more comes: some were lost
+            finally:
+                _testcapi.remove_mem_hooks()
+            taken += _taken_cookies(events)
+        _check_taken(evd, lmr, taken, cookies, failures)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("sends", [False, True], ids=["recv", "send"])
+async def test_dequeues_that_run_out_of_memory_lose_no_completion(ia: Any, sends: bool) -> None:
+    """``evd.dequeue()``: its drain in Python (_drain_cq, C's queue_common and _queue_backlog)."""
+    pair, evd, lmr, cookies = await _completions_waiting(ia, sends)
+    try:
+        taken: List[Any] = []
+        failures = rounds = 0
+        while len(taken) < len(cookies) and rounds < 20 * len(cookies):
+            n = rounds % TAKE_CYCLE
+            rounds += 1
+            event, failed = None, False
+            _testcapi.set_nomemory(n, n + 1)
+            try:
+                event = evd.dequeue()
+            except MemoryError:
+                failed = True
+            finally:
+                _testcapi.remove_mem_hooks()
+            failures += failed
+            if event is not None:
+                taken += _taken_cookies([event])
+            elif not failed:
+                break  # nothing queued, nothing polled: no more to come
+        _check_taken(evd, lmr, taken, cookies, failures)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("sends", [False, True], ids=["recv", "send"])
+async def test_callback_wakeups_that_run_out_of_memory_lose_no_completion(ia: Any, sends: bool) -> None:
+    """``evd.set_callback(fn)``: the reader callback (C's wakeup: drain, deliver, look again), with
+    its failures going to ``on_error``; what it could not deliver comes with a later delivery."""
+    pair, evd, lmr, cookies = await _completions_waiting(ia, sends)
+    try:
+        # (what the callback does allocates nothing: a failure there would lose events here)
+        batches: List[Any] = [None] * (2 * len(cookies))
+        count = [0]
+        errors: List[Any] = [None] * (20 * len(cookies))
+        error_count = [0]
+
+        def deliver(events: List[Any]) -> None:
+            batches[count[0]] = events
+            count[0] += 1
+
+        def on_error(exc: BaseException) -> None:
+            errors[error_count[0]] = exc
+            error_count[0] += 1
+
+        evd.set_callback(deliver, on_error=on_error)
+        failures = rounds = 0
+        while rounds < 4 * len(cookies):  # (no await: the loop's poller takes no turn meanwhile)
+            n = rounds % TAKE_CYCLE
+            rounds += 1
+            _testcapi.set_nomemory(n, n + 1)
+            try:
+                evd._on_readable()  # the channel's reader callback, as the loop calls it
+            except MemoryError:
+                failures += 1
+            finally:
+                _testcapi.remove_mem_hooks()
+        failures += sum(isinstance(e, MemoryError) for e in errors[:error_count[0]])
+        for _ in range(200):  # what is left, the poller delivers
+            if sum(len(b) for b in batches[:count[0]]) >= len(cookies):
+                break
+            await asyncio.sleep(0.01)
+        taken = _taken_cookies([e for b in batches[:count[0]] for e in b])
+        evd.set_callback(None)
+        _check_taken(evd, lmr, taken, cookies, failures)
     finally:
         pair.close()
 

@@ -25,21 +25,20 @@ T = 30.0
 
 def counting(monkeypatch: pytest.MonkeyPatch) -> Tuple[List[int], List[int]]:
     """Count the general paths' steps: srq.py's as_segments (the post) and the completions
-    EVD._queue_completions turns into events (Python's side of a poll)."""
+    EVD._queue_one turns into events (Python's side of a poll)."""
     posts, completions = [0], []
-    real_segments, real_queue = aiodat.srq.as_segments, EVD._queue_completions
+    real_segments, real_queue = aiodat.srq.as_segments, EVD._queue_one
 
     def counted_segments(*args: Any, **kwargs: Any) -> Any:
         posts[0] += 1
         return real_segments(*args, **kwargs)
 
-    def counted_queue(self: EVD, wcs: Any) -> bool:
-        wcs = list(wcs)
-        completions.extend(wc[0] for wc in wcs)
-        return real_queue(self, iter(wcs))
+    def counted_queue(self: EVD, ep: Any, wc: Any, queue: Any) -> bool:
+        completions.append(wc[0])
+        return real_queue(self, ep, wc, queue)
 
     monkeypatch.setattr(aiodat.srq, "as_segments", counted_segments)
-    monkeypatch.setattr(EVD, "_queue_completions", counted_queue)
+    monkeypatch.setattr(EVD, "_queue_one", counted_queue)
     return posts, completions
 
 

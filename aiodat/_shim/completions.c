@@ -1,7 +1,7 @@
 /* aiodat/_shim/completions.c: the extension module aiodat._shim._completions.
  *
  * The common case of turning polled completions into events, in C: what
- * EVD._queue_completions (evd.py) and WorkRequests._completion_event (wr.py)
+ * EVD._queue_backlog (evd.py) and WorkRequests._completion_event (wr.py)
  * do in Python, for a successful completion that is the oldest request of its
  * EP's queue (or a send after plain sends posted suppressed, retired with it: selective
  * signalling), has no UNSIGNALLED requests beside it and, for a send, has no
@@ -63,7 +63,7 @@ static int (*poll_fn)(struct ibv_cq *cq, struct aiodat_wc *out, int max);
 static int (*drain_fn)(struct ibv_comp_channel *channel, struct ibv_cq *cq, int arm, struct aiodat_wc *out,
                        int max, int *status);
 static PyObject *s_closed, *s_backlog, *s_awaited, *s_cq_address, *s_wcs_address, *s_qlen, *s_queue,
-                *s_qpn_refs, *s_polled;
+                *s_qpn_refs, *s_polled, *s_wc_next, *s_zero;
 static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited_hit, *s_busy_poll_us,
                 *s_busy_until, *s_overflow_reported, *s_done, *s_set_result, *s_clear,
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
@@ -165,61 +165,104 @@ static void unqueue_event(PyObject *queue)
     PyErr_Restore(type, value, tb);
 }
 
-/* lmr._inflight -= n: 0, or -1 on error */
-static int release_lmr(PyObject *lmr, Py_ssize_t n)
+/* The in-flight counts a completion lowers, worked out before anything is taken (a count that is
+ * no small int allocates) and set after, by steps that allocate nothing: a MemoryError in
+ * between would leave a count high for ever (an LMR that can never be freed). */
+#define MAX_LOWERED 8
+struct lowered {
+    int n;
+    PyObject *lmr[MAX_LOWERED];    /* held */
+    Py_ssize_t by[MAX_LOWERED];
+    PyObject *value[MAX_LOWERED];  /* the new count, once lowered_values made it */
+};
+
+static void lowered_clear(struct lowered *l)
 {
-    return attr_add(lmr, s_inflight, -n);
+    for (int k = 0; k < l->n; k++) {
+        Py_CLEAR(l->lmr[k]);
+        Py_CLEAR(l->value[k]);
+    }
+    l->n = 0;
 }
 
-/* lmr._inflight -= requests for each segment: they are the hardware's no more. */
-static int release_segments(PyObject *segs, Py_ssize_t requests)
+/* Note ``requests`` requests on each of ``segs``: 1, 0 (more LMRs than it notes: Python's path),
+ * or -1 on error. */
+static int lower_segments(struct lowered *l, PyObject *segs, Py_ssize_t requests)
 {
-    for (Py_ssize_t k = 0; k < PyTuple_Size(segs); k++) {
-        PyObject *lmr = PyObject_GetAttr(PyTuple_GetItem(segs, k), s_lmr);
-        int err = lmr == NULL || release_lmr(lmr, requests) < 0;
-        Py_XDECREF(lmr);
-        if (err)
+    if (!PyTuple_Check(segs))
+        return 0;
+    for (Py_ssize_t j = 0; j < PyTuple_Size(segs); j++) {
+        PyObject *lmr = PyObject_GetAttr(PyTuple_GetItem(segs, j), s_lmr);
+        if (lmr == NULL)
+            return -1;
+        int k = 0;
+        while (k < l->n && l->lmr[k] != lmr)
+            k++;
+        if (k < l->n) {
+            l->by[k] += requests;
+            Py_DECREF(lmr);
+        } else if (l->n == MAX_LOWERED) {
+            Py_DECREF(lmr);
+            return 0;
+        } else {
+            l->lmr[k] = lmr;
+            l->by[k] = requests;
+            l->value[k] = NULL;
+            l->n++;
+        }
+    }
+    return 1;
+}
+
+/* Note the segments of the ``count`` plain entries (suppressed sends) at the head of ``q``: 1, 0
+ * (Python's path), or -1. */
+static int lower_head(struct lowered *l, PyObject *q, Py_ssize_t count)
+{
+    PyObject *it = PyObject_GetIter(q), *entry;
+    int rc = 1;
+    if (it == NULL)
+        return -1;
+    for (Py_ssize_t k = 0; rc == 1 && k < count && (entry = PyIter_Next(it)) != NULL; k++) {
+        rc = PyTuple_Check(entry) && PyTuple_Size(entry) == 5 ? lower_segments(l, PyTuple_GetItem(entry, 3), 1) : 0;
+        Py_DECREF(entry);
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : rc;
+}
+
+/* Make the new counts: 0, or -1. */
+static int lowered_values(struct lowered *l)
+{
+    for (int k = 0; k < l->n; k++) {
+        PyObject *now = PyObject_GetAttr(l->lmr[k], s_inflight), *by = PyLong_FromSsize_t(l->by[k]);
+        l->value[k] = now && by ? PyNumber_Subtract(now, by) : NULL;
+        Py_XDECREF(now); Py_XDECREF(by);
+        if (l->value[k] == NULL)
             return -1;
     }
     return 0;
 }
 
-/* Pop the ``count`` suppressed sends at the head of ``q`` and release their segments, one update of
- * an LMR's in-flight count per run of segments on it (the buffers of a pool are mostly one LMR's).
- * Every entry is popped whatever a count's update does (see drop_error).  Returns how many were
- * popped: ``count`` (a deque's popleft, called unbound, allocates nothing and does not fail). */
-static Py_ssize_t retire_head(PyObject *q, Py_ssize_t count)
+/* Set the new counts (an attribute that exists already: nothing is allocated). */
+static void lowered_set(struct lowered *l)
 {
-    PyObject *run_lmr = NULL;
-    Py_ssize_t run = 0, k;
-    for (k = 0; k < count; k++) {
+    for (int k = 0; k < l->n; k++)
+        if (PyObject_SetAttr(l->lmr[k], s_inflight, l->value[k]) < 0)
+            drop_error();
+}
+
+/* Pop the ``count`` entries at the head of ``q`` (a deque's popleft, called unbound, allocates
+ * nothing and does not fail on a deque that holds them). */
+static void pop_head(PyObject *q, Py_ssize_t count)
+{
+    for (Py_ssize_t k = 0; k < count; k++) {
         PyObject *old = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
-        if (old == NULL)
+        if (old == NULL) {
+            drop_error();
             break;
-        PyObject *segs = PyTuple_Check(old) && PyTuple_Size(old) == 5 ? PyTuple_GetItem(old, 3) : NULL;
-        for (Py_ssize_t j = 0; segs != NULL && PyTuple_Check(segs) && j < PyTuple_Size(segs); j++) {
-            PyObject *lmr = PyObject_GetAttr(PyTuple_GetItem(segs, j), s_lmr);
-            if (lmr == NULL) {
-                drop_error();
-            } else if (lmr == run_lmr) {
-                run++;
-                Py_DECREF(lmr);
-            } else {
-                if (run_lmr != NULL && release_lmr(run_lmr, run) < 0)
-                    drop_error();
-                Py_XDECREF(run_lmr);
-                run_lmr = lmr;
-                run = 1;
-            }
         }
         Py_DECREF(old);
     }
-    if (PyErr_Occurred())  /* (before the last count's update: no C API call with an error set) */
-        drop_error();
-    if (run_lmr != NULL && release_lmr(run_lmr, run) < 0)
-        drop_error();
-    Py_XDECREF(run_lmr);
-    return k;
 }
 
 /* a DTOCompletionEvent made as DTOCompletionEvent._completed makes it: no __init__, one __dict__
@@ -300,6 +343,7 @@ static PyObject *recv_event(PyObject *evd, PyObject *ep, const struct aiodat_wc 
 static int srq_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject *queue)
 {
     int taken = -1;
+    struct lowered counts = {0};
     PyObject *eps = NULL, *seen = NULL, *posted = NULL, *key = NULL, *entry = NULL, *event = NULL;
     PyObject *srq = PyObject_GetAttr(ep, s_srq);
     if (srq == NULL)
@@ -328,18 +372,22 @@ static int srq_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, Py
     Py_INCREF(entry);  /* (the dictionary's reference goes below) */
     if (!PyTuple_Check(entry) || PyTuple_Size(entry) != 2 || !PyTuple_Check(PyTuple_GetItem(entry, 1)))
         goto done;
+    int lowers = lower_segments(&counts, PyTuple_GetItem(entry, 1), 1);
+    if (lowers <= 0) {
+        taken = lowers;
+        goto done;
+    }
     event = recv_event(evd, ep, wc, PyTuple_GetItem(entry, 0));
-    if (event == NULL || queue_event(queue, event) < 0)
+    if (event == NULL || lowered_values(&counts) < 0 || queue_event(queue, event) < 0)
         goto done;
     if (PyDict_DelItem(posted, key) < 0) {  /* (a dictionary's delete does not fail on real objects) */
         unqueue_event(queue);
         goto done;
     }
-    /* taken: a count that cannot drop (an int's allocation) stays high, which refuses a free, not a post */
-    if (release_segments(PyTuple_GetItem(entry, 1), 1) < 0)
-        drop_error();
+    lowered_set(&counts);
     taken = 1;
 done:
+    lowered_clear(&counts);
     Py_XDECREF(event); Py_XDECREF(entry); Py_XDECREF(key); Py_XDECREF(posted); Py_XDECREF(seen); Py_XDECREF(eps); Py_DECREF(srq);
     return taken;
 }
@@ -352,7 +400,8 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     int taken = 0;
     Py_ssize_t retire = 0;  /* suppressed sends before this one, retired with it */
     Py_ssize_t requests = 0;  /* a run's: how many requests its last completion takes */
-    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *popped = NULL, *event = NULL;
+    struct lowered counts = {0};
+    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *event = NULL;
     q = PyObject_GetAttr(ep, recv ? s_recv_q : s_send_q);
     quiet = q ? PyObject_GetAttr(ep, s_quiet) : NULL;
     if (quiet == NULL)
@@ -418,29 +467,48 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     }
     if (segs == NULL || !PyTuple_Check(segs))
         goto error;
-    /* everything that can fail comes before the entry is taken (the event queued too): a failure
-     * leaves it for wr.py */
+    /* everything that can fail comes before the entry is taken (the new counts made, the event
+     * queued): a failure leaves it for wr.py */
+    int lowers = lower_segments(&counts, segs, requests ? requests : 1);
+    if (lowers > 0 && retire)
+        lowers = lower_head(&counts, q, retire);
+    if (lowers <= 0) {
+        if (lowers < 0)
+            goto error;
+        goto done;  /* its requests span more LMRs than C notes: wr.py's */
+    }
     if (recv) {
         event = recv_event(evd, ep, wc, cookie);
     } else {
         long long length = segments_length(segs);
         event = length < 0 ? NULL : make_event(evd, ep, cookie, length, op, Py_None, wc->vendor_err, Py_None);
     }
-    if (event == NULL || queue_event(queue, event) < 0)
+    if (event == NULL || lowered_values(&counts) < 0 || queue_event(queue, event) < 0)
         goto error;
-    /* taken from here: the suppressed sends before it, then its own entry (a deque's popleft does not
-     * fail); had fewer been popped, its own would not be at the head: it stays, counted (see drop_error) */
-    if (retire == 0 || retire_head(q, retire) == retire)
-        popped = PyObject_CallMethodObjArgs(q, s_popleft, NULL);
-    if (popped == NULL || release_segments(segs, requests ? requests : 1) < 0)
-        drop_error();
+    /* taken from here, by steps that allocate nothing: the suppressed sends before it, its own
+     * entry, the counts */
+    pop_head(q, retire + 1);
+    lowered_set(&counts);
     taken = 1;
     goto done;
 error:
     taken = -1;
 done:
-    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(popped); Py_XDECREF(event);
+    lowered_clear(&counts);
+    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(event);
     return taken;
+}
+
+/* The completions wcs[taken:count] are polled and not taken: they are the EVD's backlog
+ * (evd._wc_next, evd._backlog), which the next drain takes first, in Python.  Both are ints of
+ * at most 64, which Python caches: setting them allocates nothing. */
+static void note_backlog(PyObject *evd, int taken, int count)
+{
+    PyObject *next = PyLong_FromLong(taken), *end = PyLong_FromLong(count);
+    if (next == NULL || end == NULL || PyObject_SetAttr(evd, s_wc_next, next) < 0
+        || PyObject_SetAttr(evd, s_backlog, end) < 0)
+        drop_error();
+    Py_XDECREF(next); Py_XDECREF(end);
 }
 
 /* Turn the leading common-case completions of wcs[0:count] into events appended to queue;
@@ -487,6 +555,8 @@ static int queue_events(PyObject *evd, const struct aiodat_wc *wcs, int count, P
      * raised in here (any Python run on the way) is not lost: it comes again at the next check */
     if (PyErr_Occurred())
         drop_error();
+    if (i < count)
+        note_backlog(evd, i, count);
     return i;
 }
 
@@ -503,6 +573,10 @@ static PyObject *queue_common(PyObject *self, PyObject *args)
         return NULL;
     }
     int taken = queue_events(evd, (const struct aiodat_wc *)(uintptr_t)address, count, refs, queue, &notified);
+    /* (the caller noted them all as its backlog: what is left of it is noted on the EVD, not only
+     * returned, as the tuple below may fail to be made; an object that is no EVD has none) */
+    if (taken == count && count > 0 && PyObject_SetAttr(evd, s_backlog, s_zero) < 0)
+        drop_error();
     return Py_BuildValue("(ii)", taken, notified);
 }
 
@@ -515,8 +589,10 @@ static int queue_or_leave(PyObject *evd, PyObject *queue, unsigned long long wcs
     int taken = 0, notified = 0;
     if (got > 0) {
         PyObject *refs = PyObject_GetAttr(evd, s_qpn_refs);
-        if (refs == NULL)
+        if (refs == NULL) {
+            note_backlog(evd, 0, got);
             return -1;
+        }
         taken = PyDict_Check(refs) ? queue_events(evd, (struct aiodat_wc *)(uintptr_t)wcs, got, refs, queue,
                                                   &notified) : 0;
         Py_DECREF(refs);
@@ -622,16 +698,24 @@ static int hand_exception(PyObject *evd, PyObject *method, PyObject *before, PyO
     return hand_raised(evd, method, before, after);
 }
 
-/* EVD._take(None): every queued event, as a new list; the queue is empty afterwards. */
+/* Empty the queue whose events were copied out (there is room again: the next overflow is
+ * reported).  0, or -1 with the queue as it was. */
+static int taken_all(PyObject *evd, PyObject *queue)
+{
+    if (PyObject_SetAttr(evd, s_overflow_reported, Py_False) < 0)
+        return -1;
+    PyObject *cleared = PyObject_CallMethodObjArgs(queue, s_clear, NULL);  /* (allocates nothing) */
+    Py_XDECREF(cleared);
+    return cleared == NULL ? -1 : 0;
+}
+
+/* EVD._take(None): every queued event, as a new list; the queue is empty afterwards.  Raises
+ * with the queue as it was: the list is made before anything is taken. */
 static PyObject *take_all(PyObject *evd, PyObject *queue)
 {
     PyObject *events = PySequence_List(queue);
-    if (events == NULL)
-        return NULL;
-    PyObject *cleared = PyObject_CallMethodObjArgs(queue, s_clear, NULL);
-    if (cleared == NULL || PyObject_SetAttr(evd, s_overflow_reported, Py_False) < 0)
-        Py_CLEAR(events);  /* (there is room again: the next overflow is reported) */
-    Py_XDECREF(cleared);
+    if (events != NULL && taken_all(evd, queue) < 0)
+        Py_CLEAR(events);
     return events;
 }
 
@@ -1444,11 +1528,15 @@ static PyObject *spin_next(PyObject *self)
     Py_DECREF(result);
     if (spin_release(spin) < 0)
         return NULL;
+    /* the events leave the queue only once their StopIteration is made: a MemoryError before
+     * leaves them queued for the next wait */
     PyObject *queue = PyObject_GetAttr(spin->evd, s_queue);
-    PyObject *events = queue ? take_all(spin->evd, queue) : NULL;
-    Py_XDECREF(queue);
+    PyObject *events = queue ? PySequence_List(queue) : NULL;
     PyObject *stop = events ? PyObject_CallFunctionObjArgs(PyExc_StopIteration, events, NULL) : NULL;
+    if (stop != NULL && taken_all(spin->evd, queue) < 0)
+        Py_CLEAR(stop);
     Py_XDECREF(events);
+    Py_XDECREF(queue);
     if (stop != NULL) {
         PyErr_SetObject(PyExc_StopIteration, stop);
         Py_DECREF(stop);
@@ -1642,7 +1730,10 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_popleft, "popleft"); INTERN(s_pop, "pop"); INTERN(s_append, "append"); INTERN(s_base, "base"); INTERN(s_last, "last");
     INTERN(s_closed, "_closed"); INTERN(s_backlog, "_backlog"); INTERN(s_awaited, "_awaited");
     INTERN(s_cq_address, "_cq_address"); INTERN(s_wcs_address, "_wcs_address"); INTERN(s_qlen, "_qlen");
-    INTERN(s_queue, "_queue"); INTERN(s_qpn_refs, "_qpn_refs"); INTERN(s_polled, "_polled"); INTERN(s_dict, "__dict__");
+    INTERN(s_queue, "_queue"); INTERN(s_qpn_refs, "_qpn_refs"); INTERN(s_polled, "_polled"); INTERN(s_wc_next, "_wc_next");
+    INTERN(s_dict, "__dict__");
+    if ((s_zero = PyLong_FromLong(0)) == NULL)
+        return NULL;
     INTERN(k_type, "type"); INTERN(k_evd, "evd"); INTERN(k_ep, "ep"); INTERN(k_cookie, "cookie");
     INTERN(k_status, "status"); INTERN(k_length, "transferred_length"); INTERN(k_operation, "operation");
     INTERN(k_imm, "imm_data"); INTERN(k_vendor_err, "vendor_err"); INTERN(k_src_qp, "src_qp");
