@@ -198,17 +198,23 @@ class WorkRequests:
         Under memory pressure it raises with nothing changed, or returns with the request's entry
         taken: what it takes and the counts it lowers are worked out first (they allocate), and
         taken by steps that allocate nothing (a MemoryError in between would lose the cookie).
-        (Not so for an SRQ's receive, whose entry srq.py takes, and a window's bind.)"""
+        (Not so for a window's bind, whose entry memory.py takes.)"""
         wr_id = wc[0]
         code = wc[1]
         event: Any
         if wr_id & 1:
             q = self._recv_q  # (empty on an SRQ's EP)
+            posted = None  # an SRQ's table of its buffers, whose entry goes at the end
             if q and q[0][0] == wr_id:  # the usual case: receives complete in the order they were posted
                 _, cookie, segs = q[0]
                 pops, released = 1, [(segs, 1)]
             elif self._srq is not None:
-                cookie, segs = self._srq._complete(wr_id)
+                # srq.py's _complete, its entry taken at the end (as completions.c's srq_event does)
+                srq = self._srq
+                if len(srq._eps) != srq._eps_seen:  # an EP came or went: remember its recv EVD for the counters
+                    srq._note_evds()
+                posted = srq._posted
+                cookie, segs = posted.get(wr_id, (None, ()))
                 pops, released = 0, [(segs, 1)]
             else:
                 cookie, segs, pops, released = self._plan_recv(wr_id)
@@ -222,6 +228,8 @@ class WorkRequests:
             # taken from here: nothing below allocates
             for _ in repeat(None, pops):
                 q.popleft()
+            if posted is not None:
+                posted.pop(wr_id, None)
             for lmr, count in counts:
                 lmr._inflight = count
             if self._quiet:
