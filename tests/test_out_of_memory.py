@@ -195,6 +195,10 @@ async def test_a_python_post_that_runs_out_of_memory_is_counted_and_recorded(ia:
         assert evd.dequeue() is None and not no_entry, f"completions of no request: {no_entry}"
         assert lmr._inflight == 0
         assert not ep._quiet
+    finally:
+        pair.close()
+
+
 # -- taking completions under memory pressure (evd.py, wr.py, completions.c) -------------------
 #
 # The requests' completions wait in the CQ; then each round takes some of them (an EVD of qlen 4
