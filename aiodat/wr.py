@@ -196,14 +196,14 @@ class WorkRequests:
         """The event of one completion; ``wc`` is a struct aiodat_wc as a tuple (evd._WC).
 
         Under memory pressure it raises with nothing changed, or returns with the request's entry
-        taken: what it takes and the counts it lowers are worked out first (they allocate), and
-        taken by steps that allocate nothing (a MemoryError in between would lose the cookie).
-        (Not so for a window's bind, whose entry memory.py takes.)"""
+        taken: what it takes is worked out first (it allocates), and taken by _take (a MemoryError
+        in between would lose the cookie).  A drain marker's callback runs after the take.  (Not
+        so for a window's bind, whose entry memory.py takes.)"""
         wr_id = wc[0]
         code = wc[1]
         event: Any
         if wr_id & 1:
-            q = self._recv_q  # (empty on an SRQ's EP)
+            q: Deque[Any] = self._recv_q  # (empty on an SRQ's EP)
             posted = None  # an SRQ's table of its buffers, whose entry goes at the end
             if q and q[0][0] == wr_id:  # the usual case: receives complete in the order they were posted
                 _, cookie, segs = q[0]
@@ -224,32 +224,27 @@ class WorkRequests:
                 _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
                 wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
                 wc[3], wc[7] if self._ud else None, notify)
-            counts = _lowered(released)
-            # taken from here: nothing below allocates
-            for _ in repeat(None, pops):
-                q.popleft()
-            if posted is not None:
+            self._take(q, pops, None, released, (wr_id,) if self._quiet else ())
+            if posted is not None:  # (its cookie and segments are held here: its release runs no finalizer)
                 posted.pop(wr_id, None)
-            for lmr, count in counts:
-                lmr._inflight = count
-            if self._quiet:
-                self._quiet.discard(wr_id)
             return event
         byte_len, vendor_err = wc[4], wc[3]
         status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
+        q = self._send_q
         entry, pops, head, released, quiet = self._plan_send(wr_id)
         if entry is None:
-            self._take_send(pops, head, _lowered(released), quiet)
+            self._take(q, pops, head, released, quiet)
             return None
         _, cookie, op, segs, target = entry
         released.append((segs, 1))
+        if self._quiet:
+            quiet = [*quiet, wr_id]
         event = None
         if target is not None and type(target) is DrainMarker:
-            # taken first: its callback may go on to reset the QP (which forgets every entry)
-            self._take_send(pops, head, _lowered(released), quiet if not self._quiet else [*quiet, wr_id])
-            if code and code != _WC_WR_FLUSH_ERR and self._rc:
+            if code and code != _WC_WR_FLUSH_ERR and self._rc:  # (before the take, as below)
                 self._on_async_error(f"the drain before a graceful disconnect completed with {status}")
-            target.completed(status)
+            self._take(q, pops, head, released, quiet)  # (it raises with nothing taken, or takes all)
+            target.completed(status)  # after the take: its callback may go on to reset the QP (which forgets every entry)
             return None
         if op is DTOOp.BIND or op is DTOOp.UNBIND:
             if code and code != _WC_WR_FLUSH_ERR and self._rc:
@@ -271,7 +266,7 @@ class WorkRequests:
                 # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
                 # (Before the entry is taken: a retry after a failure here breaks it again, a no-op.)
                 self._on_async_error(f"{op.value} with cookie {shown(cookie)} completed with {status}")
-        self._take_send(pops, head, _lowered(released), quiet if not self._quiet else [*quiet, wr_id])
+        self._take(q, pops, head, released, quiet)
         return event
 
     def _plan_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...], int, List[Tuple[Any, int]]]:
@@ -345,23 +340,35 @@ class WorkRequests:
                 quiet += range(first, run.last + 1, 2)
         return released, quiet
 
-    def _take_send(self, pops: int, head: Any, counts: List[Tuple[Any, int]], quiet: List[int]) -> None:
-        """Take what _plan_send planned, with steps that allocate nothing."""
-        q = self._send_q
-        for _ in repeat(None, pops):
+    def _take(self, q: Deque[Any], pops: int, head: Any, released: List[Tuple[Any, int]],
+              quiet: Iterable[int]) -> None:
+        """Take what a completion's plan planned: ``pops`` entries off the head of ``q`` (``head``
+        then put at its head), the LMRs' counts lowered by ``released`` (segments, requests), the
+        UNSIGNALLED marks of ``quiet``.  What can fail is made first (a MemoryError there changes
+        nothing): the list holding the entries, the iterators the loops below use, the new counts
+        (made last, from the counts as they are).  Then only steps that allocate nothing: the
+        counts are set, then the entries go, held until the end, so that the finalizer their
+        release may run (a cookie's, which may post on or reset this EP) finds everything taken."""
+        held = list(islice(q, pops))
+        steps, marks = repeat(None, pops), iter(quiet)
+        counts = iter(_lowered(released))
+        # taken from here: nothing below allocates
+        for lmr, count in counts:
+            lmr._inflight = count
+        for _ in steps:
             q.popleft()
         if head is not None:
             q[0] = head
-        for lmr, count in counts:
-            lmr._inflight = count
-        if quiet and self._quiet:
-            self._quiet.difference_update(quiet)
+        if self._quiet:
+            for wr_id in marks:
+                self._quiet.discard(wr_id)
+        del held  # (the finalizers run here)
 
     def _pop_send(self, wr_id: int) -> Any:
         """Take the entry of ``wr_id`` off the send queue (None if it is not there), retiring the
         entries before it (see _plan_send); its own segments stay counted."""
         entry, pops, head, released, quiet = self._plan_send(wr_id)
-        self._take_send(pops, head, _lowered(released), quiet)
+        self._take(self._send_q, pops, head, released, quiet)
         return entry
 
     def _sends_outstanding(self) -> int:

@@ -262,6 +262,74 @@ def test_configure_is_once_and_bad_arguments_are_refused() -> None:
         _completions.queue_common(object(), 0, 0, "not a dict", deque())
 
 
+# -- a completion is taken whole (host: fake EPs) ------------------------------------------------
+
+TAKE_CASES = ["receive", "receive after a lost one", "send", "send retiring unsignalled ones", "a run's last",
+              "inside a run", "an error", "a drain marker", "a failed drain marker"]
+
+
+def taking(case: str) -> Tuple[Any, ...]:
+    """QPN 7's EP of a world set up for ``case``, its LMR counted above 256 (a change of the count
+    allocates): (ep, lmr, the completion, what the drain marker's callback was given)."""
+    ep, _, lmr, _, _ = world()[0]
+    lmr._inflight = 300
+    calls: deque = deque()  # (its append allocates nothing: the deque has a block)
+    wr_id, status, opcode = 0, 0, IBV_WC_SEND
+    if case.startswith("receive"):
+        wr_id, opcode = (1 if case == "receive" else 3), IBV_WC_RECV
+    elif case == "send retiring unsignalled ones":
+        wr_id = 4
+        ep._quiet.update((0, 2))
+    elif case in ("a run's last", "inside a run"):
+        ep._send_q.clear()
+        ep._send_q.append((0, ("c0", "c2", "c4"), DTOOp.SEND, (Seg(lmr, 8),), SendRun(0, 4)))
+        ep._send_q.append((6, "s3", DTOOp.SEND, (Seg(lmr, 8),), None))
+        wr_id = 4 if case == "a run's last" else 2
+    elif case == "an error":
+        status = 12
+    elif case.endswith("drain marker"):
+        ep._send_q[0] = (0, None, DTOOp.RDMA_WRITE, (), DrainMarker(calls.append))
+        status, opcode = (12 if case == "a failed drain marker" else 0), IBV_WC_RDMA_WRITE
+    wc = as_tuple(wc_array([(wr_id, status, opcode, 8, 7, None, 0, 0)])[0])
+    return ep, lmr, wc, calls
+
+
+def taken_state(ep: EP, lmr: LMR, calls: deque) -> Tuple[Any, ...]:
+    """What taking a completion changes, comparable between two worlds."""
+    return ([e[:2] for e in ep._send_q], [e[:2] for e in ep._recv_q], sorted(ep._quiet), lmr._inflight,
+            list(calls))
+
+
+@pytest.mark.parametrize("case", TAKE_CASES)
+def test_a_completion_is_taken_whole_or_not_at_all_in_python(case: str) -> None:
+    """wr.py's _completion_event with each of its allocations failing in turn: it raises with
+    nothing changed, and taken again it gives the event and the state it gives unhindered (a list
+    iterator made after the pops lost the cookie and left the count high; a drain marker whose
+    error was reported after its entry was taken never completed)."""
+    _testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory)")
+    ep, lmr, wc, calls = taking(case)
+    event = ep._completion_event(wc, object())
+    expected = taken_state(ep, lmr, calls), None if event is None else (event.cookie, event.status)
+    failures = 0
+    for n in range(80):
+        ep, lmr, wc, calls = taking(case)
+        before = taken_state(ep, lmr, calls)
+        raised = False
+        _testcapi.set_nomemory(n, n + 1)
+        try:
+            event = ep._completion_event(wc, object())
+        except (MemoryError, SystemError):  # (3.11 reports a frame it could not allocate as SystemError)
+            raised = True
+        finally:
+            _testcapi.remove_mem_hooks()
+        if raised:
+            failures += 1
+            assert taken_state(ep, lmr, calls) == before, f"allocation {n} failed with the completion part taken"
+            event = ep._completion_event(wc, object())
+        assert (taken_state(ep, lmr, calls), None if event is None else (event.cookie, event.status)) == expected
+    assert failures and not raised, "the failures did not reach every allocation"
+
+
 @pytest.mark.rxe
 async def test_a_ping_pong_takes_the_c_path(ep_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """On rxe: signalled sends and receives become events in C (Python's path sees none of them), with
