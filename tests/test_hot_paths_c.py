@@ -262,7 +262,59 @@ def test_configure_is_once_and_bad_arguments_are_refused() -> None:
         _completions.queue_common(object(), 0, 0, "not a dict", deque())
 
 
+def test_a_send_retiring_sends_on_many_lmrs_takes_the_c_path() -> None:
+    """Selective signalling over a pool whose buffers are each their own LMR: the signalled send
+    retires 20 suppressed ones on 20 LMRs, and C takes it, and the receive after it (C noted 8
+    LMRs at most, and left such a completion, and the rest of its poll, to wr.py)."""
+    c_world, py_world = world()
+    pools = []
+    for ep in (c_world[0], py_world[0]):
+        pool = [LMR() for _ in range(21)]
+        ep._send_q.clear()
+        for i, lmr in enumerate(pool):
+            ep._send_q.append((2 * i, f"s{i}", DTOOp.SEND, (Seg(lmr, 10),), None))
+            lmr._inflight = 1
+        pools.append(pool)
+    rows = [(40, 0, IBV_WC_SEND, 0, 7, None, 0, 0), (1, 0, IBV_WC_RECV, 64, 7, None, 0, 0)]
+    taken, notified, c_queue = both_paths(rows, c_world, py_world)
+    assert (taken, notified) == (2, True) and c_queue[0].cookie == "s20"
+    assert [lmr._inflight for lmr in pools[0]] == [lmr._inflight for lmr in pools[1]] == [0] * 21
+    assert not c_world[0]._send_q and not py_world[0]._send_q
+
+
 # -- a completion is taken whole (host: fake EPs) ------------------------------------------------
+
+class ReleasedCookie:
+    """A cookie whose release runs a finalizer, as a caller's may: one that posts again (a request
+    more on its LMR), or one that resets the EP (every entry retired)."""
+
+    def __init__(self, ep: EP, lmr: LMR, resets: bool) -> None:
+        self.ep, self.lmr, self.resets = ep, lmr, resets
+
+    def __del__(self) -> None:
+        if self.resets:
+            self.ep._retire_all()
+        else:
+            self.lmr._inflight += 1
+
+
+@pytest.mark.parametrize("resets", [False, True], ids=["posts", "resets"])
+def test_a_finalizer_a_retired_entry_runs_finds_the_completion_taken(resets: bool) -> None:
+    """A signalled send retires a suppressed one whose cookie goes with its entry: the cookie's
+    finalizer runs once the completion is taken whole, in C and in wr.py (they set counts
+    computed before it ran, over its post; a reset in the middle of the pops had the rest of the
+    entries retired twice, the count short)."""
+    c_world, py_world = world()
+    for ep, lmr in ((c_world[0], c_world[2]), (py_world[0], py_world[2])):
+        ep._send_q[0] = (0, ReleasedCookie(ep, lmr, resets), DTOOp.SEND, (Seg(lmr, 10), Seg(lmr, 20)), None)
+    taken, _, c_queue = both_paths([(2, 0, IBV_WC_SEND, 0, 7, None, 0, 0)], c_world, py_world)
+    assert taken == 1 and c_queue[0].cookie == "s1"
+    for ep, lmr in ((c_world[0], c_world[2]), (py_world[0], py_world[2])):
+        if resets:
+            assert lmr._inflight == 0 and not ep._send_q and not ep._recv_q
+        else:
+            assert lmr._inflight == 12 - 4 + 1 and [e[0] for e in ep._send_q] == [4, 6]
+
 
 TAKE_CASES = ["receive", "receive after a lost one", "send", "send retiring unsignalled ones", "a run's last",
               "inside a run", "an error", "a drain marker", "a failed drain marker"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import traceback
+import types
 from typing import Any, List
 
 import pytest
@@ -347,6 +348,25 @@ async def test_callback_wakeups_that_run_out_of_memory_lose_no_completion(ia: An
         taken = _taken_cookies([e for b in batches[:count[0]] for e in b])
         evd.set_callback(None)
         _check_taken(evd, lmr, taken, cookies, failures)
+    finally:
+        pair.close()
+
+
+async def test_completions_c_cannot_look_up_stay_for_python(ia: Any) -> None:
+    """C's look (EVD._poll: a wait's first look, the poller's) polled completions and could not
+    read the EVD's table of EPs (no dict): it leaves them all to Python as the backlog, which takes
+    them (they were lost)."""
+    pair, evd, lmr, cookies = await _completions_waiting(ia, False)
+    try:
+        table = evd._qpn_refs
+        evd._qpn_refs = types.MappingProxyType(table)
+        try:
+            assert evd._poll()
+        finally:
+            evd._qpn_refs = table
+        assert len(evd._queue) == TAKE_QLEN
+        assert _taken_cookies(await events_of(evd, len(cookies))) == cookies
+        assert lmr._inflight == 0
     finally:
         pair.close()
 

@@ -167,22 +167,44 @@ static void unqueue_event(PyObject *queue)
 
 /* The in-flight counts a completion lowers, worked out before anything is taken (a count that is
  * no small int allocates) and set after, by steps that allocate nothing: a MemoryError in
- * between would leave a count high for ever (an LMR that can never be freed). */
-#define MAX_LOWERED 8
+ * between would leave a count high for ever (an LMR that can never be freed).  The LMRs are
+ * noted in a small array in place, grown on the heap when a completion retires requests on more
+ * (a pool whose buffers are each their own LMR), up to MAX_LOWERED: beyond, wr.py's Counter
+ * (the search here is linear). */
+#define LOWERED_IN_PLACE 8
+#define MAX_LOWERED 256
+struct lower {
+    PyObject *lmr;    /* held */
+    Py_ssize_t by;
+    PyObject *value;  /* the new count, once lowered_values made it */
+};
 struct lowered {
-    int n;
-    PyObject *lmr[MAX_LOWERED];    /* held */
-    Py_ssize_t by[MAX_LOWERED];
-    PyObject *value[MAX_LOWERED];  /* the new count, once lowered_values made it */
+    int n, size;
+    struct lower *at;  /* in_place, or a PyMem block */
+    struct lower in_place[LOWERED_IN_PLACE];
+    PyObject *held;    /* the retired entries (lower_head), let go only once all is taken */
 };
 
+static void lowered_init(struct lowered *l)
+{
+    l->n = 0;
+    l->size = LOWERED_IN_PLACE;
+    l->at = l->in_place;
+    l->held = NULL;
+}
+
+/* Let go of what was noted; the held entries last (their release may run a finalizer). */
 static void lowered_clear(struct lowered *l)
 {
     for (int k = 0; k < l->n; k++) {
-        Py_CLEAR(l->lmr[k]);
-        Py_CLEAR(l->value[k]);
+        Py_CLEAR(l->at[k].lmr);
+        Py_CLEAR(l->at[k].value);
     }
     l->n = 0;
+    if (l->at != l->in_place)
+        PyMem_Free(l->at);
+    l->at = l->in_place;
+    Py_CLEAR(l->held);
 }
 
 /* Note ``requests`` requests on each of ``segs``: 1, 0 (more LMRs than it notes: Python's path),
@@ -195,49 +217,64 @@ static int lower_segments(struct lowered *l, PyObject *segs, Py_ssize_t requests
         PyObject *lmr = PyObject_GetAttr(PyTuple_GetItem(segs, j), s_lmr);
         if (lmr == NULL)
             return -1;
-        int k = 0;
-        while (k < l->n && l->lmr[k] != lmr)
-            k++;
-        if (k < l->n) {
-            l->by[k] += requests;
+        int k = l->n - 1;
+        while (k >= 0 && l->at[k].lmr != lmr)  /* (from the last: segments in a row are mostly one LMR's) */
+            k--;
+        if (k >= 0) {
+            l->at[k].by += requests;
             Py_DECREF(lmr);
-        } else if (l->n == MAX_LOWERED) {
+            continue;
+        }
+        if (l->n == MAX_LOWERED) {
             Py_DECREF(lmr);
             return 0;
-        } else {
-            l->lmr[k] = lmr;
-            l->by[k] = requests;
-            l->value[k] = NULL;
-            l->n++;
         }
+        if (l->n == l->size) {
+            int size = 2 * l->size;
+            struct lower *at = PyMem_Malloc(size * sizeof *at);
+            if (at == NULL) {
+                Py_DECREF(lmr);
+                PyErr_NoMemory();
+                return -1;
+            }
+            memcpy(at, l->at, l->n * sizeof *at);
+            if (l->at != l->in_place)
+                PyMem_Free(l->at);
+            l->at = at;
+            l->size = size;
+        }
+        l->at[l->n++] = (struct lower){lmr, requests, NULL};
     }
     return 1;
 }
 
-/* Note the segments of the ``count`` plain entries (suppressed sends) at the head of ``q``: 1, 0
- * (Python's path), or -1. */
+/* Note the segments of the ``count`` plain entries (suppressed sends) at the head of ``q``, and
+ * hold the entries: 1, 0 (Python's path), or -1. */
 static int lower_head(struct lowered *l, PyObject *q, Py_ssize_t count)
 {
     PyObject *it = PyObject_GetIter(q), *entry;
     int rc = 1;
-    if (it == NULL)
+    l->held = it ? PyTuple_New(count) : NULL;
+    if (l->held == NULL) {
+        Py_XDECREF(it);
         return -1;
+    }
     for (Py_ssize_t k = 0; rc == 1 && k < count && (entry = PyIter_Next(it)) != NULL; k++) {
         rc = PyTuple_Check(entry) && PyTuple_Size(entry) == 5 ? lower_segments(l, PyTuple_GetItem(entry, 3), 1) : 0;
-        Py_DECREF(entry);
+        PyTuple_SetItem(l->held, k, entry);  /* (takes the reference over) */
     }
     Py_DECREF(it);
     return PyErr_Occurred() ? -1 : rc;
 }
 
-/* Make the new counts: 0, or -1. */
+/* Make the new counts from the counts as they are now: 0, or -1. */
 static int lowered_values(struct lowered *l)
 {
     for (int k = 0; k < l->n; k++) {
-        PyObject *now = PyObject_GetAttr(l->lmr[k], s_inflight), *by = PyLong_FromSsize_t(l->by[k]);
-        l->value[k] = now && by ? PyNumber_Subtract(now, by) : NULL;
+        PyObject *now = PyObject_GetAttr(l->at[k].lmr, s_inflight), *by = PyLong_FromSsize_t(l->at[k].by);
+        l->at[k].value = now && by ? PyNumber_Subtract(now, by) : NULL;
         Py_XDECREF(now); Py_XDECREF(by);
-        if (l->value[k] == NULL)
+        if (l->at[k].value == NULL)
             return -1;
     }
     return 0;
@@ -247,7 +284,7 @@ static int lowered_values(struct lowered *l)
 static void lowered_set(struct lowered *l)
 {
     for (int k = 0; k < l->n; k++)
-        if (PyObject_SetAttr(l->lmr[k], s_inflight, l->value[k]) < 0)
+        if (PyObject_SetAttr(l->at[k].lmr, s_inflight, l->at[k].value) < 0)
             drop_error();
 }
 
@@ -343,7 +380,8 @@ static PyObject *recv_event(PyObject *evd, PyObject *ep, const struct aiodat_wc 
 static int srq_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject *queue)
 {
     int taken = -1;
-    struct lowered counts = {0};
+    struct lowered counts;
+    lowered_init(&counts);
     PyObject *eps = NULL, *seen = NULL, *posted = NULL, *key = NULL, *entry = NULL, *event = NULL;
     PyObject *srq = PyObject_GetAttr(ep, s_srq);
     if (srq == NULL)
@@ -400,7 +438,8 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     int taken = 0;
     Py_ssize_t retire = 0;  /* suppressed sends before this one, retired with it */
     Py_ssize_t requests = 0;  /* a run's: how many requests its last completion takes */
-    struct lowered counts = {0};
+    struct lowered counts;
+    lowered_init(&counts);
     PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *event = NULL;
     q = PyObject_GetAttr(ep, recv ? s_recv_q : s_send_q);
     quiet = q ? PyObject_GetAttr(ep, s_quiet) : NULL;
@@ -485,10 +524,11 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     }
     if (event == NULL || lowered_values(&counts) < 0 || queue_event(queue, event) < 0)
         goto error;
-    /* taken from here, by steps that allocate nothing: the suppressed sends before it, its own
-     * entry, the counts */
-    pop_head(q, retire + 1);
+    /* taken from here, by steps that allocate nothing: the counts, then the suppressed sends
+     * before it and its own entry, which are held (counts.held, head) until all is taken: their
+     * release may run a finalizer (a cookie's) that posts on, or resets, this EP */
     lowered_set(&counts);
+    pop_head(q, retire + 1);
     taken = 1;
     goto done;
 error:
@@ -589,12 +629,12 @@ static int queue_or_leave(PyObject *evd, PyObject *queue, unsigned long long wcs
     int taken = 0, notified = 0;
     if (got > 0) {
         PyObject *refs = PyObject_GetAttr(evd, s_qpn_refs);
-        if (refs == NULL) {
+        if (refs != NULL && PyDict_Check(refs))
+            taken = queue_events(evd, (struct aiodat_wc *)(uintptr_t)wcs, got, refs, queue, &notified);
+        else  /* (all of them Python's) */
             note_backlog(evd, 0, got);
+        if (refs == NULL)
             return -1;
-        }
-        taken = PyDict_Check(refs) ? queue_events(evd, (struct aiodat_wc *)(uintptr_t)wcs, got, refs, queue,
-                                                  &notified) : 0;
         Py_DECREF(refs);
     }
     if (got >= 0 && taken == got && got < 64)
