@@ -574,13 +574,13 @@ class EVD(Handle, Generic[E]):
         try:
             event = ep._completion_event(wc, self)
         except BaseException as exc:  # (a KeyboardInterrupt too)
-            self._free_place(queue, place)
+            self._free_place(queue)
             exc.add_note(f"aiodat: the completion of wr_id {wc[0]:#x} on QP {wc[_WC_QP_NUM]} could not be "
                          f"turned into an event; it and {self._backlog - self._wc_next - 1} later "
                          f"completion(s) are kept for the next wait or drain")
             raise
         if event is None:
-            self._free_place(queue, place)
+            self._free_place(queue)
             return False
         # (an error completion that broke its EP had its BROKEN, this EVD taking connection
         # events too, pushed after this place: the cause comes first)
@@ -591,11 +591,12 @@ class EVD(Handle, Generic[E]):
         return bool(event.notify)
 
     @staticmethod
-    def _free_place(queue: Any, place: int) -> None:
-        if len(queue) == place + 1:
-            queue.pop()  # (allocates nothing)
-        else:  # events were pushed after it meanwhile (an EP broken by an error completion)
-            del queue[place]
+    def _free_place(queue: Any) -> None:
+        """Take back the place _queue_one made, by steps that allocate nothing (a deque's del
+        rotates it, which may need a block and stop part way)."""
+        if queue[-1] is not None:  # its EP's BROKEN was pushed after it (wr.py: _on_async_error,
+            queue[-2] = queue[-1]  # one event at most): it moves into the place
+        queue.pop()
 
     def _on_readable(self) -> None:
         """The loop's reader callback for the completion channel: one C call (_completions.wakeup)

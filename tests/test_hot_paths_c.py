@@ -382,6 +382,42 @@ def test_a_completion_is_taken_whole_or_not_at_all_in_python(case: str) -> None:
     assert failures and not raised, "the failures did not reach every allocation"
 
 
+class Breaks:
+    """An EP whose completion breaks it (its BROKEN pushed on the EVD's queue, which takes
+    connection events too), then fails, every allocation failing from there on."""
+
+    def __init__(self, queue: deque, pushes: bool, testcapi: Any) -> None:
+        self.queue, self.pushes, self.testcapi = queue, pushes, testcapi
+
+    def _completion_event(self, wc: Any, evd: Any) -> Any:
+        if self.pushes:
+            self.queue.append("BROKEN")
+        self.testcapi.set_nomemory(0)
+        raise MemoryError
+
+
+@pytest.mark.parametrize("pushes", [False, True], ids=["alone", "a BROKEN after it"])
+def test_a_completions_place_is_taken_back_with_no_allocation(pushes: bool) -> None:
+    """EVD._queue_one makes an event's place in the queue first; when the completion fails, the
+    place is taken back with no allocation (in the handling of a MemoryError): the events around it
+    stay, in order (a queue of 300: its length and the place's index are no small ints, and a
+    deque's del rotates)."""
+    _testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory)")
+
+    class Taker:  # what EVD._queue_one reads of its EVD
+        _free_place = EVD.__dict__["_free_place"]
+        _backlog, _wc_next, _solicited_hit = 1, 0, False
+
+    queue: deque = deque(range(300))
+    wc = as_tuple(wc_array([(1, 0, IBV_WC_RECV, 8, 7, None, 0, 0)])[0])
+    try:
+        with pytest.raises((MemoryError, SystemError)):
+            EVD._queue_one(Taker(), Breaks(queue, pushes, _testcapi), wc, queue)  # type: ignore[arg-type]
+    finally:
+        _testcapi.remove_mem_hooks()
+    assert list(queue) == list(range(300)) + ["BROKEN"] * pushes
+
+
 @pytest.mark.rxe
 async def test_a_ping_pong_takes_the_c_path(ep_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """On rxe: signalled sends and receives become events in C (Python's path sees none of them), with
