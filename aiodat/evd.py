@@ -1082,17 +1082,16 @@ class EVD(Handle, Generic[E]):
         self._delivery_scheduled = False
         if self._callback is None or self._closed:
             return
-        # A full queue may have left completions in the CQ, and an armed CQ raises no event for
-        # those: they are polled once the callback has emptied it.
-        full = len(self._queue) >= self._qlen
+        # A full queue may have left completions in the CQ, and so may a drain that failed part
+        # way (its backlog, and what the CQ holds behind it): an armed CQ raises no event for
+        # those, so they are polled once the callback has emptied the queue.
+        left = len(self._queue) >= self._qlen or self._backlog
         try:
             self._raise_pending()
-            if self._backlog:
-                self._drain_cq(rearm=False, arm_if_unarmed=False)
         except Exception as exc:
             self._callback_failed(exc, "taking the EVD's queued completions")
         self._deliver()
-        if full and self._callback is not None and not self._closed:
+        if left and self._callback is not None and not self._closed:
             try:
                 self._drain_cq(rearm=False, arm_if_unarmed=False)
             except Exception as exc:
@@ -1142,7 +1141,11 @@ class EVD(Handle, Generic[E]):
 
     def _callback_failed(self, exc: BaseException, what: str, own: bool = True) -> None:
         """Report a failure of a callback EVD: the EVD's own (``own``) to ``on_error`` if set,
-        else (and the callback's exceptions) to the loop's exception handler."""
+        else (and the callback's exceptions) to the loop's exception handler.  A drain that
+        failed part way left a backlog, which no channel event announces (the CQ may be armed):
+        another drain is scheduled, and so on until the backlog is taken."""
+        if own and self._backlog:
+            self._schedule_delivery()
         loop = self._callback_loop
         if loop is None and not own:  # the callback took itself off, then raised: still its loop's
             try:

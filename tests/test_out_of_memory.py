@@ -21,6 +21,7 @@ from typing import Any, List
 import pytest
 
 import aiodat
+import aiodat.evd
 import aiodat.srq
 from aiodat._lib import ffi
 from aiodat.testing.plugin import make_ep_pair
@@ -314,21 +315,8 @@ async def test_callback_wakeups_that_run_out_of_memory_lose_no_completion(ia: An
     its failures going to ``on_error``; what it could not deliver comes with a later delivery."""
     pair, evd, lmr, cookies = await _completions_waiting(ia, sends)
     try:
-        # (what the callback does allocates nothing: a failure there would lose events here)
-        batches: List[Any] = [None] * (2 * len(cookies))
-        count = [0]
-        errors: List[Any] = [None] * (20 * len(cookies))
-        error_count = [0]
-
-        def deliver(events: List[Any]) -> None:
-            batches[count[0]] = events
-            count[0] += 1
-
-        def on_error(exc: BaseException) -> None:
-            errors[error_count[0]] = exc
-            error_count[0] += 1
-
-        evd.set_callback(deliver, on_error=on_error)
+        got = _Delivered(len(cookies))
+        evd.set_callback(got.deliver, on_error=got.on_error)
         failures = rounds = 0
         while rounds < 4 * len(cookies):  # (no await: the loop's poller takes no turn meanwhile)
             n = rounds % TAKE_CYCLE
@@ -340,14 +328,73 @@ async def test_callback_wakeups_that_run_out_of_memory_lose_no_completion(ia: An
                 failures += 1
             finally:
                 _testcapi.remove_mem_hooks()
-        failures += sum(isinstance(e, MemoryError) for e in errors[:error_count[0]])
-        for _ in range(200):  # what is left, the poller delivers
-            if sum(len(b) for b in batches[:count[0]]) >= len(cookies):
-                break
-            await asyncio.sleep(0.01)
-        taken = _taken_cookies([e for b in batches[:count[0]] for e in b])
+        failures += got.memory_errors()
+        await got.all_of(cookies)  # what is left, the poller delivers
         evd.set_callback(None)
-        _check_taken(evd, lmr, taken, cookies, failures)
+        _check_taken(evd, lmr, got.cookies(), cookies, failures)
+    finally:
+        pair.close()
+
+
+class _Delivered:
+    """A callback EVD's callback and on_error, which allocate nothing (a failure there would lose
+    events here): what they were given."""
+
+    def __init__(self, total: int) -> None:
+        self.batches: List[Any] = [None] * (2 * total)
+        self.count = [0]
+        self.errors: List[Any] = [None] * (20 * total)
+        self.error_count = [0]
+
+    def deliver(self, events: List[Any]) -> None:
+        self.batches[self.count[0]] = events
+        self.count[0] += 1
+
+    def on_error(self, exc: BaseException) -> None:
+        self.errors[self.error_count[0]] = exc
+        self.error_count[0] += 1
+
+    def memory_errors(self) -> int:
+        return sum(isinstance(e, MemoryError) for e in self.errors[:self.error_count[0]])
+
+    def cookies(self) -> List[Any]:
+        return _taken_cookies([e for b in self.batches[:self.count[0]] for e in b])
+
+    async def all_of(self, cookies: List[Any]) -> None:
+        """Until all of ``cookies`` came, for 2 s at most."""
+        for _ in range(200):
+            if sum(len(b) for b in self.batches[:self.count[0]]) >= len(cookies):
+                return
+            await asyncio.sleep(0.01)
+
+
+async def test_a_callback_evds_drain_that_fails_part_way_is_taken_up_again(ia: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A callback EVD whose drain failed part way with its CQ armed (the poller's last step: arm,
+    then take what came before the arm): no channel event announces what it left (its backlog,
+    and what the CQ holds behind it), so the EVD drains again, delivery after delivery, until it
+    has taken it all (it was left there until a new completion came, and the waiting task had)."""
+    pair, evd, lmr, cookies = await _completions_waiting(ia, False)
+    try:
+        monkeypatch.setattr(evd, "_napi_add", lambda: None)  # no poller: what is left is the EVD's own
+        # C takes none (a failure in C leaves the completion to Python, which takes it at once): a
+        # failure in Python leaves it and those after it as the backlog
+        monkeypatch.setattr(aiodat.evd, "_queue_common", lambda *args: (0, 0))
+        got = _Delivered(len(cookies))
+        evd.set_callback(got.deliver, on_error=got.on_error)
+        await asyncio.sleep(0.1)  # the channel's event: its wake-up takes what the room allows
+        for n in range(4 * TAKE_CYCLE):  # a round that takes 4, or fails part way
+            _testcapi.set_nomemory(n % TAKE_CYCLE, n % TAKE_CYCLE + 1)
+            try:
+                evd._napi_arm()
+            finally:
+                _testcapi.remove_mem_hooks()
+            if evd._backlog:
+                break
+        assert evd._backlog and got.memory_errors(), "no drain failed part way"
+        await got.all_of(cookies)
+        evd.set_callback(None)
+        _check_taken(evd, lmr, got.cookies(), cookies, got.memory_errors())
     finally:
         pair.close()
 
