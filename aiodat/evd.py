@@ -351,6 +351,9 @@ class EVD(Handle, Generic[E]):
         # and no allocation, so a MemoryError anywhere in taking completions loses none of them.
         self._backlog = 0
         self._wc_next = 0
+        # True while polled completions are being taken (here or in C): a finalizer their entries
+        # run (a cookie's, which may reset or close an EP of this EVD) must not take them again
+        self._taking = False
         #: a failure of the reader callback with no task waiting: raised by the next wait or dequeue
         self._pending_error: Optional[BaseException] = None
         self._unarmed = False  # the last arm failed: arm again before anyone sleeps
@@ -422,7 +425,7 @@ class EVD(Handle, Generic[E]):
         arrived (anything but an UNSIGNALLED completion).
         """
         wcs = self._wcs
-        if wcs is None:
+        if wcs is None or self._taking:  # (a finalizer run by the take: the outer loop takes the rest)
             return False
         notified = False
         if self._backlog:  # (raises with what is left still there: the CQ is not polled over it)
@@ -533,7 +536,11 @@ class EVD(Handle, Generic[E]):
         (aiodat/_shim/completions.c: a success that is the oldest request of its EP's queue, or a
         send after suppressed ones), which moves the backlog past them itself, the rest from the
         first other one on by _queue_backlog."""
-        taken, notified = _queue_common(self, self._wcs_address, got, self._qpn_refs, self._queue)
+        self._taking = True
+        try:
+            taken, notified = _queue_common(self, self._wcs_address, got, self._qpn_refs, self._queue)
+        finally:
+            self._taking = False
         if taken < got:  # (C noted it too, in case its answer could not be made)
             self._wc_next = taken
             return self._queue_backlog() or bool(notified)
@@ -547,6 +554,15 @@ class EVD(Handle, Generic[E]):
         nothing, after everything that can fail), then the backlog moves past it.  So when one
         raises (a MemoryError), it and those after it stay in the backlog for the next drain:
         none is lost, none is taken twice."""
+        if self._taking:  # (a finalizer run by the take: the outer loop takes the rest)
+            return False
+        self._taking = True
+        try:
+            return self._take_backlog()
+        finally:
+            self._taking = False
+
+    def _take_backlog(self) -> bool:
         notified = False
         queue, refs, wcs = self._queue, self._ia._qpn_owner.data, self._wc_bytes  # type: ignore[attr-defined]
         qpn = ep = None  # a batch mostly comes from one QP: look its EP up once
@@ -821,6 +837,8 @@ class EVD(Handle, Generic[E]):
         if self._waited():  # (DAT_INVALID_STATE: the events are the waiting task's)
             raise InvalidState("dequeue: a task is waiting on this EVD")
         self._raise_pending()
+        if self._taking:  # (a finalizer run by a take: the queue holds an event's place not filled yet)
+            return None
         if not self._queue:
             self._pump()
         if not self._queue:

@@ -316,6 +316,70 @@ def test_a_finalizer_a_retired_entry_runs_finds_the_completion_taken(resets: boo
             assert lmr._inflight == 12 - 4 + 1 and [e[0] for e in ep._send_q] == [4, 6]
 
 
+class DrainingCookie:
+    """A cookie whose finalizer drains its EVD, as an ``ep.reset()``, ``ep.close()`` or
+    ``recv_query()`` of an EP on the same EVD does (EP._poll_completions)."""
+
+    def __init__(self, evd: EVD) -> None:
+        self.evd = evd
+
+    def __del__(self) -> None:
+        self.evd._drain_cq(rearm=False, arm_if_unarmed=False)
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_a_finalizer_that_drains_the_evd_takes_no_completion_twice(path: str) -> None:
+    """A signalled send retires a suppressed one whose cookie's finalizer drains the same EVD
+    while the polled completions are being taken: the drain leaves them to the take under way
+    (it took the backlog again from its start, and queued duplicate events)."""
+    ep, _, lmr, _, refs = world()[0]
+    evd = EVD.__new__(EVD)
+    wcs = wc_array([(2, 0, IBV_WC_SEND, 0, 7, None, 0, 0), (1, 0, IBV_WC_RECV, 64, 7, None, 0, 0),
+                    (3, 0, IBV_WC_RECV, 64, 7, None, 0, 0)])
+    evd._wcs, evd._wc_bytes, evd._wcs_address = wcs, ffi.buffer(wcs), int(ffi.cast("uintptr_t", wcs))
+    evd._queue, evd._qpn_refs, evd._solicited_hit, evd._taking = deque(), refs, False, False
+    evd._ia = type("IA", (), {"_qpn_owner": type("Owner", (), {"data": refs})})()
+    ep._send_q[0] = (0, DrainingCookie(evd), DTOOp.SEND, (Seg(lmr, 10),), None)
+    if path == "python":
+        ep._quiet.add(99)  # an UNSIGNALLED mark: C leaves the EP to wr.py
+    evd._backlog, evd._wc_next = 3, 0  # (as _drain_cq notes what it polled)
+    assert evd._queue_polled(3)
+    assert [e.cookie for e in evd._queue] == ["s1", "r0", "r1"]
+    assert (evd._backlog, evd._wc_next, evd._taking) == (0, 0, False)
+
+
+@pytest.mark.rxe
+@pytest.mark.parametrize("how", ["reset", "recv_query"])
+async def test_a_finalizer_that_resets_an_ep_of_the_evd_takes_no_completion_twice(ep_pair: Any, how: str) -> None:
+    """On rxe: a suppressed send's cookie, retired by the next send's completion, resets (or
+    queries) another EP on the same EVD from its finalizer, which drains that EVD: each completion
+    still gives one event (the nested drain took the backlog again from its start)."""
+    pair = ep_pair
+    evd = pair.client.request_evd
+    other = pair.ia.create_ep(pair.pz, recv_evd=evd, request_evd=evd)
+    ran: List[str] = []
+
+    class Cookie:
+        def __del__(self) -> None:
+            getattr(other, how)()
+            ran.append(how)
+
+    for _ in range(3):
+        pair.server.post_recv(pair.server_lmr[0:64], None)
+    pair.client.post_send(pair.client_lmr[0:8], Cookie(), CompletionFlags.SUPPRESS)
+    pair.client.post_send(pair.client_lmr[0:8], "s1")
+    pair.client.post_send(pair.client_lmr[0:8], "s2")
+    received = 0
+    while received < 3:  # received: the sends completed
+        received += len(await pair.server.recv_evd.wait(timeout=5.0))
+    cookies = []
+    while (event := evd.dequeue()) is not None:  # (its drain in Python: _queue_polled)
+        cookies.append(event.cookie)
+    assert ran == [how] and cookies == ["s1", "s2"]
+    assert pair.client_lmr._inflight == 0
+    other.free()
+
+
 TAKE_CASES = ["receive", "receive after a lost one", "send", "send retiring unsignalled ones", "a run's last",
               "inside a run", "an error", "a drain marker", "a failed drain marker"]
 

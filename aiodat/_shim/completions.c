@@ -63,7 +63,7 @@ static int (*poll_fn)(struct ibv_cq *cq, struct aiodat_wc *out, int max);
 static int (*drain_fn)(struct ibv_comp_channel *channel, struct ibv_cq *cq, int arm, struct aiodat_wc *out,
                        int max, int *status);
 static PyObject *s_closed, *s_backlog, *s_awaited, *s_cq_address, *s_wcs_address, *s_qlen, *s_queue,
-                *s_qpn_refs, *s_polled, *s_wc_next, *s_zero;
+                *s_qpn_refs, *s_polled, *s_wc_next, *s_zero, *s_taking;
 static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited_hit, *s_busy_poll_us,
                 *s_busy_until, *s_overflow_reported, *s_done, *s_set_result, *s_clear,
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
@@ -375,8 +375,8 @@ static PyObject *recv_event(PyObject *evd, PyObject *ep, const struct aiodat_wc 
 }
 
 /* A receive on an EP of an SRQ (its own receive queue is empty): the SRQ's entry of the request,
- * taken as srq.py's _complete takes it, while the SRQ knows every EP it has (else _complete
- * notes their EVDs first).  1, 0 (Python's path, nothing changed) or -1 on error. */
+ * taken as wr.py's _completion_event takes it, while the SRQ knows every EP it has (else
+ * _completion_event notes their EVDs first).  1, 0 (Python's path, nothing changed) or -1 on error. */
 static int srq_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, PyObject *queue)
 {
     int taken = -1;
@@ -629,10 +629,19 @@ static int queue_or_leave(PyObject *evd, PyObject *queue, unsigned long long wcs
     int taken = 0, notified = 0;
     if (got > 0) {
         PyObject *refs = PyObject_GetAttr(evd, s_qpn_refs);
-        if (refs != NULL && PyDict_Check(refs))
+        /* (evd._taking: a finalizer the take runs does not drain this EVD into wcs under it) */
+        if (refs != NULL && PyDict_Check(refs) && PyObject_SetAttr(evd, s_taking, Py_True) == 0) {
             taken = queue_events(evd, (struct aiodat_wc *)(uintptr_t)wcs, got, refs, queue, &notified);
-        else  /* (all of them Python's) */
+            if (PyObject_SetAttr(evd, s_taking, Py_False) < 0)
+                drop_error();
+        } else {  /* (all of them Python's; the error of a failed lookup is kept across the note) */
+            PyObject *type, *value, *tb;
+            if (refs != NULL && PyErr_Occurred())
+                drop_error();  /* (a failed set of _taking: Python's path) */
+            PyErr_Fetch(&type, &value, &tb);
             note_backlog(evd, 0, got);
+            PyErr_Restore(type, value, tb);
+        }
         if (refs == NULL)
             return -1;
         Py_DECREF(refs);
@@ -1770,7 +1779,7 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_popleft, "popleft"); INTERN(s_pop, "pop"); INTERN(s_append, "append"); INTERN(s_base, "base"); INTERN(s_last, "last");
     INTERN(s_closed, "_closed"); INTERN(s_backlog, "_backlog"); INTERN(s_awaited, "_awaited");
     INTERN(s_cq_address, "_cq_address"); INTERN(s_wcs_address, "_wcs_address"); INTERN(s_qlen, "_qlen");
-    INTERN(s_queue, "_queue"); INTERN(s_qpn_refs, "_qpn_refs"); INTERN(s_polled, "_polled"); INTERN(s_wc_next, "_wc_next");
+    INTERN(s_queue, "_queue"); INTERN(s_qpn_refs, "_qpn_refs"); INTERN(s_polled, "_polled"); INTERN(s_wc_next, "_wc_next"); INTERN(s_taking, "_taking");
     INTERN(s_dict, "__dict__");
     if ((s_zero = PyLong_FromLong(0)) == NULL)
         return NULL;
