@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Deque, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, Optional, Sequence, Set, Tuple, Union
 
 from aiodat._handle import Handle, Raw, fail_waiter
 from aiodat._lib import ffi, lib
@@ -668,36 +668,53 @@ class RMR(Handle):
             raise DTOError(f"memory window {what} with cookie {shown(event.cookie)} failed: {event.status}",
                            status=event.status, cookie=event.cookie)
 
-    def _bind_completed(self, evd: Any, cookie: Any, status: str, op: Any) -> Any:
-        """Called by the EP when a bind/unbind of this window completes: returns the event, or None if awaited."""
+    def _bind_completed(self, evd: Any, cookie: Any, status: str, op: Any, take: Callable[[], Any]) -> Any:
+        """Called by the EP when a bind/unbind of this window completes: returns the event, or None if awaited.
+
+        Raises with nothing changed, or takes the pending request whole: what allocates (the event,
+        the binding, the new count) comes before the request is popped, so the retry of a completion
+        kept in its EVD's backlog meets the same request (not the next one).  ``take`` takes the
+        EP's entry (wr.py, made ready before), first: its call may fail, nothing taken; what it
+        returns is held until the end (its release may run finalizers)."""
         if not self._pending:
             return None
-        waiter, pop_op, new_rkey, segment, privileges = self._pending.popleft()
-        if waiter is not None and evd._awaited > 0:
-            evd._awaited -= 1
+        waiter, pop_op, new_rkey, segment, privileges = self._pending[0]
         ok = status == "IBV_WC_SUCCESS"
-        if pop_op is DTOOp.BIND:
+        bind = pop_op is DTOOp.BIND  # (before the take: an enum member's lookup may allocate)
+        event: Any = RMRBindEvent(EventType.RMR_BIND_COMPLETION, evd, self, cookie, status,
+                                  new_rkey if ok and bind else None)
+        lmr: Any = None
+        count: Any = None
+        bound: Any = None
+        if bind:
             assert segment is not None  # (a bind always names its segment: bind_nowait)
-            segment.lmr._inflight -= 1
-            if ok:
-                self._rkey = new_rkey
-                self._mw.rkey = new_rkey  # verbs leaves this to the consumer; the next bind names it
-                self._bound = (segment, privileges)
-                segment.lmr._inflight += 1  # held while bound
-            else:  # nothing bound: neither the LMR nor the QP is held by the window
-                segment.lmr._windows.discard(self)
-                self._leave_ep()
+            if ok:  # its pin is held on while bound
+                bound = (segment, privileges)
+            else:
+                lmr, count = segment.lmr, segment.lmr._inflight - 1
         elif ok and self._bound is not None:
             lmr = self._bound[0].lmr
-            lmr._inflight -= 1
+            count = lmr._inflight - 1
+        # taken from here
+        held = take()
+        self._pending.popleft()
+        if waiter is not None and evd._awaited > 0:
+            evd._awaited -= 1
+        if lmr is not None:
+            lmr._inflight = count
+        if bind and ok:
+            self._rkey = new_rkey
+            self._mw.rkey = new_rkey  # verbs leaves this to the consumer; the next bind names it
+            self._bound = bound
+        elif lmr is not None:  # a failed bind or an invalidation: neither the LMR nor the QP is held by the window
             lmr._windows.discard(self)
-            self._bound = None
-            self._leave_ep()  # an invalidated window no longer holds the QP
-        event = RMRBindEvent(EventType.RMR_BIND_COMPLETION, evd, self, cookie, status,
-                             new_rkey if ok and pop_op is DTOOp.BIND else None)
+            if not bind:
+                self._bound = None
+            self._leave_ep()
         if waiter is not None and not waiter.done():
             waiter.set_result(event)
-            return None
+            event = None
+        del held  # (the finalizers run here)
         return event
 
     def _forget(self, why: str) -> None:

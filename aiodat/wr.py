@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import Counter, deque
+from functools import partial
 from itertools import compress, islice, repeat
 from typing import TYPE_CHECKING, Any, Callable, Deque, Iterable, List, Optional, Tuple
 
@@ -197,8 +198,9 @@ class WorkRequests:
 
         Under memory pressure it raises with nothing changed, or returns with the request's entry
         taken: what it takes is worked out first (it allocates), and taken by _take (a MemoryError
-        in between would lose the cookie).  A drain marker's callback runs after the take.  (Not
-        so for a window's bind, whose entry memory.py takes.)"""
+        in between would lose the cookie).  A drain marker's callback runs after the take; a
+        window's bind is taken by memory.py's _bind_completed, which runs the take (_commit) made
+        ready before (_prepare)."""
         wr_id = wc[0]
         code = wc[1]
         event: Any
@@ -209,7 +211,7 @@ class WorkRequests:
                 _, cookie, segs = q[0]
                 pops, released = 1, [(segs, 1)]
             elif self._srq is not None:
-                # srq.py's _complete, its entry taken at the end (as completions.c's srq_event does)
+                # the SRQ's entry, taken at the end (as completions.c's srq_event does)
                 srq = self._srq
                 if len(srq._eps) != srq._eps_seen:  # an EP came or went: remember its recv EVD for the counters
                     srq._note_evds()
@@ -250,7 +252,10 @@ class WorkRequests:
             if code and code != _WC_WR_FLUSH_ERR and self._rc:
                 # a failed bind or invalidation puts the RC QP in ERR too: the connection is broken
                 self._on_async_error(f"memory window {op.value} with cookie {shown(cookie)} completed with {status}")
-            event = target._bind_completed(evd, cookie, status, op)
+            # the take made ready first, and done by _bind_completed once it can fail no more: it
+            # pops the window's pending request, which a retry would not meet again (it took the next)
+            return target._bind_completed(evd, cookie, status, op,
+                                          partial(self._commit, self._prepare(q, pops, head, released, quiet)))
         else:
             if op is DTOOp.RDMA_READ:
                 length = byte_len
@@ -344,15 +349,22 @@ class WorkRequests:
               quiet: Iterable[int]) -> None:
         """Take what a completion's plan planned: ``pops`` entries off the head of ``q`` (``head``
         then put at its head), the LMRs' counts lowered by ``released`` (segments, requests), the
-        UNSIGNALLED marks of ``quiet``.  What can fail is made first (a MemoryError there changes
-        nothing): the list holding the entries, the iterators the loops below use, the new counts
-        (made last, from the counts as they are).  Then only steps that allocate nothing: the
-        counts are set, then the entries go, held until the end, so that the finalizer their
+        UNSIGNALLED marks of ``quiet``.  Raises with nothing taken, or takes it all (see _prepare)."""
+        self._commit(self._prepare(q, pops, head, released, quiet))  # (the finalizers run as it returns)
+
+    @staticmethod
+    def _prepare(q: Deque[Any], pops: int, head: Any, released: List[Tuple[Any, int]],
+                 quiet: Iterable[int]) -> Tuple[Any, ...]:
+        """What can fail in a take, made first (a MemoryError here changes nothing): the list
+        holding the entries, the iterators _commit's loops use, the new counts (made last, from the
+        counts as they are)."""
+        return q, list(islice(q, pops)), repeat(None, pops), head, iter(quiet), iter(_lowered(released))
+
+    def _commit(self, taking: Tuple[Any, ...]) -> List[Any]:
+        """The take _prepare made ready, by steps that allocate nothing: the counts are set, then
+        the entries go, returned to be held until the caller's end, so that the finalizer their
         release may run (a cookie's, which may post on or reset this EP) finds everything taken."""
-        held = list(islice(q, pops))
-        steps, marks = repeat(None, pops), iter(quiet)
-        counts = iter(_lowered(released))
-        # taken from here: nothing below allocates
+        q, held, steps, head, marks, counts = taking
         for lmr, count in counts:
             lmr._inflight = count
         for _ in steps:
@@ -362,7 +374,7 @@ class WorkRequests:
         if self._quiet:
             for wr_id in marks:
                 self._quiet.discard(wr_id)
-        del held  # (the finalizers run here)
+        return held
 
     def _pop_send(self, wr_id: int) -> Any:
         """Take the entry of ``wr_id`` off the send queue (None if it is not there), retiring the

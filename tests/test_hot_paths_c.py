@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import deque
+from types import SimpleNamespace
 from typing import Any, List, Tuple
 
 import pytest
@@ -443,6 +444,50 @@ def test_a_completion_is_taken_whole_or_not_at_all_in_python(case: str) -> None:
             assert taken_state(ep, lmr, calls) == before, f"allocation {n} failed with the completion part taken"
             event = ep._completion_event(wc, object())
         assert (taken_state(ep, lmr, calls), None if event is None else (event.cookie, event.status)) == expected
+    assert failures and not raised, "the failures did not reach every allocation"
+
+
+def binding() -> Tuple[Any, ...]:
+    """QPN 7's EP of a world whose oldest send is a window's bind, a second bind of it pending
+    after it: (ep, the window, the completion)."""
+    from aiodat.memory import RMR, Privileges
+
+    class Window(RMR):
+        def __del__(self) -> None:  # (no handle to free)
+            pass
+
+    ep, _, lmr, _, _ = world()[0]
+    rmr = Window.__new__(Window)
+    rmr._pending, rmr._bound, rmr._rkey, rmr._mw = deque(), None, 0, SimpleNamespace(rkey=0)
+    for rkey in (1001, 1002):
+        rmr._pending.append((None, DTOOp.BIND, rkey, Seg(lmr, 8), Privileges.ALL))
+    ep._send_q[0] = (0, "bind", DTOOp.BIND, (), rmr)
+    return ep, rmr, as_tuple(wc_array([(0, 0, IBV_WC_SEND, 0, 7, None, 0, 0)])[0])
+
+
+def test_a_binds_completion_is_taken_whole_or_not_at_all() -> None:
+    """wr.py's _completion_event of a window's bind, with each of its allocations failing in
+    turn: taken again, it gives the first bind's event and leaves the second bind pending (the
+    take's allocations came after _bind_completed popped the first: the retry took the second)."""
+    _testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory)")
+    evd = type("EVD", (), {"_awaited": 0})()
+    failures = 0
+    for n in range(60):
+        ep, rmr, wc = binding()
+        raised = False
+        _testcapi.set_nomemory(n, n + 1)
+        try:
+            event = ep._completion_event(wc, evd)
+        except (MemoryError, SystemError):  # (3.11 reports a frame it could not allocate as SystemError)
+            raised = True
+        finally:
+            _testcapi.remove_mem_hooks()
+        if raised:
+            failures += 1
+            assert len(rmr._pending) == 2 and ep._send_q[0][0] == 0, f"allocation {n} failed part way"
+            event = ep._completion_event(wc, evd)
+        assert (event.cookie, event.rmr_context, rmr._rkey) == ("bind", 1001, 1001)
+        assert [p[2] for p in rmr._pending] == [1002] and ep._send_q[0][0] == 2
     assert failures and not raised, "the failures did not reach every allocation"
 
 
