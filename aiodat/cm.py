@@ -470,8 +470,12 @@ def broken(ep: "EP", reason: str) -> None:
     """The device reported the EP's QP broken: the EP is in error; tell the connect EVD."""
     conn = ep._conn
     if conn.state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING):
+        # The state changes last: a MemoryError before leaves it, and the retry (the completion
+        # that broke the EP stays in its EVD's backlog) pushes the BROKEN again.  A push that
+        # failed after its append gives a duplicate BROKEN, better than a lost one.
+        evd = ep.connect_evd
+        evd._push(ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, evd, ep, reason=reason))
         conn.state = EPState.ERROR
-        ep.connect_evd._push(ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, ep.connect_evd, ep, reason=reason))
 
 
 def reset(ep: "EP") -> None:

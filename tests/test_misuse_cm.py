@@ -410,6 +410,30 @@ async def test_disconnecting_an_ep_in_error(ia: Any, loop_errors: List[dict]) ->
         pair.close()
 
 
+async def test_a_broken_whose_push_failed_is_pushed_by_the_retry(ia: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cm.broken whose BROKEN could not be pushed (a MemoryError): the completion that broke the EP
+    stays in its EVD's backlog and breaks it again, which pushes the BROKEN (the state was set
+    first, and the retry pushed nothing: a connect-EVD waiter hung)."""
+    from aiodat import cm
+
+    pair = await make_ep_pair(ia)
+    try:
+        evd = pair.client.connect_evd
+
+        def out_of_memory(event: Any) -> None:
+            raise MemoryError
+
+        monkeypatch.setattr(evd, "_push", out_of_memory)
+        with pytest.raises(MemoryError):
+            cm.broken(pair.client, "test: the QP broke")
+        monkeypatch.undo()
+        cm.broken(pair.client, "test: the QP broke")
+        assert (await evd.wait_one(timeout=T)).type is EventType.CONNECTION_EVENT_BROKEN
+        assert pair.client.state is EPState.ERROR
+    finally:
+        pair.close()
+
+
 async def test_a_client_gone_after_the_accept_is_an_accept_completion_error(ia: Any, loop_errors: List[dict]) -> None:
     """The client's EP freed right after our REP went (its id's destruction sends a REJ): the
     accept's outcome is ACCEPT_COMPLETION_ERROR, DAT's outcome of a failed accept; it was
