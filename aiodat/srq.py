@@ -4,8 +4,8 @@
 ``pz``; ``ia.create_ep(pz, srq=srq)`` attaches endpoints to it.  Receives are
 posted to the SRQ (:meth:`SRQ.post_recv`), never to the EPs; any attached EP
 takes the next buffer when a message arrives on it, and the completion comes
-back on *that* EP's ``recv_evd`` with the cookie given at post time (ep.py asks
-:meth:`SRQ._complete` for it).
+back on *that* EP's ``recv_evd`` with the cookie given at post time (wr.py's
+``_completion_event`` and completions.c's srq_event read it in ``_posted``).
 
 Counters (:meth:`SRQ.query`, seed 001):
 
@@ -184,18 +184,6 @@ class SRQ(Handle):
             raise error_from_errno(ffi.errno, "querying the SRQ (ibv_query_srq)")
         self._max_wr: int = self._attr.max_wr
         self._max_sge: int = self._attr.max_sge
-
-    def _complete(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...]]:
-        """ep.py: the cookie and segments of the SRQ buffer a receive completion used.
-
-        completions.c's srq_event does the same in C while ``len(_eps) == _eps_seen``, reading
-        ``_posted``, ``_eps`` and ``_eps_seen``: a change here must be made there too."""
-        entry = self._posted.pop(wr_id, None)
-        if len(self._eps) != self._eps_seen:  # an EP came or went: remember its recv EVD for the counters
-            self._note_evds()
-        if entry is None:
-            return None, ()
-        return entry
 
     def _on_async_event(self, name: str) -> None:
         """evd.AsyncSource: the device reported the SRQ limit reached, or the SRQ broken."""

@@ -2,7 +2,7 @@
 srq_post_recv_batch) and the receive completion of an EP on an SRQ (completions.c, srq_event).
 
 Each test puts the C path beside the general Python path it mirrors (srq.py's post_recv_batch
-and _complete): a list of items on the very same one segment takes C, a generator of the same
+and wr.py's _completion_event): a list of items on the very same one segment takes C, a generator of the same
 items the general path, and the two must record the same SRQ entries and in-flight counts, give
 the same events, refuse the same misuse with the same error, and record exactly what went when
 the SRQ refuses a batch part way."""
