@@ -1161,9 +1161,23 @@ class EVD(Handle, Generic[E]):
         """Report a failure of a callback EVD: the EVD's own (``own``) to ``on_error`` if set,
         else (and the callback's exceptions) to the loop's exception handler.  A drain that
         failed part way left a backlog, which no channel event announces (the CQ may be armed):
-        another drain is scheduled, and so on until the backlog is taken."""
-        if own and self._backlog:
-            self._schedule_delivery()
+        another drain is scheduled after the report, and so on until the backlog is taken: at the
+        loop's next turn after a MemoryError (memory comes back), else after _BACKLOG_RETRY_S (a
+        failure that comes every time must not spin the loop)."""
+        try:
+            self._report_failure(exc, what, own)
+        finally:
+            loop = self._callback_loop
+            if own and self._backlog and loop is not None and not loop.is_closed():
+                try:
+                    if isinstance(exc, MemoryError):
+                        self._schedule_delivery()
+                    else:
+                        loop.call_later(_BACKLOG_RETRY_S, self._schedule_delivery)
+                except Exception:  # (memory again: the next wake-up or set_callback drains it)
+                    pass
+
+    def _report_failure(self, exc: BaseException, what: str, own: bool) -> None:
         loop = self._callback_loop
         if loop is None and not own:  # the callback took itself off, then raised: still its loop's
             try:
@@ -1394,6 +1408,7 @@ _get_running_loop = asyncio.get_running_loop
 _monotonic = time.monotonic
 #: how many times a callback EVD's wake-up looks at the CQ again after delivering (one number for
 #: this Python path and the common case in C)
+_BACKLOG_RETRY_S = 0.5  # a callback EVD's drain of its backlog again, after a failure that is no MemoryError
 _CALLBACK_ROUNDS = _completions.CALLBACK_ROUNDS
 
 
