@@ -204,12 +204,13 @@ class WorkRequests:
         wr_id = wc[0]
         code = wc[1]
         event: Any
+        released: Any  # what the take releases (None: the usual case, _take_head)
         if wr_id & 1:
             q: Deque[Any] = self._recv_q  # (empty on an SRQ's EP)
             posted = None  # an SRQ's table of its buffers, whose entry goes at the end
             if q and q[0][0] == wr_id:  # the usual case: receives complete in the order they were posted
                 _, cookie, segs = q[0]
-                pops, released = 1, [(segs, 1)]
+                pops, released = 1, None if len(segs) == 1 else [(segs, 1)]
             elif self._srq is not None:
                 # the SRQ's entry, taken at the end (as completions.c's srq_event does)
                 srq = self._srq
@@ -226,21 +227,27 @@ class WorkRequests:
                 _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
                 wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
                 wc[3], wc[7] if self._ud else None, notify)
-            self._take(q, pops, None, released, (wr_id,) if self._quiet else ())
+            if released is None:
+                self._take_head(q, segs[0].lmr, wr_id)
+            else:
+                self._take(q, pops, None, released, (wr_id,) if self._quiet else ())
             if posted is not None:  # (its cookie and segments are held here: its release runs no finalizer)
                 posted.pop(wr_id, None)
             return event
         byte_len, vendor_err = wc[4], wc[3]
         status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
         q = self._send_q
-        entry, pops, head, released, quiet = self._plan_send(wr_id)
-        if entry is None:
-            self._take(q, pops, head, released, quiet)
-            return None
+        if q and q[0][0] == wr_id and q[0][4] is None and len(q[0][3]) == 1:  # the usual case
+            entry, released = q[0], None
+        else:
+            entry, pops, head, released, quiet = self._plan_send(wr_id)
+            if entry is None:
+                self._take(q, pops, head, released, quiet)
+                return None
+            released.append((entry[3], 1))
+            if self._quiet:
+                quiet = [*quiet, wr_id]
         _, cookie, op, segs, target = entry
-        released.append((segs, 1))
-        if self._quiet:
-            quiet = [*quiet, wr_id]
         event = None
         if target is not None and type(target) is DrainMarker:
             if code and code != _WC_WR_FLUSH_ERR and self._rc:  # (before the take, as below)
@@ -271,7 +278,10 @@ class WorkRequests:
                 # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
                 # (Before the entry is taken: a retry after a failure here breaks it again, a no-op.)
                 self._on_async_error(f"{op.value} with cookie {shown(cookie)} completed with {status}")
-        self._take(q, pops, head, released, quiet)
+        if released is None:
+            self._take_head(q, segs[0].lmr, wr_id)
+        else:
+            self._take(q, pops, head, released, quiet)
         return event
 
     def _plan_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...], int, List[Tuple[Any, int]]]:
@@ -344,6 +354,16 @@ class WorkRequests:
             for first, _, _, _, run in compress(retired, map(_IS_RUN, map(_TARGET, retired))):
                 quiet += range(first, run.last + 1, 2)
         return released, quiet
+
+    def _take_head(self, q: Deque[Any], lmr: Any, wr_id: int) -> None:
+        """The usual take, with no plan: the entry at the head of ``q``, of one segment on
+        ``lmr``.  Its new count is made first; then nothing allocates (the entry's cookie is in
+        the event, its segments the caller's: its release runs no finalizer)."""
+        new = lmr._inflight - 1
+        lmr._inflight = new
+        q.popleft()
+        if self._quiet:
+            self._quiet.discard(wr_id)
 
     def _take(self, q: Deque[Any], pops: int, head: Any, released: List[Tuple[Any, int]],
               quiet: Iterable[int]) -> None:
