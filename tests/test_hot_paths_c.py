@@ -351,34 +351,55 @@ def test_a_finalizer_that_drains_the_evd_takes_no_completion_twice(path: str) ->
 
 @pytest.mark.rxe
 @pytest.mark.parametrize("how", ["reset", "recv_query"])
-async def test_a_finalizer_that_resets_an_ep_of_the_evd_takes_no_completion_twice(ep_pair: Any, how: str) -> None:
+async def test_a_finalizer_that_resets_an_ep_of_the_evd_takes_no_completion_twice(ia: Any, how: str) -> None:
     """On rxe: a suppressed send's cookie, retired by the next send's completion, resets (or
-    queries) another EP on the same EVD from its finalizer, which drains that EVD: each completion
-    still gives one event (the nested drain took the backlog again from its start)."""
-    pair = ep_pair
-    evd = pair.client.request_evd
-    other = pair.ia.create_ep(pair.pz, recv_evd=evd, request_evd=evd)
-    ran: List[str] = []
+    queries) another EP on the same EVD from its finalizer, which drains that EVD while receives
+    polled after the send wait in its backlog: each completion still gives one event (the nested
+    drain took the backlog again from its start, and the take under way then gave the receives
+    a second event, with no cookie)."""
+    from aiodat import EvdFlags, Privileges
+    from aiodat.cm import connect_pair
 
-    class Cookie:
-        def __del__(self) -> None:
-            getattr(other, how)()
-            ran.append(how)
+    pz = ia.create_pz()
+    handles: List[Any] = [pz]  # (closed in reverse)
+    try:
+        lmr = pz.register(bytearray(4096), Privileges.ALL)
+        evd = ia.create_evd(16, EvdFlags.DTO)
+        client = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
+        other = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
+        server = ia.create_ep(pz)
+        handles += [evd, client, other, server]
+        psp = await connect_pair(client, server)
+        handles += [psp, psp.cr_evd]
+        ran: List[str] = []
 
-    for _ in range(3):
-        pair.server.post_recv(pair.server_lmr[0:64], None)
-    pair.client.post_send(pair.client_lmr[0:8], Cookie(), CompletionFlags.SUPPRESS)
-    pair.client.post_send(pair.client_lmr[0:8], "s1")
-    pair.client.post_send(pair.client_lmr[0:8], "s2")
-    received = 0
-    while received < 3:  # received: the sends completed
-        received += len(await pair.server.recv_evd.wait(timeout=5.0))
-    cookies = []
-    while (event := evd.dequeue()) is not None:  # (its drain in Python: _queue_polled)
-        cookies.append(event.cookie)
-    assert ran == [how] and cookies == ["s1", "s2"]
-    assert pair.client_lmr._inflight == 0
-    other.free()
+        class Cookie:
+            def __del__(self) -> None:
+                getattr(other, how)()
+                ran.append(how)
+
+        for i in range(2):
+            server.post_recv(lmr[0:64], None)
+            client.post_recv(lmr[64:128], ("r", i))
+        client.post_send(lmr[0:8], Cookie(), CompletionFlags.SUPPRESS)
+        client.post_send(lmr[0:8], "s1")
+        received = 0
+        while received < 2:  # received: the client's sends completed
+            received += len(await server.recv_evd.wait(timeout=5.0))
+        for _ in range(2):
+            server.post_send(lmr[128:136], None)
+        sent = 0
+        while sent < 2:  # (and so received by the client, after its sends completed)
+            sent += len(await server.request_evd.wait(timeout=5.0))
+        cookies = []
+        while (event := evd.dequeue()) is not None:  # (its drain in Python: _queue_polled)
+            cookies.append(event.cookie)
+        assert ran == [how] and cookies == ["s1", ("r", 0), ("r", 1)]
+        assert lmr._inflight == 0
+    finally:
+        for handle in reversed(handles):
+            if not handle.closed:
+                handle.close()
 
 
 TAKE_CASES = ["receive", "receive after a lost one", "send", "send retiring unsignalled ones", "a run's last",
