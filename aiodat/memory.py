@@ -668,14 +668,17 @@ class RMR(Handle):
             raise DTOError(f"memory window {what} with cookie {shown(event.cookie)} failed: {event.status}",
                            status=event.status, cookie=event.cookie)
 
-    def _bind_completed(self, evd: Any, cookie: Any, status: str, op: Any, take: Callable[[], Any]) -> Any:
+    def _bind_completed(self, evd: Any, cookie: Any, status: str, op: Any, take: Callable[..., Any]) -> Any:
         """Called by the EP when a bind/unbind of this window completes: returns the event, or None if awaited.
 
         Raises with nothing changed, or takes the pending request whole: what allocates (the event,
-        the binding, the new count) comes before the request is popped, so the retry of a completion
-        kept in its EVD's backlog meets the same request (not the next one).  ``take`` takes the
-        EP's entry (wr.py, made ready before), first: its call may fail, nothing taken; what it
-        returns is held until the end (its release may run finalizers)."""
+        the binding) comes before the request is popped, so the retry of a completion kept in its
+        EVD's backlog meets the same request (not the next one).  ``take(extra)`` takes the EP's
+        entry (wr.py), first, with the window's own release (``extra``: (segments, requests)) in
+        the same plan: its call may fail, nothing taken; what it returns is held until the end
+        (its release may run finalizers).  Nothing changes before it: the take sets the counts of
+        the suppressed sends the entry retires too, which a count worked out here before the take
+        would undo."""
         if not self._pending:
             return None
         waiter, pop_op, new_rkey, segment, privileges = self._pending[0]
@@ -684,24 +687,21 @@ class RMR(Handle):
         event: Any = RMRBindEvent(EventType.RMR_BIND_COMPLETION, evd, self, cookie, status,
                                   new_rkey if ok and bind else None)
         lmr: Any = None
-        count: Any = None
         bound: Any = None
+        extra: Any = []
         if bind:
             assert segment is not None  # (a bind always names its segment: bind_nowait)
             if ok:  # its pin is held on while bound
                 bound = (segment, privileges)
             else:
-                lmr, count = segment.lmr, segment.lmr._inflight - 1
+                lmr, extra = segment.lmr, [((segment,), 1)]
         elif ok and self._bound is not None:
-            lmr = self._bound[0].lmr
-            count = lmr._inflight - 1
+            lmr, extra = self._bound[0].lmr, [(self._bound[:1], 1)]
         # taken from here
-        held = take()
+        held = take(extra)
         self._pending.popleft()
         if waiter is not None and evd._awaited > 0:
             evd._awaited -= 1
-        if lmr is not None:
-            lmr._inflight = count
         if bind and ok:
             self._rkey = new_rkey
             self._mw.rkey = new_rkey  # verbs leaves this to the consumer; the next bind names it

@@ -259,10 +259,12 @@ class WorkRequests:
             if code and code != _WC_WR_FLUSH_ERR and self._rc:
                 # a failed bind or invalidation puts the RC QP in ERR too: the connection is broken
                 self._on_async_error(f"memory window {op.value} with cookie {shown(cookie)} completed with {status}")
-            # the take made ready first, and done by _bind_completed once it can fail no more: it
-            # pops the window's pending request, which a retry would not meet again (it took the next)
+            # the take done by _bind_completed first, before it changes anything: it pops the
+            # window's pending request, which a retry would not meet again (it took the next).  The
+            # window's own release (a failed bind's segment, an unbind's binding) is part of the
+            # same take (``extra``): a count of its own set after the take undid the take's
             return target._bind_completed(evd, cookie, status, op,
-                                          partial(self._commit, self._prepare(q, pops, head, released, quiet)))
+                                          partial(self._take_with, q, pops, head, released, quiet))
         else:
             if op is DTOOp.RDMA_READ:
                 length = byte_len
@@ -371,6 +373,12 @@ class WorkRequests:
         then put at its head), the LMRs' counts lowered by ``released`` (segments, requests), the
         UNSIGNALLED marks of ``quiet``.  Raises with nothing taken, or takes it all (see _prepare)."""
         self._commit(self._prepare(q, pops, head, released, quiet))  # (the finalizers run as it returns)
+
+    def _take_with(self, q: Deque[Any], pops: int, head: Any, released: List[Tuple[Any, int]],
+                   quiet: Iterable[int], extra: Iterable[Tuple[Any, int]] = ()) -> List[Any]:
+        """_take with ``extra`` (segments, requests) released too, in the same plan (a window's
+        bind completion: memory.py's _bind_completed); returns the entries to hold (see _commit)."""
+        return self._commit(self._prepare(q, pops, head, [*released, *extra] if extra else released, quiet))
 
     @staticmethod
     def _prepare(q: Deque[Any], pops: int, head: Any, released: List[Tuple[Any, int]],

@@ -512,6 +512,59 @@ def test_a_binds_completion_is_taken_whole_or_not_at_all() -> None:
     assert failures and not raised, "the failures did not reach every allocation"
 
 
+def window_after_suppressed_sends(case: str) -> Tuple[Any, ...]:
+    """An EP whose send queue holds three sends from LMR ``lmr`` posted suppressed, then a window's
+    bind or unbind posted signalled: a bound window unbound (``unbind``), a bind that fails
+    (``failed bind``), or a bind whose window was closed while it was pending (``closed``, its
+    pending request forgotten).  (ep, window, lmr, the window's completion)."""
+    from aiodat.memory import RMR, Privileges
+
+    class Window(RMR):
+        def __del__(self) -> None:  # (no handle to free)
+            pass
+
+    lmr = LMR()
+    ep = EP()
+    rmr = Window.__new__(Window)
+    rmr._pending, rmr._bound, rmr._rkey, rmr._mw, rmr._ep = deque(), None, 0, SimpleNamespace(rkey=0), None
+    for i in range(3):
+        ep._send_q.append((2 * i, f"s{i}", DTOOp.SEND, (Seg(lmr, 8),), None))
+        lmr._inflight += 1
+    window = Seg(lmr, 64)
+    lmr._windows = {rmr}  # type: ignore[attr-defined]
+    lmr._inflight += 1  # the window's pin: its binding's, or its pending bind's
+    if case == "unbind":
+        rmr._bound = (window, Privileges.REMOTE_READ)
+        rmr._pending.append((None, DTOOp.UNBIND, 5, None, Privileges.NONE))
+        ep._send_q.append((6, "unbind", DTOOp.UNBIND, (), rmr))
+    else:
+        rmr._pending.append((None, DTOOp.BIND, 5, window, Privileges.REMOTE_READ))
+        ep._send_q.append((6, "bind", DTOOp.BIND, (), rmr))
+        if case == "closed":
+            rmr._forget("closed")  # (as rmr.close() does: the pending bind's pin goes)
+    status = 6 if case == "failed bind" else 0  # IBV_WC_MW_BIND_ERR
+    return ep, rmr, lmr, as_tuple(wc_array([(6, status, IBV_WC_SEND, 0, 7, None, 0, 0)])[0])
+
+
+@pytest.mark.parametrize("case", ["unbind", "failed bind"])
+def test_a_window_completion_after_suppressed_sends_releases_all_of_them(case: str) -> None:
+    """A window's bind or unbind completes after sends posted suppressed, which it retires: every
+    count goes back to 0 and the send queue is empty (the window's own release was set after the
+    take from a count read before it, which undid the retired sends' release: the LMR was never
+    freeable; a completion whose window had been closed left its entry at the head of the queue,
+    and C refused every later completion of the EP)."""
+    ep, rmr, lmr, wc = window_after_suppressed_sends(case)
+    evd = type("EVD", (), {"_awaited": 0})()
+    event = ep._completion_event(wc, evd)
+    assert lmr._inflight == 0
+    assert not ep._send_q and not rmr._pending and rmr._bound is None
+    if case == "closed":
+        assert event is None
+    else:
+        assert event.cookie == case.split()[-1] and event.ok == (case == "unbind")
+        assert not lmr._windows  # type: ignore[attr-defined]
+
+
 class Breaks:
     """An EP whose completion breaks it (its BROKEN pushed on the EVD's queue, which takes
     connection events too), then fails, every allocation failing from there on."""
