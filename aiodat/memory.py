@@ -679,7 +679,9 @@ class RMR(Handle):
         (its release may run finalizers).  Nothing changes before it: the take sets the counts of
         the suppressed sends the entry retires too, which a count worked out here before the take
         would undo."""
-        if not self._pending:
+        if not self._pending:  # (the window was closed while its bind was pending: its entry still goes)
+            held = take()
+            del held  # (the finalizers run here)
             return None
         waiter, pop_op, new_rkey, segment, privileges = self._pending[0]
         ok = status == "IBV_WC_SUCCESS"

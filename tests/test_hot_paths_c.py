@@ -546,7 +546,7 @@ def window_after_suppressed_sends(case: str) -> Tuple[Any, ...]:
     return ep, rmr, lmr, as_tuple(wc_array([(6, status, IBV_WC_SEND, 0, 7, None, 0, 0)])[0])
 
 
-@pytest.mark.parametrize("case", ["unbind", "failed bind"])
+@pytest.mark.parametrize("case", ["unbind", "failed bind", "closed"])
 def test_a_window_completion_after_suppressed_sends_releases_all_of_them(case: str) -> None:
     """A window's bind or unbind completes after sends posted suppressed, which it retires: every
     count goes back to 0 and the send queue is empty (the window's own release was set after the
