@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections import Counter, deque
+from collections import deque
 from functools import partial
 from itertools import compress, islice, repeat
-from typing import TYPE_CHECKING, Any, Callable, Deque, Iterable, List, Optional, Tuple
+from operator import attrgetter, is_
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 from aiodat._shim import _completions
 from aiodat.epattr import EPRecvInfo
@@ -46,6 +47,7 @@ WC_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 _WC_WR_FLUSH_ERR = 5
 _RECV, _RECV_IMM = DTOOp.RECV, DTOOp.RECV_RDMA_WRITE_IMM
 _WR_ID, _SEGS, _TARGET = operator.itemgetter(0), operator.itemgetter(3), operator.itemgetter(4)  # of a send entry
+_LMR = attrgetter("lmr")  # of a segment
 
 
 def _entries_before(q: Deque[Tuple[Any, ...]], wr_id: int) -> int:
@@ -149,19 +151,38 @@ _WC_STATUS = [
 
 
 
-def _lowered(released: List[Tuple[Tuple[Segment, ...], int]]) -> List[Tuple[Any, int]]:
+class _PlanStale(Exception):
+    """A completion's take found its plan no longer holds (a finalizer run by a collection since
+    changed the EP's queue or an LMR's count): nothing was taken; the completion is worked out
+    again."""
+
+
+def _lowered(released: List[Tuple[Tuple[Segment, ...], int]]) -> List[Tuple[Any, Any, Any]]:
     """The in-flight count each LMR will have once ``released`` (segments, requests) are taken off
-    it: (lmr, count) pairs, worked out before anything is taken (a count that is no small int
-    allocates), and set by a loop that allocates nothing."""
-    if len(released) == 1 and len(released[0][0]) == 1:  # the usual case: one segment
-        segs, n = released[0]
+    it: (lmr, its count now, the new count) triples, worked out before anything is taken (a count
+    that is no small int allocates), and checked then set by loops that allocate nothing."""
+    lmr = None
+    total = 0
+    for segs, n in released:  # the usual case: every segment on one LMR
+        if len(segs) != 1 or (segs[0].lmr is not lmr and lmr is not None):
+            break
         lmr = segs[0].lmr
-        return [(lmr, lmr._inflight - n)]
-    by_lmr: Counter = Counter()
+        total += n
+    else:
+        if lmr is None:
+            return []
+        was = lmr._inflight
+        return [(lmr, was, was - total)]
+    by_lmr: Dict[Any, int] = {}
     for segs, n in released:
         for seg in segs:
-            by_lmr[seg.lmr] += n
-    return [(lmr, lmr._inflight - n) for lmr, n in by_lmr.items()]
+            lmr = seg.lmr
+            by_lmr[lmr] = by_lmr.get(lmr, 0) + n
+    lowered = []
+    for lmr, n in by_lmr.items():
+        was = lmr._inflight
+        lowered.append((lmr, was, was - n))
+    return lowered
 
 
 class WorkRequests:
@@ -197,62 +218,137 @@ class WorkRequests:
         """The event of one completion; ``wc`` is a struct aiodat_wc as a tuple (evd._WC).
 
         Under memory pressure it raises with nothing changed, or returns with the request's entry
-        taken: what it takes is worked out first (it allocates), and taken by _take (a MemoryError
-        in between would lose the cookie).  A drain marker's callback runs after the take; a
-        window's bind is taken by memory.py's _bind_completed, which runs the take (_commit) made
-        ready before (_prepare)."""
+        taken: what it takes is worked out first (it allocates), and taken by steps that allocate
+        nothing (a MemoryError in between would lose the cookie).  An allocation can also start a
+        collection whose finalizers post on or reset this EP: after the last allocation the take
+        checks, by identity, that the queue's head and the counts are still the ones it planned
+        from, and works the completion out again if not (_PlanStale).  A drain marker's callback
+        runs after the take; a window's bind is taken by memory.py's _bind_completed, which runs
+        the take (_take_with) before it changes anything."""
         wr_id = wc[0]
         code = wc[1]
         event: Any
-        released: Any  # what the take releases (None: the usual case, _take_head)
         if wr_id & 1:
             q: Deque[Any] = self._recv_q  # (empty on an SRQ's EP)
-            posted = None  # an SRQ's table of its buffers, whose entry goes at the end
-            if q and q[0][0] == wr_id:  # the usual case: receives complete in the order they were posted
-                _, cookie, segs = q[0]
-                pops, released = 1, None if len(segs) == 1 else [(segs, 1)]
-            elif self._srq is not None:
-                # the SRQ's entry, taken at the end (as completions.c's srq_event does)
-                srq = self._srq
-                if len(srq._eps) != srq._eps_seen:  # an EP came or went: remember its recv EVD for the counters
-                    srq._note_evds()
-                posted = srq._posted
-                cookie, segs = posted.get(wr_id, (None, ()))
-                pops, released = 0, [(segs, 1)]
-            else:
-                cookie, segs, pops, released = self._plan_recv(wr_id)
-            notify = not (self._quiet and wr_id in self._quiet) or bool(code)
-            event = DTOCompletionEvent._completed(
-                evd, self, cookie, wc_status_name(code) if code else "IBV_WC_SUCCESS", wc[4],
-                _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
-                wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
-                wc[3], wc[7] if self._ud else None, notify)
-            if released is None:
-                self._take_head(q, segs[0].lmr, wr_id)
-            else:
-                self._take(q, pops, None, released, (wr_id,) if self._quiet else ())
-            if posted is not None:  # (its cookie and segments are held here: its release runs no finalizer)
-                posted.pop(wr_id, None)
-            return event
+            if q:
+                entry = q[0]
+                segs = entry[2]
+                n = len(segs)
+                # the usual case: receives complete in the order they were posted; its segments on
+                # one LMR: taken with no plan
+                if entry[0] == wr_id and n:
+                    lmr = segs[0].lmr
+                    if n == 1 or (segs[1].lmr is lmr if n == 2 else all(map(is_, map(_LMR, segs), repeat(lmr)))):
+                        event = DTOCompletionEvent._completed(
+                            evd, self, entry[1], wc_status_name(code) if code else "IBV_WC_SUCCESS", wc[4],
+                            _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
+                            wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
+                            wc[3], wc[7] if self._ud else None,
+                            not (self._quiet and wr_id in self._quiet) or bool(code))
+                        was = lmr._inflight
+                        new = was - n
+                        # (after the last allocation: a finalizer a collection ran may have reset the EP)
+                        if q and q[0] is entry and lmr._inflight is was:
+                            lmr._inflight = new
+                            q.popleft()
+                            if self._quiet:
+                                self._quiet.discard(wr_id)
+                            return event
+                        return self._completion_event(wc, evd)
+            try:
+                return self._recv_planned(wc, evd, q)
+            except _PlanStale:
+                return self._completion_event(wc, evd)
+        q = self._send_q
+        if q:
+            entry = q[0]
+            segs = entry[3]
+            n = len(segs)
+            # the usual case: the oldest request, no target, its segments on one LMR: taken with no plan
+            if entry[0] == wr_id and entry[4] is None and n:
+                lmr = segs[0].lmr
+                if n == 1 or (segs[1].lmr is lmr if n == 2 else all(map(is_, map(_LMR, segs), repeat(lmr)))):
+                    op = entry[2]
+                    status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
+                    if op is DTOOp.RDMA_READ:
+                        length = wc[4]
+                    elif op is DTOOp.COMPARE_SWAP or op is DTOOp.FETCH_ADD:
+                        length = 8 if not code else wc[4]  # verbs leaves byte_len undefined; 8 bytes landed locally
+                    else:
+                        length = segs[0].length if n == 1 else sum(s.length for s in segs)
+                    event = DTOCompletionEvent._completed(evd, self, entry[1], status, length, op, None, wc[3],
+                                                          None, not (self._quiet and wr_id in self._quiet) or bool(code))
+                    if code and code != _WC_WR_FLUSH_ERR and self._rc:
+                        # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
+                        # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
+                        # (Before the entry is taken: a retry after a failure here breaks it again, a no-op.)
+                        self._on_async_error(f"{op.value} with cookie {shown(entry[1])} completed with {status}")
+                    was = lmr._inflight
+                    new = was - n
+                    # (after the last allocation: a finalizer a collection ran may have reset the EP)
+                    if q and q[0] is entry and lmr._inflight is was:
+                        lmr._inflight = new
+                        q.popleft()
+                        if self._quiet:
+                            self._quiet.discard(wr_id)
+                        return event
+                    return self._completion_event(wc, evd)
+        try:
+            return self._send_planned(wc, evd, q)
+        except _PlanStale:
+            return self._completion_event(wc, evd)
+
+    def _recv_planned(self, wc: Tuple[int, ...], evd: "EVD", q: Deque[Any]) -> Any:
+        """A receive's event that is no usual case: an SRQ's, one after receives with no completion
+        (their post failed), one on several LMRs; planned, then taken (_take)."""
+        wr_id = wc[0]
+        code = wc[1]
+        first = q[0] if q else None  # (what the plan reads: the take checks it is still there)
+        posted = None  # an SRQ's table of its buffers, whose entry goes at the end
+        if q and q[0][0] == wr_id:
+            _, cookie, segs = q[0]
+            pops, released = 1, [(segs, 1)]
+        elif self._srq is not None:
+            # the SRQ's entry, taken at the end (as completions.c's srq_event does)
+            srq = self._srq
+            if len(srq._eps) != srq._eps_seen:  # an EP came or went: remember its recv EVD for the counters
+                srq._note_evds()
+            posted = srq._posted
+            cookie, segs = posted.get(wr_id, (None, ()))
+            pops, released = 0, [(segs, 1)]
+        else:
+            cookie, segs, pops, released = self._plan_recv(wr_id)
+        event = DTOCompletionEvent._completed(
+            evd, self, cookie, wc_status_name(code) if code else "IBV_WC_SUCCESS", wc[4],
+            _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
+            wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
+            wc[3], wc[7] if self._ud else None, not (self._quiet and wr_id in self._quiet) or bool(code))
+        self._take(q, first, pops, None, released, (wr_id,) if self._quiet else ())
+        if posted is not None:  # (its cookie and segments are held here: its release runs no finalizer)
+            posted.pop(wr_id, None)
+        return event
+
+    def _send_planned(self, wc: Tuple[int, ...], evd: "EVD", q: Deque[Any]) -> Any:
+        """A send's event that is no usual case: one that retires suppressed requests, a run's,
+        one with a target (a drain marker, a window's bind), one on several LMRs; planned, then
+        taken (_take, or _bind_completed's take)."""
+        wr_id = wc[0]
+        code = wc[1]
+        first = q[0] if q else None  # (what the plan reads: the take checks it is still there)
         byte_len, vendor_err = wc[4], wc[3]
         status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
-        q = self._send_q
-        if q and q[0][0] == wr_id and q[0][4] is None and len(q[0][3]) == 1:  # the usual case
-            entry, released = q[0], None
-        else:
-            entry, pops, head, released, quiet = self._plan_send(wr_id)
-            if entry is None:
-                self._take(q, pops, head, released, quiet)
-                return None
-            released.append((entry[3], 1))
-            if self._quiet:
-                quiet = [*quiet, wr_id]
+        entry, pops, head, released, quiet = self._plan_send(wr_id)
+        if entry is None:
+            self._take(q, first, pops, head, released, quiet)
+            return None
+        released.append((entry[3], 1))
+        if self._quiet:
+            quiet = [*quiet, wr_id]
         _, cookie, op, segs, target = entry
-        event = None
         if target is not None and type(target) is DrainMarker:
             if code and code != _WC_WR_FLUSH_ERR and self._rc:  # (before the take, as below)
                 self._on_async_error(f"the drain before a graceful disconnect completed with {status}")
-            self._take(q, pops, head, released, quiet)  # (it raises with nothing taken, or takes all)
+            self._take(q, first, pops, head, released, quiet)  # (it raises with nothing taken, or takes all)
             target.completed(status)  # after the take: its callback may go on to reset the QP (which forgets every entry)
             return None
         if op is DTOOp.BIND or op is DTOOp.UNBIND:
@@ -264,26 +360,19 @@ class WorkRequests:
             # window's own release (a failed bind's segment, an unbind's binding) is part of the
             # same take (``extra``): a count of its own set after the take undid the take's
             return target._bind_completed(evd, cookie, status, op,
-                                          partial(self._take_with, q, pops, head, released, quiet))
+                                          partial(self._take_with, q, first, pops, head, released, quiet))
+        if op is DTOOp.RDMA_READ:
+            length = byte_len
+        elif op is DTOOp.COMPARE_SWAP or op is DTOOp.FETCH_ADD:
+            length = 8 if not code else byte_len  # verbs leaves byte_len undefined; 8 bytes landed locally
         else:
-            if op is DTOOp.RDMA_READ:
-                length = byte_len
-            elif op is DTOOp.COMPARE_SWAP or op is DTOOp.FETCH_ADD:
-                length = 8 if not code else byte_len  # verbs leaves byte_len undefined; 8 bytes landed locally
-            else:
-                length = segs[0].length if len(segs) == 1 else sum(s.length for s in segs)
-            notify = not (self._quiet and wr_id in self._quiet) or bool(code)
-            event = DTOCompletionEvent._completed(evd, self, cookie, status, length, op,
-                                                  None, vendor_err, None, notify)
-            if code and code != _WC_WR_FLUSH_ERR and self._rc:
-                # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
-                # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
-                # (Before the entry is taken: a retry after a failure here breaks it again, a no-op.)
-                self._on_async_error(f"{op.value} with cookie {shown(cookie)} completed with {status}")
-        if released is None:
-            self._take_head(q, segs[0].lmr, wr_id)
-        else:
-            self._take(q, pops, head, released, quiet)
+            length = segs[0].length if len(segs) == 1 else sum(s.length for s in segs)
+        event = DTOCompletionEvent._completed(evd, self, cookie, status, length, op, None, vendor_err, None,
+                                              not (self._quiet and wr_id in self._quiet) or bool(code))
+        if code and code != _WC_WR_FLUSH_ERR and self._rc:
+            # (before the entry is taken: a retry after a failure here breaks it again, a no-op)
+            self._on_async_error(f"{op.value} with cookie {shown(cookie)} completed with {status}")
+        self._take(q, first, pops, head, released, quiet)
         return event
 
     def _plan_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...], int, List[Tuple[Any, int]]]:
@@ -357,43 +446,44 @@ class WorkRequests:
                 quiet += range(first, run.last + 1, 2)
         return released, quiet
 
-    def _take_head(self, q: Deque[Any], lmr: Any, wr_id: int) -> None:
-        """The usual take, with no plan: the entry at the head of ``q``, of one segment on
-        ``lmr``.  Its new count is made first; then nothing allocates (the entry's cookie is in
-        the event, its segments the caller's: its release runs no finalizer)."""
-        new = lmr._inflight - 1
-        lmr._inflight = new
-        q.popleft()
-        if self._quiet:
-            self._quiet.discard(wr_id)
-
-    def _take(self, q: Deque[Any], pops: int, head: Any, released: List[Tuple[Any, int]],
+    def _take(self, q: Deque[Any], first: Any, pops: int, head: Any, released: List[Tuple[Any, int]],
               quiet: Iterable[int]) -> None:
         """Take what a completion's plan planned: ``pops`` entries off the head of ``q`` (``head``
         then put at its head), the LMRs' counts lowered by ``released`` (segments, requests), the
-        UNSIGNALLED marks of ``quiet``.  Raises with nothing taken, or takes it all (see _prepare)."""
-        self._commit(self._prepare(q, pops, head, released, quiet))  # (the finalizers run as it returns)
+        UNSIGNALLED marks of ``quiet``.  ``first`` is the head of ``q`` the plan read.  Raises with
+        nothing taken (a MemoryError, or _PlanStale), or takes it all (see _prepare)."""
+        self._commit(self._prepare(q, first, pops, head, released, quiet))  # (the finalizers run as it returns)
 
-    def _take_with(self, q: Deque[Any], pops: int, head: Any, released: List[Tuple[Any, int]],
+    def _take_with(self, q: Deque[Any], first: Any, pops: int, head: Any, released: List[Tuple[Any, int]],
                    quiet: Iterable[int], extra: Iterable[Tuple[Any, int]] = ()) -> List[Any]:
         """_take with ``extra`` (segments, requests) released too, in the same plan (a window's
         bind completion: memory.py's _bind_completed); returns the entries to hold (see _commit)."""
-        return self._commit(self._prepare(q, pops, head, [*released, *extra] if extra else released, quiet))
+        return self._commit(self._prepare(q, first, pops, head, [*released, *extra] if extra else released, quiet))
 
     @staticmethod
-    def _prepare(q: Deque[Any], pops: int, head: Any, released: List[Tuple[Any, int]],
+    def _prepare(q: Deque[Any], first: Any, pops: int, head: Any, released: List[Tuple[Any, int]],
                  quiet: Iterable[int]) -> Tuple[Any, ...]:
         """What can fail in a take, made first (a MemoryError here changes nothing): the list
         holding the entries, the iterators _commit's loops use, the new counts (made last, from the
         counts as they are)."""
-        return q, list(islice(q, pops)), repeat(None, pops), head, iter(quiet), iter(_lowered(released))
+        counts = _lowered(released)
+        return (q, first, list(islice(q, pops)), repeat(None, pops), head, iter(quiet), iter(counts),
+                iter(counts))
 
     def _commit(self, taking: Tuple[Any, ...]) -> List[Any]:
-        """The take _prepare made ready, by steps that allocate nothing: the counts are set, then
-        the entries go, returned to be held until the caller's end, so that the finalizer their
-        release may run (a cookie's, which may post on or reset this EP) finds everything taken."""
-        q, held, steps, head, marks, counts = taking
-        for lmr, count in counts:
+        """The take _prepare made ready, by steps that allocate nothing: the plan checked first
+        (the head of the queue and the counts still the ones it read: a collection run by an
+        allocation since may have run a finalizer that reset or posted on this EP; _PlanStale if
+        not, nothing taken), then the counts are set, then the entries go, returned to be held
+        until the caller's end, so that the finalizer their release may run (a cookie's, which may
+        post on or reset this EP) finds everything taken."""
+        q, first, held, steps, head, marks, checks, counts = taking
+        if (q[0] if q else None) is not first:
+            raise _PlanStale
+        for lmr, was, _ in checks:
+            if lmr._inflight is not was:
+                raise _PlanStale
+        for lmr, _, count in counts:
             lmr._inflight = count
         for _ in steps:
             q.popleft()
@@ -403,13 +493,6 @@ class WorkRequests:
             for wr_id in marks:
                 self._quiet.discard(wr_id)
         return held
-
-    def _pop_send(self, wr_id: int) -> Any:
-        """Take the entry of ``wr_id`` off the send queue (None if it is not there), retiring the
-        entries before it (see _plan_send); its own segments stay counted."""
-        entry, pops, head, released, quiet = self._plan_send(wr_id)
-        self._take(self._send_q, pops, head, released, quiet)
-        return entry
 
     def _sends_outstanding(self) -> int:
         """How many requests the send queue holds (a run entry stands for several)."""

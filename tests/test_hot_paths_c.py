@@ -162,7 +162,7 @@ def test_a_runs_last_completion_gives_the_python_event(first: int) -> None:
 @pytest.mark.parametrize("wr_id", [2, 6])
 def test_suppressed_sends_before_a_signalled_one_are_retired_as_python_does(wr_id: int) -> None:
     """Selective signalling: the sends before the completed one were posted suppressed; C retires
-    them with it (their LMRs released), as wr.py's _pop_send does."""
+    them with it (their LMRs released), as wr.py's _plan_send and _take do."""
     c_world, py_world = world()
     rows = [(wr_id, 0, IBV_WC_SEND, 0, 7, None, 0, 0), (1, 0, IBV_WC_RECV, 64, 7, None, 0, 0)]
     taken, notified, c_queue = both_paths(rows, c_world, py_world)
@@ -563,6 +563,125 @@ def test_a_window_completion_after_suppressed_sends_releases_all_of_them(case: s
     else:
         assert event.cookie == case.split()[-1] and event.ok == (case == "unbind")
         assert not lmr._windows  # type: ignore[attr-defined]
+
+
+class ResettingSeg(Seg):
+    """A segment whose length, read once the completion's plan is made (for its event), runs
+    Python that resets the EP first, as a finalizer a collection runs at any allocation may."""
+
+    def __init__(self, lmr: LMR, length: int, ep: "EP") -> None:
+        super().__init__(lmr, length)
+        self.ep = ep
+
+    @property  # type: ignore[override]
+    def length(self) -> int:
+        if self.ep is not None:
+            ep, self.ep = self.ep, None
+            ep._retire_all()
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length = value
+
+
+class ResettingEP(EP):
+    """An EP whose ``_ud``, read for a receive's event once its plan is made, resets it first."""
+
+    armed = False
+
+    @property  # type: ignore[override]
+    def _ud(self) -> bool:
+        if self.armed:
+            self.armed = False
+            self._retire_all()
+        return False
+
+    @_ud.setter
+    def _ud(self, value: bool) -> None:
+        pass
+
+
+RESET_CASES = ["send", "send on two segments", "send retiring a suppressed one", "receive",
+               "receive on two LMRs"]
+
+
+def reset_while_taken(case: str) -> Tuple[Any, ...]:
+    """An EP whose completion of ``case`` runs Python that resets the EP between its plan and its
+    take: (ep, its LMR, the completion's row)."""
+    ep = ResettingEP()
+    lmr, other = LMR(), LMR()
+    if case.startswith("send"):
+        if case == "send retiring a suppressed one":
+            ep._send_q.append((0, "s0", DTOOp.SEND, (Seg(lmr, 8),), None))
+        segs: Tuple[Any, ...] = (ResettingSeg(lmr, 8, ep),)
+        if case == "send on two segments":
+            segs += (Seg(lmr, 8),)
+        ep._send_q.append((2, "s1", DTOOp.SEND, segs, None))
+        row = (2, 0, IBV_WC_SEND, 0, 7, None, 0, 0)
+    else:
+        segs = (Seg(lmr, 64),) + ((Seg(other, 64),) if case == "receive on two LMRs" else ())
+        ep._recv_q.append((1, "r0", segs))
+        ep.armed = True
+        row = (1, 0, IBV_WC_RECV, 64, 7, None, 0, 0)
+    for entry in (*ep._send_q, *ep._recv_q):
+        ep._track(entry[-2] if len(entry) == 5 else entry[2], 1)
+    return ep, lmr, other, row
+
+
+@pytest.mark.parametrize("path", ["python", "c"])
+@pytest.mark.parametrize("case", RESET_CASES)
+def test_a_reset_between_a_completions_plan_and_its_take_takes_nothing_twice(case: str, path: str) -> None:
+    """Python run between a completion's plan and its take (a finalizer a collection runs at an
+    allocation) resets the EP: the take finds its plan no longer holds, and the completion is
+    worked out again: a send's entry is gone (no event), a receive's event has no cookie, and
+    every count is 0 (wr.py popped an empty queue, IndexError, the count -1; C set the count to
+    -1 and queued the event)."""
+    ep, lmr, other, row = reset_while_taken(case)
+    if path == "c":
+        refs = {7: weakref.ref(ep)}
+        taken, _, queue = run_c([row], refs, object())
+        assert taken == 0 and not queue, "C took a completion whose plan no longer held"
+        assert not ep._send_q and not ep._recv_q and lmr._inflight == 0  # (the reset ran in C's take)
+    event = ep._completion_event(as_tuple(wc_array([row])[0]), object())
+    assert (lmr._inflight, other._inflight) == (0, 0)
+    assert not ep._send_q and not ep._recv_q
+    if case.startswith("send"):
+        assert event is None
+    else:
+        assert event.cookie is None and event.ok
+
+
+def test_a_collection_between_a_completions_plan_and_its_take_takes_nothing_twice() -> None:
+    """The same with a real collection: a finalizer that resets the EP, run by the first
+    allocation of the completion's take (its event)."""
+    import gc
+
+    class Resetter:
+        def __init__(self, ep: EP) -> None:
+            self.ep, self.me = ep, self  # a cycle: only the collector frees it
+
+        def __del__(self) -> None:
+            self.ep._retire_all()
+
+    lmr = LMR()
+    ep = EP()
+    ep._send_q.append((0, "s0", DTOOp.SEND, (Seg(lmr, 8),), None))
+    lmr._inflight = 1
+    wc = as_tuple(wc_array([(0, 0, IBV_WC_SEND, 8, 7, None, 0, 0)])[0])
+    enabled, thresholds = gc.isenabled(), gc.get_threshold()
+    gc.collect()
+    gc.disable()
+    try:
+        Resetter(ep)
+        gc.set_threshold(1)
+        gc.enable()
+        event = ep._completion_event(wc, object())
+    finally:
+        gc.set_threshold(*thresholds)
+        if not enabled:
+            gc.disable()
+    assert event is None and lmr._inflight == 0 and not ep._send_q
 
 
 class Breaks:

@@ -187,8 +187,15 @@ async def test_a_python_post_that_runs_out_of_memory_is_counted_and_recorded(ia:
         # (which makes no event: noted here)
         expected = [entry[1] for entry in queue]
         no_entry: List[int] = []
-        pop_send = ep._pop_send
-        ep._pop_send = lambda wr_id: pop_send(wr_id) or no_entry.append(wr_id)
+        plan_send = ep._plan_send  # (a completion with no entry at the head of the queue is planned)
+
+        def noting(wr_id: int) -> Any:
+            plan = plan_send(wr_id)
+            if plan[0] is None:
+                no_entry.append(wr_id)
+            return plan
+
+        ep._plan_send = noting
         if not sends:
             await send(pair, len(expected))
         events = await events_of(evd, len(expected))

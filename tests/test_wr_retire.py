@@ -45,6 +45,15 @@ def posted_run(ep: FakeEP, first: int, n: int, segs: Tuple[Any, ...]) -> None:
         seg.lmr._inflight += n
 
 
+def pop_send(ep: FakeEP, wr_id: int) -> Any:
+    """Take the entry of ``wr_id`` off the send queue (None if it is not there), retiring the
+    entries before it, as a completion of ``wr_id`` plans and takes it; its own segments stay counted."""
+    first = ep._send_q[0] if ep._send_q else None
+    entry, pops, head, released, quiet = ep._plan_send(wr_id)
+    ep._take(ep._send_q, first, pops, head, released, quiet)
+    return entry
+
+
 def make_ep() -> FakeEP:
     ep = FakeEP()
     ep._init_tracking()
@@ -56,7 +65,7 @@ def test_one_buffer_batch_retires_together() -> None:
     segs = (FakeSeg(lmr),)
     ep = make_ep()
     posted(ep, [(2 * i, segs) for i in range(32)], quiet=(4, 6))
-    entry = ep._pop_send(62)
+    entry = pop_send(ep, 62)
     assert entry is not None and entry[0] == 62 and entry[1] == "cookie62"
     assert not ep._send_q and not ep._quiet
     assert lmr._inflight == 1  # the completed entry's own count is its caller's to release
@@ -68,7 +77,7 @@ def test_single_posts_of_one_buffer_retire_together() -> None:
     seg = FakeSeg(lmr)
     ep = make_ep()
     posted(ep, [(2 * i, (seg,)) for i in range(16)] + [(40, ())])  # and a zero-length send
-    assert ep._pop_send(40)[0] == 40
+    assert pop_send(ep, 40)[0] == 40
     assert lmr._inflight == 0 and not ep._send_q
 
 
@@ -77,7 +86,7 @@ def test_mixed_segments_and_later_entries_stay() -> None:
     ep = make_ep()
     posted(ep, [(2, (FakeSeg(a),)), (6, (FakeSeg(b), FakeSeg(a))), (8, (FakeSeg(b),)), (12, (FakeSeg(a),))],
            quiet=(2, 12))
-    entry = ep._pop_send(8)
+    entry = pop_send(ep, 8)
     assert entry is not None and entry[0] == 8
     assert (a._inflight, b._inflight) == (1, 1)  # 2 and 6 retired; 8 is the caller's; 12 still posted
     assert [e[0] for e in ep._send_q] == [12] and ep._quiet == {12}
@@ -87,11 +96,11 @@ def test_head_completion_and_unknown_wr_id() -> None:
     lmr = FakeLMR()
     ep = make_ep()
     posted(ep, [(2, (FakeSeg(lmr),)), (4, (FakeSeg(lmr),)), (10, (FakeSeg(lmr),))])
-    assert ep._pop_send(2)[0] == 2  # the head: no search
+    assert pop_send(ep, 2)[0] == 2  # the head: no search
     # a wr_id that is not on the queue retires what was posted before it, and nothing after
-    assert ep._pop_send(6) is None
+    assert pop_send(ep, 6) is None
     assert [e[0] for e in ep._send_q] == [10] and lmr._inflight == 2
-    assert ep._pop_send(12) is None and not ep._send_q and lmr._inflight == 1
+    assert pop_send(ep, 12) is None and not ep._send_q and lmr._inflight == 1
 
 
 def test_entries_before() -> None:
@@ -106,7 +115,7 @@ def test_a_run_is_retired_whole_by_its_last_completion() -> None:
     posted_run(ep, 2, 32, (FakeSeg(lmr),))
     posted_run(ep, 66, 32, (FakeSeg(lmr),))
     assert len(ep._send_q) == 2 and ep._sends_outstanding() == 64 and lmr._inflight == 64
-    entry = ep._pop_send(64)
+    entry = pop_send(ep, 64)
     assert entry is not None and entry[0] == 64 and entry[1] == "cookie64" and entry[4] is None
     assert [e[0] for e in ep._send_q] == [66] and ep._sends_outstanding() == 32
     assert lmr._inflight == 33  # the completed request's own count is its caller's to release
@@ -118,13 +127,13 @@ def test_completions_inside_a_run_take_their_own_cookies() -> None:
     a, b = FakeLMR(), FakeLMR()
     ep = make_ep()
     posted_run(ep, 10, 6, (FakeSeg(a), FakeSeg(b)))  # 10 .. 20
-    entry = ep._pop_send(14)  # the third request failed
+    entry = pop_send(ep, 14)  # the third request failed
     assert entry == (14, "cookie14", None, ep._send_q[0][3], None)
     assert (a._inflight, b._inflight) == (4, 4)  # 10 and 12 retired; 14 is the caller's
     assert ep._send_q[0][0] == 16 and ep._sends_outstanding() == 3
     for wr_id in (14, 16, 18, 20):  # the caller releases each taken request; then come the flushes
         if wr_id != 14:
-            assert ep._pop_send(wr_id)[1] == f"cookie{wr_id}"
+            assert pop_send(ep, wr_id)[1] == f"cookie{wr_id}"
         a._inflight -= 1
         b._inflight -= 1
     assert not ep._send_q and (a._inflight, b._inflight) == (0, 0)
@@ -138,7 +147,7 @@ def test_runs_before_a_completion_are_retired_in_bulk() -> None:
     posted_run(ep, 12, 3, (FakeSeg(b), FakeSeg(a)))  # 12 .. 16
     posted(ep, [(18, (FakeSeg(a),)), (20, (FakeSeg(a),))])
     ep._quiet.add(16)
-    assert ep._pop_send(18)[0] == 18
+    assert pop_send(ep, 18)[0] == 18
     assert (a._inflight, b._inflight) == (1 + 1, 0)  # 18 is the caller's, 20 is still posted
     assert [e[0] for e in ep._send_q] == [20] and not ep._quiet
 
@@ -149,9 +158,9 @@ def test_a_wr_id_inside_a_later_run() -> None:
     posted(ep, [(2, (FakeSeg(lmr),))])
     posted_run(ep, 4, 5, (FakeSeg(lmr),))  # 4 .. 12
     posted(ep, [(14, (FakeSeg(lmr),))])
-    assert ep._pop_send(8)[1] == "cookie8"  # 2, 4 and 6 retired
+    assert pop_send(ep, 8)[1] == "cookie8"  # 2, 4 and 6 retired
     assert lmr._inflight == 7 - 3 and ep._sends_outstanding() == 3  # 10, 12, 14 (8 is the caller's)
-    assert ep._pop_send(13) is None  # not posted: what came before it is retired
+    assert pop_send(ep, 13) is None  # not posted: what came before it is retired
     assert [e[0] for e in ep._send_q] == [14] and lmr._inflight == 2
 
 

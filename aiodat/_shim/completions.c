@@ -169,7 +169,7 @@ static void unqueue_event(PyObject *queue)
  * no small int allocates) and set after, by steps that allocate nothing: a MemoryError in
  * between would leave a count high for ever (an LMR that can never be freed).  The LMRs are
  * noted in a small array in place, grown on the heap when a completion retires requests on more
- * (a pool whose buffers are each their own LMR), up to MAX_LOWERED: beyond, wr.py's Counter
+ * (a pool whose buffers are each their own LMR), up to MAX_LOWERED: beyond, wr.py's _lowered
  * (the search here is linear). */
 #define LOWERED_IN_PLACE 8
 #define MAX_LOWERED 256
@@ -177,6 +177,7 @@ struct lower {
     PyObject *lmr;    /* held */
     Py_ssize_t by;
     PyObject *value;  /* the new count, once lowered_values made it */
+    PyObject *was;    /* the count it was made from (lowered_holds checks it is still the LMR's) */
 };
 struct lowered {
     int n, size;
@@ -199,6 +200,7 @@ static void lowered_clear(struct lowered *l)
     for (int k = 0; k < l->n; k++) {
         Py_CLEAR(l->at[k].lmr);
         Py_CLEAR(l->at[k].value);
+        Py_CLEAR(l->at[k].was);
     }
     l->n = 0;
     if (l->at != l->in_place)
@@ -243,7 +245,7 @@ static int lower_segments(struct lowered *l, PyObject *segs, Py_ssize_t requests
             l->at = at;
             l->size = size;
         }
-        l->at[l->n++] = (struct lower){lmr, requests, NULL};
+        l->at[l->n++] = (struct lower){lmr, requests, NULL, NULL};
     }
     return 1;
 }
@@ -273,11 +275,44 @@ static int lowered_values(struct lowered *l)
     for (int k = 0; k < l->n; k++) {
         PyObject *now = PyObject_GetAttr(l->at[k].lmr, s_inflight), *by = PyLong_FromSsize_t(l->at[k].by);
         l->at[k].value = now && by ? PyNumber_Subtract(now, by) : NULL;
-        Py_XDECREF(now); Py_XDECREF(by);
+        l->at[k].was = now;  /* (held: lowered_clear lets it go) */
+        Py_XDECREF(by);
         if (l->at[k].value == NULL)
             return -1;
     }
     return 0;
+}
+
+/* Whether the plan still holds, read with no allocation after the last one: ``planned`` is still
+ * the head of ``q`` and every count the one the new counts were made from.  An allocation may
+ * start a collection whose finalizers (a cookie's) reset this EP (its queue emptied, its counts
+ * lowered) or post on it: the plan's counts and pops would then be wrong. */
+static int lowered_holds(struct lowered *l, PyObject *q, PyObject *planned)
+{
+    if (PyObject_Length(q) <= 0) {
+        if (PyErr_Occurred())
+            drop_error();
+        return 0;
+    }
+    PyObject *head = PySequence_GetItem(q, 0);  /* (a deque's item: a new reference, no allocation) */
+    if (head == NULL) {
+        drop_error();
+        return 0;
+    }
+    Py_DECREF(head);  /* (the deque holds it: only its address is compared) */
+    if (head != planned)
+        return 0;
+    for (int k = 0; k < l->n; k++) {
+        PyObject *now = PyObject_GetAttr(l->at[k].lmr, s_inflight);
+        if (now == NULL) {
+            drop_error();
+            return 0;
+        }
+        Py_DECREF(now);
+        if (now != l->at[k].was)
+            return 0;
+    }
+    return 1;
 }
 
 /* Set the new counts (an attribute that exists already: nothing is allocated). */
@@ -440,7 +475,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     Py_ssize_t requests = 0;  /* a run's: how many requests its last completion takes */
     struct lowered counts;
     lowered_init(&counts);
-    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *event = NULL;
+    PyObject *q = NULL, *quiet = NULL, *head = NULL, *wr_id = NULL, *event = NULL, *planned = NULL;
     q = PyObject_GetAttr(ep, recv ? s_recv_q : s_send_q);
     quiet = q ? PyObject_GetAttr(ep, s_quiet) : NULL;
     if (quiet == NULL)
@@ -455,6 +490,8 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     head = PySequence_GetItem(q, 0);
     if (head == NULL || !PyTuple_Check(head))
         goto error;
+    planned = head;  /* (what the plan reads: lowered_holds checks it is still the head) */
+    Py_INCREF(planned);
     wr_id = PyTuple_GetItem(head, 0);
     PyObject *cookie = PyTuple_GetItem(head, 1);
     unsigned long long first = wr_id ? PyLong_AsUnsignedLongLong(wr_id) : (unsigned long long)-1;
@@ -474,7 +511,7 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     } else if (first != wc->wr_id) {
         /* not the oldest request: selective signalling, plain sends posted suppressed before it.
          * The send queue is ordered, so they finished first: they are retired with it, as wr.py's
-         * _pop_send and _retire do; anything else before it (a run, a target) is wr.py's */
+         * _plan_send and _retired do; anything else before it (a run, a target) is wr.py's */
         Py_ssize_t found = recv || target != Py_None ? 0 : suppressed_before(q, wc->wr_id);
         if (found <= 0) {
             if (found < 0)
@@ -524,6 +561,10 @@ static int common_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc,
     }
     if (event == NULL || lowered_values(&counts) < 0 || queue_event(queue, event) < 0)
         goto error;
+    if (!lowered_holds(&counts, q, planned)) {
+        unqueue_event(queue);  /* (a finalizer changed the EP since the plan: wr.py works it out again) */
+        goto done;
+    }
     /* taken from here, by steps that allocate nothing: the counts, then the suppressed sends
      * before it and its own entry, which are held (counts.held, head) until all is taken: their
      * release may run a finalizer (a cookie's) that posts on, or resets, this EP */
@@ -535,7 +576,7 @@ error:
     taken = -1;
 done:
     lowered_clear(&counts);
-    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(event);
+    Py_XDECREF(q); Py_XDECREF(quiet); Py_XDECREF(head); Py_XDECREF(event); Py_XDECREF(planned);
     return taken;
 }
 
