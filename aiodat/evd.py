@@ -354,6 +354,8 @@ class EVD(Handle, Generic[E]):
         # True while polled completions are being taken (here or in C): a finalizer their entries
         # run (a cookie's, which may reset or close an EP of this EVD) must not take them again
         self._taking = False
+        # a callback EVD's drain of its backlog again after a failure (_callback_failed): one at a time
+        self._backlog_retry: Optional[asyncio.TimerHandle] = None
         #: a failure of the reader callback with no task waiting: raised by the next wait or dequeue
         self._pending_error: Optional[BaseException] = None
         self._unarmed = False  # the last arm failed: arm again before anyone sleeps
@@ -1061,6 +1063,7 @@ class EVD(Handle, Generic[E]):
         self._attach(loop)
         if loop is not self._callback_loop:  # (_attach refused if the last one is still open)
             self._delivery_scheduled = False  # a delivery scheduled on a loop since closed never runs
+            self._backlog_retry = None  # (so does a retry)
         self._callback, self._callback_loop, self._on_error = fn, loop, on_error
         if self._queue or self._backlog or self._pending_error is not None:
             self._schedule_delivery()
@@ -1163,7 +1166,8 @@ class EVD(Handle, Generic[E]):
         failed part way left a backlog, which no channel event announces (the CQ may be armed):
         another drain is scheduled after the report, and so on until the backlog is taken: at the
         loop's next turn after a MemoryError (memory comes back), else after _BACKLOG_RETRY_S (a
-        failure that comes every time must not spin the loop)."""
+        failure that comes every time must not spin the loop), one such retry at a time (each
+        failure meanwhile scheduled its own: a retry that failed again multiplied them)."""
         try:
             self._report_failure(exc, what, own)
         finally:
@@ -1172,10 +1176,15 @@ class EVD(Handle, Generic[E]):
                 try:
                     if isinstance(exc, MemoryError):
                         self._schedule_delivery()
-                    else:
-                        loop.call_later(_BACKLOG_RETRY_S, self._schedule_delivery)
+                    elif self._backlog_retry is None:
+                        self._backlog_retry = loop.call_later(_BACKLOG_RETRY_S, self._retry_backlog)
                 except Exception:  # (memory again: the next wake-up or set_callback drains it)
                     pass
+
+    def _retry_backlog(self) -> None:
+        """_callback_failed's retry, due: the next failure may schedule another."""
+        self._backlog_retry = None
+        self._schedule_delivery()
 
     def _report_failure(self, exc: BaseException, what: str, own: bool) -> None:
         loop = self._callback_loop

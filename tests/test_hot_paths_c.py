@@ -684,6 +684,42 @@ def test_a_collection_between_a_completions_plan_and_its_take_takes_nothing_twic
     assert event is None and lmr._inflight == 0 and not ep._send_q
 
 
+class RetryLoop:
+    """What a callback EVD's _callback_failed uses of its loop, recording the retries it schedules."""
+
+    def __init__(self) -> None:
+        self.later: List[Any] = []
+        self.soon: List[Any] = []
+
+    def is_closed(self) -> bool:
+        return False
+
+    def call_later(self, delay: float, fn: Any) -> Any:
+        self.later.append(fn)
+        return SimpleNamespace(cancel=lambda: None)
+
+    def call_soon(self, fn: Any) -> Any:
+        self.soon.append(fn)
+
+
+def test_a_callback_evd_keeps_one_backlog_retry_while_its_drains_fail() -> None:
+    """A callback EVD whose drains fail (no MemoryError) with a backlog left schedules one retry
+    after _BACKLOG_RETRY_S, not one per failure (each failure meanwhile, a wake-up's or a
+    delivery's, added its own: they multiplied); once it is due, the next failure schedules
+    another."""
+    evd = EVD.__new__(EVD)
+    loop, reported = RetryLoop(), []
+    evd._callback_loop, evd._on_error, evd._backlog = loop, reported.append, 3
+    evd._delivery_scheduled, evd._backlog_retry = False, None
+    for _ in range(5):
+        evd._callback_failed(RuntimeError("the drain failed"), "draining the CQ")
+    assert len(reported) == 5 and len(loop.later) == 1
+    loop.later.pop()()  # due: a delivery is scheduled, which drains again
+    assert len(loop.soon) == 1
+    evd._callback_failed(RuntimeError("the drain failed"), "draining the CQ")
+    assert len(loop.later) == 1
+
+
 class Breaks:
     """An EP whose completion breaks it (its BROKEN pushed on the EVD's queue, which takes
     connection events too), then fails, every allocation failing from there on."""
