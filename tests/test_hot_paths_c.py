@@ -720,6 +720,35 @@ def test_a_callback_evd_keeps_one_backlog_retry_while_its_drains_fail() -> None:
     assert len(loop.later) == 1
 
 
+class LookedAt:
+    """What C's look reads of an EVD in its common case, noting whether it went on to read the
+    CQ's address (past the test of the common case: it would poll)."""
+
+    _closed = _backlog = _awaited = _solicited = _armed_solicited = False
+    _wcs_address, _qlen = 0, 4
+
+    def __init__(self, taking: bool) -> None:
+        self._taking, self.read_cq = taking, False
+        self._queue: deque = deque()
+
+    @property
+    def _cq_address(self) -> int:
+        self.read_cq = True
+        return 0  # (no CQ: nothing is polled either way)
+
+
+def test_c_leaves_the_cq_alone_while_a_take_is_under_way() -> None:
+    """While polled completions are being taken (EVD._taking: a finalizer their entries run, a
+    cookie's, may wait on or look at the EVD), C's look is not the common case: it would poll the
+    CQ into the array the take reads (its backlog is only noted once the take is done)."""
+    assert _completions.look(LookedAt(taking=False)) == -1
+    taking = LookedAt(taking=True)
+    assert _completions.look(taking) == -1 and not taking.read_cq, "C's look went on during a take"
+    plain = LookedAt(taking=False)
+    _completions.look(plain)
+    assert plain.read_cq  # (the test reaches the CQ's address when no take is under way)
+
+
 class Breaks:
     """An EP whose completion breaks it (its BROKEN pushed on the EVD's queue, which takes
     connection events too), then fails, every allocation failing from there on."""

@@ -696,7 +696,7 @@ static int queue_or_leave(PyObject *evd, PyObject *queue, unsigned long long wcs
 }
 
 /* What a look, the wake-up's drain and the poller's arm read of an EVD, in the common case that C
- * takes: open, with a CQ, no backlog, no awaited request; for a drain (``draining``: it reads the
+ * takes: open, with a CQ, no backlog, no awaited request, no take under way (_taking); for a drain (``draining``: it reads the
  * channel or arms), also no solicited wait or arm.  1 with the addresses, the room in the queue
  * (at most 64) and a new reference to the queue; 0: Python's path (EVD._poll_rest, EVD._drain_cq);
  * -1: an error. */
@@ -710,6 +710,7 @@ static int common_cq(PyObject *evd, struct evd_cq *out, int draining)
 {
     /* (a truth that could not be read ends the chain with its exception set: checked below) */
     int plain = attr_true(evd, s_closed) == 0 && attr_true(evd, s_backlog) == 0 && attr_true(evd, s_awaited) == 0
+                && attr_true(evd, s_taking) == 0  /* (a finalizer run by a take: it must not poll into wcs) */
                 && (!draining || (attr_true(evd, s_solicited) == 0 && attr_true(evd, s_armed_solicited) == 0));
     unsigned long long qlen;
     if (plain && (attr_ull(evd, s_cq_address, &out->cq) < 0 || attr_ull(evd, s_wcs_address, &out->wcs) < 0
