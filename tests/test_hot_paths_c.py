@@ -565,6 +565,33 @@ def test_a_window_completion_after_suppressed_sends_releases_all_of_them(case: s
         assert not lmr._windows  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("case", ["unbind", "failed bind", "closed"])
+def test_a_window_completion_after_suppressed_sends_is_taken_whole_or_not_at_all(case: str) -> None:
+    """The same with each allocation failing in turn: raised, nothing changed (the counts, the
+    send queue, the window's pending request and binding); taken again, all of it released."""
+    _testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory)")
+    evd = type("EVD", (), {"_awaited": 0})()
+    failures = 0
+    for n in range(80):
+        ep, rmr, lmr, wc = window_after_suppressed_sends(case)
+        before = (lmr._inflight, len(ep._send_q), len(rmr._pending), rmr._bound)
+        raised = False
+        _testcapi.set_nomemory(n, n + 1)
+        try:
+            ep._completion_event(wc, evd)
+        except (MemoryError, SystemError):  # (3.11 reports a frame it could not allocate as SystemError)
+            raised = True
+        finally:
+            _testcapi.remove_mem_hooks()
+        if raised:
+            failures += 1
+            assert (lmr._inflight, len(ep._send_q), len(rmr._pending), rmr._bound) == before, \
+                f"allocation {n} failed part way"
+            ep._completion_event(wc, evd)
+        assert lmr._inflight == 0 and not ep._send_q and not rmr._pending and rmr._bound is None
+    assert failures and not raised, "the failures did not reach every allocation"
+
+
 class ResettingSeg(Seg):
     """A segment whose length, read once the completion's plan is made (for its event), runs
     Python that resets the EP first, as a finalizer a collection runs at any allocation may."""
