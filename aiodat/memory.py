@@ -683,7 +683,8 @@ class RMR(Handle):
             held = take()
             del held  # (the finalizers run here)
             return None
-        waiter, pop_op, new_rkey, segment, privileges = self._pending[0]
+        pend = self._pending[0]  # (the take checks it is still there: a close clears it, releasing its segment)
+        waiter, pop_op, new_rkey, segment, privileges = pend
         ok = status == "IBV_WC_SUCCESS"
         bind = pop_op is DTOOp.BIND  # (before the take: an enum member's lookup may allocate)
         event: Any = RMRBindEvent(EventType.RMR_BIND_COMPLETION, evd, self, cookie, status,
@@ -700,7 +701,7 @@ class RMR(Handle):
         elif ok and self._bound is not None:
             lmr, extra = self._bound[0].lmr, [(self._bound[:1], 1)]
         # taken from here
-        held = take(extra)
+        held = take(extra, (self._pending, None, pend))  # (_PlanStale if the window was closed since)
         self._pending.popleft()
         if waiter is not None and evd._awaited > 0:
             evd._awaited -= 1

@@ -447,28 +447,31 @@ class WorkRequests:
         return released, quiet
 
     def _take(self, q: Deque[Any], first: Any, pops: int, head: Any, released: List[Tuple[Any, int]],
-              quiet: Iterable[int]) -> None:
+              quiet: Iterable[int], guard: Any = None) -> None:
         """Take what a completion's plan planned: ``pops`` entries off the head of ``q`` (``head``
         then put at its head), the LMRs' counts lowered by ``released`` (segments, requests), the
-        UNSIGNALLED marks of ``quiet``.  ``first`` is the head of ``q`` the plan read.  Raises with
-        nothing taken (a MemoryError, or _PlanStale), or takes it all (see _prepare)."""
-        self._commit(self._prepare(q, first, pops, head, released, quiet))  # (the finalizers run as it returns)
+        UNSIGNALLED marks of ``quiet``.  ``first`` is the head of ``q`` the plan read; ``guard``,
+        if given, one more entry the plan read (see _commit).  Raises with nothing taken (a
+        MemoryError, or _PlanStale), or takes it all (see _prepare)."""
+        self._commit(self._prepare(q, first, pops, head, released, quiet, guard))  # (the finalizers run as it returns)
 
     def _take_with(self, q: Deque[Any], first: Any, pops: int, head: Any, released: List[Tuple[Any, int]],
-                   quiet: Iterable[int], extra: Iterable[Tuple[Any, int]] = ()) -> List[Any]:
+                   quiet: Iterable[int], extra: Iterable[Tuple[Any, int]] = (), guard: Any = None) -> List[Any]:
         """_take with ``extra`` (segments, requests) released too, in the same plan (a window's
-        bind completion: memory.py's _bind_completed); returns the entries to hold (see _commit)."""
-        return self._commit(self._prepare(q, first, pops, head, [*released, *extra] if extra else released, quiet))
+        bind completion: memory.py's _bind_completed, whose ``guard`` is the window's pending
+        request it planned from); returns the entries to hold (see _commit)."""
+        return self._commit(self._prepare(q, first, pops, head, [*released, *extra] if extra else released, quiet,
+                                          guard))
 
     @staticmethod
     def _prepare(q: Deque[Any], first: Any, pops: int, head: Any, released: List[Tuple[Any, int]],
-                 quiet: Iterable[int]) -> Tuple[Any, ...]:
+                 quiet: Iterable[int], guard: Any = None) -> Tuple[Any, ...]:
         """What can fail in a take, made first (a MemoryError here changes nothing): the list
         holding the entries, the iterators _commit's loops use, the new counts (made last, from the
         counts as they are)."""
         counts = _lowered(released)
         return (q, first, list(islice(q, pops)), repeat(None, pops), head, iter(quiet), iter(counts),
-                iter(counts))
+                iter(counts), guard)
 
     def _commit(self, taking: Tuple[Any, ...]) -> List[Any]:
         """The take _prepare made ready, by steps that allocate nothing: the plan checked first
@@ -476,10 +479,20 @@ class WorkRequests:
         allocation since may have run a finalizer that reset or posted on this EP; _PlanStale if
         not, nothing taken), then the counts are set, then the entries go, returned to be held
         until the caller's end, so that the finalizer their release may run (a cookie's, which may
-        post on or reset this EP) finds everything taken."""
-        q, first, held, steps, head, marks, checks, counts = taking
+        post on or reset this EP) finds everything taken.  The guard, if any, is one more entry the
+        plan read, checked the same way: (a deque, None, its head) for a window's pending request
+        (a close clears it, releasing the request's segment itself), or (a dict, key, its value or
+        None)."""
+        q, first, held, steps, head, marks, checks, counts, guard = taking
         if (q[0] if q else None) is not first:
             raise _PlanStale
+        if guard is not None:
+            where, key, expected = guard
+            if key is None:
+                if (where[0] if where else None) is not expected:
+                    raise _PlanStale
+            elif where.get(key) is not expected:
+                raise _PlanStale
         for lmr, was, _ in checks:
             if lmr._inflight is not was:
                 raise _PlanStale

@@ -711,6 +711,41 @@ def test_a_collection_between_a_completions_plan_and_its_take_takes_nothing_twic
     assert event is None and lmr._inflight == 0 and not ep._send_q
 
 
+WINDOW_CLOSE_CASES = ["bind", "failed bind", "unbind"]
+
+
+@pytest.mark.parametrize("case", WINDOW_CLOSE_CASES)
+def test_a_window_closed_between_its_completions_plan_and_its_take_is_released_once(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window's bind, failed bind or unbind completes after suppressed sends, and its event's
+    allocation (RMRBindEvent) runs Python that closes the window first (a finalizer a collection
+    runs may): the close released the pending request's segment (or the binding) and cleared the
+    pending requests, so the take finds its plan no longer holds and the completion is worked out
+    again as a closed window's: no event, every count 0 (memory.py planned from the pending request
+    it had read: a failed bind's segment was released twice, the count -1, and the pop of the
+    emptied pending requests raised IndexError after the take)."""
+    import aiodat.memory as memory
+
+    ep, rmr, lmr, wc = window_after_suppressed_sends("unbind" if case == "unbind" else "failed bind")
+    if case == "bind":
+        wc = (wc[0], 0, *wc[2:])  # (the bind succeeds)
+    real = memory.RMRBindEvent
+    closes: List[int] = []
+
+    def closing(*args: Any, **kwargs: Any) -> Any:
+        if not closes:
+            closes.append(1)
+            rmr._forget("closed")  # (as rmr.close() does)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "RMRBindEvent", closing)
+    evd = type("EVD", (), {"_awaited": 0})()
+    event = ep._completion_event(wc, evd)
+    assert closes and event is None
+    assert lmr._inflight == 0
+    assert not ep._send_q and not rmr._pending and rmr._bound is None
+
+
 class RetryLoop:
     """What a callback EVD's _callback_failed uses of its loop, recording the retries it schedules."""
 
