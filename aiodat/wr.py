@@ -314,7 +314,8 @@ class WorkRequests:
             if len(srq._eps) != srq._eps_seen:  # an EP came or went: remember its recv EVD for the counters
                 srq._note_evds()
             posted = srq._posted
-            cookie, segs = posted.get(wr_id, (None, ()))
+            mine = posted.get(wr_id)  # (the take checks it is still there: an SRQ's close clears the table)
+            cookie, segs = mine if mine is not None else (None, ())
             pops, released = 0, [(segs, 1)]
         else:
             cookie, segs, pops, released = self._plan_recv(wr_id)
@@ -323,7 +324,8 @@ class WorkRequests:
             _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
             wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
             wc[3], wc[7] if self._ud else None, not (self._quiet and wr_id in self._quiet) or bool(code))
-        self._take(q, first, pops, None, released, (wr_id,) if self._quiet else ())
+        self._take(q, first, pops, None, released, (wr_id,) if self._quiet else (),
+                   (posted, wr_id, mine) if posted is not None else None)
         if posted is not None:  # (its cookie and segments are held here: its release runs no finalizer)
             posted.pop(wr_id, None)
         return event
@@ -481,8 +483,8 @@ class WorkRequests:
         until the caller's end, so that the finalizer their release may run (a cookie's, which may
         post on or reset this EP) finds everything taken.  The guard, if any, is one more entry the
         plan read, checked the same way: (a deque, None, its head) for a window's pending request
-        (a close clears it, releasing the request's segment itself), or (a dict, key, its value or
-        None)."""
+        (a close clears it, releasing the request's segment itself), (a dict, key, its value or
+        None) for an SRQ's posted buffer (a close clears the table, releasing every buffer)."""
         q, first, held, steps, head, marks, checks, counts, guard = taking
         if (q[0] if q else None) is not first:
             raise _PlanStale

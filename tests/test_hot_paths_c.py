@@ -746,6 +746,44 @@ def test_a_window_closed_between_its_completions_plan_and_its_take_is_released_o
     assert not ep._send_q and not rmr._pending and rmr._bound is None
 
 
+class ClosingSRQEP(EP):
+    """An EP on an SRQ whose ``_ud``, read for a receive's event once its plan is made, closes the
+    SRQ first (srq.py's _release_posted: every posted buffer released, the table cleared)."""
+
+    armed = False
+
+    @property  # type: ignore[override]
+    def _ud(self) -> bool:
+        if self.armed:
+            self.armed = False
+            from aiodat.srq import _release_posted
+
+            _release_posted(self._srq._posted)
+        return False
+
+    @_ud.setter
+    def _ud(self, value: bool) -> None:
+        pass
+
+
+def test_an_srq_closed_between_a_receives_plan_and_its_take_is_released_once() -> None:
+    """A receive on an SRQ whose event's making runs Python that closes the SRQ (a finalizer a
+    collection runs may): the close released every posted buffer and cleared the table, so the
+    take finds the buffer it planned from gone and the completion is worked out again: the event
+    has no cookie, every count is 0 (wr.py planned from the entry it had read: the buffer's count
+    was lowered twice, -1, and the event carried the cookie of a buffer the close had released)."""
+    lmr = LMR()
+    ep = ClosingSRQEP()
+    ep._srq = SimpleNamespace(_posted={1: ("r1", (Seg(lmr, 64),)), 3: ("r3", (Seg(lmr, 64),))},  # type: ignore[assignment]
+                              _eps=[ep], _eps_seen=1)
+    lmr._inflight = 2
+    ep.armed = True
+    event = ep._completion_event(as_tuple(wc_array([(1, 0, IBV_WC_RECV, 64, 7, None, 0, 0)])[0]), object())
+    assert not ep.armed, "the SRQ was not closed between the plan and the take"
+    assert event.cookie is None and event.ok
+    assert lmr._inflight == 0 and not ep._srq._posted
+
+
 class RetryLoop:
     """What a callback EVD's _callback_failed uses of its loop, recording the retries it schedules."""
 
