@@ -784,6 +784,50 @@ def test_an_srq_closed_between_a_receives_plan_and_its_take_is_released_once() -
     assert lmr._inflight == 0 and not ep._srq._posted
 
 
+class SRQChangingQueue(deque):
+    """An event queue whose first append runs Python that changes the SRQ (a finalizer a collection
+    run by the deque's allocation may): it posts another receive (its count raised) or closes the
+    SRQ (srq.py's _release_posted: every posted buffer released, the table cleared)."""
+
+    def __init__(self, srq: Any, lmr: LMR, change: str) -> None:
+        super().__init__()
+        self.srq, self.lmr, self.change = srq, lmr, change
+
+    def append(self, event: Any) -> None:
+        change, self.change = self.change, None
+        if change == "post":
+            self.srq._posted[3] = ("c3", (Seg(self.lmr, 64),))
+            self.lmr._inflight += 1
+        elif change == "close":
+            from aiodat.srq import _release_posted
+
+            _release_posted(self.srq._posted)
+        super().append(event)
+
+
+@pytest.mark.parametrize("change", ["post", "close"])
+def test_an_srq_changed_between_a_receives_plan_and_its_take_in_c(change: str) -> None:
+    """completions.c's srq_event: the event's append (the last allocation) runs Python that posts
+    on the SRQ or closes it.  C then finds its plan stale and takes nothing, and wr.py takes the
+    completion: the count ends at what is still posted (C had set the count made before the post:
+    0 with one receive posted)."""
+    lmr = LMR()
+    ep = EP()
+    srq = SimpleNamespace(_posted={1: ("c1", (Seg(lmr, 64),))}, _eps=[ep], _eps_seen=1)
+    ep._srq = srq  # type: ignore[assignment]
+    lmr._inflight = 1
+    rows = [(1, 0, IBV_WC_RECV, 64, 7, None, 0, 0)]
+    wcs = wc_array(rows)
+    queue = SRQChangingQueue(srq, lmr, change)
+    taken, _ = _completions.queue_common(object(), int(ffi.cast("uintptr_t", wcs)), 1, {7: weakref.ref(ep)}, queue)
+    assert queue.change is None, "the SRQ was not changed between the plan and the take"
+    assert taken == 0 and not queue
+    queue.extend(python_events(rows, {7: weakref.ref(ep)}, object()))  # (Python's path takes the rest)
+    assert [e.cookie for e in queue] == (["c1"] if change == "post" else [None])
+    assert list(srq._posted) == ([3] if change == "post" else [])
+    assert lmr._inflight == (1 if change == "post" else 0)
+
+
 class RetryLoop:
     """What a callback EVD's _callback_failed uses of its loop, recording the retries it schedules."""
 

@@ -409,6 +409,30 @@ static PyObject *recv_event(PyObject *evd, PyObject *ep, const struct aiodat_wc 
     return ev;
 }
 
+/* Whether an SRQ receive's plan still holds, read with no allocation after the last one (as
+ * lowered_holds, and wr.py's _commit with its guard): ``entry`` is still posted[key] and every
+ * count the one the new counts were made from.  A finalizer run by an allocation may have posted
+ * on the SRQ (a count raised) or closed it (the table cleared, every buffer released). */
+static int srq_plan_holds(struct lowered *l, PyObject *posted, PyObject *key, PyObject *entry)
+{
+    PyObject *now = PyDict_GetItemWithError(posted, key);  /* (borrowed; an int key's lookup allocates nothing) */
+    if (now != entry) {
+        drop_error();
+        return 0;
+    }
+    for (int k = 0; k < l->n; k++) {
+        PyObject *count = PyObject_GetAttr(l->at[k].lmr, s_inflight);
+        if (count == NULL) {
+            drop_error();
+            return 0;
+        }
+        Py_DECREF(count);  /* (the LMR holds it: only its address is compared) */
+        if (count != l->at[k].was)
+            return 0;
+    }
+    return 1;
+}
+
 /* A receive on an EP of an SRQ (its own receive queue is empty): the SRQ's entry of the request,
  * taken as wr.py's _completion_event takes it, while the SRQ knows every EP it has (else
  * _completion_event notes their EVDs first).  1, 0 (Python's path, nothing changed) or -1 on error. */
@@ -453,7 +477,13 @@ static int srq_event(PyObject *evd, PyObject *ep, const struct aiodat_wc *wc, Py
     event = recv_event(evd, ep, wc, PyTuple_GetItem(entry, 0));
     if (event == NULL || lowered_values(&counts) < 0 || queue_event(queue, event) < 0)
         goto done;
-    if (PyDict_DelItem(posted, key) < 0) {  /* (a dictionary's delete does not fail on real objects) */
+    if (!srq_plan_holds(&counts, posted, key, entry)) {
+        unqueue_event(queue);  /* (a finalizer posted on or closed the SRQ since the plan: wr.py works it out again) */
+        taken = 0;
+        goto done;
+    }
+    /* taken from here, allocating nothing: the entry is held (entry), so its delete runs no finalizer */
+    if (PyDict_DelItem(posted, key) < 0) {  /* (the key is there: checked just above) */
         unqueue_event(queue);
         goto done;
     }
