@@ -343,6 +343,41 @@ async def test_callback_wakeups_that_run_out_of_memory_lose_no_completion(ia: An
         pair.close()
 
 
+async def test_a_wakeup_whose_arm_note_fails_loses_no_completion(ia: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """C's wakeup notes that the wake-up consumed the arm (``_unarmed``, ``_arm_error``); a failure
+    there (set_nomemory cannot make it: the attributes exist, their set allocates nothing; a
+    descriptor stands in) must not drop completions: it came after the drain, which had polled a
+    batch into ``_wcs`` with no backlog noted, so they were lost.  Now it comes before the drain:
+    nothing is polled, and the poller (or the next wake-up) takes everything."""
+    pair, evd, lmr, cookies = await _completions_waiting(ia, False)
+    try:
+        got = _Delivered(len(cookies))
+        evd.set_callback(got.deliver, on_error=got.on_error)
+        failed: List[int] = []
+
+        def get(self: Any) -> Any:
+            return self.__dict__["_arm_error"]
+
+        def set_once_failing(self: Any, value: Any) -> None:
+            if self is evd and not failed:
+                failed.append(1)
+                raise MemoryError
+            self.__dict__["_arm_error"] = value
+
+        monkeypatch.setattr(type(evd), "_arm_error", property(get, set_once_failing), raising=False)
+        woken: List[int] = []
+        real_woken = evd._woken
+        monkeypatch.setattr(evd, "_woken", lambda: (woken.append(1), real_woken())[1])
+        evd._on_readable()  # the channel's reader callback, as the loop calls it
+        assert failed and not woken, "C's wakeup did not take its common case"
+        assert got.memory_errors() == 1
+        await got.all_of(cookies)  # the poller delivers the rest
+        evd.set_callback(None)
+        _check_taken(evd, lmr, got.cookies(), cookies, 1)
+    finally:
+        pair.close()
+
+
 class _Delivered:
     """A callback EVD's callback and on_error, which allocate nothing (a failure there would lose
     events here): what they were given."""

@@ -1364,12 +1364,17 @@ static PyObject *wakeup(PyObject *self, PyObject *evd)
         PyErr_Clear();  /* (any doubt: the Python path, which says what went wrong) */
         return PyObject_CallMethodObjArgs(evd, s_woken, NULL);
     }
-    int status[2];
-    int got = drain_fn((struct ibv_comp_channel *)(uintptr_t)c.channel, (struct ibv_cq *)(uintptr_t)c.cq, -1,
-                       (struct aiodat_wc *)(uintptr_t)c.wcs, c.room, status);
-    /* the wake-up consumed the arm: whoever sleeps next arms first */
+    /* the wake-up consumes the arm: whoever sleeps next arms first.  Noted before the drain (no
+     * Python runs between): a failure after the poll would drop what it polled (no backlog is
+     * noted), one before it polls nothing, and the unread channel event wakes the loop again */
     int notified = PyObject_SetAttr(evd, s_unarmed, Py_True) < 0 || PyObject_SetAttr(evd, s_arm_error, Py_None) < 0
-                   ? -1 : queue_drained(evd, &c, got);
+                   ? -1 : 0;
+    if (notified == 0) {
+        int status[2];
+        int got = drain_fn((struct ibv_comp_channel *)(uintptr_t)c.channel, (struct ibv_cq *)(uintptr_t)c.cq, -1,
+                           (struct aiodat_wc *)(uintptr_t)c.wcs, c.room, status);
+        notified = queue_drained(evd, &c, got);
+    }
     if (notified >= 0)
         notified = wakeup_hand_over(evd, c.queue, notified);
     Py_DECREF(c.queue);
