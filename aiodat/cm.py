@@ -466,15 +466,21 @@ class Connection:
         return f"<aiodat.cm.Connection {self.state.value}>"
 
 
-def broken(ep: "EP", reason: str) -> None:
-    """The device reported the EP's QP broken: the EP is in error; tell the connect EVD."""
+def broken(ep: "EP", reason: str, retried: bool = True) -> None:
+    """The device reported the EP's QP broken: the EP is in error; tell the connect EVD.
+    ``retried``: a failure here is retried (a failed completion's: it stays in its EVD's backlog
+    and breaks the EP again); False for the device's async event, which nothing retries."""
     conn = ep._conn
     if conn.state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING):
-        # The state changes last: a MemoryError before leaves it, and the retry (the completion
-        # that broke the EP stays in its EVD's backlog) pushes the BROKEN again.  A push that
-        # failed after its append gives a duplicate BROKEN, better than a lost one.
+        # The state changes last: a MemoryError before leaves it, and the retry pushes the BROKEN
+        # again.  A push that failed after its append gives a duplicate BROKEN, better than a
+        # lost one.
         evd = ep.connect_evd
-        evd._push(ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, evd, ep, reason=reason))
+        try:
+            evd._push(ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, evd, ep, reason=reason))
+        finally:
+            if not retried:  # no retry: the EP must not stay CONNECTED for ever (the BROKEN is lost)
+                conn.state = EPState.ERROR
         conn.state = EPState.ERROR
 
 

@@ -265,9 +265,10 @@ class EP(Posting, Handle):
             raise ModelNotSupported(f"{name}: this provider supports no EP high watermarks "
                                     f"(only None, DAT_WATERMARK_INFINITE)")
 
-    def _on_async_error(self, reason: str) -> None:
-        """The device reported the QP broken (evd.py, wr.py): the connection breaks (cm.py)."""
-        cm.broken(self, reason)
+    def _on_async_error(self, reason: str, retried: bool = True) -> None:
+        """The device reported the QP broken (evd.py, wr.py): the connection breaks (cm.py).
+        ``retried``: False for the device's async event (cm.broken)."""
+        cm.broken(self, reason, retried)
 
     # -- datagrams: UD endpoints are aiodat.datagram.DatagramEP; an RC EP says so ---------
     def _not_ud(self, what: str) -> InvalidParameter:

@@ -1512,7 +1512,7 @@ class AsyncSource:
         if kind == "qp":
             obj = ia._qpn_owner.get(raw.qp_num)
             if obj is not None:
-                obj._on_async_error(name)
+                obj._on_async_error(name, False)  # (nothing retries a device event: cm.broken)
         elif kind == "cq":
             obj = ia._cq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
         elif kind == "srq":

@@ -434,6 +434,32 @@ async def test_a_broken_whose_push_failed_is_pushed_by_the_retry(ia: Any, monkey
         pair.close()
 
 
+async def test_a_qp_fatal_whose_broken_push_failed_leaves_the_ep_in_error(ia: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device's QP_FATAL async event (evd.py's AsyncSource) whose BROKEN could not be pushed (a
+    MemoryError): nothing retries a device event, so the EP is in ERROR all the same (it stayed
+    CONNECTED for ever: cm.broken leaves the state for a retry, which only a completion has)."""
+    from aiodat._lib import ffi
+    from aiodat.evd import _IBV_EVENT_NAMES
+
+    pair = await make_ep_pair(ia)
+    try:
+        evd = pair.client.connect_evd
+
+        def out_of_memory(event: Any) -> None:
+            raise MemoryError
+
+        monkeypatch.setattr(evd, "_push", out_of_memory)
+        raw = ffi.new("struct aiodat_async_event *")
+        raw.event_type = _IBV_EVENT_NAMES.index("IBV_EVENT_QP_FATAL")
+        raw.qp_num = pair.client.qp_num
+        with pytest.raises(MemoryError):
+            pair.client._ia._async_source._dispatch(raw)  # (drain() reports the failure as an internal error)
+        assert pair.client.state is EPState.ERROR
+    finally:
+        pair.close()
+
+
 async def test_a_client_gone_after_the_accept_is_an_accept_completion_error(ia: Any, loop_errors: List[dict]) -> None:
     """The client's EP freed right after our REP went (its id's destruction sends a REJ): the
     accept's outcome is ACCEPT_COMPLETION_ERROR, DAT's outcome of a failed accept; it was
