@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import traceback
 from typing import Any, List
 
@@ -41,7 +42,11 @@ def failing_the_nth_allocation(n: int, call: Any, *args: Any) -> bool:
 
 
 def raised_at(n: int, call: Any, *args: Any) -> Any:
-    """The MemoryError ``call(*args)`` raised with its ``n``-th allocation failing, or None."""
+    """The MemoryError ``call(*args)`` raised with its ``n``-th allocation failing, or None.
+
+    The collector is off meanwhile: a collection the call's allocations started would run other
+    objects' finalizers (earlier tests' garbage) into the failure, and warn of them at random."""
+    gc.disable()
     _testcapi.set_nomemory(n, n + 1)
     try:
         call(*args)
@@ -49,6 +54,7 @@ def raised_at(n: int, call: Any, *args: Any) -> Any:
         return e
     finally:
         _testcapi.remove_mem_hooks()
+        gc.enable()
     return None
 
 
