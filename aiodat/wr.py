@@ -30,7 +30,7 @@ import itertools
 import operator
 from collections import Counter, deque
 from itertools import chain, compress, repeat, starmap
-from typing import TYPE_CHECKING, Any, Callable, Deque, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 from aiodat._shim import _completions
 from aiodat.epattr import EPRecvInfo
@@ -58,6 +58,15 @@ def _entries_before(q: Deque[Tuple[Any, ...]], wr_id: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def _lmr_counts(column: Iterable[Tuple[Segment, ...]], times: int = 1) -> Dict[Any, int]:
+    """How many times each LMR is used by the requests of ``column`` (a segment, a use), ``times`` over."""
+    counts: Dict[Any, int] = {}
+    for segs in column:
+        for seg in segs:
+            counts[seg.lmr] = counts.get(seg.lmr, 0) + times
+    return counts
 
 
 def _columns(items: Iterable[Any], width: int, what: str, shape: str) -> List[Tuple[Any, ...]]:
