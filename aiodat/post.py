@@ -36,7 +36,7 @@ from aiodat.errors import (
 )
 from aiodat.evd import DTOOp
 from aiodat.memory import LMR, RemoteRegion, Segment, Segments, as_segments, check_post_segments, fill_sges
-from aiodat.wr import DrainMarker, SendRun, WorkRequests, _columns, all_same
+from aiodat.wr import DrainMarker, SendRun, WorkRequests, _columns, _lmr_counts, all_same
 
 if TYPE_CHECKING:
     from aiodat.ia import IA
@@ -47,15 +47,6 @@ def check_imm_data(imm_data: Optional[int]) -> None:
     """InvalidParameter unless ``imm_data`` is None or a 32-bit unsigned int (a send's immediate data)."""
     if imm_data is not None and not (isinstance(imm_data, int) and 0 <= imm_data < 2**32):
         raise InvalidParameter(f"imm_data must be a 32-bit unsigned int, got {shown(imm_data)}")
-
-
-def _lmr_counts(column: Iterable[Tuple[Segment, ...]], times: int = 1) -> Dict[Any, int]:
-    """How many times each LMR is used by the requests of ``column`` (a segment, a use), ``times`` over."""
-    counts: Dict[Any, int] = {}
-    for segs in column:
-        for seg in segs:
-            counts[seg.lmr] = counts.get(seg.lmr, 0) + times
-    return counts
 
 
 def _count(counts: Dict[Any, int]) -> None:

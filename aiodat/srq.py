@@ -54,7 +54,7 @@ from aiodat.cqsize import fit_cqs
 from aiodat.epattr import EPState
 from aiodat.evd import DTOCompletionEvent, DTOOp, is_timeout
 from aiodat.memory import PZ, Segment, Segments, as_segments, check_post_segments, fill_sges
-from aiodat.wr import _columns
+from aiodat.wr import _columns, _lmr_counts
 
 if TYPE_CHECKING:
     from aiodat.ep import EP
@@ -506,9 +506,7 @@ def _release_posted(posted: Dict[int, Tuple[Any, Tuple[Segment, ...]]]) -> None:
     """
     while posted:
         wr_id = next(iter(posted))
-        lowered: Dict[Any, int] = {}
-        for seg in posted[wr_id][1]:
-            lowered[seg.lmr] = lowered.get(seg.lmr, seg.lmr._inflight) - 1
+        lowered = {lmr: lmr._inflight - n for lmr, n in _lmr_counts((posted[wr_id][1],)).items()}
         for lmr, count in lowered.items():  # (its iterator is made before the first write)
             lmr._inflight = count
         del posted[wr_id]  # (last: freeing its cookie may run code that changes a count)

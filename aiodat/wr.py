@@ -62,6 +62,15 @@ def _entries_before(q: Deque[Tuple[Any, ...]], wr_id: int) -> int:
     return lo
 
 
+def _lmr_counts(column: Iterable[Tuple[Segment, ...]], times: int = 1) -> Dict[Any, int]:
+    """How many times each LMR is used by the requests of ``column`` (a segment, a use), ``times`` over."""
+    counts: Dict[Any, int] = {}
+    for segs in column:
+        for seg in segs:
+            counts[seg.lmr] = counts.get(seg.lmr, 0) + times
+    return counts
+
+
 def _columns(items: Iterable[Any], width: int, what: str, shape: str) -> List[Tuple[Any, ...]]:
     """A batch's items (tuples of ``width``) as ``width`` columns, transposed in C: a batch of
     thousands costs no Python step per item here."""

@@ -223,3 +223,32 @@ def test_the_device_the_environment_names_is_preferred_however_it_is_named(
     assert pool_mod.device_for("10.9.9.9") == ("rxe1", None)
     monkeypatch.setenv("AIODAT_RXE_DEVICE", "rxe0")
     assert pool_mod.device_for("10.9.9.9") == ("rxe0", None)
+
+
+def test_an_environment_device_that_matches_no_port_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$AIODAT_RXE_DEVICE naming no active port with an address is an error naming it, as the CLI,
+    the benchmarks and the plugin make it: device_for passed over it silently and took another
+    device (or, with none, returned the name for open_ia to fail on).  The list is read again
+    first (the port may have come up since)."""
+    import aiodat.ia
+    from aiodat.errors import ProviderNotFound
+    from aiodat.ia import Provider
+
+    reads: List[int] = []
+
+    def list_providers() -> List[Any]:
+        reads.append(1)
+        return [Provider("rxe0", "rxe0", 1, "Ethernet", "PORT_ACTIVE", (), ("10.0.0.1",)),
+                Provider("rxe1", "rxe1", 1, "Ethernet", "PORT_ACTIVE", (), ())]  # (no address)
+
+    monkeypatch.setattr(aiodat.ia, "list_providers", list_providers)
+    monkeypatch.setattr(pool_mod, "_providers_cache", (-pool_mod.PROVIDER_CACHE_SECONDS, []))
+    for env in ("rxe9", "rxe0:2", "rxe1"):
+        monkeypatch.setenv("AIODAT_RXE_DEVICE", env)
+        for listening in (False, True):
+            with pytest.raises(ProviderNotFound, match=rf"no active port with an address matches "
+                                                       rf"AIODAT_RXE_DEVICE={env} .* here: rxe0$"):
+                pool_mod.device_for(None if listening else "10.9.9.9", listening=listening)
+    assert len(reads) == 7  # the first read, and one again before each refusal
+    # a host a device has is that device's, whatever the environment names
+    assert pool_mod.device_for("10.0.0.1", listening=True) == ("rxe0", None)

@@ -1246,3 +1246,17 @@ async def test_small_messages_take_the_c_steps_both_ways(rdma_host: str) -> None
     await writer.wait_closed()
     server.close()
     await server.wait_closed()
+
+
+@pytest.mark.rxe
+async def test_an_environment_device_that_matches_no_port_stops_a_stream(
+        rdma_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """open_connection and start_server with $AIODAT_RXE_DEVICE naming no port: ProviderNotFound
+    naming the variable, and no IA left open (the stream used the device it found instead)."""
+    monkeypatch.setenv("AIODAT_RXE_DEVICE", "rxe9")
+    fds = _open_fds()
+    with pytest.raises(aiodat.ProviderNotFound, match="AIODAT_RXE_DEVICE=rxe9"):
+        await aiodat.open_connection("10.255.255.1", 7471)
+    with pytest.raises(aiodat.ProviderNotFound, match="AIODAT_RXE_DEVICE=rxe9"):
+        await aiodat.start_server(lambda r, w: None, None, 7471)
+    assert aiodat_streams.shared_ia_count() == 0 and _open_fds() == fds

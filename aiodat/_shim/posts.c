@@ -185,6 +185,18 @@ static void unrecord(PyObject *ep, PyObject *queue_name, Py_ssize_t unposted, Py
 static void unpost(PyObject *ep, PyObject *lmr, PyObject *queue_name, PyObject *entry, PyObject *quiet_id);
 static int unrecord_last(PyObject *ep, PyObject *queue_name, Py_ssize_t count, PyObject *last, PyObject *quiet_id);
 
+/* Pop ``count`` items off the right of the queue ``q`` (a deque's pop allocates nothing), each
+ * error cleared: the records being taken back here go back whatever else fails. */
+static void pop_back(PyObject *q, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *popped = PyObject_CallMethodObjArgs(q, s_pop, NULL);
+        if (popped == NULL)
+            PyErr_Clear();
+        Py_XDECREF(popped);
+    }
+}
+
 /* The LMR's in-flight count goes up before a post (which then cannot leave it short: lmr.free()
  * would let the buffer go under a posted request) and back down by what did not go.  A decrement
  * that fails (an int's allocation under memory pressure) leaves it high: that refuses a free, it
@@ -227,9 +239,11 @@ static void unrecord(PyObject *ep, PyObject *queue_name, Py_ssize_t unposted, Py
         return;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    for (Py_ssize_t i = 0; i < unposted; i++)
-        if (queue_call(ep, queue_name, s_pop, NULL) < 0)
-            PyErr_Clear();
+    PyObject *q = PyObject_GetAttr(ep, queue_name);
+    if (q != NULL)
+        pop_back(q, unposted);
+    Py_XDECREF(q);
+    PyErr_Clear();  /* (the getattr's, if any) */
     if (quiet_id != NULL && queue_call(ep, s_quiet, s_discard, quiet_id) < 0)
         PyErr_Clear();
     PyErr_Restore(type, value, tb);
@@ -285,10 +299,8 @@ static int unrecord_last(PyObject *ep, PyObject *queue_name, Py_ssize_t count, P
         there = item != NULL && item == last;
         Py_XDECREF(item);
     }
-    for (Py_ssize_t i = 0; there && i < count; i++) {
-        PyObject *popped = PyObject_CallMethodObjArgs(q, s_pop, NULL);
-        Py_XDECREF(popped);
-    }
+    if (there)
+        pop_back(q, count);
     Py_XDECREF(q);
     if (quiet_id != NULL && queue_call(ep, s_quiet, s_discard, quiet_id) < 0)
         PyErr_Clear();
@@ -340,10 +352,7 @@ static int prepare_batch(PyObject *ep, struct ibv_qp *qp, PyObject *queue_name, 
                 Py_XDECREF(mine);
             }
         Py_XDECREF(tail);
-        for (Py_ssize_t i = 0; i < added; i++) {
-            PyObject *popped = PyObject_CallMethodObjArgs(q, s_pop, NULL);
-            Py_XDECREF(popped);
-        }
+        pop_back(q, added);
         if (PyErr_Occurred())
             PyErr_Clear();
         PyErr_Restore(type, value, tb);

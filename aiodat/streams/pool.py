@@ -150,6 +150,14 @@ def device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optio
     family6 = bool(host) and ":" in str(host)
     env = os.environ.get(DEVICE_ENV) or None
     # (as environment_port reads it: "rxe0", "rxe0:1" and "RO_AWARE_rxe0" name the same port)
+    if env and not any(_names_port(env, p) for p in candidates):
+        candidates = _active_providers(refresh=True)  # (it may have come up since: as a listener's host)
+        if not any(_names_port(env, p) for p in candidates):
+            # a name that matches nothing is a mistake to report, not a preference to pass over
+            # (the CLI, the benchmarks and the pytest plugin refuse it too)
+            ports = ", ".join(p.name for p in candidates) or "none (run under `aiodat rxe run`)"
+            raise ProviderNotFound(f"no active port with an address matches {DEVICE_ENV}={env} (set in the "
+                                   f"environment); the RDMA ports with an address here: {ports}")
     candidates.sort(key=lambda p: not (env and _names_port(env, p)))
     for p in candidates:
         for addr in p.addresses:
