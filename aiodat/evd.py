@@ -1509,22 +1509,26 @@ class AsyncSource:
         kind_type, kind = _ASYNC_MAP.get(name, (EventType.ASYNC_ERROR_PROVIDER_INTERNAL_ERROR, ""))
         obj: Any = None
         port = None
-        if kind == "qp":
-            obj = ia._qpn_owner.get(raw.qp_num)
-            if obj is not None:
-                obj._on_async_error(name, False)  # (nothing retries a device event: cm.broken)
-        elif kind == "cq":
-            obj = ia._cq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
-        elif kind == "srq":
-            obj = ia._srq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
-            if obj is not None:
-                obj._on_async_event(name)
-        elif kind == "port":
-            obj = ia  # the IA is the port; a shared async EVD tells its IAs apart by it
-            port = raw.port_num
-        elif kind == "ia":
-            obj = ia
-        ia.async_evd._push(AsyncEvent(kind_type, ia.async_evd, obj=obj, port=port, reason=name))
+        try:
+            if kind == "qp":
+                obj = ia._qpn_owner.get(raw.qp_num)
+                # only an error breaks the connection: COMM_EST, SQ_DRAINED, PATH_MIG and
+                # LAST_WQE_REACHED are news about a QP that works (or is closing already)
+                if obj is not None and kind_type is EventType.ASYNC_ERROR_EP_BROKEN:
+                    obj._on_async_error(name, False)  # (nothing retries a device event: cm.broken)
+            elif kind == "cq":
+                obj = ia._cq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
+            elif kind == "srq":
+                obj = ia._srq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
+                if obj is not None:
+                    obj._on_async_event(name)
+            elif kind == "port":
+                obj = ia  # the IA is the port; a shared async EVD tells its IAs apart by it
+                port = raw.port_num
+            elif kind == "ia":
+                obj = ia
+        finally:  # the async EVD hears of the event even when the EP or SRQ could not take it
+            ia.async_evd._push(AsyncEvent(kind_type, ia.async_evd, obj=obj, port=port, reason=name))
 
     def _on_readable(self) -> None:
         if not self._ia.closed:

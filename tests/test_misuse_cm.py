@@ -456,6 +456,43 @@ async def test_a_qp_fatal_whose_broken_push_failed_leaves_the_ep_in_error(ia: An
         with pytest.raises(MemoryError):
             pair.client._ia._async_source._dispatch(raw)  # (drain() reports the failure as an internal error)
         assert pair.client.state is EPState.ERROR
+        # the async EVD hears of it all the same (the push was skipped when the EP's part raised)
+        event = ia.async_evd.dequeue()
+        assert event is not None and event.type is EventType.ASYNC_ERROR_EP_BROKEN and event.obj is pair.client
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("name,news", [("IBV_EVENT_COMM_EST", EventType.ASYNC_EP_COMM_ESTABLISHED),
+                                       ("IBV_EVENT_SQ_DRAINED", EventType.ASYNC_EP_SQ_DRAINED),
+                                       ("IBV_EVENT_PATH_MIG", EventType.ASYNC_EP_PATH_MIGRATED),
+                                       ("IBV_EVENT_QP_LAST_WQE_REACHED", EventType.ASYNC_EP_LAST_WQE_REACHED)])
+async def test_a_qp_event_that_is_no_error_leaves_the_connection_up(ia: Any, name: str, news: EventType) -> None:
+    """COMM_EST, SQ_DRAINED, PATH_MIG and LAST_WQE_REACHED are news about a QP that works: the
+    async EVD gets the event, and the EP stays connected and carries data (every QP event broke
+    the EP: an SRQ EP's LAST_WQE_REACHED, a receive before the RTU's COMM_EST).  QP_FATAL still
+    breaks it."""
+    from aiodat._lib import ffi
+    from aiodat.evd import _IBV_EVENT_NAMES
+
+    pair = await make_ep_pair(ia)
+    try:
+        raw = ffi.new("struct aiodat_async_event *")
+        raw.event_type, raw.qp_num = _IBV_EVENT_NAMES.index(name), pair.client.qp_num
+        pair.client._ia._async_source._dispatch(raw)
+        event = await ia.async_evd.wait_one(timeout=T)
+        assert event.type is news and event.obj is pair.client
+        assert pair.client.state is EPState.CONNECTED and pair.client.connect_evd.dequeue() is None
+        pair.server.post_recv(pair.server_lmr[0:8], cookie="in")
+        pair.client_lmr.memoryview()[0:5] = b"still"
+        pair.client.post_send(pair.client_lmr[0:5], cookie="out")
+        assert (await pair.client.request_evd.wait_one(timeout=T)).cookie == "out"
+        got = await pair.server.recv_evd.wait_one(timeout=T)
+        assert got.cookie == "in" and got.transferred_length == 5 and bytes(pair.server_lmr.memoryview()[0:5]) == b"still"
+        raw.event_type = _IBV_EVENT_NAMES.index("IBV_EVENT_QP_FATAL")
+        pair.client._ia._async_source._dispatch(raw)
+        assert pair.client.state is EPState.ERROR
+        assert (await pair.client.connect_evd.wait_one(timeout=T)).type is EventType.CONNECTION_EVENT_BROKEN
     finally:
         pair.close()
 
