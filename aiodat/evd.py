@@ -567,17 +567,17 @@ class EVD(Handle, Generic[E]):
     def _take_backlog(self) -> bool:
         notified = False
         queue, refs, wcs = self._queue, self._ia._qpn_owner.data, self._wc_bytes  # type: ignore[attr-defined]
-        queue_one = self._queue_one
+        queue_one, unpack = self._queue_one, _WC.unpack_from
         qpn = ep = None  # a batch mostly comes from one QP: look its EP up once
         # The backlog moves past each completion as it is taken: ``at`` is written back to
         # _wc_next when the loop ends, raising or not (an int of at most 64, cached: no
         # allocation), once per batch, not per completion.  Nothing reads _wc_next meanwhile: a
         # drain a finalizer starts (_taking) leaves the backlog alone, and nothing else moves it.
-        # (The iterator, made before anything is taken, reads the array in place: no copy.)
         at, end = self._wc_next, self._backlog
         wc: Any = None
         try:
-            for wc in _WC.iter_unpack(memoryview(wcs)[at * _WC_SIZE:end * _WC_SIZE]):
+            while at < end:
+                wc = unpack(wcs, at * _WC_SIZE)
                 if wc[_WC_QP_NUM] != qpn:
                     ref = refs.get(wc[_WC_QP_NUM])
                     ep = ref() if ref is not None else None
@@ -588,7 +588,7 @@ class EVD(Handle, Generic[E]):
                 wc = None  # (taken: a failure of the next unpack names none)
         except BaseException as exc:  # (a KeyboardInterrupt too)
             self._wc_next = at
-            if wc is not None:  # (else the iterator could not be made: nothing was taken)
+            if wc is not None:  # (else its unpack failed: it is named by none)
                 exc.add_note(f"aiodat: the completion of wr_id {wc[0]:#x} on QP {wc[_WC_QP_NUM]} could not be "
                              f"turned into an event; it and {end - at - 1} later "
                              f"completion(s) are kept for the next wait or drain")
