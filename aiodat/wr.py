@@ -231,7 +231,8 @@ class WorkRequests:
         nothing (a MemoryError in between would lose the cookie).  An allocation can also start a
         collection whose finalizers post on or reset this EP: after the last allocation the take
         checks, by identity, that the queue's head and the counts are still the ones it planned
-        from, and works the completion out again if not (_PlanStale).  A drain marker's callback
+        from (the usual case reads its count only then: no check), and works the completion out
+        again if not (_PlanStale).  A drain marker's callback
         runs after the take; a window's bind is taken by memory.py's _bind_completed, which runs
         the take (_take_with) before it changes anything."""
         wr_id = wc[0]
