@@ -252,6 +252,13 @@ static int lower_segments(struct lowered *l, PyObject *segs, Py_ssize_t requests
  * hold the entries: 1, 0 (Python's path), or -1. */
 static int lower_head(struct lowered *l, PyObject *q, Py_ssize_t count)
 {
+    if (count == 1) {  /* the usual case (one suppressed send per signalled one): no iterator, no tuple */
+        PyObject *only = PySequence_GetItem(q, 0);
+        if (only == NULL)
+            return -1;
+        l->held = only;  /* (held as is: lowered_clear lets it go) */
+        return PyTuple_Check(only) && PyTuple_Size(only) == 5 ? lower_segments(l, PyTuple_GetItem(only, 3), 1) : 0;
+    }
     PyObject *it = PyObject_GetIter(q), *entry;
     int rc = 1;
     l->held = it ? PyTuple_New(count) : NULL;
