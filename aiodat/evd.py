@@ -567,20 +567,32 @@ class EVD(Handle, Generic[E]):
     def _take_backlog(self) -> bool:
         notified = False
         queue, refs, wcs = self._queue, self._ia._qpn_owner.data, self._wc_bytes  # type: ignore[attr-defined]
+        queue_one, unpack = self._queue_one, _WC.unpack_from
         qpn = ep = None  # a batch mostly comes from one QP: look its EP up once
-        while True:
-            at = self._wc_next
-            if at >= self._backlog:
-                break
-            wc = _WC.unpack_from(wcs, at * _WC_SIZE)
-            if wc[_WC_QP_NUM] != qpn:
-                ref = refs.get(wc[_WC_QP_NUM])
-                ep = ref() if ref is not None else None
-                qpn = wc[_WC_QP_NUM]
-            if ep is not None:
-                if self._queue_one(ep, wc, queue):
+        # The backlog moves past each completion as it is taken: ``at`` is written back to
+        # _wc_next when the loop ends, raising or not (an int of at most 64, cached: no
+        # allocation), once per batch, not per completion.  Nothing reads _wc_next meanwhile: a
+        # drain a finalizer starts (_taking) leaves the backlog alone, and nothing else moves it.
+        at, end = self._wc_next, self._backlog
+        wc: Any = None
+        try:
+            while at < end:
+                wc = unpack(wcs, at * _WC_SIZE)
+                if wc[_WC_QP_NUM] != qpn:
+                    ref = refs.get(wc[_WC_QP_NUM])
+                    ep = ref() if ref is not None else None
+                    qpn = wc[_WC_QP_NUM]
+                if ep is not None and queue_one(ep, wc, queue):
                     notified = True
-            self._wc_next = at + 1  # (at most 64: a cached int, no allocation)
+                at += 1
+                wc = None  # (taken: a failure of the next unpack names none)
+        except BaseException as exc:  # (a KeyboardInterrupt too)
+            self._wc_next = at
+            if wc is not None:  # (else its unpack failed: it is named by none)
+                exc.add_note(f"aiodat: the completion of wr_id {wc[0]:#x} on QP {wc[_WC_QP_NUM]} could not be "
+                             f"turned into an event; it and {end - at - 1} later "
+                             f"completion(s) are kept for the next wait or drain")
+            raise
         self._backlog = self._wc_next = 0
         return notified
 
@@ -591,11 +603,8 @@ class EVD(Handle, Generic[E]):
         queue.append(None)  # the event's place, made first: a deque's append may need a block
         try:
             event = ep._completion_event(wc, self)
-        except BaseException as exc:  # (a KeyboardInterrupt too)
+        except BaseException:  # (a KeyboardInterrupt too; _take_backlog notes it)
             self._free_place(queue)
-            exc.add_note(f"aiodat: the completion of wr_id {wc[0]:#x} on QP {wc[_WC_QP_NUM]} could not be "
-                         f"turned into an event; it and {self._backlog - self._wc_next - 1} later "
-                         f"completion(s) are kept for the next wait or drain")
             raise
         if event is None:
             self._free_place(queue)
@@ -606,7 +615,7 @@ class EVD(Handle, Generic[E]):
         if wc[_WC_STATUS]:
             self._solicited_hit = True  # an error completion always notifies
             return True
-        return bool(event.notify)
+        return event.notify
 
     @staticmethod
     def _free_place(queue: Any) -> None:

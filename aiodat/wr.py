@@ -194,6 +194,15 @@ def _lowered(released: List[Tuple[Tuple[Segment, ...], int]]) -> List[Tuple[Any,
     return lowered
 
 
+def _on_one_lmr(segs: Tuple[Segment, ...]) -> bool:
+    """Whether ``segs``, not one segment, are two or more on one LMR (a completion's fast path)."""
+    n = len(segs)
+    if n < 2:
+        return False
+    lmr = segs[0].lmr
+    return segs[1].lmr is lmr if n == 2 else all(map(is_, map(_LMR, segs), repeat(lmr)))
+
+
 class WorkRequests:
     """Mixin of the EP: the table of posted requests and the turning of completions into events."""
 
@@ -231,7 +240,8 @@ class WorkRequests:
         nothing (a MemoryError in between would lose the cookie).  An allocation can also start a
         collection whose finalizers post on or reset this EP: after the last allocation the take
         checks, by identity, that the queue's head and the counts are still the ones it planned
-        from, and works the completion out again if not (_PlanStale).  A drain marker's callback
+        from (the usual case reads its count only then: no check), and works the completion out
+        again if not (_PlanStale).  A drain marker's callback
         runs after the take; a window's bind is taken by memory.py's _bind_completed, which runs
         the take (_take_with) before it changes anything."""
         wr_id = wc[0]
@@ -239,69 +249,66 @@ class WorkRequests:
         event: Any
         if wr_id & 1:
             q: Deque[Any] = self._recv_q  # (empty on an SRQ's EP)
-            if q:
-                entry = q[0]
+            # the usual case: receives complete in the order they were posted; its segments on
+            # one LMR: taken with no plan
+            if q and (entry := q[0])[0] == wr_id:
                 segs = entry[2]
                 n = len(segs)
-                # the usual case: receives complete in the order they were posted; its segments on
-                # one LMR: taken with no plan
-                if entry[0] == wr_id and n:
-                    lmr = segs[0].lmr
-                    if n == 1 or (segs[1].lmr is lmr if n == 2 else all(map(is_, map(_LMR, segs), repeat(lmr)))):
-                        event = DTOCompletionEvent._completed(
-                            evd, self, entry[1], wc_status_name(code) if code else "IBV_WC_SUCCESS", wc[4],
-                            _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
-                            wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
-                            wc[3], wc[7] if self._ud else None,
-                            not (self._quiet and wr_id in self._quiet) or bool(code))
-                        was = lmr._inflight
-                        new = was - n
-                        # (after the last allocation: a finalizer a collection ran may have reset the EP)
-                        if q and q[0] is entry and lmr._inflight is was:
-                            lmr._inflight = new
-                            q.popleft()
-                            if self._quiet:
-                                self._quiet.discard(wr_id)
-                            return event
-                        return self._completion_event(wc, evd)
+                if n == 1 or _on_one_lmr(segs):
+                    quiet = self._quiet
+                    marked = quiet and wr_id in quiet  # (only its take or a reset, which empties q, changes it)
+                    event = DTOCompletionEvent._completed(
+                        evd, self, entry[1], wc_status_name(code) if code else "IBV_WC_SUCCESS", wc[4],
+                        _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
+                        wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
+                        wc[3], wc[7] if self._ud else None, not marked or bool(code))
+                    # after the last step that can run Python (the event's allocations: a
+                    # collection's finalizer may have reset the EP, or posted on it): the head
+                    # checked, then the count lowered from what it is now (reading a segment's
+                    # LMR and an int's arithmetic run no Python; a MemoryError there takes nothing)
+                    if q and q[0] is entry:
+                        segs[0].lmr._inflight -= n
+                        q.popleft()
+                        if marked:  # (a reset clears this set, never replaces it)
+                            quiet.discard(wr_id)
+                        return event
+                    return self._completion_event(wc, evd)
             try:
                 return self._recv_planned(wc, evd, q)
             except _PlanStale:
                 return self._completion_event(wc, evd)
         q = self._send_q
-        if q:
-            entry = q[0]
+        # the usual case: the oldest request, no target, its segments on one LMR: taken with no plan
+        if q and (entry := q[0])[0] == wr_id and entry[4] is None:
             segs = entry[3]
             n = len(segs)
-            # the usual case: the oldest request, no target, its segments on one LMR: taken with no plan
-            if entry[0] == wr_id and entry[4] is None and n:
-                lmr = segs[0].lmr
-                if n == 1 or (segs[1].lmr is lmr if n == 2 else all(map(is_, map(_LMR, segs), repeat(lmr)))):
-                    op = entry[2]
-                    status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
-                    if op is DTOOp.RDMA_READ:
-                        length = wc[4]
-                    elif op is DTOOp.COMPARE_SWAP or op is DTOOp.FETCH_ADD:
-                        length = 8 if not code else wc[4]  # verbs leaves byte_len undefined; 8 bytes landed locally
-                    else:
-                        length = segs[0].length if n == 1 else sum(s.length for s in segs)
-                    event = DTOCompletionEvent._completed(evd, self, entry[1], status, length, op, None, wc[3],
-                                                          None, not (self._quiet and wr_id in self._quiet) or bool(code))
-                    if code and code != _WC_WR_FLUSH_ERR and self._rc:
-                        # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
-                        # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
-                        # (Before the entry is taken: a retry after a failure here breaks it again, a no-op.)
-                        self._on_async_error(f"{op.value} with cookie {shown(entry[1])} completed with {status}")
-                    was = lmr._inflight
-                    new = was - n
-                    # (after the last allocation: a finalizer a collection ran may have reset the EP)
-                    if q and q[0] is entry and lmr._inflight is was:
-                        lmr._inflight = new
-                        q.popleft()
-                        if self._quiet:
-                            self._quiet.discard(wr_id)
-                        return event
-                    return self._completion_event(wc, evd)
+            if n == 1 or _on_one_lmr(segs):
+                op = entry[2]
+                status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
+                if op is DTOOp.RDMA_READ:
+                    length = wc[4]
+                elif op is DTOOp.COMPARE_SWAP or op is DTOOp.FETCH_ADD:
+                    length = 8 if not code else wc[4]  # verbs leaves byte_len undefined; 8 bytes landed locally
+                else:
+                    length = segs[0].length if n == 1 else sum(s.length for s in segs)
+                quiet = self._quiet
+                marked = quiet and wr_id in quiet
+                event = DTOCompletionEvent._completed(evd, self, entry[1], status, length, op, None, wc[3],
+                                                      None, not marked or bool(code))
+                if code and code != _WC_WR_FLUSH_ERR and self._rc:
+                    # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
+                    # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).
+                    # (Before the entry is taken: a retry after a failure here breaks it again, a no-op.)
+                    self._on_async_error(f"{op.value} with cookie {shown(entry[1])} completed with {status}")
+                # (after the last step that can run Python: the head checked, then the count
+                # lowered from what it is now, as for a receive above)
+                if q and q[0] is entry:
+                    segs[0].lmr._inflight -= n
+                    q.popleft()
+                    if marked:
+                        quiet.discard(wr_id)
+                    return event
+                return self._completion_event(wc, evd)
         try:
             return self._send_planned(wc, evd, q)
         except _PlanStale:

@@ -177,7 +177,6 @@ struct lower {
     PyObject *lmr;    /* held */
     Py_ssize_t by;
     PyObject *value;  /* the new count, once lowered_values made it */
-    PyObject *was;    /* the count it was made from (lowered_holds checks it is still the LMR's) */
 };
 struct lowered {
     int n, size;
@@ -200,7 +199,6 @@ static void lowered_clear(struct lowered *l)
     for (int k = 0; k < l->n; k++) {
         Py_CLEAR(l->at[k].lmr);
         Py_CLEAR(l->at[k].value);
-        Py_CLEAR(l->at[k].was);
     }
     l->n = 0;
     if (l->at != l->in_place)
@@ -245,7 +243,7 @@ static int lower_segments(struct lowered *l, PyObject *segs, Py_ssize_t requests
             l->at = at;
             l->size = size;
         }
-        l->at[l->n++] = (struct lower){lmr, requests, NULL, NULL};
+        l->at[l->n++] = (struct lower){lmr, requests, NULL};
     }
     return 1;
 }
@@ -254,6 +252,13 @@ static int lower_segments(struct lowered *l, PyObject *segs, Py_ssize_t requests
  * hold the entries: 1, 0 (Python's path), or -1. */
 static int lower_head(struct lowered *l, PyObject *q, Py_ssize_t count)
 {
+    if (count == 1) {  /* the usual case (one suppressed send per signalled one): no iterator, no tuple */
+        PyObject *only = PySequence_GetItem(q, 0);
+        if (only == NULL)
+            return -1;
+        l->held = only;  /* (held as is: lowered_clear lets it go) */
+        return PyTuple_Check(only) && PyTuple_Size(only) == 5 ? lower_segments(l, PyTuple_GetItem(only, 3), 1) : 0;
+    }
     PyObject *it = PyObject_GetIter(q), *entry;
     int rc = 1;
     l->held = it ? PyTuple_New(count) : NULL;
@@ -269,26 +274,40 @@ static int lower_head(struct lowered *l, PyObject *q, Py_ssize_t count)
     return PyErr_Occurred() ? -1 : rc;
 }
 
-/* Make the new counts from the counts as they are now: 0, or -1. */
+/* Make the new counts from the counts as they are now: 0, or -1.  Called after the event is
+ * made, the last step that can run Python (its allocations may start a collection, whose
+ * finalizers may post on or reset the EP): from here to lowered_set only ints are made and the
+ * event appended to a deque, which start no collection and run no Python, so the counts read
+ * here are still the LMRs' when they are set (no need to read them again). */
 static int lowered_values(struct lowered *l)
 {
     for (int k = 0; k < l->n; k++) {
-        PyObject *now = PyObject_GetAttr(l->at[k].lmr, s_inflight), *by = PyLong_FromSsize_t(l->at[k].by);
-        l->at[k].value = now && by ? PyNumber_Subtract(now, by) : NULL;
-        l->at[k].was = now;  /* (held: lowered_clear lets it go) */
-        Py_XDECREF(by);
+        PyObject *now = PyObject_GetAttr(l->at[k].lmr, s_inflight);
+        long long was = now != NULL && PyLong_CheckExact(now) ? PyLong_AsLongLong(now) : -1;
+        if (was >= 0 && was - l->at[k].by >= 0) {  /* the usual case: no Python number protocol */
+            l->at[k].value = PyLong_FromLongLong(was - l->at[k].by);
+        } else {  /* (the error of a count beyond long long is dropped: the general way below) */
+            if (now != NULL && PyErr_Occurred())
+                PyErr_Clear();
+            PyObject *by = now ? PyLong_FromSsize_t(l->at[k].by) : NULL;
+            l->at[k].value = by ? PyNumber_Subtract(now, by) : NULL;
+            Py_XDECREF(by);
+        }
+        Py_XDECREF(now);
         if (l->at[k].value == NULL)
             return -1;
     }
     return 0;
 }
 
-/* Whether the plan still holds, read with no allocation after the last one: ``planned`` is still
- * the head of ``q`` and every count the one the new counts were made from.  An allocation may
- * start a collection whose finalizers (a cookie's) reset this EP (its queue emptied, its counts
- * lowered) or post on it: the plan's counts and pops would then be wrong. */
+/* Whether the plan still holds, read with no allocation after the last one that can run Python
+ * (the event's): ``planned`` is still the head of ``q``.  An allocation may start a collection
+ * whose finalizers (a cookie's) reset this EP (its queue emptied, its counts lowered) or post on
+ * it: the plan's pops would then be wrong.  (The counts need no check: lowered_values read them
+ * after that allocation.) */
 static int lowered_holds(struct lowered *l, PyObject *q, PyObject *planned)
 {
+    (void)l;
     if (PyObject_Length(q) <= 0) {
         if (PyErr_Occurred())
             drop_error();
@@ -300,19 +319,7 @@ static int lowered_holds(struct lowered *l, PyObject *q, PyObject *planned)
         return 0;
     }
     Py_DECREF(head);  /* (the deque holds it: only its address is compared) */
-    if (head != planned)
-        return 0;
-    for (int k = 0; k < l->n; k++) {
-        PyObject *now = PyObject_GetAttr(l->at[k].lmr, s_inflight);
-        if (now == NULL) {
-            drop_error();
-            return 0;
-        }
-        Py_DECREF(now);
-        if (now != l->at[k].was)
-            return 0;
-    }
-    return 1;
+    return head == planned;
 }
 
 /* Set the new counts (an attribute that exists already: nothing is allocated). */
@@ -671,6 +678,11 @@ static int queue_events(PyObject *evd, const struct aiodat_wc *wcs, int count, P
     return i;
 }
 
+/* queue_common's answers (taken, notified) for a batch of up to 64, made once: a call (a batch
+ * of one, mostly) allocates none */
+#define MAX_ANSWER 64
+static PyObject *answers[MAX_ANSWER + 1][2];
+
 /* queue_common(evd, wcs_address, count, qpn_refs, queue) -> (taken, notified) */
 static PyObject *queue_common(PyObject *self, PyObject *args)
 {
@@ -688,6 +700,11 @@ static PyObject *queue_common(PyObject *self, PyObject *args)
      * returned, as the tuple below may fail to be made; an object that is no EVD has none) */
     if (taken == count && count > 0 && PyObject_SetAttr(evd, s_backlog, s_zero) < 0)
         drop_error();
+    if (taken >= 0 && taken <= MAX_ANSWER) {
+        PyObject *answer = answers[taken][notified != 0];
+        Py_INCREF(answer);
+        return answer;
+    }
     return Py_BuildValue("(ii)", taken, notified);
 }
 
@@ -1860,6 +1877,10 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_dict, "__dict__");
     if ((s_zero = PyLong_FromLong(0)) == NULL)
         return NULL;
+    for (int k = 0; k <= MAX_ANSWER; k++)
+        for (int n = 0; n < 2; n++)
+            if ((answers[k][n] = Py_BuildValue("(ii)", k, n)) == NULL)
+                return NULL;
     INTERN(k_type, "type"); INTERN(k_evd, "evd"); INTERN(k_ep, "ep"); INTERN(k_cookie, "cookie");
     INTERN(k_status, "status"); INTERN(k_length, "transferred_length"); INTERN(k_operation, "operation");
     INTERN(k_imm, "imm_data"); INTERN(k_vendor_err, "vendor_err"); INTERN(k_src_qp, "src_qp");
