@@ -785,9 +785,10 @@ def test_an_srq_closed_between_a_receives_plan_and_its_take_is_released_once() -
 
 
 class SRQChangingQueue(deque):
-    """An event queue whose first append runs Python that changes the SRQ (a finalizer a collection
-    run by the deque's allocation may): it posts another receive (its count raised) or closes the
-    SRQ (srq.py's _release_posted: every posted buffer released, the table cleared)."""
+    """An event queue whose first append runs Python that changes the SRQ (a deque's never does:
+    this stands for a finalizer run by a collection, and reaches C's last check): it posts another
+    receive (its count raised) or closes the SRQ (srq.py's _release_posted: every posted buffer
+    released, the table cleared)."""
 
     def __init__(self, srq: Any, lmr: LMR, change: str) -> None:
         super().__init__()

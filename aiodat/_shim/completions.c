@@ -417,9 +417,10 @@ static PyObject *recv_event(PyObject *evd, PyObject *ep, const struct aiodat_wc 
 }
 
 /* Whether an SRQ receive's plan still holds, read with no allocation after the last one (as
- * lowered_holds, and wr.py's _commit with its guard): ``entry`` is still posted[key] and every
- * count the one the new counts were made from.  A finalizer run by an allocation may have posted
- * on the SRQ (a count raised) or closed it (the table cleared, every buffer released). */
+ * lowered_holds, and wr.py's _commit with its guard): ``entry`` is still posted[key] (a finalizer
+ * run by the event's making may have closed the SRQ: the table cleared, every buffer released)
+ * and every count the one the new counts were made from (lowered_values read them after that,
+ * and a deque's append runs no Python: a check in depth, the queue is the caller's). */
 static int srq_plan_holds(struct lowered *l, PyObject *posted, PyObject *key, PyObject *entry)
 {
     PyObject *now = PyDict_GetItemWithError(posted, key);  /* (borrowed; an int key's lookup allocates nothing) */
@@ -427,14 +428,16 @@ static int srq_plan_holds(struct lowered *l, PyObject *posted, PyObject *key, Py
         drop_error();
         return 0;
     }
-    for (int k = 0; k < l->n; k++) {
+    for (int k = 0; k < l->n; k++) {  /* (each count still the new value plus what it lowers) */
         PyObject *count = PyObject_GetAttr(l->at[k].lmr, s_inflight);
-        if (count == NULL) {
+        long long now = count != NULL ? PyLong_AsLongLong(count) : -1;
+        long long made = PyLong_AsLongLong(l->at[k].value);  /* (an int's read allocates nothing) */
+        Py_XDECREF(count);
+        if (PyErr_Occurred()) {
             drop_error();
             return 0;
         }
-        Py_DECREF(count);  /* (the LMR holds it: only its address is compared) */
-        if (count != l->at[k].was)
+        if (now != made + l->at[k].by)
             return 0;
     }
     return 1;
