@@ -502,14 +502,18 @@ def _release_posted(posted: Dict[int, Tuple[Any, Tuple[Segment, ...]]]) -> None:
     """The SRQ is gone: its posted buffers are the device's no more (their LMRs can be freed).
 
     Each receive is released whole or not at all, so a call that ran out of memory part way can be
-    made again: what can allocate comes first, then the counts are written, then the entry goes.
+    made again: what can allocate comes first, then the entry goes (held: freeing its cookie may run
+    code that changes a count), then the counts are written (a KeyboardInterrupt between two writes
+    leaves them high, never lowered for an entry still there, which a second call would lower again).
     """
     while posted:
         wr_id = next(iter(posted))
         lowered = {lmr: lmr._inflight - n for lmr, n in _lmr_counts((posted[wr_id][1],)).items()}
-        for lmr, count in lowered.items():  # (its iterator is made before the first write)
+        writes = iter(lowered.items())  # (made before the entry goes)
+        entry = posted.pop(wr_id)
+        for lmr, count in writes:
             lmr._inflight = count
-        del posted[wr_id]  # (last: freeing its cookie may run code that changes a count)
+        del entry  # (its cookie's release last)
 
 
 def _expire(fut: "asyncio.Future[None]", timeout: float) -> None:

@@ -267,8 +267,13 @@ class WorkRequests:
                     # checked, then the count lowered from what it is now (reading a segment's
                     # LMR and an int's arithmetic run no Python; a MemoryError there takes nothing)
                     if q and q[0] is entry:
-                        segs[0].lmr._inflight -= n
-                        q.popleft()
+                        # the new count made (an int: a MemoryError takes nothing), then the entry
+                        # and the count by steps no signal handler can come between (a
+                        # KeyboardInterrupt between a lowered count and a pop had the retry
+                        # lower it again)
+                        count = segs[0].lmr._inflight - n
+                        del q[0]
+                        segs[0].lmr._inflight = count
                         if marked:  # (a reset clears this set, never replaces it)
                             quiet.discard(wr_id)
                         return event
@@ -303,8 +308,9 @@ class WorkRequests:
                 # (after the last step that can run Python: the head checked, then the count
                 # lowered from what it is now, as for a receive above)
                 if q and q[0] is entry:
-                    segs[0].lmr._inflight -= n
-                    q.popleft()
+                    count = segs[0].lmr._inflight - n  # (as for a receive above)
+                    del q[0]
+                    segs[0].lmr._inflight = count
                     if marked:
                         quiet.discard(wr_id)
                     return event
@@ -495,7 +501,8 @@ class WorkRequests:
         """The take _prepare made ready, by steps that allocate nothing: the plan checked first
         (the head of the queue and the counts still the ones it read: a collection run by an
         allocation since may have run a finalizer that reset or posted on this EP; _PlanStale if
-        not, nothing taken), then the counts are set, then the entries go, returned to be held
+        not, nothing taken), then the entries go, then the counts are set (the safe order if a
+        signal handler raises part way: counts left high), the entries returned to be held
         until the caller's end, so that the finalizer their release may run (a cookie's, which may
         post on or reset this EP) finds everything taken.  The guard, if any, is one more entry the
         plan read, checked the same way: (a deque, None, its head) for a window's pending request
@@ -514,8 +521,6 @@ class WorkRequests:
         for lmr, was, _ in checks:
             if lmr._inflight is not was:
                 raise _PlanStale
-        for lmr, _, count in counts:
-            lmr._inflight = count
         for _ in steps:
             q.popleft()
         if head is not None:
@@ -523,6 +528,11 @@ class WorkRequests:
         if self._quiet:
             for wr_id in marks:
                 self._quiet.discard(wr_id)
+        # the counts last: a KeyboardInterrupt raised by a signal handler between two steps here
+        # leaves them high (lmr.free() refused: nothing lost), never lowered for entries still
+        # queued, which the completion's retry would lower again (a buffer freed under the device)
+        for lmr, _, count in counts:
+            lmr._inflight = count
         return held
 
     def _sends_outstanding(self) -> int:

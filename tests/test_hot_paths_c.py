@@ -1180,3 +1180,57 @@ async def test_a_list_emptied_during_the_post_keeps_its_segment(ep_pair: Any, op
     assert bytes(pair.server_lmr.memoryview()[:16]) == b"kept-its-segment"
     (sent,) = await sender.request_evd.wait(1)
     assert sent.cookie == "s"
+
+
+class InterruptedLMR:
+    """An LMR whose next count write is followed by a KeyboardInterrupt: what a SIGINT handler
+    raising at the next check of the eval breaker does (a loop's backward jump, a call's end)."""
+
+    def __init__(self, count: int) -> None:
+        self.__dict__["count"], self.armed = count, False
+
+    @property
+    def _inflight(self) -> int:
+        return int(self.__dict__["count"])
+
+    @_inflight.setter
+    def _inflight(self, value: int) -> None:
+        self.__dict__["count"] = value
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("suppressed", [0, 2], ids=["usual case", "retiring suppressed sends"])
+def test_a_keyboard_interrupt_while_a_completion_is_taken_lowers_no_count_twice(suppressed: int) -> None:
+    """wr.py's take sets a count and pops its entries by steps a signal handler can raise between.
+    The entries go first: a KeyboardInterrupt after them leaves a count high (nothing lost), where
+    one after a lowered count with the entries still queued had the completion's retry (it stays
+    in its EVD's backlog) lower it again: -3 for three sends on an LMR, which lmr.free() would
+    then allow under requests the device still holds."""
+    lmr, ep = InterruptedLMR(suppressed + 2), EP()
+    for i in range(suppressed + 1):
+        ep._send_q.append((2 * i, f"s{i}", DTOOp.SEND, (Seg(lmr, 10),), None))  # type: ignore[arg-type]
+        if i < suppressed:
+            ep._quiet.add(2 * i)
+    ep._send_q.append((2 * suppressed + 2, "later", DTOOp.SEND, (Seg(lmr, 10),), None))  # type: ignore[arg-type]
+    wc = (2 * suppressed, 0, IBV_WC_SEND, 0, 10, 0, 7, 0, 0, 0, 0)
+    lmr.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        ep._completion_event(wc, object())
+    ep._completion_event(wc, object())  # the retry of the same completion
+    assert [e[1] for e in ep._send_q] == ["later"] and lmr._inflight == 1
+
+
+def test_a_keyboard_interrupt_while_an_srqs_buffers_are_released_lowers_no_count_twice() -> None:
+    """srq.py's _release_posted (a closed SRQ's receives) and its second call, as SRQ._release makes
+    it: the entry goes before the counts are written, so an interrupt between leaves them high."""
+    from aiodat.srq import _release_posted
+
+    lmr = InterruptedLMR(3)
+    posted = {2 * i + 1: (f"c{i}", (Seg(lmr, 64),)) for i in range(3)}  # type: ignore[arg-type]
+    lmr.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        _release_posted(posted)  # type: ignore[arg-type]
+    _release_posted(posted)  # type: ignore[arg-type]
+    assert not posted and lmr._inflight == 0
