@@ -588,7 +588,8 @@ class EVD(Handle, Generic[E]):
                 wc = None  # (taken: a failure of the next unpack names none)
         except BaseException as exc:  # (a KeyboardInterrupt too)
             self._wc_next = at
-            if wc is not None:  # (else its unpack failed: it is named by none)
+            if wc is not None and hasattr(exc, "add_note"):  # (else its unpack failed: it is named
+                # by none; add_note is Python 3.11's)
                 exc.add_note(f"aiodat: the completion of wr_id {wc[0]:#x} on QP {wc[_WC_QP_NUM]} could not be "
                              f"turned into an event; it and {end - at - 1} later "
                              f"completion(s) are kept for the next wait or drain")
