@@ -59,6 +59,18 @@ def wc_array(rows: List[Tuple[Any, ...]]) -> Any:
     return wcs
 
 
+def completion_failing_at(testcapi: Any, n: int, ep: Any, wc: Any, evd: Any) -> Tuple[bool, Any]:
+    """``ep._completion_event(wc, evd)`` with its ``n``-th allocation failing: (raised, its event)."""
+    testcapi.set_nomemory(n, n + 1)
+    try:
+        event = ep._completion_event(wc, evd)
+    except (MemoryError, SystemError):  # (3.11 reports a frame it could not allocate as SystemError)
+        return True, None
+    finally:
+        testcapi.remove_mem_hooks()
+    return False, event  # (made with the hooks gone)
+
+
 def as_tuple(wc: Any) -> Tuple[int, ...]:
     """A wc as evd.py's _WC struct reads it."""
     return (wc.wr_id, wc.status, wc.opcode, wc.vendor_err, wc.byte_len, wc.imm_data, wc.qp_num, wc.src_qp,
@@ -452,14 +464,7 @@ def test_a_completion_is_taken_whole_or_not_at_all_in_python(case: str) -> None:
     for n in range(80):
         ep, lmr, wc, calls = taking(case)
         before = taken_state(ep, lmr, calls)
-        raised = False
-        _testcapi.set_nomemory(n, n + 1)
-        try:
-            event = ep._completion_event(wc, object())
-        except (MemoryError, SystemError):  # (3.11 reports a frame it could not allocate as SystemError)
-            raised = True
-        finally:
-            _testcapi.remove_mem_hooks()
+        raised, event = completion_failing_at(_testcapi, n, ep, wc, object())
         if raised:
             failures += 1
             assert taken_state(ep, lmr, calls) == before, f"allocation {n} failed with the completion part taken"
@@ -495,14 +500,7 @@ def test_a_binds_completion_is_taken_whole_or_not_at_all() -> None:
     failures = 0
     for n in range(60):
         ep, rmr, wc = binding()
-        raised = False
-        _testcapi.set_nomemory(n, n + 1)
-        try:
-            event = ep._completion_event(wc, evd)
-        except (MemoryError, SystemError):  # (3.11 reports a frame it could not allocate as SystemError)
-            raised = True
-        finally:
-            _testcapi.remove_mem_hooks()
+        raised, event = completion_failing_at(_testcapi, n, ep, wc, evd)
         if raised:
             failures += 1
             assert len(rmr._pending) == 2 and ep._send_q[0][0] == 0, f"allocation {n} failed part way"
@@ -575,14 +573,7 @@ def test_a_window_completion_after_suppressed_sends_is_taken_whole_or_not_at_all
     for n in range(80):
         ep, rmr, lmr, wc = window_after_suppressed_sends(case)
         before = (lmr._inflight, len(ep._send_q), len(rmr._pending), rmr._bound)
-        raised = False
-        _testcapi.set_nomemory(n, n + 1)
-        try:
-            ep._completion_event(wc, evd)
-        except (MemoryError, SystemError):  # (3.11 reports a frame it could not allocate as SystemError)
-            raised = True
-        finally:
-            _testcapi.remove_mem_hooks()
+        raised, _ = completion_failing_at(_testcapi, n, ep, wc, evd)
         if raised:
             failures += 1
             assert (lmr._inflight, len(ep._send_q), len(rmr._pending), rmr._bound) == before, \

@@ -410,6 +410,24 @@ async def test_disconnecting_an_ep_in_error(ia: Any, loop_errors: List[dict]) ->
         pair.close()
 
 
+def _pushes_fail(monkeypatch: pytest.MonkeyPatch, evd: Any) -> None:
+    """Every push to ``evd`` raises MemoryError (as a full allocator makes it) until undone."""
+    def out_of_memory(event: Any) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(evd, "_push", out_of_memory)
+
+
+def _device_event(ep: Any, name: str) -> None:
+    """The device's async event ``name`` (IBV_EVENT_...) on ``ep``'s QP, through the IA's real dispatch."""
+    from aiodat._lib import ffi
+    from aiodat.evd import _IBV_EVENT_NAMES
+
+    raw = ffi.new("struct aiodat_async_event *")
+    raw.event_type, raw.qp_num = _IBV_EVENT_NAMES.index(name), ep.qp_num
+    ep._ia._async_source._dispatch(raw)
+
+
 async def test_a_broken_whose_push_failed_is_pushed_by_the_retry(ia: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """cm.broken whose BROKEN could not be pushed (a MemoryError): the completion that broke the EP
     stays in its EVD's backlog and breaks it again, which pushes the BROKEN (the state was set
@@ -419,11 +437,7 @@ async def test_a_broken_whose_push_failed_is_pushed_by_the_retry(ia: Any, monkey
     pair = await make_ep_pair(ia)
     try:
         evd = pair.client.connect_evd
-
-        def out_of_memory(event: Any) -> None:
-            raise MemoryError
-
-        monkeypatch.setattr(evd, "_push", out_of_memory)
+        _pushes_fail(monkeypatch, evd)
         with pytest.raises(MemoryError):
             cm.broken(pair.client, "test: the QP broke")
         monkeypatch.undo()
@@ -439,22 +453,11 @@ async def test_a_qp_fatal_whose_broken_push_failed_leaves_the_ep_in_error(ia: An
     """The device's QP_FATAL async event (evd.py's AsyncSource) whose BROKEN could not be pushed (a
     MemoryError): nothing retries a device event, so the EP is in ERROR all the same (it stayed
     CONNECTED for ever: cm.broken leaves the state for a retry, which only a completion has)."""
-    from aiodat._lib import ffi
-    from aiodat.evd import _IBV_EVENT_NAMES
-
     pair = await make_ep_pair(ia)
     try:
-        evd = pair.client.connect_evd
-
-        def out_of_memory(event: Any) -> None:
-            raise MemoryError
-
-        monkeypatch.setattr(evd, "_push", out_of_memory)
-        raw = ffi.new("struct aiodat_async_event *")
-        raw.event_type = _IBV_EVENT_NAMES.index("IBV_EVENT_QP_FATAL")
-        raw.qp_num = pair.client.qp_num
+        _pushes_fail(monkeypatch, pair.client.connect_evd)
         with pytest.raises(MemoryError):
-            pair.client._ia._async_source._dispatch(raw)  # (drain() reports the failure as an internal error)
+            _device_event(pair.client, "IBV_EVENT_QP_FATAL")  # (drain() reports the failure as an internal error)
         assert pair.client.state is EPState.ERROR
         # the async EVD hears of it all the same (the push was skipped when the EP's part raised)
         event = ia.async_evd.dequeue()
@@ -472,14 +475,9 @@ async def test_a_qp_event_that_is_no_error_leaves_the_connection_up(ia: Any, nam
     async EVD gets the event, and the EP stays connected and carries data (every QP event broke
     the EP: an SRQ EP's LAST_WQE_REACHED, a receive before the RTU's COMM_EST).  QP_FATAL still
     breaks it."""
-    from aiodat._lib import ffi
-    from aiodat.evd import _IBV_EVENT_NAMES
-
     pair = await make_ep_pair(ia)
     try:
-        raw = ffi.new("struct aiodat_async_event *")
-        raw.event_type, raw.qp_num = _IBV_EVENT_NAMES.index(name), pair.client.qp_num
-        pair.client._ia._async_source._dispatch(raw)
+        _device_event(pair.client, name)
         event = await ia.async_evd.wait_one(timeout=T)
         assert event.type is news and event.obj is pair.client
         assert pair.client.state is EPState.CONNECTED and pair.client.connect_evd.dequeue() is None
@@ -489,8 +487,7 @@ async def test_a_qp_event_that_is_no_error_leaves_the_connection_up(ia: Any, nam
         assert (await pair.client.request_evd.wait_one(timeout=T)).cookie == "out"
         got = await pair.server.recv_evd.wait_one(timeout=T)
         assert got.cookie == "in" and got.transferred_length == 5 and bytes(pair.server_lmr.memoryview()[0:5]) == b"still"
-        raw.event_type = _IBV_EVENT_NAMES.index("IBV_EVENT_QP_FATAL")
-        pair.client._ia._async_source._dispatch(raw)
+        _device_event(pair.client, "IBV_EVENT_QP_FATAL")
         assert pair.client.state is EPState.ERROR
         assert (await pair.client.connect_evd.wait_one(timeout=T)).type is EventType.CONNECTION_EVENT_BROKEN
     finally:
