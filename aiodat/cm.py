@@ -478,9 +478,10 @@ def broken(ep: "EP", reason: str, retried: bool = True) -> None:
         evd = ep.connect_evd
         try:
             evd._push(ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, evd, ep, reason=reason))
-        finally:
+        except BaseException:
             if not retried:  # no retry: the EP must not stay CONNECTED for ever (the BROKEN is lost)
                 conn.state = EPState.ERROR
+            raise
         conn.state = EPState.ERROR
 
 

@@ -264,13 +264,11 @@ class WorkRequests:
                         wc[3], wc[7] if self._ud else None, not marked or bool(code))
                     # after the last step that can run Python (the event's allocations: a
                     # collection's finalizer may have reset the EP, or posted on it): the head
-                    # checked, then the count lowered from what it is now (reading a segment's
-                    # LMR and an int's arithmetic run no Python; a MemoryError there takes nothing)
+                    # checked, then the new count made from what it is now (an int: a MemoryError
+                    # takes nothing), then the entry and the count, by steps no signal handler can
+                    # come between (a KeyboardInterrupt between a lowered count and a pop had the
+                    # retry lower it again)
                     if q and q[0] is entry:
-                        # the new count made (an int: a MemoryError takes nothing), then the entry
-                        # and the count by steps no signal handler can come between (a
-                        # KeyboardInterrupt between a lowered count and a pop had the retry
-                        # lower it again)
                         count = segs[0].lmr._inflight - n
                         del q[0]
                         segs[0].lmr._inflight = count
