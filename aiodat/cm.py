@@ -267,6 +267,9 @@ def cm_addresses(cm_id: Any) -> Tuple[Optional[Tuple[str, int]], Optional[Tuple[
     return _address(lib.rdma_get_local_addr(cm_id)), _address(lib.rdma_get_peer_addr(cm_id))
 
 
+_SETTLE_RETRY_S = 0.5  # a BROKEN owed whose payment failed other than for memory: tried again this much later
+
+
 class CMChannel:
     """An IA's rdma_cm event channel, watched by the loop, and the routing of its events."""
 
@@ -280,6 +283,11 @@ class CMChannel:
         self._routes: Dict[int, _Route] = {}
         self._buf = ffi.new("struct aiodat_cm_event *")
         self._sockaddrs: Dict[Tuple[str, int], Any] = {}  # numeric addresses used: their sockaddrs
+        # Connections owed a BROKEN whose push failed (owe_broken), oldest first: a list through
+        # their own slots, so recording a debt allocates nothing; and the payment scheduled, if any
+        self._owed_first: Optional[Connection] = None
+        self._owed_last: Optional[Connection] = None
+        self._settle_call: Optional[asyncio.Handle] = None
         # the loop keeps the channel (its fd) while it watches it, even if the IA is dropped
         self.watch = FdWatch(self.channel.fd, self._on_readable, "rdma_cm event channel", keep=self._raw)
 
@@ -338,6 +346,8 @@ class CMChannel:
 
     def drain(self) -> None:
         """Dispatch every pending event, one at a time (an id may die while dispatching)."""
+        if self._owed_first is not None:  # (a BROKEN owed goes before any later event of its EP)
+            self.settle()
         while self.channel != ffi.NULL:
             got = lib.aiodat_cm_get_events(self.channel, ffi.NULL, self._buf, 1)
             if got <= 0:
@@ -382,9 +392,83 @@ class CMChannel:
         elif ev.ah != ffi.NULL:  # an address handle nobody is left to take
             lib.ibv_destroy_ah(ev.ah)
 
+    # -- BROKEN events owed (cm.broken) ----------------------------------------------
+    def owe_broken(self, conn: "Connection", reason: str) -> None:
+        """``conn``'s connect EVD is owed a BROKEN (``reason``) whose push failed and that nothing
+        else retries (the device's QP_FATAL): record it and schedule its payment.  The record
+        allocates nothing (slots, and a list through them), so memory pressure cannot lose it; if
+        the scheduling fails, the channel's next drain pays it (a CM event, a dequeue's or a timed
+        wait's look) or the device's next async event."""
+        if conn.owed_broken is None:
+            conn.owed_next = None
+            if self._owed_last is None:
+                self._owed_first = conn
+            else:
+                self._owed_last.owed_next = conn
+            self._owed_last = conn
+        conn.owed_broken = reason
+        self._settle_soon(0.0)
+
+    def forget_broken(self, conn: "Connection") -> None:
+        """Drop ``conn``'s debt (paid, or its EP was reset or freed): a walk of a list that is
+        almost always empty, allocating nothing."""
+        conn.owed_broken = None
+        prev, at = None, self._owed_first
+        while at is not None and at is not conn:
+            prev, at = at, at.owed_next
+        if at is None:
+            return
+        if prev is None:
+            self._owed_first = conn.owed_next
+        else:
+            prev.owed_next = conn.owed_next
+        if self._owed_last is conn:
+            self._owed_last = prev
+        conn.owed_next = None
+
+    def settle(self) -> None:
+        """Pay every BROKEN owed, oldest first.  Never raises (it runs in loop callbacks and
+        drains): one that fails stays owed, with the rest, and is tried again at the loop's next
+        turn after a MemoryError (memory comes back), else after _SETTLE_RETRY_S, reported (a
+        failure that comes every time must not keep the CPU busy)."""
+        while self._owed_first is not None:
+            conn = self._owed_first
+            try:
+                _pay_broken(conn)
+            except Exception as exc:
+                memory = isinstance(exc, MemoryError)
+                self._settle_soon(0.0 if memory else _SETTLE_RETRY_S)
+                if not memory:
+                    try:
+                        report_internal_error(self._ia, exc, "pushing a CONNECTION_EVENT_BROKEN owed")
+                    except Exception:  # (the retry stays scheduled)
+                        pass
+                return
+            self.forget_broken(conn)
+
+    def _settle_soon(self, delay: float) -> None:
+        """Schedule ``settle`` on the loop watching the channel, one at a time (none without an
+        open loop: the next drain pays then)."""
+        loop = self.watch._loop
+        if self._settle_call is not None or loop is None or loop.is_closed():
+            return
+        try:
+            self._settle_call = (loop.call_soon(self._settle_due) if not delay
+                                 else loop.call_later(delay, self._settle_due))
+        except Exception:  # (memory again: the next drain pays)
+            pass
+
+    def _settle_due(self) -> None:
+        self._settle_call = None
+        if not self._ia.closed:
+            self.settle()
+
     def destroy(self) -> None:
         """Stop watching and destroy the channel (every id is gone by now)."""
         self.watch.detach()
+        if self._settle_call is not None:
+            self._settle_call.cancel()
+            self._settle_call = None
         for route in list(self._routes.values()):
             owner = route()
             if isinstance(owner, Connection):
@@ -393,6 +477,8 @@ class CMChannel:
                 owner.close()
             elif owner is not None and hasattr(owner, "fail"):  # a datagram resolution or join (datagram.py)
                 owner.fail(InvalidHandle("the IA was closed while a datagram resolution or multicast join waited"))
+        while self._owed_first is not None:  # (their EPs were closed above: this only lets go)
+            self.forget_broken(self._owed_first)
         if self.channel != ffi.NULL:
             self._raw.release()
             self.channel = ffi.NULL
@@ -446,7 +532,7 @@ class Connection:
     """
 
     __slots__ = ("ep", "state", "cm_id", "waiter", "timer", "pending_private", "drain", "drain_timer",
-                 "resolutions", "__weakref__")
+                 "resolutions", "owed_broken", "owed_next", "__weakref__")
 
     def __init__(self, ep: "EP") -> None:
         self.ep = ep
@@ -461,6 +547,10 @@ class Connection:
         #: a UD EP's datagram resolutions and multicast joins under way (datagram.py): the EP's
         #: close fails them (each has ``fail(exc)``), so no task waits on an EP that is gone
         self.resolutions: Optional[Set[Any]] = None
+        #: the reason of a BROKEN owed to the connect EVD (CMChannel.owe_broken), and the next
+        #: connection owed one
+        self.owed_broken: Optional[str] = None
+        self.owed_next: Optional[Connection] = None
 
     def __repr__(self) -> str:
         return f"<aiodat.cm.Connection {self.state.value}>"
@@ -469,31 +559,65 @@ class Connection:
 def broken(ep: "EP", reason: str, retried: bool = True) -> None:
     """The device reported the EP's QP broken: the EP is in error; tell the connect EVD.
     ``retried``: a failure here is retried (a failed completion's: it stays in its EVD's backlog
-    and breaks the EP again); False for the device's async event, which nothing retries."""
+    and breaks the EP again); False for the device's async event, which nothing retries: a BROKEN
+    it could not push is owed (CMChannel.owe_broken) and this returns."""
     conn = ep._conn
     if conn.state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING):
         # The state changes last: a MemoryError before leaves it, and the retry pushes the BROKEN
         # again.  A push that failed after its append gives a duplicate BROKEN, better than a
         # lost one.
-        evd = ep.connect_evd
+        event = None
         try:
-            evd._push(ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, evd, ep, reason=reason))
-        except BaseException:
-            if not retried:  # no retry: the EP must not stay CONNECTED for ever (the BROKEN is lost)
-                conn.state = EPState.ERROR
-            raise
+            evd = ep.connect_evd
+            event = ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, evd, ep, reason=reason)
+            evd._push(event)
+        except BaseException as exc:
+            if retried:
+                raise
+            # No retry: the EP must not stay CONNECTED for ever, and the BROKEN is owed (paid
+            # later, once), unless it was queued before the push failed (its wake-up's failure).
+            conn.state = EPState.ERROR
+            if event is None or not _queued_last(event):
+                ep._ia._cm.owe_broken(conn, reason)
+            if not isinstance(exc, Exception):  # (a KeyboardInterrupt goes on; the debt is recorded)
+                raise
+            return
         conn.state = EPState.ERROR
+
+
+def _queued_last(event: ConnectionEvent) -> bool:
+    """Whether ``event`` is the last event of its EVD's queue: a push that raised after its
+    append (read by identity, allocating nothing)."""
+    queue = event.evd._queue if event.evd is not None else None
+    return bool(queue) and queue[-1] is event
+
+
+def _pay_broken(conn: Connection) -> None:
+    """Push the BROKEN ``conn`` owes (CMChannel.settle forgets the debt then); raises with it
+    still owed, unless the push failed after its event was queued (a second would be a duplicate)."""
+    ep = conn.ep
+    evd = ep.connect_evd
+    event = ConnectionEvent(EventType.CONNECTION_EVENT_BROKEN, evd, ep, reason=conn.owed_broken or "")
+    try:
+        evd._push(event)
+    except BaseException:
+        if not _queued_last(event):
+            raise
 
 
 def reset(ep: "EP") -> None:
     """EP.reset: the QP was recreated; the EP may connect again."""
     _cancel_timer(ep)
+    if ep._conn.owed_broken is not None:  # the program has moved on: a late BROKEN would seem the next connection's
+        ep._ia._cm.forget_broken(ep._conn)
     ep._conn.state = EPState.UNCONNECTED
 
 
 def freed(ep: "EP") -> None:
     """EP.free/close: a task waiting on the connection learns the EP is gone."""
     conn = ep._conn
+    if conn.owed_broken is not None:  # no event for an EP that is gone (and the channel lets go of it)
+        ep._ia._cm.forget_broken(conn)
     waiter, conn.waiter = conn.waiter, None
     fail_waiter(waiter, InvalidHandle("the EP was freed while a connection call waited on it"))
     pending, conn.resolutions = conn.resolutions, None

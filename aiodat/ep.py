@@ -267,7 +267,7 @@ class EP(Posting, Handle):
 
     def _on_async_error(self, reason: str, retried: bool = True) -> None:
         """The device reported the QP broken (evd.py, wr.py): the connection breaks (cm.py).
-        ``retried``: False for the device's async event (cm.broken)."""
+        ``retried``: False for the device's async event (cm.broken owes a BROKEN it cannot push)."""
         cm.broken(self, reason, retried)
 
     # -- datagrams: UD endpoints are aiodat.datagram.DatagramEP; an RC EP says so ---------

@@ -1499,6 +1499,8 @@ class AsyncSource:
     def drain(self) -> None:
         """Turn every pending device event into an async EVD event."""
         ia = self._ia
+        if ia._cm._owed_first is not None:  # a QP_FATAL's BROKEN whose push failed (cm.broken)
+            ia._cm.settle()
         while True:
             got = lib.aiodat_async_get_events(ia._context, self._buf, 16)
             if got <= 0:
@@ -1525,7 +1527,7 @@ class AsyncSource:
                 # only an error breaks the connection: COMM_EST, SQ_DRAINED, PATH_MIG and
                 # LAST_WQE_REACHED are news about a QP that works (or is closing already)
                 if obj is not None and kind_type is EventType.ASYNC_ERROR_EP_BROKEN:
-                    obj._on_async_error(name, False)  # (nothing retries a device event: cm.broken)
+                    obj._on_async_error(name, False)  # (nothing retries a device event: cm.broken owes it)
             elif kind == "cq":
                 obj = ia._cq_owner.get(int(ffi.cast("uintptr_t", raw.element)))
             elif kind == "srq":

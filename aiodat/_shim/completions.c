@@ -430,14 +430,14 @@ static int srq_plan_holds(struct lowered *l, PyObject *posted, PyObject *key, Py
     }
     for (int k = 0; k < l->n; k++) {  /* (each count still the new value plus what it lowers) */
         PyObject *count = PyObject_GetAttr(l->at[k].lmr, s_inflight);
-        long long now = count != NULL ? PyLong_AsLongLong(count) : -1;
+        long long count_now = count != NULL ? PyLong_AsLongLong(count) : -1;
         long long made = PyLong_AsLongLong(l->at[k].value);  /* (an int's read allocates nothing) */
         Py_XDECREF(count);
         if (PyErr_Occurred()) {
             drop_error();
             return 0;
         }
-        if (now != made + l->at[k].by)
+        if (count_now != made + l->at[k].by)
             return 0;
     }
     return 1;
