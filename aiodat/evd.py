@@ -351,8 +351,10 @@ class EVD(Handle, Generic[E]):
         # and no allocation, so a MemoryError anywhere in taking completions loses none of them.
         self._backlog = 0
         self._wc_next = 0
-        # True while polled completions are being taken (here or in C): a finalizer their entries
-        # run (a cookie's, which may reset or close an EP of this EVD) must not take them again
+        # True while polled completions are being taken in Python (C notes its own takes itself:
+        # _taking_in_c): a finalizer their entries run (a cookie's, which may reset or close an EP
+        # of this EVD) must not take them again.  (A Python take has its backlog noted meanwhile,
+        # which keeps C's look off the CQ.)
         self._taking = False
         # a callback EVD's drain of its backlog again after a failure (_callback_failed): one at a time
         self._backlog_retry: Optional[asyncio.TimerHandle] = None
@@ -427,8 +429,8 @@ class EVD(Handle, Generic[E]):
         arrived (anything but an UNSIGNALLED completion).
         """
         wcs = self._wcs
-        if wcs is None or self._taking:  # (a finalizer run by the take: the outer loop takes the rest)
-            return False
+        if wcs is None or self._taking or _taking_in_c(self):  # (a finalizer run by a take, Python's or
+            return False  # C's: the take under way takes the rest)
         notified = False
         if self._backlog:  # (raises with what is left still there: the CQ is not polled over it)
             notified = self._queue_backlog()
@@ -556,7 +558,7 @@ class EVD(Handle, Generic[E]):
         nothing, after everything that can fail), then the backlog moves past it.  So when one
         raises (a MemoryError), it and those after it stay in the backlog for the next drain:
         none is lost, none is taken twice."""
-        if self._taking:  # (a finalizer run by the take: the outer loop takes the rest)
+        if self._taking or _taking_in_c(self):  # (a finalizer run by a take: the outer loop takes the rest)
             return False
         self._taking = True
         try:
@@ -1372,6 +1374,9 @@ _completions.configure(DTOCompletionEvent, _DTO_COMPLETION, DTOOp.RECV, DTOOp.RE
                        int(ffi.cast("uintptr_t", ffi.addressof(lib, "aiodat_cq_poll"))),
                        int(ffi.cast("uintptr_t", ffi.addressof(lib, "aiodat_cq_drain"))))
 _queue_common, _look, _wait_begin = _completions.queue_common, _completions.look, _completions.wait_begin
+#: whether C is taking polled completions of an EVD now (its own mark, kept in C for its looks' sake:
+#: an attribute set around each take cost the callback ping-pong ~5%; Python's takes set _taking)
+_taking_in_c = _completions.taking
 _wakeup = _completions.wakeup
 
 

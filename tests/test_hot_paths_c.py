@@ -860,11 +860,11 @@ class LookedAt:
     """What C's look reads of an EVD in its common case, noting whether it went on to read the
     CQ's address (past the test of the common case: it would poll)."""
 
-    _closed = _backlog = _awaited = _solicited = _armed_solicited = False
+    _closed = _awaited = _solicited = _armed_solicited = False
     _wcs_address, _qlen = 0, 4
 
-    def __init__(self, taking: bool) -> None:
-        self._taking, self.read_cq = taking, False
+    def __init__(self, taking: bool = False, backlog: int = 0) -> None:
+        self._taking, self._backlog, self.read_cq = taking, backlog, False
         self._queue: deque = deque()
 
     @property
@@ -873,16 +873,35 @@ class LookedAt:
         return 0  # (no CQ: nothing is polled either way)
 
 
+class LookingCookie:
+    """A cookie whose finalizer looks at its EVD, as a wait on it or an EP's reset would: C's
+    look, and whether C says a take of it is under way."""
+
+    def __init__(self, evd: Any, seen: List[Any]) -> None:
+        self.evd, self.seen = evd, seen
+
+    def __del__(self) -> None:
+        self.seen.append((_completions.taking(self.evd), _completions.look(self.evd), self.evd.read_cq))
+
+
 def test_c_leaves_the_cq_alone_while_a_take_is_under_way() -> None:
-    """While polled completions are being taken (EVD._taking: a finalizer their entries run, a
-    cookie's, may wait on or look at the EVD), C's look is not the common case: it would poll the
-    CQ into the array the take reads (its backlog is only noted once the take is done)."""
-    assert _completions.look(LookedAt(taking=False)) == -1
-    taking = LookedAt(taking=True)
-    assert _completions.look(taking) == -1 and not taking.read_cq, "C's look went on during a take"
-    plain = LookedAt(taking=False)
-    _completions.look(plain)
-    assert plain.read_cq  # (the test reaches the CQ's address when no take is under way)
+    """While polled completions are being taken (a finalizer their entries run, a cookie's, may
+    wait on or look at the EVD), C's look is not the common case: it would poll the CQ into the
+    array the take reads.  A take in Python has its backlog noted meanwhile (EVD._drain_cq before
+    _queue_polled, _queue_backlog's own), which the look refuses; C notes its own takes itself,
+    by the EVD's identity (_completions.taking), with no attribute to set and clear per take."""
+    python_take = LookedAt(taking=True, backlog=3)
+    assert _completions.look(python_take) == -1 and not python_take.read_cq, "C's look went on during a take"
+    ep, _, lmr, _, refs = world()[0]
+    evd, seen = LookedAt(), []
+    ep._send_q[0] = (0, LookingCookie(evd, seen), DTOOp.SEND, (Seg(lmr, 10),), None)  # retired by send 2
+    wcs = wc_array([(2, 0, IBV_WC_SEND, 0, 7, None, 0, 0), (1, 0, IBV_WC_RECV, 64, 7, None, 0, 0)])
+    taken, _ = _completions.queue_common(evd, int(ffi.cast("uintptr_t", wcs)), 2, refs, evd._queue)
+    assert taken == 2 and [e.cookie for e in evd._queue] == ["s1", "r0"]
+    assert seen == [(True, -1, False)], "C's look went on during C's own take"
+    assert not _completions.taking(evd) and evd._backlog == 0
+    _completions.look(evd)
+    assert evd.read_cq  # (the test reaches the CQ's address when no take is under way)
 
 
 class Breaks:

@@ -63,7 +63,7 @@ static int (*poll_fn)(struct ibv_cq *cq, struct aiodat_wc *out, int max);
 static int (*drain_fn)(struct ibv_comp_channel *channel, struct ibv_cq *cq, int arm, struct aiodat_wc *out,
                        int max, int *status);
 static PyObject *s_closed, *s_backlog, *s_awaited, *s_cq_address, *s_wcs_address, *s_qlen, *s_queue,
-                *s_qpn_refs, *s_polled, *s_wc_next, *s_zero, *s_taking;
+                *s_qpn_refs, *s_polled, *s_wc_next, *s_zero;
 static PyObject *s_callback, *s_waiter, *s_threshold, *s_solicited, *s_solicited_hit, *s_busy_poll_us,
                 *s_busy_until, *s_overflow_reported, *s_done, *s_set_result, *s_clear,
                 *s_napi_failed, *s_callback_raised, *s_polling_the_cq;
@@ -620,6 +620,52 @@ done:
     return taken;
 }
 
+/* The EVDs whose polled completions C is taking now (queue_events): a finalizer the take runs (a
+ * collection started by an allocation, a retired entry's cookie let go) may look at, wait on or
+ * drain the same EVD, which must then leave the CQ alone: a poll would write over the array the
+ * take reads (C's look refuses them, common_cq; Python's drain asks taking(evd)).  Noted here by
+ * identity, not as an attribute of the EVD: an attribute set and cleared around every take and
+ * read by every look cost about 5% of the callback ping-pong's round trip (three attribute
+ * operations of the generic kind per look, ~1,200 instructions, where a look with its
+ * completion's take is ~9,000).  Python's own takes (evd._taking) have their backlog noted
+ * meanwhile (evd._backlog), which C's look refuses already.  A set, not a stack: with the GIL
+ * let go in a finalizer another thread's take may begin and end inside this one's. */
+#define MAX_TAKING 32
+static PyObject *taking_now[MAX_TAKING];  /* (borrowed: each take's caller holds its EVD) */
+static int n_taking;
+
+static int taking_in(PyObject *evd)
+{
+    for (int k = 0; k < n_taking; k++)
+        if (taking_now[k] == evd)
+            return 1;
+    return 0;
+}
+
+/* 1: noted; 0: no room (32 takes under way: the caller leaves the completions to Python) */
+static int taking_begin(PyObject *evd)
+{
+    if (n_taking == MAX_TAKING)
+        return 0;
+    taking_now[n_taking++] = evd;
+    return 1;
+}
+
+static void taking_end(PyObject *evd)
+{
+    for (int k = n_taking - 1; k >= 0; k--)
+        if (taking_now[k] == evd) {
+            taking_now[k] = taking_now[--n_taking];
+            return;
+        }
+}
+
+/* taking(evd) -> bool: C is taking polled completions of evd now */
+static PyObject *taking(PyObject *self, PyObject *evd)
+{
+    return PyBool_FromLong(taking_in(evd));
+}
+
 /* The completions wcs[taken:count] are polled and not taken: they are the EVD's backlog
  * (evd._wc_next, evd._backlog), which the next drain takes first, in Python.  Both are ints of
  * at most 64, which Python caches: setting them allocates nothing. */
@@ -642,6 +688,10 @@ static int queue_events(PyObject *evd, const struct aiodat_wc *wcs, int count, P
     uint32_t last_qpn = 0;
     PyObject *ep = NULL;  /* the EP of last_qpn, held while it is used */
     *notified = 0;
+    if (!taking_begin(evd)) {  /* (more takes under way than noted: all of them Python's) */
+        note_backlog(evd, 0, count);
+        return 0;
+    }
     for (i = 0; i < count; i++) {
         const struct aiodat_wc *wc = &wcs[i];
         if (wc->status != 0)
@@ -671,13 +721,14 @@ static int queue_events(PyObject *evd, const struct aiodat_wc *wcs, int count, P
             break;
         *notified = 1;
     }
-    Py_XDECREF(ep);
+    Py_XDECREF(ep);  /* (a finalizer it runs still finds the take under way) */
     /* Never raises (Python meets the same completion again), but a Ctrl-C that a signal handler
      * raised in here (any Python run on the way) is not lost: it comes again at the next check */
     if (PyErr_Occurred())
         drop_error();
     if (i < count)
-        note_backlog(evd, i, count);
+        note_backlog(evd, i, count);  /* (noted first: the backlog then keeps any drain off wcs) */
+    taking_end(evd);
     return i;
 }
 
@@ -720,15 +771,10 @@ static int queue_or_leave(PyObject *evd, PyObject *queue, unsigned long long wcs
     int taken = 0, notified = 0;
     if (got > 0) {
         PyObject *refs = PyObject_GetAttr(evd, s_qpn_refs);
-        /* (evd._taking: a finalizer the take runs does not drain this EVD into wcs under it) */
-        if (refs != NULL && PyDict_Check(refs) && PyObject_SetAttr(evd, s_taking, Py_True) == 0) {
+        if (refs != NULL && PyDict_Check(refs)) {  /* (queue_events notes the take under way: taking_now) */
             taken = queue_events(evd, (struct aiodat_wc *)(uintptr_t)wcs, got, refs, queue, &notified);
-            if (PyObject_SetAttr(evd, s_taking, Py_False) < 0)
-                drop_error();
         } else {  /* (all of them Python's; the error of a failed lookup is kept across the note) */
             PyObject *type, *value, *tb;
-            if (refs != NULL && PyErr_Occurred())
-                drop_error();  /* (a failed set of _taking: Python's path) */
             PyErr_Fetch(&type, &value, &tb);
             note_backlog(evd, 0, got);
             PyErr_Restore(type, value, tb);
@@ -746,7 +792,7 @@ static int queue_or_leave(PyObject *evd, PyObject *queue, unsigned long long wcs
 }
 
 /* What a look, the wake-up's drain and the poller's arm read of an EVD, in the common case that C
- * takes: open, with a CQ, no backlog, no awaited request, no take under way (_taking); for a drain (``draining``: it reads the
+ * takes: open, with a CQ, no backlog, no awaited request, no take under way (taking_in); for a drain (``draining``: it reads the
  * channel or arms), also no solicited wait or arm.  1 with the addresses, the room in the queue
  * (at most 64) and a new reference to the queue; 0: Python's path (EVD._poll_rest, EVD._drain_cq);
  * -1: an error. */
@@ -760,7 +806,7 @@ static int common_cq(PyObject *evd, struct evd_cq *out, int draining)
 {
     /* (a truth that could not be read ends the chain with its exception set: checked below) */
     int plain = attr_true(evd, s_closed) == 0 && attr_true(evd, s_backlog) == 0 && attr_true(evd, s_awaited) == 0
-                && attr_true(evd, s_taking) == 0  /* (a finalizer run by a take: it must not poll into wcs) */
+                && !taking_in(evd)  /* (a finalizer run by C's take: it must not poll into wcs; a Python take has a backlog) */
                 && (!draining || (attr_true(evd, s_solicited) == 0 && attr_true(evd, s_armed_solicited) == 0));
     unsigned long long qlen;
     if (plain && (attr_ull(evd, s_cq_address, &out->cq) < 0 || attr_ull(evd, s_wcs_address, &out->wcs) < 0
@@ -1855,6 +1901,8 @@ static PyMethodDef methods[] = {
     {"configure_waits", configure_waits, METH_O,
      "configure_waits(task_of): task_of(loop) is the loop's running task, which a wait on a CQ the poller "
      "holds records before it spins; None: waits never spin."},
+    {"taking", taking, METH_O,
+     "taking(evd) -> bool: C is taking polled completions of evd now (a finalizer the take runs must not drain it)."},
     {"queue_common", queue_common, METH_VARARGS,
      "queue_common(evd, wcs_address, count, qpn_refs, queue) -> (taken, notified): turn the leading common-case "
      "completions into events appended to queue; the rest is left to Python."},
@@ -1876,7 +1924,7 @@ PyMODINIT_FUNC PyInit__completions(void)
     INTERN(s_popleft, "popleft"); INTERN(s_pop, "pop"); INTERN(s_append, "append"); INTERN(s_base, "base"); INTERN(s_last, "last");
     INTERN(s_closed, "_closed"); INTERN(s_backlog, "_backlog"); INTERN(s_awaited, "_awaited");
     INTERN(s_cq_address, "_cq_address"); INTERN(s_wcs_address, "_wcs_address"); INTERN(s_qlen, "_qlen");
-    INTERN(s_queue, "_queue"); INTERN(s_qpn_refs, "_qpn_refs"); INTERN(s_polled, "_polled"); INTERN(s_wc_next, "_wc_next"); INTERN(s_taking, "_taking");
+    INTERN(s_queue, "_queue"); INTERN(s_qpn_refs, "_qpn_refs"); INTERN(s_polled, "_polled"); INTERN(s_wc_next, "_wc_next");
     INTERN(s_dict, "__dict__");
     if ((s_zero = PyLong_FromLong(0)) == NULL)
         return NULL;
