@@ -851,8 +851,8 @@ class EVD(Handle, Generic[E]):
         if self._waited():  # (DAT_INVALID_STATE: the events are the waiting task's)
             raise InvalidState("dequeue: a task is waiting on this EVD")
         self._raise_pending()
-        if self._taking:  # (a finalizer run by a take: the queue holds an event's place not filled yet)
-            return None
+        if self._taking or _taking_in_c(self):  # (a finalizer run by a take: a Python take's queue holds an
+            return None  # event's place not filled yet; C's may take an event back off the queue's end)
         if not self._queue:
             self._pump()
         if not self._queue:

@@ -688,7 +688,7 @@ static int queue_events(PyObject *evd, const struct aiodat_wc *wcs, int count, P
     uint32_t last_qpn = 0;
     PyObject *ep = NULL;  /* the EP of last_qpn, held while it is used */
     *notified = 0;
-    if (!taking_begin(evd)) {  /* (more takes under way than noted: all of them Python's) */
+    if (!taking_begin(evd)) {  /* (32 takes under way already: this one is left to Python's path) */
         note_backlog(evd, 0, count);
         return 0;
     }
