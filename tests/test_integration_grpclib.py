@@ -118,13 +118,31 @@ async def test_error_status_propagates(setup: Setup) -> None:
     assert (await stub.Unary(EchoRequest(text="still fine"))).text == "still fine"
 
 
+DEADLINE = 3.0  # s: the call's deadline in test_deadline, on a connected channel
+HANDLER_SECONDS = 120.0  # what its handler would take: the deadline must end the call long before
+
+
 async def test_deadline(setup: Setup) -> None:
-    """A call past its deadline raises asyncio.TimeoutError on the client and cancels the handler."""
+    """A call past its deadline fails with the deadline's error after about the deadline, long before
+    the handler would have answered, and cancels the handler; the connection stays usable.
+
+    The channel connects first, so that the deadline covers only the call.  It used to cover
+    connecting too, with a deadline of 0.5 s: under TCG on a loaded host, connecting and sending took
+    longer, so the call timed out before the handler began to sleep and no handler was cancelled."""
     stub, service, _ = setup
-    with pytest.raises(asyncio.TimeoutError):
-        await stub.Unary(EchoRequest(text="slow", seconds=5.0), timeout=0.5)
-    assert await asyncio.wait_for(service.cancelled.get(), 10) == "Unary"
-    assert (await stub.Unary(EchoRequest(text="after"), timeout=30)).text == "after"
+    assert (await stub.Unary(EchoRequest(text="before"), timeout=60)).text == "before"
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    with pytest.raises((asyncio.TimeoutError, GRPCError)) as caught:
+        await stub.Unary(EchoRequest(text="slow", seconds=HANDLER_SECONDS), timeout=DEADLINE)
+    took = loop.time() - began
+    # grpclib's client raises asyncio.TimeoutError at its deadline; the server's copy of the deadline
+    # (the grpc-timeout header, a little shorter) may answer DEADLINE_EXCEEDED first
+    assert isinstance(caught.value, asyncio.TimeoutError) or caught.value.status is Status.DEADLINE_EXCEEDED, \
+        caught.value
+    assert DEADLINE - 0.1 < took < HANDLER_SECONDS / 4, took
+    assert await asyncio.wait_for(service.cancelled.get(), 30) == "Unary"
+    assert (await stub.Unary(EchoRequest(text="after"), timeout=60)).text == "after"
 
 
 async def test_cancellation(setup: Setup) -> None:

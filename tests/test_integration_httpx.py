@@ -162,8 +162,8 @@ async def test_timeouts_raise_httpx_timeouts(setup: Setup) -> None:
     client still works afterwards."""
     url, make, _ = setup
     async with make(limits=httpx.Limits(max_connections=1)) as client:
-        with pytest.raises(httpx.ReadTimeout):
-            await client.get(url + "/slow", params={"seconds": "1"}, timeout=0.3)
+        with pytest.raises(httpx.ReadTimeout):  # (the client connects first: that gets a timeout of its own)
+            await client.get(url + "/slow", params={"seconds": "1"}, timeout=httpx.Timeout(60.0, read=0.3))
         slow = asyncio.ensure_future(client.get(url + "/slow", params={"seconds": "1"}))
         await asyncio.sleep(0.3)
         with pytest.raises(httpx.PoolTimeout):
