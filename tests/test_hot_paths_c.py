@@ -904,6 +904,43 @@ def test_c_leaves_the_cq_alone_while_a_take_is_under_way() -> None:
     assert evd.read_cq  # (the test reaches the CQ's address when no take is under way)
 
 
+class DrainingCookie:
+    """A cookie whose finalizer drains its EVD the ways Python does (an EP's reset, a wait's pump):
+    each must find C's take under way and leave the CQ and the backlog to it."""
+
+    def __init__(self, evd: Any, seen: List[Any]) -> None:
+        self.evd, self.seen = evd, seen
+
+    def __del__(self) -> None:
+        self.seen.extend(_refused(self.evd))
+
+
+def _refused(evd: Any) -> List[Any]:
+    """What EVD._drain_cq and EVD._queue_backlog answer for ``evd``, or the exception they raise
+    on the fake EVD (past their refusal, they go on to read what it does not have)."""
+    answers: List[Any] = []
+    for step in (EVD._drain_cq, EVD._queue_backlog):
+        try:
+            answers.append(step(evd))  # type: ignore[arg-type]
+        except AttributeError:
+            answers.append(AttributeError)
+    return answers
+
+
+def test_pythons_drains_leave_the_cq_alone_while_c_takes() -> None:
+    """A finalizer run by C's take (no _taking attribute set: C notes its takes by the EVD's
+    identity) that drains the same EVD in Python is refused: a poll would write over the array C
+    reads, and a backlog take would take the completions twice."""
+    ep, _, lmr, _, refs = world()[0]
+    evd, seen = LookedAt(), []
+    evd._wcs = b""  # (a CQ's array: the drain's first test passes it)
+    ep._send_q[0] = (0, DrainingCookie(evd, seen), DTOOp.SEND, (Seg(lmr, 10),), None)  # retired by send 2
+    wcs = wc_array([(2, 0, IBV_WC_SEND, 0, 7, None, 0, 0)])
+    taken, _ = _completions.queue_common(evd, int(ffi.cast("uintptr_t", wcs)), 1, refs, evd._queue)
+    assert taken == 1 and seen == [False, False], "a Python drain went on during C's take"
+    assert _refused(evd) == [AttributeError, AttributeError]  # (no take under way: they go on)
+
+
 class Breaks:
     """An EP whose completion breaks it (its BROKEN pushed on the EVD's queue, which takes
     connection events too), then fails, every allocation failing from there on."""
