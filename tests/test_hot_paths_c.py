@@ -904,7 +904,7 @@ def test_c_leaves_the_cq_alone_while_a_take_is_under_way() -> None:
     assert evd.read_cq  # (the test reaches the CQ's address when no take is under way)
 
 
-class DrainingCookie:
+class PythonDrainsCookie:
     """A cookie whose finalizer drains its EVD the ways Python does (an EP's reset, a wait's pump):
     each must find C's take under way and leave the CQ and the backlog to it."""
 
@@ -934,7 +934,7 @@ def test_pythons_drains_leave_the_cq_alone_while_c_takes() -> None:
     ep, _, lmr, _, refs = world()[0]
     evd, seen = LookedAt(), []
     evd._wcs = b""  # (a CQ's array: the drain's first test passes it)
-    ep._send_q[0] = (0, DrainingCookie(evd, seen), DTOOp.SEND, (Seg(lmr, 10),), None)  # retired by send 2
+    ep._send_q[0] = (0, PythonDrainsCookie(evd, seen), DTOOp.SEND, (Seg(lmr, 10),), None)  # retired by send 2
     wcs = wc_array([(2, 0, IBV_WC_SEND, 0, 7, None, 0, 0)])
     taken, _ = _completions.queue_common(evd, int(ffi.cast("uintptr_t", wcs)), 1, refs, evd._queue)
     assert taken == 1 and seen == [False, False], "a Python drain went on during C's take"
