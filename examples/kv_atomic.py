@@ -67,15 +67,20 @@ async def main() -> None:
         cr_evd = ia.create_evd(args.clients, EvdFlags.CR)
         psp = ia.create_psp_any(cr_evd)
 
+        served: List[aiodat.EP] = []  # (held until closed below: an EP dropped unclosed warns)
+
         async def serve() -> None:
             for _ in range(args.clients):
                 request = await cr_evd.wait_one()
-                await request.cr.accept(ia.create_ep(pz), table.remote().to_bytes())
+                served.append(ia.create_ep(pz))
+                await request.cr.accept(served[-1], table.remote().to_bytes())
 
         acceptor = asyncio.ensure_future(serve())
         results = await asyncio.gather(*(client(ia, psp.port, me, args.increments)
                                          for me in range(1, args.clients + 1)))
         await acceptor
+        for ep in served:  # (each client disconnected before it returned)
+            ep.close()
         total = int.from_bytes(words[0:8], sys.byteorder)
         leader = int.from_bytes(words[8:16], sys.byteorder)
         seen = sorted(v for values, _ in results for v in values)
