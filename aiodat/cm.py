@@ -346,8 +346,7 @@ class CMChannel:
 
     def drain(self) -> None:
         """Dispatch every pending event, one at a time (an id may die while dispatching)."""
-        if self._owed_first is not None:  # (a BROKEN owed goes before any later event of its EP)
-            self.settle()
+        self.settle()  # (a BROKEN owed goes before any later event of its EP; none, almost always)
         while self.channel != ffi.NULL:
             got = lib.aiodat_cm_get_events(self.channel, ffi.NULL, self._buf, 1)
             if got <= 0:

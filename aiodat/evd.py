@@ -1504,8 +1504,7 @@ class AsyncSource:
     def drain(self) -> None:
         """Turn every pending device event into an async EVD event."""
         ia = self._ia
-        if ia._cm._owed_first is not None:  # a QP_FATAL's BROKEN whose push failed (cm.broken)
-            ia._cm.settle()
+        ia._cm.settle()  # (a QP_FATAL's BROKEN whose push failed, owed: cm.broken; none, almost always)
         while True:
             got = lib.aiodat_async_get_events(ia._context, self._buf, 16)
             if got <= 0:
