@@ -414,6 +414,60 @@ async def test_a_finalizer_that_resets_an_ep_of_the_evd_takes_no_completion_twic
                 handle.close()
 
 
+@pytest.mark.rxe
+@pytest.mark.parametrize("taker", ["wait", "dequeue"])
+async def test_a_finalizer_run_by_cs_take_dequeues_nothing(ia: Any, taker: str) -> None:
+    """On rxe: a suppressed send's cookie, retired by the next send's completion in C's take
+    (plain sends on one LMR: C's common case), dequeues from the same EVD in its finalizer.  The
+    take is a wait's first look (C's look: C notes its take by the EVD's identity only, no
+    _taking set) or a dequeue's drain (Python's _queue_polled, which sets _taking around C's
+    take): the finalizer's dequeue returns None, and every completion still gives one event, in
+    order (without the refusal it took the send's event, which C queues before its take, from
+    under the wait)."""
+    from aiodat import EvdFlags, Privileges
+    from aiodat.cm import connect_pair
+
+    pz = ia.create_pz()
+    handles: List[Any] = [pz]  # (closed in reverse)
+    try:
+        lmr = pz.register(bytearray(4096), Privileges.ALL)
+        evd = ia.create_evd(16, EvdFlags.DTO)
+        client = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
+        server = ia.create_ep(pz)
+        handles += [evd, client, server]
+        psp = await connect_pair(client, server)
+        handles += [psp, psp.cr_evd]
+        seen: List[Any] = []
+
+        class Cookie:
+            def __del__(self) -> None:
+                seen.append((_completions.taking(evd), evd.dequeue()))
+
+        for i in range(2):
+            server.post_recv(lmr[0:64], None)
+            client.post_recv(lmr[64:128], ("r", i))
+        client.post_send(lmr[0:8], Cookie(), CompletionFlags.SUPPRESS)
+        client.post_send(lmr[0:8], "s1")
+        received = 0
+        while received < 2:  # received: the client's sends completed
+            received += len(await server.recv_evd.wait(timeout=5.0))
+        for _ in range(2):
+            server.post_send(lmr[128:136], None)
+        sent = 0
+        while sent < 2:  # (and so received by the client, after its sends completed)
+            sent += len(await server.request_evd.wait(timeout=5.0))
+        cookies = [event.cookie for event in await evd.wait(timeout=5.0)] if taker == "wait" else []
+        while (event := evd.dequeue()) is not None:
+            cookies.append(event.cookie)
+        assert seen == [(True, None)], "the finalizer ran outside C's take, or its dequeue took an event"
+        assert cookies == ["s1", ("r", 0), ("r", 1)]
+        assert evd.dequeue() is None and lmr._inflight == 0
+    finally:
+        for handle in reversed(handles):
+            if not handle.closed:
+                handle.close()
+
+
 TAKE_CASES = ["receive", "receive after a lost one", "send", "send retiring unsignalled ones", "a run's last",
               "inside a run", "an error", "a drain marker", "a failed drain marker"]
 
@@ -1281,3 +1335,4 @@ def test_a_keyboard_interrupt_while_an_srqs_buffers_are_released_lowers_no_count
         _release_posted(posted)  # type: ignore[arg-type]
     _release_posted(posted)  # type: ignore[arg-type]
     assert not posted and lmr._inflight == 0
+
