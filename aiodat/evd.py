@@ -78,6 +78,15 @@ class EvdFlags(enum.IntFlag):
 
 _new, _setattr = object.__new__, object.__setattr__  # build frozen events without their __init__
 
+#: an EP's ``_taken`` when no take of a completion of it is under way (wr.py notes the event there
+#: before it takes the completion's entry: see EVD._queue_one)
+class _NotTaken:
+    def __repr__(self) -> str:
+        return "<not taken>"
+
+
+_NOT_TAKEN: Any = _NotTaken()
+
 
 #: the streams that come through a CQ: an EVD fed by one of them has a CQ of its own
 _CQ_STREAMS = int(EvdFlags.DTO | EvdFlags.RMR_BIND)
@@ -279,6 +288,7 @@ class EVD(Handle, Generic[E]):
     """
 
     _kind = "evd"
+    _taken_past = False  # _queue_one queued an interrupted take's event: _take_backlog moves past it
     _close_rank = 20  # after PZs (and the EPs inside them), so QPs go before their CQs
 
     def __init__(self, ia: "IA", qlen: int, streams: Optional[EvdFlags] = None, *, _is_async: bool = False,
@@ -589,6 +599,10 @@ class EVD(Handle, Generic[E]):
                 at += 1
                 wc = None  # (taken: a failure of the next unpack names none)
         except BaseException as exc:  # (a KeyboardInterrupt too)
+            if self._taken_past:  # (_queue_one queued its event: the entry was gone when it raised)
+                self._taken_past = False
+                at += 1
+                wc = None
             self._wc_next = at
             if wc is not None and hasattr(exc, "add_note"):  # (else its unpack failed: it is named
                 # by none; add_note is Python 3.11's)
@@ -601,14 +615,35 @@ class EVD(Handle, Generic[E]):
 
     def _queue_one(self, ep: Any, wc: Any, queue: Any) -> bool:
         """Queue the event of one completion of ``ep``; True if it notifies.  Raises with nothing
-        changed (the queue as it was, the entry not taken), or queues it with the entry taken."""
+        changed (the queue as it was, the entry not taken), or queues it with the entry taken.
+
+        wr.py notes the event in ``ep._taken`` just before it takes the entry (no step that can
+        run Python or raise comes between).  A failure after that (a KeyboardInterrupt a signal
+        handler raises in the steps after the take, a drain marker's callback) finds it noted:
+        the event is queued all the same and the failure goes on up, with ``_taken_past`` telling
+        _take_backlog to move past the completion (its retry found no entry: the event was lost,
+        or a receive's came again with no cookie)."""
         place = len(queue)
         queue.append(None)  # the event's place, made first: a deque's append may need a block
+        outer = ep._taken  # (a take of the EP's by its other EVD, under way: a finalizer it ran drains here)
+        ep._taken = _NOT_TAKEN
         try:
             event = ep._completion_event(wc, self)
         except BaseException:  # (a KeyboardInterrupt too; _take_backlog notes it)
-            self._free_place(queue)
+            event = ep._taken
+            ep._taken = outer
+            if event is _NOT_TAKEN:
+                self._free_place(queue)
+                raise
+            self._taken_past = True
+            if event is None:
+                self._free_place(queue)
+            else:
+                queue[place] = event
+                if wc[_WC_STATUS]:
+                    self._solicited_hit = True
             raise
+        ep._taken = outer
         if event is None:
             self._free_place(queue)
             return False

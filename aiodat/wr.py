@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, List, Op
 from aiodat._shim import _completions
 from aiodat.epattr import EPRecvInfo
 from aiodat.errors import InvalidParameter, shown
-from aiodat.evd import DTOCompletionEvent, DTOOp
+from aiodat.evd import _NOT_TAKEN, DTOCompletionEvent, DTOOp
 from aiodat.memory import Segment
 
 if TYPE_CHECKING:
@@ -220,6 +220,9 @@ class WorkRequests:
         #: posted receives in order: (wr_id, cookie, segments)
         self._recv_q: Deque[Tuple[int, Any, Tuple[Segment, ...]]] = deque()
         self._quiet: set = set()  # wr_ids posted UNSIGNALLED: their events do not notify
+        #: the event of the completion whose entry is being taken, noted just before the take
+        #: (evd.py's _queue_one queues it when the take is interrupted after: see there)
+        self._taken: Any = _NOT_TAKEN
 
     def _track(self, segs: Tuple[Segment, ...], delta: int) -> None:
         for seg in segs:
@@ -270,6 +273,7 @@ class WorkRequests:
                     # retry lower it again)
                     if q and q[0] is entry:
                         count = segs[0].lmr._inflight - n
+                        self._taken = event  # (an existing attribute: no allocation, no step between)
                         del q[0]
                         segs[0].lmr._inflight = count
                         if marked:  # (a reset clears this set, never replaces it)
@@ -307,6 +311,7 @@ class WorkRequests:
                 # lowered from what it is now, as for a receive above)
                 if q and q[0] is entry:
                     count = segs[0].lmr._inflight - n  # (as for a receive above)
+                    self._taken = event
                     del q[0]
                     segs[0].lmr._inflight = count
                     if marked:
@@ -344,10 +349,10 @@ class WorkRequests:
             _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
             wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
             wc[3], wc[7] if self._ud else None, not (self._quiet and wr_id in self._quiet) or bool(code))
+        # (an SRQ's buffer leaves its table in the take, before the counts: its cookie and
+        # segments are held here, so that runs no finalizer)
         self._take(q, first, pops, None, released, (wr_id,) if self._quiet else (),
-                   (posted, wr_id, mine) if posted is not None else None)
-        if posted is not None:  # (its cookie and segments are held here: its release runs no finalizer)
-            posted.pop(wr_id, None)
+                   (posted, wr_id, mine) if posted is not None else None, event)
         return event
 
     def _send_planned(self, wc: Tuple[int, ...], evd: "EVD", q: Deque[Any]) -> Any:
@@ -361,7 +366,7 @@ class WorkRequests:
         status = wc_status_name(code) if code else "IBV_WC_SUCCESS"
         entry, pops, head, released, quiet = self._plan_send(wr_id)
         if entry is None:
-            self._take(q, first, pops, head, released, quiet)
+            self._take(q, first, pops, head, released, quiet, None, None)
             return None
         released.append((entry[3], 1))
         if self._quiet:
@@ -370,7 +375,7 @@ class WorkRequests:
         if target is not None and type(target) is DrainMarker:
             if code and code != _WC_WR_FLUSH_ERR and self._rc:  # (before the take, as below)
                 self._on_async_error(f"the drain before a graceful disconnect completed with {status}")
-            self._take(q, first, pops, head, released, quiet)  # (it raises with nothing taken, or takes all)
+            self._take(q, first, pops, head, released, quiet, None, None)  # (it raises with nothing taken, or takes all)
             target.completed(status)  # after the take: its callback may go on to reset the QP (which forgets every entry)
             return None
         if op is DTOOp.BIND or op is DTOOp.UNBIND:
@@ -394,7 +399,7 @@ class WorkRequests:
         if code and code != _WC_WR_FLUSH_ERR and self._rc:
             # (before the entry is taken: a retry after a failure here breaks it again, a no-op)
             self._on_async_error(f"{op.value} with cookie {shown(cookie)} completed with {status}")
-        self._take(q, first, pops, head, released, quiet)
+        self._take(q, first, pops, head, released, quiet, None, event)
         return event
 
     def _plan_recv(self, wr_id: int) -> Tuple[Any, Tuple[Segment, ...], int, List[Tuple[Any, int]]]:
@@ -469,13 +474,14 @@ class WorkRequests:
         return released, quiet
 
     def _take(self, q: Deque[Any], first: Any, pops: int, head: Any, released: List[Tuple[Any, int]],
-              quiet: Iterable[int], guard: Any = None) -> None:
+              quiet: Iterable[int], guard: Any = None, event: Any = _NOT_TAKEN) -> None:
         """Take what a completion's plan planned: ``pops`` entries off the head of ``q`` (``head``
         then put at its head), the LMRs' counts lowered by ``released`` (segments, requests), the
         UNSIGNALLED marks of ``quiet``.  ``first`` is the head of ``q`` the plan read; ``guard``,
-        if given, one more entry the plan read (see _commit).  Raises with nothing taken (a
-        MemoryError, or _PlanStale), or takes it all (see _prepare)."""
-        self._commit(self._prepare(q, first, pops, head, released, quiet, guard))  # (the finalizers run as it returns)
+        if given, one more entry the plan read (see _commit); ``event`` the completion's (or None),
+        noted in ``_taken`` as the take begins.  Raises with nothing taken (a MemoryError, or
+        _PlanStale), or takes it all (see _prepare)."""
+        self._commit(self._prepare(q, first, pops, head, released, quiet, guard), event)  # (the finalizers run as it returns)
 
     def _take_with(self, q: Deque[Any], first: Any, pops: int, head: Any, released: List[Tuple[Any, int]],
                    quiet: Iterable[int], extra: Iterable[Tuple[Any, int]] = (), guard: Any = None) -> List[Any]:
@@ -495,7 +501,7 @@ class WorkRequests:
         return (q, first, list(islice(q, pops)), repeat(None, pops), head, iter(quiet), iter(counts),
                 iter(counts), guard)
 
-    def _commit(self, taking: Tuple[Any, ...]) -> List[Any]:
+    def _commit(self, taking: Tuple[Any, ...], event: Any = _NOT_TAKEN) -> List[Any]:
         """The take _prepare made ready, by steps that allocate nothing: the plan checked first
         (the head of the queue and the counts still the ones it read: a collection run by an
         allocation since may have run a finalizer that reset or posted on this EP; _PlanStale if
@@ -505,7 +511,10 @@ class WorkRequests:
         post on or reset this EP) finds everything taken.  The guard, if any, is one more entry the
         plan read, checked the same way: (a deque, None, its head) for a window's pending request
         (a close clears it, releasing the request's segment itself), (a dict, key, its value or
-        None) for an SRQ's posted buffer (a close clears the table, releasing every buffer)."""
+        None) for an SRQ's posted buffer (a close clears the table, releasing every buffer), which
+        leaves the table with the entries.  ``event``, the completion's, is noted in ``_taken``
+        before the first step that takes anything (see evd.py's _queue_one); a window's bind
+        (_take_with) notes none: memory.py's steps after it are not covered."""
         q, first, held, steps, head, marks, checks, counts, guard = taking
         if (q[0] if q else None) is not first:
             raise _PlanStale
@@ -519,10 +528,14 @@ class WorkRequests:
         for lmr, was, _ in checks:
             if lmr._inflight is not was:
                 raise _PlanStale
+        if event is not _NOT_TAKEN:
+            self._taken = event
         for _ in steps:
             q.popleft()
         if head is not None:
             q[0] = head
+        if guard is not None and guard[1] is not None and guard[2] is not None:
+            del guard[0][guard[1]]  # (an SRQ's buffer, checked above; its caller holds it)
         if self._quiet:
             for wr_id in marks:
                 self._quiet.discard(wr_id)

@@ -20,7 +20,7 @@ import aiodat.post
 from aiodat import CompletionFlags, DTOOp, QueueFull
 from aiodat._lib import ffi
 from aiodat._shim import _completions
-from aiodat.evd import EVD
+from aiodat.evd import _NOT_TAKEN, EVD
 from aiodat.wr import DrainMarker, SendRun, WorkRequests
 
 IBV_WC_SEND, IBV_WC_RDMA_WRITE, IBV_WC_RECV, IBV_WC_RECV_RDMA_WITH_IMM = 0, 1, 128, 129
@@ -999,6 +999,8 @@ class Breaks:
     """An EP whose completion breaks it (its BROKEN pushed on the EVD's queue, which takes
     connection events too), then fails, every allocation failing from there on."""
 
+    _taken = _NOT_TAKEN
+
     def __init__(self, queue: deque, pushes: bool, testcapi: Any) -> None:
         self.queue, self.pushes, self.testcapi = queue, pushes, testcapi
 
@@ -1336,3 +1338,99 @@ def test_a_keyboard_interrupt_while_an_srqs_buffers_are_released_lowers_no_count
     _release_posted(posted)  # type: ignore[arg-type]
     assert not posted and lmr._inflight == 0
 
+
+INTERRUPTED_TAKES = ["send", "receive", "send retiring suppressed ones", "receive after a lost one"]
+
+
+@pytest.mark.parametrize("case", INTERRUPTED_TAKES)
+def test_a_keyboard_interrupt_after_a_completions_entry_is_taken_loses_no_event(case: str) -> None:
+    """EVD._queue_backlog takes a completion in Python (an UNSIGNALLED mark: C leaves the EP to
+    wr.py) whose count write is followed by a KeyboardInterrupt, as a signal handler raises one
+    at the next check of the eval breaker: the entry is gone by then, so the event is queued all
+    the same and the backlog moves past the completion, the interrupt going on up (the retry of
+    the completion, kept in the backlog, found no entry: a send's event was lost, a receive's
+    came with no cookie).  Each completion gives one event, the counts end right."""
+    ep, lmr = EP(), InterruptedLMR(0)
+    ep._quiet.add(99)  # (an UNSIGNALLED mark of no request: C leaves the EP to wr.py)
+    rows = []
+    if case.startswith("send"):
+        retiring = case == "send retiring suppressed ones"
+        for i in range(3):
+            ep._send_q.append((2 * i, f"s{i}", DTOOp.SEND, (Seg(lmr, 10),), None))  # type: ignore[arg-type]
+        lmr._inflight = 3
+        rows.append((2 if retiring else 0, 0, IBV_WC_SEND, 0, 7, None, 0, 0))
+        expected, left = ["s1" if retiring else "s0"], 1 if retiring else 2
+    else:
+        for i in range(3):
+            ep._recv_q.append((2 * i + 1, f"r{i}", (Seg(lmr, 64),)))  # type: ignore[arg-type]
+        lmr._inflight = 3
+        lost = case == "receive after a lost one"  # (its post's bookkeeping failed: planned)
+        rows.append((3 if lost else 1, 0, IBV_WC_RECV, 64, 7, None, 0, 0))
+        expected, left = ["r1" if lost else "r0"], 1 if lost else 2
+    rows.append((99, 0, IBV_WC_SEND, 0, 8, None, 0, 0))  # (a later completion of an EP gone: no event)
+    refs = {7: weakref.ref(ep)}
+    evd = EVD.__new__(EVD)
+    wcs = wc_array(rows)
+    evd._wcs, evd._wc_bytes, evd._wcs_address = wcs, ffi.buffer(wcs), int(ffi.cast("uintptr_t", wcs))
+    evd._queue, evd._qpn_refs, evd._solicited_hit, evd._taking = deque(), refs, False, False
+    evd._ia = type("IA", (), {"_qpn_owner": type("Owner", (), {"data": refs})})()
+    evd._backlog, evd._wc_next = len(rows), 0  # (as _drain_cq notes what it polled)
+    lmr.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        evd._queue_backlog()
+    kept = evd._backlog, evd._wc_next
+    evd._queue_backlog()  # the next drain: the rest of the backlog
+    assert [e.cookie for e in evd._queue] == expected
+    assert kept == (2, 1), "the taken completion was kept for a retry"
+    assert (evd._backlog, evd._wc_next, evd._taking) == (0, 0, False)
+    assert lmr._inflight == left and ep._taken is _NOT_TAKEN
+
+
+@pytest.mark.rxe
+async def test_a_keyboard_interrupt_after_a_completions_entry_is_taken_loses_no_event_on_rxe(
+        ia: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On rxe: an UNSIGNALLED send (C leaves its EP to wr.py) is taken by a dequeue's drain, and
+    its LMR's count write is followed by a KeyboardInterrupt (as a signal handler raises one):
+    the interrupt goes on up, and the next dequeue returns the send's event (it was lost: the
+    completion's retry found its entry gone), once, with the count right."""
+    from aiodat import EvdFlags, Privileges
+    from aiodat.cm import connect_pair
+    from aiodat.memory import LMR as RealLMR
+
+    armed: List[Any] = []
+
+    def get(self: Any) -> int:
+        return int(self.__dict__["_inflight"])
+
+    def put(self: Any, value: int) -> None:
+        self.__dict__["_inflight"] = value
+        if armed and armed[0] is self:
+            armed.clear()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(RealLMR, "_inflight", property(get, put), raising=False)
+    pz = ia.create_pz()
+    handles: List[Any] = [pz]  # (closed in reverse)
+    try:
+        lmr = pz.register(bytearray(4096), Privileges.ALL)
+        evd = ia.create_evd(16, EvdFlags.DTO)
+        client = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
+        server = ia.create_ep(pz)
+        handles += [evd, client, server]
+        psp = await connect_pair(client, server)
+        handles += [psp, psp.cr_evd]
+        server.post_recv(lmr[0:64], None)
+        client.post_send(lmr[64:72], "s0", CompletionFlags.UNSIGNALLED)
+        await server.recv_evd.wait(timeout=5.0)  # (received: the send completed)
+        armed.append(lmr)
+        with pytest.raises(KeyboardInterrupt):
+            while evd.dequeue() is None:  # (its drain takes the completion, in wr.py)
+                await asyncio.sleep(0.01)
+        assert not armed
+        event = evd.dequeue()
+        assert event is not None and event.cookie == "s0" and event.ok
+        assert evd.dequeue() is None and lmr._inflight == 0
+    finally:
+        for handle in reversed(handles):
+            if not handle.closed:
+                handle.close()
