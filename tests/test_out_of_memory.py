@@ -46,18 +46,26 @@ def failing_the_nth_allocation(n: int, call: Any, *args: Any) -> bool:
 def raised_at(n: int, call: Any, *args: Any) -> Any:
     """The MemoryError ``call(*args)`` raised with its ``n``-th allocation failing, or None.
 
-    The collector is off meanwhile: a collection the call's allocations started would run other
-    objects' finalizers (earlier tests' garbage) into the failure, and warn of them at random."""
-    gc.disable()
-    _testcapi.set_nomemory(n, n + 1)
+    The collector is off meanwhile (_failing)."""
+    _failing(n)
     try:
         call(*args)
     except (MemoryError, SystemError) as e:  # (CPython 3.11 reports a frame it could not allocate as SystemError)
         return e
     finally:
-        _testcapi.remove_mem_hooks()
+        _testcapi.remove_mem_hooks()  # (then the collector: see _failing)
         gc.enable()
     return None
+
+
+def _failing(n: int) -> None:
+    """From here, the ``n``-th allocation fails, with the collector off: a collection the
+    allocations started would take the failure into other objects' finalizers (earlier tests'
+    garbage) or the gc callbacks (CPython's, aiodat's), which can only report it (as unraisable,
+    a warning at random), instead of the code under test.  The caller disarms it, inline
+    (``_testcapi.remove_mem_hooks()``, then ``gc.enable()``): a call in between could take the failure."""
+    gc.disable()
+    _testcapi.set_nomemory(n, n + 1)
 
 
 def post_one(ep: Any, how: str, seg: Any, cookie: Any) -> None:
@@ -284,7 +292,7 @@ async def test_waits_that_run_out_of_memory_lose_no_completion(ia: Any, sends: b
             n = rounds % TAKE_CYCLE
             rounds += 1
             events: List[Any] = []
-            _testcapi.set_nomemory(n, n + 1)
+            _failing(n)
             try:
                 events = await evd.wait(timeout=2.0, max_events=max_events)
             except MemoryError:
@@ -293,6 +301,7 @@ async def test_waits_that_run_out_of_memory_lose_no_completion(ia: Any, sends: b
                 break  # nothing more comes: some were lost
             finally:
                 _testcapi.remove_mem_hooks()
+                gc.enable()
             taken += _taken_cookies(events)
         _check_taken(evd, lmr, taken, cookies, failures)
     finally:
@@ -310,13 +319,14 @@ async def test_dequeues_that_run_out_of_memory_lose_no_completion(ia: Any, sends
             n = rounds % TAKE_CYCLE
             rounds += 1
             event, failed = None, False
-            _testcapi.set_nomemory(n, n + 1)
+            _failing(n)
             try:
                 event = evd.dequeue()
             except MemoryError:
                 failed = True
             finally:
                 _testcapi.remove_mem_hooks()
+                gc.enable()
             failures += failed
             if event is not None:
                 taken += _taken_cookies([event])
@@ -339,13 +349,14 @@ async def test_callback_wakeups_that_run_out_of_memory_lose_no_completion(ia: An
         while rounds < 4 * len(cookies):  # (no await: the loop's poller takes no turn meanwhile)
             n = rounds % TAKE_CYCLE
             rounds += 1
-            _testcapi.set_nomemory(n, n + 1)
+            _failing(n)
             try:
                 evd._on_readable()  # the channel's reader callback, as the loop calls it
             except MemoryError:
                 failures += 1
             finally:
                 _testcapi.remove_mem_hooks()
+                gc.enable()
         failures += got.memory_errors()
         await got.all_of(cookies)  # what is left, the poller delivers
         evd.set_callback(None)
@@ -437,11 +448,12 @@ async def test_a_callback_evds_drain_that_fails_part_way_is_taken_up_again(ia: A
         evd.set_callback(got.deliver, on_error=got.on_error)
         await asyncio.sleep(0.1)  # the channel's event: its wake-up takes what the room allows
         for n in range(4 * TAKE_CYCLE):  # a round that takes 4, or fails part way
-            _testcapi.set_nomemory(n % TAKE_CYCLE, n % TAKE_CYCLE + 1)
+            _failing(n % TAKE_CYCLE)
             try:
                 evd._napi_arm()
             finally:
                 _testcapi.remove_mem_hooks()
+                gc.enable()
             if evd._backlog:
                 break
         assert evd._backlog and got.memory_errors(), "no drain failed part way"
