@@ -685,3 +685,88 @@ async def test_a_window_bind_that_runs_out_of_memory_is_pending_and_counted_or_n
         rmr.free()
     finally:
         pair.close()
+
+
+# -- aiodat's gc callbacks under memory pressure (_handle.py, _fdwatch.py) ----------------------
+#
+# A collection ends with aiodat's callbacks: _handle's retries the destructions that were deferred,
+# _fdwatch's lets closed loops go.  A MemoryError in one could only be reported (as unraisable: the
+# warning these tests gave at random), and in _handle's it came after a retried destruction and
+# before the object was marked gone: off the deferred list with its pointer, it was destroyed a
+# second time by its finalizer.
+
+
+def _unraisable_from(package_dir: str, seen: List[Any]) -> List[str]:
+    """The unraisable exceptions among ``seen`` raised in code under ``package_dir`` (not in the
+    call of a callback itself, nor in CPython's collector: their tracebacks name no frame of it)."""
+    return ["".join(traceback.format_exception(u.exc_value)) for u in seen
+            if any(frame.filename.startswith(package_dir) for frame in traceback.extract_tb(u.exc_traceback))]
+
+
+async def test_a_collection_that_runs_out_of_memory_destroys_a_deferred_object_once(ia: Any) -> None:
+    """Each allocation of a collection fails in turn (from its start: CPython's, the finalizers',
+    aiodat's callbacks'), with a QP's destruction deferred (it failed until then).  After it the
+    QP is destroyed and marked gone, or still deferred; aiodat's callbacks raised nothing; and in
+    the end it was destroyed once."""
+    import errno
+    import os
+    import sys
+
+    from aiodat import _handle
+
+    package_dir = os.path.dirname(aiodat.__file__) + os.sep
+    pz = ia.create_pz()
+    evd = ia.create_evd(4)
+    evd._attach(asyncio.get_running_loop())  # a loop watches an fd: _fdwatch's callback has work
+    unraisable: List[str] = []
+    failures = through = 0
+    try:
+        for n in range(PYTHON_ROUNDS):
+            ep = ia.create_ep(pz)
+            raw, real = ep._raw, ep._raw._destroy
+            allowed, destroyed = [False], [0]  # (no list grows in the destroy: it runs under the failure)
+
+            def destroy(ptr: Any) -> int:
+                if not allowed[0]:  # (the reset's own releases retry it too)
+                    return errno.EINTR
+                destroyed[0] += 1
+                return real(ptr) if destroyed[0] == 1 else 0  # (a second destruction: counted, not made)
+
+            raw._destroy = destroy
+            gc.collect()  # earlier garbage first: the failing collection has the deferred QP to itself
+            gc.disable()  # (and no other collection retries it first)
+            seen: List[Any] = []
+            try:
+                with pytest.raises(aiodat.DATError, match="destroying the queue pair"):
+                    ep.reset()
+                assert any(r is raw for r in _handle._deferred) and raw.ptr != ffi.NULL
+                allowed[0] = True
+                hook, sys.unraisablehook = sys.unraisablehook, seen.append
+                _testcapi.set_nomemory(n, n + 1)
+                try:
+                    gc.collect()
+                except MemoryError:
+                    pass
+                finally:
+                    _testcapi.remove_mem_hooks()
+                    sys.unraisablehook = hook
+            finally:
+                gc.enable()
+            unraisable += _unraisable_from(package_dir, seen)
+            gone = raw.ptr == ffi.NULL
+            assert gone or any(r is raw for r in _handle._deferred), \
+                f"allocation {n}: a QP neither marked gone nor deferred ({destroyed[0]} destructions)"
+            failed = not gone or bool(seen)
+            failures += failed
+            through = 0 if failed else through + 1
+            gc.collect()  # the deferred destruction, unhindered now
+            raw.release()
+            assert raw.ptr == ffi.NULL and destroyed[0] == 1, f"allocation {n}: {destroyed[0]} destructions"
+            if through == THROUGH:
+                break
+        assert failures and through == THROUGH
+        assert not unraisable, f"{len(unraisable)} raised in aiodat's gc callbacks; the first:\n{unraisable[0]}"
+    finally:
+        evd.close()
+        pz.close()
+    assert pz._raw.ptr == ffi.NULL  # each QP let go of the PD once
