@@ -770,3 +770,48 @@ async def test_a_collection_that_runs_out_of_memory_destroys_a_deferred_object_o
         evd.close()
         pz.close()
     assert pz._raw.ptr == ffi.NULL  # each QP let go of the PD once
+
+
+async def test_an_ep_dropped_unclosed_out_of_memory_raises_nothing_from_its_finalizer(ia: Any) -> None:
+    """Each allocation of an unclosed EP's collection fails in turn: no exception escapes aiodat's
+    finalizers (EP.__del__ made a super object outside its guard: a MemoryError there was reported
+    as unraisable, and the ResourceWarning lost)."""
+    import os
+    import sys
+    import warnings
+
+    package_dir = os.path.dirname(aiodat.__file__) + os.sep
+    pz = ia.create_pz()
+    unraisable: List[str] = []
+    failures = through = 0
+    try:
+        for n in range(PYTHON_ROUNDS):
+            ep = ia.create_ep(pz)
+            gc.collect()  # earlier garbage first: the failing collection has the EP to itself
+            seen: List[Any] = []
+            gc.disable()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ResourceWarning)  # (its unclosed warning)
+                    hook, sys.unraisablehook = sys.unraisablehook, seen.append
+                    _testcapi.set_nomemory(n, n + 1)
+                    try:
+                        del ep
+                        gc.collect()
+                    except MemoryError:
+                        pass
+                    finally:
+                        _testcapi.remove_mem_hooks()
+                        sys.unraisablehook = hook
+            finally:
+                gc.enable()
+            unraisable += _unraisable_from(package_dir, seen)
+            failures += bool(seen)
+            through = 0 if seen else through + 1
+            if through == THROUGH:
+                break
+        assert failures and through == THROUGH
+        assert not unraisable, f"{len(unraisable)} raised in aiodat's finalizers; the first:\n{unraisable[0]}"
+    finally:
+        gc.collect()  # (the EPs' QPs, deferred if their destruction ran out of memory)
+        pz.close()
