@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
-from typing import Any, Callable, Optional, Set
+from typing import Any, Callable, Dict, Optional, Set
 
 from aiodat._lib import lib
 from aiodat.errors import InvalidState, error_from_errno
@@ -161,4 +161,15 @@ def _forget_closed_loops() -> None:
                 watch._retire()
 
 
-gc.callbacks.append(lambda phase, info: _forget_closed_loops() if phase == "stop" and _watched else None)
+def _after_collection(phase: str, info: Dict[str, int]) -> None:
+    """A gc callback.  Never raises (a callback's exception is only reported, as unraisable): a
+    MemoryError before a closed loop's entry is popped leaves it for the next collection; after,
+    the watches not yet retired go with the popped set, and their fds' owners with them."""
+    if phase == "stop" and _watched:
+        try:
+            _forget_closed_loops()
+        except MemoryError:
+            pass
+
+
+gc.callbacks.append(_after_collection)

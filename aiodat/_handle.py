@@ -33,7 +33,7 @@ import sys
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable, ClassVar, Iterator, List, MutableMapping, Optional, Set, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, MutableMapping, Optional, Set, Tuple
 
 from aiodat._lib import ffi, lib
 from aiodat.errors import InvalidHandle, InvalidState
@@ -209,15 +209,32 @@ def _retry_deferred() -> None:
             for raw in list(_deferred):
                 if raw.ptr != ffi.NULL and raw._generation == _generation and raw._users:
                     continue  # after what still needs it
-                if raw.ptr == ffi.NULL or raw._generation != _generation or not raw._destroy(raw.ptr):
-                    _deferred.remove(raw)
-                    raw._forget()
-                    progress = True
+                deps = iter(raw._deps)  # (made before the destruction, as in release)
+                if raw.ptr != ffi.NULL and raw._generation == _generation:
+                    if raw._destroy(raw.ptr):
+                        continue  # fails still: tried again later
+                    raw.ptr = ffi.NULL  # at once, as in release
+                # off the list only once forgotten: a MemoryError in between (the iterator _forget
+                # made) left a destroyed object off the list with its pointer, which its finalizer
+                # then destroyed a second time
+                raw._forget(deps)
+                _deferred.remove(raw)
+                progress = True
     finally:
         _retrying = False
 
 
-gc.callbacks.append(lambda phase, info: _retry_deferred() if phase == "stop" and _deferred else None)
+def _after_collection(phase: str, info: Dict[str, int]) -> None:
+    """A gc callback: destroy what waited for a collection.  Never raises (a callback's exception
+    is only reported, as unraisable): what a MemoryError stopped stays deferred, for the next."""
+    if phase == "stop" and _deferred:
+        try:
+            _retry_deferred()
+        except MemoryError:
+            pass
+
+
+gc.callbacks.append(_after_collection)
 
 
 def _close_rank(handle: "Handle") -> int:

@@ -465,7 +465,7 @@ class EP(Posting, Handle):
                 self._retire_all()
             except Exception:  # (a half-made EP has no queues)
                 pass
-        super().__del__()
+        Handle.__del__(self)  # (not super(): its object is an allocation, which could fail and lose the warning)
 
     def __repr__(self) -> str:
         return f"<aiodat.{type(self).__name__} qp={self.qp_num} {self._conn.state.value}{' closed' if self._closed else ''}>"

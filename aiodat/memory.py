@@ -799,7 +799,7 @@ class RMR(Handle):
                 self._forget("the RMR was dropped")
             except Exception:  # (a half-made RMR has no pins)
                 pass
-        super().__del__()
+        Handle.__del__(self)  # (not super(): its object is an allocation, which could fail and lose the warning)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("bound" if self._bound else "unbound")

@@ -46,18 +46,26 @@ def failing_the_nth_allocation(n: int, call: Any, *args: Any) -> bool:
 def raised_at(n: int, call: Any, *args: Any) -> Any:
     """The MemoryError ``call(*args)`` raised with its ``n``-th allocation failing, or None.
 
-    The collector is off meanwhile: a collection the call's allocations started would run other
-    objects' finalizers (earlier tests' garbage) into the failure, and warn of them at random."""
-    gc.disable()
-    _testcapi.set_nomemory(n, n + 1)
+    The collector is off meanwhile (_failing)."""
+    _failing(n)
     try:
         call(*args)
     except (MemoryError, SystemError) as e:  # (CPython 3.11 reports a frame it could not allocate as SystemError)
         return e
     finally:
-        _testcapi.remove_mem_hooks()
+        _testcapi.remove_mem_hooks()  # (then the collector: see _failing)
         gc.enable()
     return None
+
+
+def _failing(n: int) -> None:
+    """From here, the ``n``-th allocation fails, with the collector off: a collection the
+    allocations started would take the failure into other objects' finalizers (earlier tests'
+    garbage) or the gc callbacks (CPython's, aiodat's), which can only report it (as unraisable,
+    a warning at random), instead of the code under test.  The caller disarms it, inline
+    (``_testcapi.remove_mem_hooks()``, then ``gc.enable()``): a call in between could take the failure."""
+    gc.disable()
+    _testcapi.set_nomemory(n, n + 1)
 
 
 def post_one(ep: Any, how: str, seg: Any, cookie: Any) -> None:
@@ -284,7 +292,7 @@ async def test_waits_that_run_out_of_memory_lose_no_completion(ia: Any, sends: b
             n = rounds % TAKE_CYCLE
             rounds += 1
             events: List[Any] = []
-            _testcapi.set_nomemory(n, n + 1)
+            _failing(n)
             try:
                 events = await evd.wait(timeout=2.0, max_events=max_events)
             except MemoryError:
@@ -293,6 +301,7 @@ async def test_waits_that_run_out_of_memory_lose_no_completion(ia: Any, sends: b
                 break  # nothing more comes: some were lost
             finally:
                 _testcapi.remove_mem_hooks()
+                gc.enable()
             taken += _taken_cookies(events)
         _check_taken(evd, lmr, taken, cookies, failures)
     finally:
@@ -310,13 +319,14 @@ async def test_dequeues_that_run_out_of_memory_lose_no_completion(ia: Any, sends
             n = rounds % TAKE_CYCLE
             rounds += 1
             event, failed = None, False
-            _testcapi.set_nomemory(n, n + 1)
+            _failing(n)
             try:
                 event = evd.dequeue()
             except MemoryError:
                 failed = True
             finally:
                 _testcapi.remove_mem_hooks()
+                gc.enable()
             failures += failed
             if event is not None:
                 taken += _taken_cookies([event])
@@ -339,13 +349,14 @@ async def test_callback_wakeups_that_run_out_of_memory_lose_no_completion(ia: An
         while rounds < 4 * len(cookies):  # (no await: the loop's poller takes no turn meanwhile)
             n = rounds % TAKE_CYCLE
             rounds += 1
-            _testcapi.set_nomemory(n, n + 1)
+            _failing(n)
             try:
                 evd._on_readable()  # the channel's reader callback, as the loop calls it
             except MemoryError:
                 failures += 1
             finally:
                 _testcapi.remove_mem_hooks()
+                gc.enable()
         failures += got.memory_errors()
         await got.all_of(cookies)  # what is left, the poller delivers
         evd.set_callback(None)
@@ -437,11 +448,12 @@ async def test_a_callback_evds_drain_that_fails_part_way_is_taken_up_again(ia: A
         evd.set_callback(got.deliver, on_error=got.on_error)
         await asyncio.sleep(0.1)  # the channel's event: its wake-up takes what the room allows
         for n in range(4 * TAKE_CYCLE):  # a round that takes 4, or fails part way
-            _testcapi.set_nomemory(n % TAKE_CYCLE, n % TAKE_CYCLE + 1)
+            _failing(n % TAKE_CYCLE)
             try:
                 evd._napi_arm()
             finally:
                 _testcapi.remove_mem_hooks()
+                gc.enable()
             if evd._backlog:
                 break
         assert evd._backlog and got.memory_errors(), "no drain failed part way"
@@ -673,3 +685,133 @@ async def test_a_window_bind_that_runs_out_of_memory_is_pending_and_counted_or_n
         rmr.free()
     finally:
         pair.close()
+
+
+# -- aiodat's gc callbacks under memory pressure (_handle.py, _fdwatch.py) ----------------------
+#
+# A collection ends with aiodat's callbacks: _handle's retries the destructions that were deferred,
+# _fdwatch's lets closed loops go.  A MemoryError in one could only be reported (as unraisable: the
+# warning these tests gave at random), and in _handle's it came after a retried destruction and
+# before the object was marked gone: off the deferred list with its pointer, it was destroyed a
+# second time by its finalizer.
+
+
+def _unraisable_from(package_dir: str, seen: List[Any]) -> List[str]:
+    """The unraisable exceptions among ``seen`` raised in code under ``package_dir`` (not in the
+    call of a callback itself, nor in CPython's collector: their tracebacks name no frame of it)."""
+    return ["".join(traceback.format_exception(u.exc_value)) for u in seen
+            if any(frame.filename.startswith(package_dir) for frame in traceback.extract_tb(u.exc_traceback))]
+
+
+async def test_a_collection_that_runs_out_of_memory_destroys_a_deferred_object_once(ia: Any) -> None:
+    """Each allocation of a collection fails in turn (from its start: CPython's, the finalizers',
+    aiodat's callbacks'), with a QP's destruction deferred (it failed until then).  After it the
+    QP is destroyed and marked gone, or still deferred; aiodat's callbacks raised nothing; and in
+    the end it was destroyed once."""
+    import errno
+    import os
+    import sys
+
+    from aiodat import _handle
+
+    package_dir = os.path.dirname(aiodat.__file__) + os.sep
+    pz = ia.create_pz()
+    evd = ia.create_evd(4)
+    evd._attach(asyncio.get_running_loop())  # a loop watches an fd: _fdwatch's callback has work
+    unraisable: List[str] = []
+    failures = through = 0
+    try:
+        for n in range(PYTHON_ROUNDS):
+            ep = ia.create_ep(pz)
+            raw, real = ep._raw, ep._raw._destroy
+            allowed, destroyed = [False], [0]  # (no list grows in the destroy: it runs under the failure)
+
+            def destroy(ptr: Any) -> int:
+                if not allowed[0]:  # (the reset's own releases retry it too)
+                    return errno.EINTR
+                destroyed[0] += 1
+                return real(ptr) if destroyed[0] == 1 else 0  # (a second destruction: counted, not made)
+
+            raw._destroy = destroy
+            gc.collect()  # earlier garbage first: the failing collection has the deferred QP to itself
+            gc.disable()  # (and no other collection retries it first)
+            seen: List[Any] = []
+            try:
+                with pytest.raises(aiodat.DATError, match="destroying the queue pair"):
+                    ep.reset()
+                assert any(r is raw for r in _handle._deferred) and raw.ptr != ffi.NULL
+                allowed[0] = True
+                hook, sys.unraisablehook = sys.unraisablehook, seen.append
+                _testcapi.set_nomemory(n, n + 1)
+                try:
+                    gc.collect()
+                except MemoryError:
+                    pass
+                finally:
+                    _testcapi.remove_mem_hooks()
+                    sys.unraisablehook = hook
+            finally:
+                gc.enable()
+            unraisable += _unraisable_from(package_dir, seen)
+            gone = raw.ptr == ffi.NULL
+            assert gone or any(r is raw for r in _handle._deferred), \
+                f"allocation {n}: a QP neither marked gone nor deferred ({destroyed[0]} destructions)"
+            failed = not gone or bool(seen)
+            failures += failed
+            through = 0 if failed else through + 1
+            gc.collect()  # the deferred destruction, unhindered now
+            raw.release()
+            assert raw.ptr == ffi.NULL and destroyed[0] == 1, f"allocation {n}: {destroyed[0]} destructions"
+            if through == THROUGH:
+                break
+        assert failures and through == THROUGH
+        assert not unraisable, f"{len(unraisable)} raised in aiodat's gc callbacks; the first:\n{unraisable[0]}"
+    finally:
+        evd.close()
+        pz.close()
+    assert pz._raw.ptr == ffi.NULL  # each QP let go of the PD once
+
+
+async def test_an_ep_dropped_unclosed_out_of_memory_raises_nothing_from_its_finalizer(ia: Any) -> None:
+    """Each allocation of an unclosed EP's collection fails in turn: no exception escapes aiodat's
+    finalizers (EP.__del__ made a super object outside its guard: a MemoryError there was reported
+    as unraisable, and the ResourceWarning lost)."""
+    import os
+    import sys
+    import warnings
+
+    package_dir = os.path.dirname(aiodat.__file__) + os.sep
+    pz = ia.create_pz()
+    unraisable: List[str] = []
+    failures = through = 0
+    try:
+        for n in range(PYTHON_ROUNDS):
+            ep = ia.create_ep(pz)
+            gc.collect()  # earlier garbage first: the failing collection has the EP to itself
+            seen: List[Any] = []
+            gc.disable()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ResourceWarning)  # (its unclosed warning)
+                    hook, sys.unraisablehook = sys.unraisablehook, seen.append
+                    _testcapi.set_nomemory(n, n + 1)
+                    try:
+                        del ep
+                        gc.collect()
+                    except MemoryError:
+                        pass
+                    finally:
+                        _testcapi.remove_mem_hooks()
+                        sys.unraisablehook = hook
+            finally:
+                gc.enable()
+            unraisable += _unraisable_from(package_dir, seen)
+            failures += bool(seen)
+            through = 0 if seen else through + 1
+            if through == THROUGH:
+                break
+        assert failures and through == THROUGH
+        assert not unraisable, f"{len(unraisable)} raised in aiodat's finalizers; the first:\n{unraisable[0]}"
+    finally:
+        gc.collect()  # (the EPs' QPs, deferred if their destruction ran out of memory)
+        pz.close()
