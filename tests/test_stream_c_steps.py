@@ -448,3 +448,45 @@ def test_posts_take_the_eps_c_hot_path_and_its_method_for_the_rest() -> None:
     assert w.sender.flush() is True and w.posts == []
     (ep, qp, seg, cookie, flags), = hot_calls
     assert (ep, qp, seg.length, cookie, flags) == (w, 99, HEADER.size + 2, ("s", 0), w.SUPPRESS)
+
+
+# -- the window write's copy into the staging buffer (StreamState.copy_pending_into) -------------------
+
+
+def _core_with(*writes: Any) -> StreamCore:
+    core = StreamCore(StreamConfig(), PeerParams(16, 16384))
+    for data in writes:
+        core.write(data)
+    return core
+
+
+@pytest.mark.parametrize("sent", [0, 3, 20480, 20483])
+def test_the_window_copy_in_c_copies_what_copy_pending_copies(sent: int) -> None:
+    # a kept bytes object (from 16 KiB), a small write copied into a bytearray of ours, another kept
+    # one; ``sent`` bytes of them already gone (a head part way through a kept chunk, or through ours)
+    core = _core_with(bytes(range(256)) * 80, b"xyz" * 3, bytes(reversed(range(256))) * 70)
+    core._consume(sent)
+    for n in (1, core.buffered // 2, core.buffered):
+        want = bytearray(n)
+        core.copy_pending(memoryview(want), n)
+        arena = bytearray(b"\xee" * (n + 10))
+        assert core.copy_pending_into(arena, 7, n) is True
+        assert arena[7:7 + n] == want
+        assert arena[:7] == b"\xee" * 7 and arena[7 + n:] == b"\xee" * 3  # not a byte more
+    assert core.buffered == 20480 + 9 + 17920 - sent  # (a copy commits nothing)
+
+
+def test_the_window_copy_leaves_other_cases_to_copy_pending() -> None:
+    core = _core_with(b"a" * 20000)
+    arena = bytearray(30000)
+    assert core.copy_pending_into(arena, 0, 20001) is False  # fewer bytes pending than asked
+    core._chunks.append(memoryview(b"b" * 10))  # not a chunk write() makes: the Python path's
+    core._pending += 10
+    assert core.copy_pending_into(arena, 0, 20010) is False
+    assert arena == bytearray(30000)  # nothing copied
+    assert core.copy_pending_into(arena, 0, 20000) is True  # (the chunks it takes are checked only)
+    with pytest.raises(TypeError):
+        core.copy_pending_into(memoryview(arena), 0, 10)
+    for offset, n in ((29995, 10), (-1, 10), (0, -1), (30001, 0)):
+        with pytest.raises(ValueError):
+            core.copy_pending_into(arena, offset, n)

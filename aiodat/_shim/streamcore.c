@@ -255,6 +255,54 @@ static PyObject *take_data(PyObject *op, PyObject *args)
     return result;
 }
 
+/* copy_pending_into(dest, offset, n) -> bool: copy_pending()'s copy of the first n pending bytes into a
+ * bytearray at ``offset`` (a window write's staging), in C: the Python loop over the chunks and their
+ * views cost more than the memcpy on a 64 KiB chunk.  False, with nothing copied, when a chunk is
+ * anything but bytes or a bytearray or fewer than n bytes are pending (copy_pending takes it). */
+static PyObject *copy_pending_into(PyObject *op, PyObject *args)
+{
+    State *self = (State *)op;
+    PyObject *dest;
+    Py_ssize_t offset, n;
+    if (!PyArg_ParseTuple(args, "Onn:copy_pending_into", &dest, &offset, &n) || check_members(self) < 0)
+        return NULL;
+    if (!PyByteArray_CheckExact(dest)) {
+        PyErr_SetString(PyExc_TypeError, "copy_pending_into(): dest must be a bytearray (the registered arena)");
+        return NULL;
+    }
+    Py_ssize_t dest_len = PyByteArray_Size(dest);
+    if (n < 0 || offset < 0 || offset > dest_len || n > dest_len - offset) {
+        PyErr_Format(PyExc_ValueError, "copy_pending_into(): %zd bytes at %zd do not fit a %zd-byte dest",
+                     n, offset, dest_len);
+        return NULL;
+    }
+    if (n > self->pending || self->head < 0)
+        Py_RETURN_FALSE;
+    /* first every chunk it takes checked, then the copies: nothing between them allocates or runs Python,
+     * so the chunks cannot change under the copy */
+    Py_ssize_t nchunks = PyList_Size(self->chunks), head = (Py_ssize_t)self->head, need = n, i;
+    for (i = 0; i < nchunks && need; i++, head = 0) {
+        Py_ssize_t len;
+        if (bytes_of(PyList_GetItem(self->chunks, i), &len) == NULL || head > len)
+            Py_RETURN_FALSE;
+        need -= len - head < need ? len - head : need;
+    }
+    if (need)
+        Py_RETURN_FALSE;
+    char *out = PyByteArray_AsString(dest) + offset;
+    head = (Py_ssize_t)self->head;
+    need = n;
+    for (i = 0; need; i++, head = 0) {
+        Py_ssize_t len = 0;
+        char *src = bytes_of(PyList_GetItem(self->chunks, i), &len);
+        Py_ssize_t take = len - head < need ? len - head : need;
+        memmove(out, src + head, (size_t)take);
+        out += take;
+        need -= take;
+    }
+    Py_RETURN_TRUE;
+}
+
 /* A DATA message's payload length when it is on_data()'s case (and its credits taken), -1 when it is
  * not (nothing changed), -2 on an error (set). */
 static long long take_message(State *self, Py_ssize_t slot, PyObject *buf, Py_ssize_t offset, Py_ssize_t length)
@@ -344,6 +392,11 @@ static PyMethodDef state_methods[] = {
      "release is due.  Commits that DATA send and writes its header and payload into send slot ``slot`` of "
      "``dest`` (a bytearray; slot i starts at base + i * slot_size): post ``wire_length`` bytes from there, "
      "signalled or not.  None when it is not that case (nothing changed: use next_send)."},
+    {"copy_pending_into", copy_pending_into, METH_VARARGS,
+     "copy_pending_into(dest, offset, n) -> bool.\n\n"
+     "copy_pending() into the bytearray ``dest`` at ``offset``, in C: True when the first ``n`` pending bytes "
+     "were copied there (nothing else changes: sent() commits them); False, with nothing copied, when it is "
+     "not its case (a chunk that is not bytes or a bytearray, fewer than ``n`` bytes pending): use copy_pending."},
     {"on_data", on_data, METH_VARARGS,
      "on_data(slot, buf, offset, length) -> payload length, or -1.\n\n"
      "on_received()'s common case, with no Message made: a well-formed DATA message with no flags, whose header "

@@ -496,10 +496,13 @@ class RdmaTransport(_asyncio_transports._FlowControlMixin):
                             # (the core plans window writes only with a window: window_length > 0)
                             assert self._peer_window is not None
                             staging = res.staging_base + at
-                            core.copy_pending(view[staging:staging + n], n)
-                            # unsignalled: the WINDOW send after it is signalled and covers it
-                            res.ep.post_rdma_write(res.lmr[staging:staging + n], self._peer_window[at:at + n],
-                                                   WRITE_COOKIE, suppress)
+                            if not core.copy_pending_into(res.arena, staging, n):  # (in C: bytes chunks)
+                                core.copy_pending(view[staging:staging + n], n)
+                            # unsignalled: the WINDOW send after it is signalled and covers it; one
+                            # request, by the batch's C path (post_rdma_write's Python costs more than
+                            # the rest of the window's steps together)
+                            res.ep.post_rdma_write_batch(((res.lmr[staging:staging + n], self._peer_window[at:at + n],
+                                                           WRITE_COOKIE),), suppress)
                         wire = _HEADER_SIZE
                     post_send(res.slot_segment(slot, wire), cookies[slot],
                               signalled if send.signalled else suppress)
