@@ -361,6 +361,25 @@ def test_a_finalizer_that_drains_the_evd_takes_no_completion_twice(path: str) ->
     assert (evd._backlog, evd._wc_next, evd._taking) == (0, 0, False)
 
 
+async def _retire_a_cookie_then_receive_two(client: Any, server: Any, lmr: Any, cookie: Any) -> None:
+    """A suppressed send with ``cookie``, then a send "s1" (whose completion retires it), then two
+    receives ("r", 0) and ("r", 1): all completed on the device, none taken from the client's EVD."""
+    for i in range(2):
+        server.post_recv(lmr[0:64], None)
+        client.post_recv(lmr[64:128], ("r", i))
+    client.post_send(lmr[0:8], cookie, CompletionFlags.SUPPRESS)
+    del cookie  # (the client's queue holds the only reference: the take's retirement finalizes it)
+    client.post_send(lmr[0:8], "s1")
+    received = 0
+    while received < 2:  # received: the client's sends completed
+        received += len(await server.recv_evd.wait(timeout=5.0))
+    for _ in range(2):
+        server.post_send(lmr[128:136], None)
+    sent = 0
+    while sent < 2:  # (and so received by the client, after its sends completed)
+        sent += len(await server.request_evd.wait(timeout=5.0))
+
+
 @pytest.mark.rxe
 @pytest.mark.parametrize("how", ["reset", "recv_query"])
 async def test_a_finalizer_that_resets_an_ep_of_the_evd_takes_no_completion_twice(ia: Any, how: str) -> None:
@@ -390,19 +409,7 @@ async def test_a_finalizer_that_resets_an_ep_of_the_evd_takes_no_completion_twic
                 getattr(other, how)()
                 ran.append(how)
 
-        for i in range(2):
-            server.post_recv(lmr[0:64], None)
-            client.post_recv(lmr[64:128], ("r", i))
-        client.post_send(lmr[0:8], Cookie(), CompletionFlags.SUPPRESS)
-        client.post_send(lmr[0:8], "s1")
-        received = 0
-        while received < 2:  # received: the client's sends completed
-            received += len(await server.recv_evd.wait(timeout=5.0))
-        for _ in range(2):
-            server.post_send(lmr[128:136], None)
-        sent = 0
-        while sent < 2:  # (and so received by the client, after its sends completed)
-            sent += len(await server.request_evd.wait(timeout=5.0))
+        await _retire_a_cookie_then_receive_two(client, server, lmr, Cookie())
         cookies = []
         while (event := evd.dequeue()) is not None:  # (its drain in Python: _queue_polled)
             cookies.append(event.cookie)
@@ -443,19 +450,7 @@ async def test_a_finalizer_run_by_cs_take_dequeues_nothing(ia: Any, taker: str) 
             def __del__(self) -> None:
                 seen.append((_completions.taking(evd), evd.dequeue()))
 
-        for i in range(2):
-            server.post_recv(lmr[0:64], None)
-            client.post_recv(lmr[64:128], ("r", i))
-        client.post_send(lmr[0:8], Cookie(), CompletionFlags.SUPPRESS)
-        client.post_send(lmr[0:8], "s1")
-        received = 0
-        while received < 2:  # received: the client's sends completed
-            received += len(await server.recv_evd.wait(timeout=5.0))
-        for _ in range(2):
-            server.post_send(lmr[128:136], None)
-        sent = 0
-        while sent < 2:  # (and so received by the client, after its sends completed)
-            sent += len(await server.request_evd.wait(timeout=5.0))
+        await _retire_a_cookie_then_receive_two(client, server, lmr, Cookie())
         cookies = [event.cookie for event in await evd.wait(timeout=5.0)] if taker == "wait" else []
         while (event := evd.dequeue()) is not None:
             cookies.append(event.cookie)
