@@ -218,7 +218,10 @@ def _retry_deferred() -> None:
                 # made) left a destroyed object off the list with its pointer, which its finalizer
                 # then destroyed a second time
                 raw._forget(deps)
-                _deferred.remove(raw)
+                try:
+                    _deferred.remove(raw)
+                except ValueError:  # (what _forget ran released it meanwhile, which took it off)
+                    pass
                 progress = True
     finally:
         _retrying = False

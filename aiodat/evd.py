@@ -366,6 +366,7 @@ class EVD(Handle, Generic[E]):
         # of this EVD) must not take them again.  (A Python take has its backlog noted meanwhile,
         # which keeps C's look off the CQ.)
         self._taking = False
+        self._taken_past = False  # (made here: _queue_one's store into it must not allocate)
         # a callback EVD's drain of its backlog again after a failure (_callback_failed): one at a time
         self._backlog_retry: Optional[asyncio.TimerHandle] = None
         #: a failure of the reader callback with no task waiting: raised by the next wait or dequeue
@@ -635,13 +636,13 @@ class EVD(Handle, Generic[E]):
             if event is _NOT_TAKEN:
                 self._free_place(queue)
                 raise
-            self._taken_past = True
             if event is None:
                 self._free_place(queue)
             else:
-                queue[place] = event
+                queue[place] = event  # (first: nothing before it may fail)
                 if wc[_WC_STATUS]:
                     self._solicited_hit = True
+            self._taken_past = True  # (an attribute __init__ made: its store allocates nothing)
             raise
         ep._taken = outer
         if event is None:
