@@ -1334,7 +1334,7 @@ def test_a_keyboard_interrupt_while_an_srqs_buffers_are_released_lowers_no_count
     assert not posted and lmr._inflight == 0
 
 
-INTERRUPTED_TAKES = ["send", "receive", "send retiring suppressed ones", "receive after a lost one"]
+INTERRUPTED_TAKES = ["send", "receive", "send retiring suppressed ones", "receive after a lost one", "an SRQ's receive"]
 
 
 @pytest.mark.parametrize("case", INTERRUPTED_TAKES)
@@ -1355,6 +1355,13 @@ def test_a_keyboard_interrupt_after_a_completions_entry_is_taken_loses_no_event(
         lmr._inflight = 3
         rows.append((2 if retiring else 0, 0, IBV_WC_SEND, 0, 7, None, 0, 0))
         expected, left = ["s1" if retiring else "s0"], 1 if retiring else 2
+    elif case == "an SRQ's receive":  # (its buffer leaves the SRQ's table once, in the take)
+        srq = SimpleNamespace(_posted={2 * i + 1: (f"c{i}", (Seg(lmr, 64),)) for i in range(3)}, _eps=[ep],
+                              _eps_seen=1)
+        ep._srq = srq  # type: ignore[assignment]
+        lmr._inflight = 3
+        rows.append((1, 0, IBV_WC_RECV, 64, 7, None, 0, 0))
+        expected, left = ["c0"], 2
     else:
         for i in range(3):
             ep._recv_q.append((2 * i + 1, f"r{i}", (Seg(lmr, 64),)))  # type: ignore[arg-type]
@@ -1379,6 +1386,8 @@ def test_a_keyboard_interrupt_after_a_completions_entry_is_taken_loses_no_event(
     assert kept == (2, 1), "the taken completion was kept for a retry"
     assert (evd._backlog, evd._wc_next, evd._taking) == (0, 0, False)
     assert lmr._inflight == left and ep._taken is _NOT_TAKEN
+    if ep._srq is not None:  # (left in its table, the buffer was released again by the SRQ's close)
+        assert list(ep._srq._posted) == [3, 5]
 
 
 @pytest.mark.rxe
