@@ -9,10 +9,11 @@ both paths too."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections import deque
 from types import SimpleNamespace
-from typing import Any, List, Tuple
+from typing import Any, AsyncIterator, List, Tuple
 
 import pytest
 
@@ -361,6 +362,32 @@ def test_a_finalizer_that_drains_the_evd_takes_no_completion_twice(path: str) ->
     assert (evd._backlog, evd._wc_next, evd._taking) == (0, 0, False)
 
 
+@contextlib.asynccontextmanager
+async def _pair_on_one_evd(ia: Any, other: bool = False) -> AsyncIterator[SimpleNamespace]:
+    """On rxe: a client EP (and, with ``other``, a second EP) taking its sends' and receives'
+    completions on one EVD, connected to a server EP, with an LMR of 4 KiB; all closed after,
+    in reverse."""
+    from aiodat import EvdFlags, Privileges
+    from aiodat.cm import connect_pair
+
+    pz = ia.create_pz()
+    handles: List[Any] = [pz]  # (closed in reverse)
+    try:
+        lmr = pz.register(bytearray(4096), Privileges.ALL)
+        evd = ia.create_evd(16, EvdFlags.DTO)
+        client = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
+        second = ia.create_ep(pz, recv_evd=evd, request_evd=evd) if other else None
+        server = ia.create_ep(pz)
+        handles += [evd, client] + ([second] if second is not None else []) + [server]
+        psp = await connect_pair(client, server)
+        handles += [psp, psp.cr_evd]
+        yield SimpleNamespace(lmr=lmr, evd=evd, client=client, other=second, server=server)
+    finally:
+        for handle in reversed(handles):
+            if not handle.closed:
+                handle.close()
+
+
 async def _retire_a_cookie_then_receive_two(client: Any, server: Any, lmr: Any, cookie: Any) -> None:
     """A suppressed send with ``cookie``, then a send "s1" (whose completion retires it), then two
     receives ("r", 0) and ("r", 1): all completed on the device, none taken from the client's EVD."""
@@ -388,20 +415,8 @@ async def test_a_finalizer_that_resets_an_ep_of_the_evd_takes_no_completion_twic
     polled after the send wait in its backlog: each completion still gives one event (the nested
     drain took the backlog again from its start, and the take under way then gave the receives
     a second event, with no cookie)."""
-    from aiodat import EvdFlags, Privileges
-    from aiodat.cm import connect_pair
-
-    pz = ia.create_pz()
-    handles: List[Any] = [pz]  # (closed in reverse)
-    try:
-        lmr = pz.register(bytearray(4096), Privileges.ALL)
-        evd = ia.create_evd(16, EvdFlags.DTO)
-        client = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
-        other = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
-        server = ia.create_ep(pz)
-        handles += [evd, client, other, server]
-        psp = await connect_pair(client, server)
-        handles += [psp, psp.cr_evd]
+    async with _pair_on_one_evd(ia, other=True) as pair:
+        lmr, evd, client, other, server = pair.lmr, pair.evd, pair.client, pair.other, pair.server
         ran: List[str] = []
 
         class Cookie:
@@ -415,10 +430,6 @@ async def test_a_finalizer_that_resets_an_ep_of_the_evd_takes_no_completion_twic
             cookies.append(event.cookie)
         assert ran == [how] and cookies == ["s1", ("r", 0), ("r", 1)]
         assert lmr._inflight == 0
-    finally:
-        for handle in reversed(handles):
-            if not handle.closed:
-                handle.close()
 
 
 @pytest.mark.rxe
@@ -431,19 +442,8 @@ async def test_a_finalizer_run_by_cs_take_dequeues_nothing(ia: Any, taker: str) 
     take): the finalizer's dequeue returns None, and every completion still gives one event, in
     order (without the refusal it took the send's event, which C queues before its take, from
     under the wait)."""
-    from aiodat import EvdFlags, Privileges
-    from aiodat.cm import connect_pair
-
-    pz = ia.create_pz()
-    handles: List[Any] = [pz]  # (closed in reverse)
-    try:
-        lmr = pz.register(bytearray(4096), Privileges.ALL)
-        evd = ia.create_evd(16, EvdFlags.DTO)
-        client = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
-        server = ia.create_ep(pz)
-        handles += [evd, client, server]
-        psp = await connect_pair(client, server)
-        handles += [psp, psp.cr_evd]
+    async with _pair_on_one_evd(ia) as pair:
+        lmr, evd, client, server = pair.lmr, pair.evd, pair.client, pair.server
         seen: List[Any] = []
 
         class Cookie:
@@ -457,10 +457,6 @@ async def test_a_finalizer_run_by_cs_take_dequeues_nothing(ia: Any, taker: str) 
         assert seen == [(True, None)], "the finalizer ran outside C's take, or its dequeue took an event"
         assert cookies == ["s1", ("r", 0), ("r", 1)]
         assert evd.dequeue() is None and lmr._inflight == 0
-    finally:
-        for handle in reversed(handles):
-            if not handle.closed:
-                handle.close()
 
 
 TAKE_CASES = ["receive", "receive after a lost one", "send", "send retiring unsignalled ones", "a run's last",
@@ -1397,8 +1393,6 @@ async def test_a_keyboard_interrupt_after_a_completions_entry_is_taken_loses_no_
     its LMR's count write is followed by a KeyboardInterrupt (as a signal handler raises one):
     the interrupt goes on up, and the next dequeue returns the send's event (it was lost: the
     completion's retry found its entry gone), once, with the count right."""
-    from aiodat import EvdFlags, Privileges
-    from aiodat.cm import connect_pair
     from aiodat.memory import LMR as RealLMR
 
     armed: List[Any] = []
@@ -1413,16 +1407,8 @@ async def test_a_keyboard_interrupt_after_a_completions_entry_is_taken_loses_no_
             raise KeyboardInterrupt
 
     monkeypatch.setattr(RealLMR, "_inflight", property(get, put), raising=False)
-    pz = ia.create_pz()
-    handles: List[Any] = [pz]  # (closed in reverse)
-    try:
-        lmr = pz.register(bytearray(4096), Privileges.ALL)
-        evd = ia.create_evd(16, EvdFlags.DTO)
-        client = ia.create_ep(pz, recv_evd=evd, request_evd=evd)
-        server = ia.create_ep(pz)
-        handles += [evd, client, server]
-        psp = await connect_pair(client, server)
-        handles += [psp, psp.cr_evd]
+    async with _pair_on_one_evd(ia) as pair:
+        lmr, evd, client, server = pair.lmr, pair.evd, pair.client, pair.server
         server.post_recv(lmr[0:64], None)
         client.post_send(lmr[64:72], "s0", CompletionFlags.UNSIGNALLED)
         await server.recv_evd.wait(timeout=5.0)  # (received: the send completed)
@@ -1434,7 +1420,3 @@ async def test_a_keyboard_interrupt_after_a_completions_entry_is_taken_loses_no_
         event = evd.dequeue()
         assert event is not None and event.cookie == "s0" and event.ok
         assert evd.dequeue() is None and lmr._inflight == 0
-    finally:
-        for handle in reversed(handles):
-            if not handle.closed:
-                handle.close()
