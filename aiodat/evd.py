@@ -395,7 +395,7 @@ class EVD(Handle, Generic[E]):
         self._wcs = ffi.new("struct aiodat_wc[]", 64)
         self._wc_bytes = ffi.buffer(self._wcs)
         self._wcs_address = int(ffi.cast("uintptr_t", self._wcs))
-        self._status = ffi.new("int[2]")  # channel events read, arm errno (aiodat_cq_drain)
+        self._status = ffi.new("int[3]")  # channel events read, arm errno, completions copied (aiodat_cq_drain)
         self._status_address = int(ffi.cast("uintptr_t", self._status))
         try:
             channel = lib.ibv_create_comp_channel(ia._context)
@@ -448,6 +448,7 @@ class EVD(Handle, Generic[E]):
         queue = self._queue
         queued, counted = len(queue), self.overflow_count
         polled_past = False  # polled beyond qlen for an awaited request, in any chunk
+        interrupt: Optional[BaseException] = None
         channel = self._channel if rearm else _NULL
         lazy = napi and not self._solicited
         if rearm:
@@ -464,11 +465,15 @@ class EVD(Handle, Generic[E]):
                     room = 64
                 elif room < 0:
                     room = 0
-            if spin_us and room:
-                got = lib.aiodat_cq_spin(self._cq, wcs, room, spin_us)
-                spin_us = 0
-            else:
-                got = lib.aiodat_cq_drain(channel, self._cq, arm, wcs, room, self._status)
+            try:
+                if spin_us and room:
+                    got = lib.aiodat_cq_spin(self._cq, wcs, room, spin_us, self._status)
+                    spin_us = 0
+                else:
+                    got = lib.aiodat_cq_drain(channel, self._cq, arm, wcs, room, self._status)
+            except BaseException as exc:  # a signal handler's, run at the call's return (CPython looks for
+                # signals there, not before the call, from 3.10): got is lost, but C noted it in _status
+                got, interrupt = self._status[2], exc
             if got > 0:
                 self._backlog = got  # first: what was polled is kept whatever fails from here
             try:  # the arm is noted first, while _status is this drain's
@@ -486,6 +491,8 @@ class EVD(Handle, Generic[E]):
                 channel = _NULL
                 if got > 0 and self._queue_polled(got):
                     notified = True
+            if interrupt is not None:  # (its arm noted, its completions queued: as if it came after)
+                raise interrupt
             if got < 0:
                 raise error_from_errno(-got, "polling the CQ")
             if got < room or room == 0:

@@ -72,7 +72,7 @@ class RawSide:
         self.fd = self.channel.fd
         self.wcs = ffi.new("struct aiodat_wc[]", 64)
         self.wc_bytes = ffi.buffer(self.wcs)
-        self.nevents = ffi.new("int[2]")  # channel events read, arm errno
+        self.nevents = ffi.new("int[3]")  # channel events read, arm errno, completions copied
         self.send = (send_seg.address, send_seg.length, send_seg.lmr_context)
         self.recv = (recv_seg.address, recv_seg.length, recv_seg.lmr_context)
         self.recvs = 0

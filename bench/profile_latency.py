@@ -126,7 +126,7 @@ async def loop_costs(n: int) -> Dict[str, float]:
     out["asyncio.sleep(0)"] = (clock() - t0) / n / 1000
     from aiodat._lib import ffi, lib
     wcs = ffi.new("struct aiodat_wc[64]")
-    nev = ffi.new("int[2]")
+    nev = ffi.new("int[3]")  # (aiodat_cq_drain's status)
     device, _ = device_and_address()
     with open_ia(device) as ia:
         evd = ia.create_evd(64, __import__("aiodat").EvdFlags.DTO)

@@ -1420,3 +1420,56 @@ async def test_a_keyboard_interrupt_after_a_completions_entry_is_taken_loses_no_
         event = evd.dequeue()
         assert event is not None and event.cookie == "s0" and event.ok
         assert evd.dequeue() is None and lmr._inflight == 0
+
+
+class InterruptedAtReturn:
+    """aiodat.evd's ``lib``, whose next call of ``name`` that copies completions is followed by a
+    KeyboardInterrupt: what a SIGINT handler does when it runs at that C call's return (CPython
+    looks for signals there), before the count returned is stored.  The call itself is the real one."""
+
+    def __init__(self, real: Any, name: str) -> None:
+        self._real, self._name, self.armed = real, name, True
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self._real, attr)
+        if attr != self._name:
+            return value
+
+        def call(*args: Any) -> int:
+            got = int(value(*args))
+            if self.armed and got > 0:
+                self.armed = False
+                raise KeyboardInterrupt
+            return got
+        return call
+
+
+@pytest.mark.rxe
+@pytest.mark.parametrize("poll", ["aiodat_cq_drain", "aiodat_cq_spin"])
+async def test_a_keyboard_interrupt_at_a_cq_polls_return_loses_no_completion(
+        ia: Any, monkeypatch: pytest.MonkeyPatch, poll: str) -> None:
+    """On rxe: three sends completed, and the EVD's poll of them (a dequeue's drain, or a busy
+    poll's spin) is followed by a KeyboardInterrupt at its return.  The interrupt goes on up; the
+    three events come next, once each, in order, with the LMR's count back to 0 (the count the
+    call returned was lost with it: its completions were copied off the CQ and never queued)."""
+    import aiodat.evd as evd_module
+
+    async with _pair_on_one_evd(ia) as pair:
+        lmr, evd, client, server = pair.lmr, pair.evd, pair.client, pair.server
+        for i in range(3):
+            server.post_recv(lmr[64 * i:64 * (i + 1)], None)
+            client.post_send(lmr[256 + 8 * i:264 + 8 * i], f"s{i}")
+        received = 0
+        while received < 3:  # (received: the sends completed; the client's EVD, never waited on,
+            received += len(await server.recv_evd.wait(timeout=5.0))  # has no reader callback)
+        polls = InterruptedAtReturn(evd_module.lib, poll)
+        monkeypatch.setattr(evd_module, "lib", polls)
+        with pytest.raises(KeyboardInterrupt):
+            if poll == "aiodat_cq_drain":
+                evd.dequeue()
+            else:  # the loop's poller runs this spin (EVD._napi_spin), where an interrupt ends the loop's run
+                evd._drain_cq(rearm=False, spin_us=100_000, arm_if_unarmed=False)
+        assert not polls.armed
+        events = [evd.dequeue() for _ in range(4)]
+        assert [e.cookie if e is not None else None for e in events] == ["s0", "s1", "s2", None]
+        assert all(e.ok for e in events[:3] if e is not None) and lmr._inflight == 0

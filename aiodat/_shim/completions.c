@@ -1436,7 +1436,7 @@ static PyObject *wakeup(PyObject *self, PyObject *evd)
     int notified = PyObject_SetAttr(evd, s_unarmed, Py_True) < 0 || PyObject_SetAttr(evd, s_arm_error, Py_None) < 0
                    ? -1 : 0;
     if (notified == 0) {
-        int status[2];
+        int status[3];  /* (aiodat_cq_drain's: channel events read, arm errno, completions copied) */
         int got = drain_fn((struct ibv_comp_channel *)(uintptr_t)c.channel, (struct ibv_cq *)(uintptr_t)c.cq, -1,
                            (struct aiodat_wc *)(uintptr_t)c.wcs, c.room, status);
         notified = queue_drained(evd, &c, got);

@@ -284,15 +284,19 @@ int aiodat_cq_poll(struct ibv_cq *cq, struct aiodat_wc *out, int max)
 /* Busy polling (an EVD's busy_poll_us): poll the CQ without sleeping until a
  * completion arrives or `usec` microseconds pass, whichever is first.  Python
  * calls it in short slices and yields to its event loop in between; cffi
- * releases the GIL around the call, so other threads run meanwhile. */
-int aiodat_cq_spin(struct ibv_cq *cq, struct aiodat_wc *out, int max, int usec)
+ * releases the GIL around the call, so other threads run meanwhile.
+ * status[2]: the number of completions copied, as aiodat_cq_drain's. */
+int aiodat_cq_spin(struct ibv_cq *cq, struct aiodat_wc *out, int max, int usec, int *status)
 {
     struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
+    status[2] = 0;
     for (;;) {
         int got = aiodat_cq_poll(cq, out, max);
-        if (got != 0 || max == 0)
+        if (got != 0 || max == 0) {
+            status[2] = got > 0 ? got : 0;
             return got;
+        }
         clock_gettime(CLOCK_MONOTONIC, &now);
         long elapsed = (now.tv_sec - start.tv_sec) * 1000000L + (now.tv_nsec - start.tv_nsec) / 1000;
         if (elapsed >= usec)
@@ -331,15 +335,16 @@ static int arm_cq(struct ibv_cq *cq, int solicited_only)
  * completions still polled: the caller must arm again before it sleeps.
  * status[0] is the number of channel events read.  Returns the number of
  * completions copied (== max means: call again, without channel or arm) or
- * -errno when polling failed. */
+ * -errno when polling failed.  status[2] is that number too (0 on failure):
+ * a KeyboardInterrupt raised by a signal handler at the call's return loses
+ * the return value, and Python takes the count from there instead. */
 int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int arm,
                     struct aiodat_wc *out, int max, int *status)
 {
     struct ibv_cq *ev_cq;
     void *ev_ctx;
 
-    status[0] = 0;
-    status[1] = 0;
+    status[0] = status[1] = status[2] = 0;
     /* One read is enough: aiodat arms a CQ only here and at its creation, always
      * after reading, and an armed CQ raises one channel event; so at most one is
      * pending, and a second read would only return EAGAIN (a system call saved
@@ -355,7 +360,9 @@ int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int arm
         inject_poll_failures--;
         return -EIO;
     }
-    return aiodat_cq_poll(cq, out, max);
+    int got = aiodat_cq_poll(cq, out, max);
+    status[2] = got > 0 ? got : 0;
+    return got;
 }
 
 /* Copy out up to max pending rdma_cm events and ack each at once.  For UD

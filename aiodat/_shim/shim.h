@@ -261,7 +261,7 @@ int aiodat_cq_drain(struct ibv_comp_channel *channel, struct ibv_cq *cq, int arm
                     struct aiodat_wc *out, int max, int *status);
 void aiodat_inject_fault(int what, int count);
 int aiodat_cq_poll(struct ibv_cq *cq, struct aiodat_wc *out, int max);
-int aiodat_cq_spin(struct ibv_cq *cq, struct aiodat_wc *out, int max, int usec);
+int aiodat_cq_spin(struct ibv_cq *cq, struct aiodat_wc *out, int max, int usec, int *status);
 int aiodat_cm_get_events(struct rdma_event_channel *channel, struct ibv_pd *pd,
                          struct aiodat_cm_event *out, int max);
 struct ibv_ah *aiodat_create_ah(struct ibv_pd *pd, const struct aiodat_cm_event *ev);
