@@ -635,41 +635,32 @@ class EVD(Handle, Generic[E]):
         queue.append(None)  # the event's place, made first: a deque's append may need a block
         outer = ep._taken  # (a take of the EP's by its other EVD, under way: a finalizer it ran drains here)
         ep._taken = _NOT_TAKEN
+        failure = None
         try:
             event = ep._completion_event(wc, self)
-        except BaseException:  # (a KeyboardInterrupt too; _take_backlog notes it)
-            event = ep._taken
-            ep._taken = outer
-            if event is _NOT_TAKEN:
-                self._free_place(queue)
-                raise
-            if event is None:
-                self._free_place(queue)
-            else:
-                queue[place] = event  # (first: nothing before it may fail)
-                if wc[_WC_STATUS]:
-                    self._solicited_hit = True
-            self._taken_past = True  # (an attribute __init__ made: its store allocates nothing)
-            raise
+        except BaseException as exc:  # (a KeyboardInterrupt too; _take_backlog notes it)
+            event, failure = ep._taken, exc
         ep._taken = outer
+        if event is None or event is _NOT_TAKEN:
+            # the place is taken back here, by steps that allocate nothing and call no Python
+            # function (an interrupt at its entry left an empty place in the queue; a deque's del
+            # rotates it, which may need a block and stop part way)
+            if queue[-1] is not None:  # its EP's BROKEN was pushed after it (wr.py: _on_async_error,
+                queue[-2] = queue[-1]  # one event at most): it moves into the place
+            queue.pop()
+        else:
+            # (an error completion that broke its EP had its BROKEN, this EVD taking connection
+            # events too, pushed after this place: the cause comes first)
+            queue[place] = event  # (first: nothing before it may fail)
+            if wc[_WC_STATUS]:
+                self._solicited_hit = True  # an error completion always notifies
+        if failure is not None:
+            if event is not _NOT_TAKEN:
+                self._taken_past = True  # (an attribute __init__ made: its store allocates nothing)
+            raise failure
         if event is None:
-            self._free_place(queue)
             return False
-        # (an error completion that broke its EP had its BROKEN, this EVD taking connection
-        # events too, pushed after this place: the cause comes first)
-        queue[place] = event
-        if wc[_WC_STATUS]:
-            self._solicited_hit = True  # an error completion always notifies
-            return True
-        return event.notify
-
-    @staticmethod
-    def _free_place(queue: Any) -> None:
-        """Take back the place _queue_one made, by steps that allocate nothing (a deque's del
-        rotates it, which may need a block and stop part way)."""
-        if queue[-1] is not None:  # its EP's BROKEN was pushed after it (wr.py: _on_async_error,
-            queue[-2] = queue[-1]  # one event at most): it moves into the place
-        queue.pop()
+        return True if wc[_WC_STATUS] else event.notify
 
     def _on_readable(self) -> None:
         """The loop's reader callback for the completion channel: one C call (_completions.wakeup)

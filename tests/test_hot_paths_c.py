@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import weakref
 from collections import deque
 from types import SimpleNamespace
@@ -1011,7 +1012,6 @@ def test_a_completions_place_is_taken_back_with_no_allocation(pushes: bool) -> N
     _testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory)")
 
     class Taker:  # what EVD._queue_one reads of its EVD
-        _free_place = EVD.__dict__["_free_place"]
         _backlog, _wc_next, _solicited_hit = 1, 0, False
 
     queue: deque = deque(range(300))
@@ -1022,6 +1022,56 @@ def test_a_completions_place_is_taken_back_with_no_allocation(pushes: bool) -> N
     finally:
         _testcapi.remove_mem_hooks()
     assert list(queue) == list(range(300)) + ["BROKEN"] * pushes
+
+
+class Interrupt(BaseException):
+    """What a signal handler raises (a KeyboardInterrupt, which would end pytest's run)."""
+
+
+class GivesNoEvent:
+    """An EP whose completion gives no event (a suppressed request's), its BROKEN pushed first."""
+
+    _taken = _NOT_TAKEN
+
+    def __init__(self, queue: deque, pushes: bool) -> None:
+        self.queue, self.pushes = queue, pushes
+
+    def _completion_event(self, wc: Any, evd: Any) -> None:
+        if self.pushes:
+            self.queue.append("BROKEN")
+        return None
+
+
+@pytest.mark.parametrize("pushes", [False, True], ids=["alone", "a BROKEN after it"])
+def test_a_completion_with_no_event_takes_back_its_place_with_no_python_call(pushes: bool) -> None:
+    """EVD._queue_one takes back the place it made for a completion that gives no event with no
+    Python call: CPython looks for signals at a Python function's entry, and a KeyboardInterrupt
+    raised there (by the helper that did this) left an empty place, None, in the queue for a wait
+    to return.  A trace function raises at each Python call _queue_one makes after the
+    completion's event was made, as a signal handler would."""
+    queue: deque = deque(range(3))
+    wc = as_tuple(wc_array([(1, 0, IBV_WC_SEND, 0, 7, None, 0, 0)])[0])
+    made: List[bool] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_back is not None and frame.f_back.f_code is EVD._queue_one.__code__:
+            if made:
+                raise Interrupt
+            made.append(frame.f_code.co_name == "_completion_event")
+        return None
+
+    class Taker:  # what EVD._queue_one reads of its EVD
+        _backlog, _wc_next, _solicited_hit = 1, 0, False
+
+    sys.settrace(trace)
+    try:
+        notified = EVD._queue_one(Taker(), GivesNoEvent(queue, pushes), wc, queue)  # type: ignore[arg-type]
+    except Interrupt:
+        notified = None
+    finally:
+        sys.settrace(None)
+    assert made == [True]
+    assert list(queue) == [0, 1, 2] + ["BROKEN"] * pushes and notified is False
 
 
 @pytest.mark.rxe
