@@ -5,17 +5,19 @@
 # Device tests must run there: AIODAT_REQUIRE_DEVICE=1 turns a missing device into a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# each stage's header says how long the run has taken so far (CI's budget is 60 minutes)
+stage() { echo "== [$((SECONDS / 60))m$((SECONDS % 60))s] $*"; }
 ./scripts/bootstrap.sh
 
-echo "== host-only tests (and the test bed's own boot tests)"
+stage "host-only tests (and the test bed's own boot tests)"
 .venv/bin/python -m pytest -q -m "not rxe and not hosts2" "$@"
 
 if [ "${AIODAT_SKIP_WHEEL:-0}" != 1 ]; then
-  echo "== the wheel: contents, its extension's dynamic section, installed with no compiler (host + one guest)"
+  stage "the wheel: contents, its extension's dynamic section, installed with no compiler (host + one guest)"
   ./scripts/check_wheel.sh
 fi
 
-echo "== device tests on rxe: asyncio, then uvloop (one guest boot)"
+stage "device tests on rxe: asyncio, then uvloop (one guest boot)"
 # a test still running after 300 s prints every thread's stack into this log: a stall of the device
 # run, idle guest and no test finishing, was seen twice (2026-11-25) and its cause is not known
 .venv/bin/aiodat rxe run --timeout "${AIODAT_TEST_TIMEOUT:-3600}" -- env AIODAT_REQUIRE_DEVICE=1 sh -c '
@@ -23,7 +25,7 @@ echo "== device tests on rxe: asyncio, then uvloop (one guest boot)"
   .venv/bin/python -m pytest -q -m rxe -p no:cacheprovider -o faulthandler_timeout=300 --aiodat-loop uvloop "$@"' sh "$@"
 
 if [ "${AIODAT_SKIP_FAULTS:-0}" != 1 ]; then
-  echo "== two-host tests (two guests joined by a virtio link): faults, Dask and streams between hosts, asyncio, then uvloop"
+  stage "two-host tests (two guests joined by a virtio link): faults, Dask and streams between hosts, asyncio, then uvloop"
   # packet loss lasts 30 s of each loss test here (60 s by default): about 12-15 min for both loops (TCG),
   # plus the Dask test (tests/test_hosts2_dask.py) in the same boot: 3.7 and 4.2 min measured on a loaded host
   .venv/bin/aiodat rxe run --hosts 2 --timeout "${AIODAT_FAULTS_TIMEOUT:-2400}" -- \
@@ -33,7 +35,7 @@ if [ "${AIODAT_SKIP_FAULTS:-0}" != 1 ]; then
 fi
 
 if [ "${AIODAT_SKIP_DOCS:-0}" != 1 ]; then
-  echo "== docs build (warnings are errors)"
+  stage "docs build (warnings are errors)"
   .venv/bin/python -m mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/aiodat-site"
 fi
 
@@ -41,9 +43,9 @@ fi
 # Last stage (issue 7): the C shim built with AddressSanitizer, device tests in one guest.
 # Built on the host (fast), run in the guest; see scripts/asan.sh.
 if [ "${AIODAT_SKIP_ASAN:-0}" != 1 ]; then
-  echo "== the C shim under AddressSanitizer (scripts/asan.sh, one guest)"
+  stage "the C shim under AddressSanitizer (scripts/asan.sh, one guest)"
   AIODAT_ASAN_BUILD_ONLY=1 ./scripts/asan.sh
   .venv/bin/aiodat rxe run --timeout "${AIODAT_ASAN_TIMEOUT:-1200}" -- \
     env AIODAT_REQUIRE_DEVICE=1 AIODAT_ASAN_SKIP_BUILD=1 ./scripts/asan.sh
 fi
-echo "== all tests passed"
+stage "all tests passed"
