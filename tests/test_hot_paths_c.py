@@ -1003,6 +1003,12 @@ class Breaks:
         raise MemoryError
 
 
+class QueueOneTaker:
+    """What EVD._queue_one reads of its EVD."""
+
+    _backlog, _wc_next, _solicited_hit = 1, 0, False
+
+
 @pytest.mark.parametrize("pushes", [False, True], ids=["alone", "a BROKEN after it"])
 def test_a_completions_place_is_taken_back_with_no_allocation(pushes: bool) -> None:
     """EVD._queue_one makes an event's place in the queue first; when the completion fails, the
@@ -1011,14 +1017,11 @@ def test_a_completions_place_is_taken_back_with_no_allocation(pushes: bool) -> N
     deque's del rotates)."""
     _testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory)")
 
-    class Taker:  # what EVD._queue_one reads of its EVD
-        _backlog, _wc_next, _solicited_hit = 1, 0, False
-
     queue: deque = deque(range(300))
     wc = as_tuple(wc_array([(1, 0, IBV_WC_RECV, 8, 7, None, 0, 0)])[0])
     try:
         with pytest.raises((MemoryError, SystemError)):
-            EVD._queue_one(Taker(), Breaks(queue, pushes, _testcapi), wc, queue)  # type: ignore[arg-type]
+            EVD._queue_one(QueueOneTaker(), Breaks(queue, pushes, _testcapi), wc, queue)  # type: ignore[arg-type]
     finally:
         _testcapi.remove_mem_hooks()
     assert list(queue) == list(range(300)) + ["BROKEN"] * pushes
@@ -1060,12 +1063,9 @@ def test_a_completion_with_no_event_takes_back_its_place_with_no_python_call(pus
             made.append(frame.f_code.co_name == "_completion_event")
         return None
 
-    class Taker:  # what EVD._queue_one reads of its EVD
-        _backlog, _wc_next, _solicited_hit = 1, 0, False
-
     sys.settrace(trace)
     try:
-        notified = EVD._queue_one(Taker(), GivesNoEvent(queue, pushes), wc, queue)  # type: ignore[arg-type]
+        notified = EVD._queue_one(QueueOneTaker(), GivesNoEvent(queue, pushes), wc, queue)  # type: ignore[arg-type]
     except Interrupt:
         notified = None
     finally:
