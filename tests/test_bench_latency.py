@@ -97,6 +97,31 @@ def test_a_hung_perftest_pair_is_killed_and_run_once_more() -> None:
     assert 3.5 < elapsed < 6.0, elapsed
 
 
+def test_a_hung_short_run_is_killed_at_its_own_bound_not_at_half_the_timeout(tmp_path: Any, monkeypatch: Any) -> None:
+    """A run whose ``-n`` is given gets a first attempt bounded by the messages it asks for: a hang of
+    100 messages under the bench's 300 s timeout is killed after its bound (1.5 s with the start's
+    bound set to 1 s here, 40 s as shipped), not after 150 s, and the pair runs once more."""
+    import sys
+    import time
+
+    from aiodat.bench import perftest
+
+    monkeypatch.setattr(perftest, "START_BOUND", 1.0)
+    started = tmp_path / "started"
+    # the first pair's two "tools" block, as a hung pair; later ones run the tool itself (true)
+    hang_first_pair = (sys.executable, "-c", "import os, sys, time\n"
+                       f"with open({str(started)!r}, 'a') as f: f.write('x')\n"
+                       f"if os.path.getsize({str(started)!r}) <= 2: time.sleep(60)\n"
+                       "os.execv(sys.argv[1], sys.argv[1:])")
+    start = time.monotonic()
+    res = perftest.run_perftest_pair("true", ["-n", "100", "-s", "64"], device="rxe0", address="192.0.2.1",
+                                     timeout=300.0, start_delay=0.1, prefix=hang_first_pair)
+    elapsed = time.monotonic() - start
+    assert re.search(r"\(and before that, once: true client did not finish within 1\.50\d* s\)$", res.error), res.error
+    assert started.read_text() == "xxxx"  # a second pair ran
+    assert elapsed < 30, elapsed
+
+
 def test_a_comparison_missing_an_aiodat_figure_is_not_ok(capsys: Any) -> None:
     """A round where aiodat measured nothing fails the comparison (exit status 1); a peer's does not."""
     import argparse

@@ -54,6 +54,7 @@ async def test_a_task_that_died_is_an_error() -> None:
     assert not report.ok and "verdict: FAILED" in report.format()
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_a_connection_never_made_fails_the_soak(rdma_device: Any) -> None:
     """Every connect goes to an address no device here reaches (TEST-NET-1): each worker dies in its

@@ -393,6 +393,7 @@ def test_percentile_nearest_rank():
 # -- on rxe --------------------------------------------------------------------------
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_devices_lists_the_port(rdma_device, capsys):
     assert main(["devices"]) == 0
@@ -402,6 +403,7 @@ def test_devices_lists_the_port(rdma_device, capsys):
     assert f"::ffff:{rdma_device.address}" in out
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_python_m_aiodat_devices(rdma_device):
     result = run_module("devices")
@@ -409,6 +411,7 @@ def test_python_m_aiodat_devices(rdma_device):
     assert rdma_device.name in result.stdout and "PORT_ACTIVE" in result.stdout
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_query_json_matches_ia_query(ia, rdma_device, capsys):
     assert main(["query", rdma_device.name, "--json"]) == 0
@@ -419,6 +422,7 @@ def test_query_json_matches_ia_query(ia, rdma_device, capsys):
     assert printed["ia_attr"]["max_eps"] == ia.query().ia_attr.max_eps
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_query_default_name_and_text(ia, rdma_device, capsys, monkeypatch):
     monkeypatch.setenv("AIODAT_RXE_DEVICE", rdma_device.name)
@@ -430,6 +434,7 @@ def test_query_default_name_and_text(ia, rdma_device, capsys, monkeypatch):
     assert f"provider_name: {q.provider_attr.provider_name}" in out
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_bench_refuses_an_environment_device_that_is_not_there(rdma_device, monkeypatch, capsys):
     """AIODAT_RXE_DEVICE alone naming no port: the benchmark stops before it starts, naming the
@@ -450,12 +455,14 @@ def test_bench_refuses_an_environment_device_that_is_not_there(rdma_device, monk
     assert bench.device_and_address() == (port.name, port.addresses[0])
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_query_unknown_name(capsys):
     assert main(["query", "nosuchdev0"]) == 1
     assert "nosuchdev0" in capsys.readouterr().err
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_ping_against_ping_server(rdma_device, capsys):
     # port 0: the server prints the port it was given (it used to print ":0")
@@ -475,6 +482,7 @@ def test_ping_against_ping_server(rdma_device, capsys):
         server.wait(timeout=30)
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_echo_demo(rdma_device):
     result = subprocess.run([sys.executable, os.path.join(EXAMPLES, "demo.py"), "--count", "5", "--size", "100"],
@@ -487,6 +495,7 @@ def test_echo_demo(rdma_device):
     assert "demo: ok" in out
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_echo_client_reports_a_missing_server(rdma_device):
     result = subprocess.run([sys.executable, os.path.join(EXAMPLES, "echo_client.py"), "--port", "9",

@@ -48,6 +48,7 @@ def test_every_example_is_covered() -> None:
     assert present == sorted(EXAMPLES), "add the new example to tests/test_examples.py"
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 @pytest.mark.parametrize("name", sorted(n for n, (args, _) in EXAMPLES.items() if args[:1] != ["__via__"]))
 def test_example_runs(name: str) -> None:

@@ -112,6 +112,7 @@ async def test_connections_open_close_do_not_leak(rdma_device: Any) -> None:
     assert kernel_resources(rdma_device.name) == before, "closing the IA did not release everything"
 
 
+@pytest.mark.loop_independent
 def test_lmr_register_free_does_not_leak(rdma_device: Any) -> None:
     """10,000 register/free cycles (4 KiB and 1 MiB buffers, alternating): MR count, fds and RSS are
     where they started."""

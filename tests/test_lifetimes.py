@@ -281,6 +281,7 @@ async def test_a_dropped_connection_request_is_refused_and_released(ia: Any, rdm
     assert unclosed_kinds(caught) == ["cr"]
 
 
+@pytest.mark.loop_independent
 def test_development_mode_names_where_a_leaked_object_was_made(rdma_device: Any, tmp_path: Any) -> None:
     script = tmp_path / "leak.py"
     script.write_text(
@@ -372,6 +373,7 @@ print("released")
 """
 
 
+@pytest.mark.loop_independent
 def test_an_ia_dropped_in_a_loop_that_closed_at_once_is_released(rdma_device: Any, tmp_path: Any) -> None:
     """An IA dropped unclosed (its tree held in a cycle by a program object its EVD calls back)
     whose loop closes before that loop's sweep: the next collection frees its QP, CQ, MR, PD and

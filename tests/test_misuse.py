@@ -130,6 +130,7 @@ def segments(w: World) -> st.SearchStrategy:
 # ---------------------------------------------------------------- tests
 
 
+@pytest.mark.loop_independent
 @FUZZ
 @given(buf=st.one_of(st.binary(max_size=64), st.builds(bytearray, st.integers(0, 100000)),
                      st.builds(lambda n: memoryview(bytearray(n)), st.integers(0, 4096)),
@@ -143,6 +144,7 @@ def test_register_fuzz(world: World, buf: Any, priv: Any) -> None:
         lmr.free()
 
 
+@pytest.mark.loop_independent
 @FUZZ
 @given(offset=maybe_int, length=st.one_of(st.none(), maybe_int), a=maybe_int, b=maybe_int)
 def test_segments_and_remote_regions_fuzz(world: World, offset: Any, length: Any, a: Any, b: Any) -> None:
@@ -161,6 +163,7 @@ def _remote_region(address: Any, length: Any, rmr_context: Any) -> Any:
     return region if ok else None
 
 
+@pytest.mark.loop_independent
 @FUZZ
 @given(data=st.data(), cookie=junk, flags=st.one_of(st.sampled_from(list(CompletionFlags)), maybe_int))
 def test_post_on_unconnected_ep_fuzz(world: World, data: Any, cookie: Any, flags: Any) -> None:
@@ -184,6 +187,7 @@ def test_post_on_unconnected_ep_fuzz(world: World, data: Any, cookie: Any, flags
     assert ep.state is EPState.UNCONNECTED
 
 
+@pytest.mark.loop_independent
 @FUZZ
 @given(qlen=maybe_int, streams=st.one_of(st.sampled_from(list(EvdFlags)), maybe_int),
        attrs=st.one_of(st.none(), junk, st.builds(EPAttr, max_recv_dtos=maybe_int, max_request_dtos=maybe_int,
@@ -203,6 +207,7 @@ def test_create_fuzz(world: World, qlen: Any, streams: Any, attrs: Any, which_pz
         evd.free()
 
 
+@pytest.mark.loop_independent
 @FUZZ
 @given(name=st.one_of(st.text(max_size=20), junk), qlen=maybe_int)
 def test_open_ia_fuzz(name: Any, qlen: Any) -> None:
@@ -211,6 +216,7 @@ def test_open_ia_fuzz(name: Any, qlen: Any) -> None:
         ia.close()
 
 
+@pytest.mark.loop_independent
 @FUZZ_FEW
 @given(order=st.permutations(["ia", "pz", "lmr", "evd", "ep", "psp", "cr_evd", "rmr"]),
        after=st.sampled_from(["query", "free", "register", "post", "segment"]))
@@ -248,6 +254,7 @@ def test_free_in_any_order_then_use(rdma_device: Any, order: List[str], after: s
             assert not ok and isinstance(exc, aiodat.InvalidHandle), (name, after, exc)
 
 
+@pytest.mark.loop_independent
 def test_wrong_arity_is_typeerror(world: World) -> None:
     """Python's argument binding, not aiodat: the documented exception to the DATError rule."""
     with pytest.raises(TypeError):

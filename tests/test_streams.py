@@ -94,6 +94,7 @@ def test_kvstore_example_runs_over_tcp() -> None:
     assert "FETCH blob sha256 matches: True" in out.stdout and "QUIT: BYE" in out.stdout
 
 
+@pytest.mark.loop_independent
 @pytest.mark.rxe
 def test_kvstore_example_runs_over_rdma(rdma_device: Any) -> None:
     """The same demo, switched to aiodat by --transport rdma only."""

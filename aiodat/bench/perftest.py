@@ -78,7 +78,8 @@ def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: s
     connects to ``address`` and is retried while the server is not yet
     listening.  A pair whose client fails once the server has exited (under
     TCG perftest's own connection or completion now and then fails), or that
-    has not finished within half of ``timeout``, is run once more, on a new
+    has not finished within half of ``timeout`` (less for a short run:
+    see _first_attempt_limit), is run once more, on a new
     port; so is one that printed 0, nothing or a
     non-finite number in the column ``figure`` (e.g. "MsgRate[Mpps]") when
     one is named, as its cycle counter now and then does under TCG.  This
@@ -95,9 +96,10 @@ def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: s
     if prefix and shutil.which(prefix[0]) is None:  # e.g. chrt (util-linux): not measured, no traceback
         return PerftestResult(tool, tuple(args), None, "", error=f"{prefix[0]} not found")
     deadline = time.monotonic() + timeout
-    # the first attempt gets half the time: a pair that hangs (both tools blocked, as under TCG now
-    # and then) is killed and run again, not left to take the whole budget
-    first = _usable(_run_pair_once(path, tool, args, device, address, timeout / 2, start_delay, prefix), figure)
+    # the first attempt gets half the time, or less for a short run: a pair that hangs (both tools
+    # blocked, as under TCG now and then) is killed and run again, not left to take the whole budget
+    first = _usable(_run_pair_once(path, tool, args, device, address, _first_attempt_limit(args, timeout),
+                                   start_delay, prefix), figure)
     left = deadline - time.monotonic()
     if (first.returncode in (0, None) and not first.error) or left <= 0:
         return first
@@ -105,6 +107,26 @@ def run_perftest_pair(tool: str, args: Sequence[str], *, device: str, address: s
     if second.error:
         second.error = f"{second.error} (and before that, once: {first.error})"
     return second
+
+
+#: a first attempt's bound for a run whose ``-n`` is given: seconds to start both tools and connect,
+#: then seconds a message and a byte; about 20x what a pair takes under TCG (500 messages of 64 bytes:
+#: 2 s), so only a hung pair reaches it
+START_BOUND, MESSAGE_BOUND, BYTE_BOUND = 40.0, 0.005, 1 / 2e6
+
+
+def _first_attempt_limit(args: Sequence[str], timeout: float) -> float:
+    """How long the first attempt of ``args`` may run before it counts as hung: half of ``timeout``,
+    and no more than START_BOUND + ``-n`` x (MESSAGE_BOUND + ``-s`` x BYTE_BOUND) when ``-n`` is given
+    (the tests' short runs: a hang cost them 150 s of a 300 s timeout)."""
+    def option(name: str, default: int) -> int:
+        at = list(args).index(name) if name in args else -1
+        return int(args[at + 1]) if 0 <= at < len(args) - 1 and args[at + 1].isdigit() else default
+
+    iters = option("-n", 0)
+    if not iters:
+        return timeout / 2
+    return min(timeout / 2, START_BOUND + iters * (MESSAGE_BOUND + option("-s", 65536) * BYTE_BOUND))
 
 
 def _usable(res: PerftestResult, figure: Optional[str]) -> PerftestResult:
