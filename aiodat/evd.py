@@ -492,7 +492,10 @@ class EVD(Handle, Generic[E]):
                 if got > 0 and self._queue_polled(got):
                     notified = True
             if interrupt is not None:  # (its arm noted, its completions queued: as if it came after)
-                raise interrupt
+                try:
+                    raise interrupt
+                finally:  # (its traceback holds this frame: no cycle through the local)
+                    interrupt = None
             if got < 0:
                 raise error_from_errno(-got, "polling the CQ")
             if got < room or room == 0:
@@ -657,7 +660,10 @@ class EVD(Handle, Generic[E]):
         if failure is not None:
             if event is not _NOT_TAKEN:
                 self._taken_past = True  # (an attribute __init__ made: its store allocates nothing)
-            raise failure
+            try:
+                raise failure
+            finally:  # (its traceback holds this frame: no cycle through the local)
+                failure = None
         if event is None:
             return False
         return True if wc[_WC_STATUS] else event.notify

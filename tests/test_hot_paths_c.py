@@ -1074,6 +1074,36 @@ def test_a_completion_with_no_event_takes_back_its_place_with_no_python_call(pus
     assert list(queue) == [0, 1, 2] + ["BROKEN"] * pushes and notified is False
 
 
+def frame_local(exc: BaseException, function: Any, name: str) -> Any:
+    """The local ``name`` of ``function``'s frame in ``exc``'s traceback, as it was left."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not function.__code__:
+        tb = tb.tb_next
+    assert tb is not None, f"{function.__name__} is not in the traceback"
+    return tb.tb_frame.f_locals[name]
+
+
+class InterruptedEvent:
+    """An EP whose completion's event is interrupted before it is made (nothing taken)."""
+
+    _taken = _NOT_TAKEN
+
+    def _completion_event(self, wc: Any, evd: Any) -> None:
+        raise Interrupt
+
+
+def test_a_failure_queue_one_raises_is_not_held_by_its_frame() -> None:
+    """_queue_one keeps a failure in a local to raise it after the queue is put right; the local is
+    cleared as it goes up, else the exception's traceback holds the frame that holds the exception
+    (a cycle only the collector frees, keeping the frame's queue and completion till then)."""
+    queue: deque = deque(range(3))
+    wc = as_tuple(wc_array([(1, 0, IBV_WC_SEND, 0, 7, None, 0, 0)])[0])
+    with pytest.raises(Interrupt) as info:
+        EVD._queue_one(QueueOneTaker(), InterruptedEvent(), wc, queue)  # type: ignore[arg-type]
+    assert list(queue) == [0, 1, 2]
+    assert frame_local(info.value, EVD._queue_one, "failure") is None
+
+
 @pytest.mark.rxe
 async def test_a_ping_pong_takes_the_c_path(ep_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """On rxe: signalled sends and receives become events in C (Python's path sees none of them), with
@@ -1514,12 +1544,13 @@ async def test_a_keyboard_interrupt_at_a_cq_polls_return_loses_no_completion(
             received += len(await server.recv_evd.wait(timeout=5.0))  # has no reader callback)
         polls = InterruptedAtReturn(evd_module.lib, poll)
         monkeypatch.setattr(evd_module, "lib", polls)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt) as info:
             if poll == "aiodat_cq_drain":
                 evd.dequeue()
             else:  # the loop's poller runs this spin (EVD._napi_spin), where an interrupt ends the loop's run
                 evd._drain_cq(rearm=False, spin_us=100_000, arm_if_unarmed=False)
         assert not polls.armed
+        assert frame_local(info.value, EVD._drain_cq, "interrupt") is None  # no cycle through the frame
         events = [evd.dequeue() for _ in range(4)]
         assert [e.cookie if e is not None else None for e in events] == ["s0", "s1", "s2", None]
         assert all(e.ok for e in events[:3] if e is not None) and lmr._inflight == 0
