@@ -17,7 +17,7 @@ import collections
 import gc
 import traceback
 import types
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import pytest
 
@@ -772,12 +772,44 @@ async def test_a_collection_that_runs_out_of_memory_destroys_a_deferred_object_o
     assert pz._raw.ptr == ffi.NULL  # each QP let go of the PD once
 
 
-async def test_an_ep_dropped_unclosed_out_of_memory_raises_nothing_from_its_finalizer(ia: Any) -> None:
-    """Each allocation of an unclosed EP's collection fails in turn: no exception escapes aiodat's
-    finalizers (EP.__del__ made a super object outside its guard: a MemoryError there was reported
-    as unraisable, and the ResourceWarning lost)."""
-    import os
+def _collected_failing_at(n: int, held: List[Any]) -> Tuple[bool, List[Any]]:
+    """Drop what ``held`` holds and collect it, the ``n``-th allocation from there failing (the
+    collector off otherwise, unclosed warnings ignored): whether the failure came in the drop or
+    the collection (else in a probe after them: the rounds past their allocations), and the
+    unraisable exceptions reported meanwhile (a finalizer's, a gc callback's)."""
     import sys
+    import warnings
+
+    seen: List[Any] = []
+    landed = "collection"
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            hook, sys.unraisablehook = sys.unraisablehook, seen.append
+            _testcapi.set_nomemory(n, n + 1)
+            try:
+                held.clear()
+                gc.collect()
+                landed = "probe"
+                probe = [object() for _ in range(5000)]
+                landed = "collection"  # (the probe went through: the failure was swallowed before it)
+                del probe
+            except MemoryError:
+                pass
+            finally:
+                _testcapi.remove_mem_hooks()
+                sys.unraisablehook = hook
+    finally:
+        gc.enable()
+    return landed == "collection", seen
+
+
+def _dropped_unclosed_out_of_memory(ia: Any, make: Any, kind: str) -> None:
+    """Each allocation of the collection of an object ``make(pz)`` makes, dropped unclosed, fails in
+    turn: no exception escapes aiodat's finalizers.  Then one collection with nothing failing gives
+    the object's unclosed ResourceWarning (its finalizer calls Handle.__del__)."""
+    import os
     import warnings
 
     package_dir = os.path.dirname(aiodat.__file__) + os.sep
@@ -786,32 +818,37 @@ async def test_an_ep_dropped_unclosed_out_of_memory_raises_nothing_from_its_fina
     failures = through = 0
     try:
         for n in range(PYTHON_ROUNDS):
-            ep = ia.create_ep(pz)
-            gc.collect()  # earlier garbage first: the failing collection has the EP to itself
-            seen: List[Any] = []
-            gc.disable()
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", ResourceWarning)  # (its unclosed warning)
-                    hook, sys.unraisablehook = sys.unraisablehook, seen.append
-                    _testcapi.set_nomemory(n, n + 1)
-                    try:
-                        del ep
-                        gc.collect()
-                    except MemoryError:
-                        pass
-                    finally:
-                        _testcapi.remove_mem_hooks()
-                        sys.unraisablehook = hook
-            finally:
-                gc.enable()
+            held = [make(pz)]
+            gc.collect()  # earlier garbage first: the failing collection has the object to itself
+            failed, seen = _collected_failing_at(n, held)
             unraisable += _unraisable_from(package_dir, seen)
-            failures += bool(seen)
-            through = 0 if seen else through + 1
+            failures += failed
+            through = 0 if failed else through + 1
             if through == THROUGH:
                 break
         assert failures and through == THROUGH
         assert not unraisable, f"{len(unraisable)} raised in aiodat's finalizers; the first:\n{unraisable[0]}"
+        obj = make(pz)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            del obj
+            gc.collect()
+        assert [str(w.message) for w in caught if str(w.message).startswith(f"unclosed {kind} ")], \
+            f"no unclosed {kind} warning: {[str(w.message) for w in caught]}"
     finally:
-        gc.collect()  # (the EPs' QPs, deferred if their destruction ran out of memory)
+        gc.collect()  # (what a destruction that ran out of memory left deferred)
         pz.close()
+
+
+async def test_an_ep_dropped_unclosed_out_of_memory_raises_nothing_from_its_finalizer(ia: Any) -> None:
+    """Each allocation of an unclosed EP's collection fails in turn: no exception escapes aiodat's
+    finalizers (EP.__del__ made a super object outside its guard: a MemoryError there was reported
+    as unraisable, and the ResourceWarning lost), and the EP still warns."""
+    _dropped_unclosed_out_of_memory(ia, ia.create_ep, "ep")
+
+
+async def test_an_rmr_dropped_unclosed_out_of_memory_raises_nothing_from_its_finalizer(ia: Any) -> None:
+    """The same for an unclosed RMR: RMR.__del__ calls Handle.__del__ directly, as EP.__del__ does
+    (with super().__del__(), the super object's MemoryError escaped; without the call, the
+    RMR's unclosed warning was lost)."""
+    _dropped_unclosed_out_of_memory(ia, lambda pz: pz.create_rmr(), "rmr")
