@@ -138,7 +138,11 @@ class Raw:
 
         ``deps`` is the iterator of its deps, made before anything changed: nothing allocates
         between forgetting the deps and lowering their users, so a MemoryError cannot leave one
-        counted for good (never destroyed)."""
+        counted for good (never destroyed).  ``then`` runs last; if it raises (a MemoryError in a
+        finalizer's release, say), it is kept and the object waits on the deferred list, to run
+        it again at the next retry: what it releases (an SRQ's posted receives, a QP's requests)
+        is not left counted for good.  So a ``then`` must be restartable.  Only an exception
+        that is no Exception (a KeyboardInterrupt) goes on up."""
         if deps is None:
             deps = iter(self._deps)
         then = self.then
@@ -147,7 +151,16 @@ class Raw:
             if isinstance(dep, Raw):
                 dep._users -= 1
         if then is not None:
-            then()
+            try:
+                then()
+            except BaseException as exc:
+                # kept: a slot's store and ``in`` (by identity: a Raw has no __eq__) allocate nothing
+                # before the append, which keeps a finalized Raw alive until the retry
+                self.then = then
+                if self not in _deferred:
+                    _deferred.append(self)
+                if not isinstance(exc, Exception):
+                    raise
 
     def release(self) -> int:
         """Destroy the object (once); return the destroy call's result (0 or an errno).
@@ -182,7 +195,8 @@ class Raw:
         self.ptr = ffi.NULL  # at once: nothing may fail before a destroyed object is marked gone
         self._forget(deps)  # dropping the deps may release them in turn
         if _deferred:
-            if any(raw is self for raw in _deferred):  # it had failed before: no longer deferred
+            # it had failed before: no longer deferred (unless its ``then`` failed now: see _forget)
+            if self.then is None and any(raw is self for raw in _deferred):
                 _deferred[:] = [raw for raw in _deferred if raw is not self]
             if not _retrying:
                 _retry_deferred()
@@ -218,6 +232,8 @@ def _retry_deferred() -> None:
                 # made) left a destroyed object off the list with its pointer, which its finalizer
                 # then destroyed a second time
                 raw._forget(deps)
+                if raw.then is not None:
+                    continue  # its ``then`` failed again: kept for the next retry (see _forget)
                 try:
                     _deferred.remove(raw)
                 except ValueError:  # (what _forget ran released it meanwhile, which took it off)

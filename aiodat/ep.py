@@ -16,6 +16,7 @@ CompletionFlags, as_segments, ...) are re-exported from where they live now.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, Hashable, List, Optional, Tuple
 
 from aiodat import cm
@@ -46,7 +47,7 @@ from aiodat.post import (  # noqa: F401  (re-exported: other modules and users i
     Posting,
 )
 from aiodat.srq import SRQ
-from aiodat.wr import WC_RECV_RDMA_WITH_IMM, wc_status_name  # noqa: F401
+from aiodat.wr import WC_RECV_RDMA_WITH_IMM, retire_requests, wc_status_name  # noqa: F401
 
 if TYPE_CHECKING:
     from aiodat.ia import IA
@@ -159,6 +160,9 @@ class EP(Posting, Handle):
         srq = self._srq
         ud = a.service_type is ServiceType.UD
         out = ffi.new("int[2]")  # the inline size granted; which step failed
+        # made before the QP: once the QP is gone its Raw retires the requests still queued (again,
+        # if a dropped EP's finalizer could not finish that: see __del__)
+        retire = partial(retire_requests, self._send_q, self._recv_q, self._quiet)
         qp = lib.aiodat_create_qp(self._pz._pd, self.request_evd._cq, self.recv_evd._cq,
                                   srq._srq if srq is not None else ffi.NULL, a.max_request_dtos, a.max_recv_dtos,
                                   a.max_request_iov, a.max_recv_iov,
@@ -176,6 +180,7 @@ class EP(Posting, Handle):
         # the QP goes before its CQs, SRQ and PD, also when all are dropped together
         self._raw = Raw(qp, lib.ibv_destroy_qp, "QP", self._pz._raw, self.request_evd._raw_cq,
                         self.recv_evd._raw_cq, *((srq._raw,) if srq is not None else ()))
+        self._raw.then = retire
         return qp
 
     # -- state -------------------------------------------------------------
@@ -365,6 +370,9 @@ class EP(Posting, Handle):
             raise error_from_errno(err, "resetting the queue pair")
         self._poll_completions(reset=True)
         self._retire_all()
+        # retired: the old QP's Raw must not retire the queues again once they hold the new QP's
+        # requests (its ``then`` kept for a retry, or run when a failed destruction is retried)
+        self._raw.then = None
         self._drop_windows()
         for held in list(self._held or ()):  # its multicast groups: a QP attached to one cannot be destroyed
             held.close()
@@ -461,6 +469,9 @@ class EP(Posting, Handle):
         if not self._closed:
             # Dropped unclosed: its requests go with its QP (its Raw holder destroys it), so their
             # buffers are free again; else lmr.free() would stay refused for requests nobody has.
+            # Retired here (the QP may outlive the EP: a window bound through it holds it).  If this
+            # raises part way (a MemoryError), the QP's Raw retires the rest once the QP is gone (its
+            # ``then``: wr.retire_requests is restartable), or a retry after the next collection.
             try:
                 self._retire_all()
             except Exception:  # (a half-made EP has no queues)

@@ -32,7 +32,7 @@ from collections import deque
 from functools import partial
 from itertools import compress, islice, repeat
 from operator import attrgetter, is_
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 from aiodat._shim import _completions
 from aiodat.epattr import EPRecvInfo
@@ -571,14 +571,55 @@ class WorkRequests:
         return EPRecvInfo(len(self._recv_q), None)
 
     def _retire_all(self) -> None:
-        """Forget every posted request (the QP was reset or destroyed): release their LMRs."""
-        for entry in self._send_q:
-            run = entry[4]
-            self._track(entry[3], -(run.size(entry[0]) if type(run) is SendRun else 1))
-            if type(run) is DrainMarker:
-                run.release()
-        for posted in self._recv_q:
-            self._track(posted[2], -1)
-        self._send_q.clear()
-        self._recv_q.clear()
-        self._quiet.clear()
+        """Forget every posted request (the QP was reset or destroyed): release their LMRs.
+        Restartable (see retire_requests): a call that raised part way is made again to finish."""
+        retire_requests(self._send_q, self._recv_q, self._quiet)
+
+
+def _send_uses(entry: Tuple[Any, ...]) -> Tuple[Tuple[Segment, ...], int]:
+    """A send-queue entry's segments and the requests it stands for (a run's are several)."""
+    run = entry[4]
+    return entry[3], run.size(entry[0]) if type(run) is SendRun else 1
+
+
+def _recv_uses(entry: Tuple[Any, ...]) -> Tuple[Tuple[Segment, ...], int]:
+    """A receive-queue entry's segments and its one request."""
+    return entry[2], 1
+
+
+def retire_requests(send_q: Deque[Any], recv_q: Deque[Any], quiet: Set[int]) -> None:
+    """Forget every request of an EP's queues (their QP was reset or destroyed): release their LMRs.
+
+    The EP's ``_retire_all``, and its QP's Raw ``then`` (ep.py): a dropped EP's finalizer whose
+    retirement raised leaves the rest to the QP's destruction, which a failure there leaves to a
+    retry after the next collection (_handle.Raw._forget).  So it is restartable: each queue is
+    taken whole or not at all, as a completion's take is (wr.WorkRequests._commit): what allocates
+    first (the entries held, the new counts made last from the counts as they are), then, by steps
+    that allocate nothing, a check that the head and the counts are still those it planned from
+    (a collection an allocation started may have run a finalizer that posted, took a completion or
+    retired: else it plans again), the entries off the queue, the counts set.  A call that raised
+    part way (a MemoryError) retired nothing twice, and the next one retires the rest.  A signal
+    handler's exception between two of those steps leaves counts high (lmr.free() refused), never
+    lowered for an entry still queued, which the next call would lower again."""
+    for q, uses in ((send_q, _send_uses), (recv_q, _recv_uses)):
+        while q:
+            held = list(q)  # (their cookies go once the counts are set: a finalizer may post again)
+            first = held[0]
+            if uses is _send_uses:
+                for entry in held:  # a graceful disconnect's drain marker (idempotent: a retry's is a no-op)
+                    if type(entry[4]) is DrainMarker:
+                        entry[4].release()
+            counts = _lowered(list(map(uses, held)))
+            steps, checks, writes = repeat(None, len(held)), iter(counts), iter(counts)
+            if (q[0] if q else None) is not first:
+                continue
+            for lmr, was, _ in checks:
+                if lmr._inflight is not was:
+                    break  # (planned again)
+            else:
+                for _ in steps:
+                    q.popleft()
+                for lmr, _, count in writes:
+                    lmr._inflight = count
+            del held
+    quiet.clear()  # (an UNSIGNALLED mark of a retired request is never looked up again)

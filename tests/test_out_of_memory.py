@@ -852,3 +852,66 @@ async def test_an_rmr_dropped_unclosed_out_of_memory_raises_nothing_from_its_fin
     (with super().__del__(), the super object's MemoryError escaped; without the call, the
     RMR's unclosed warning was lost)."""
     _dropped_unclosed_out_of_memory(ia, lambda pz: pz.create_rmr(), "rmr")
+
+
+async def test_an_ep_dropped_unclosed_out_of_memory_leaves_none_of_its_requests_counted(ia: Any) -> None:
+    """Each allocation of the collection of an unclosed EP with receives posted fails in turn, its
+    LMR's count above 256 (each change of it allocates).  After it (and a collection more, for what
+    a failure left to a retry) none of the EP's requests is counted on the LMR, and none was taken
+    off twice.  (EP.__del__'s retirement lowered the counts one request at a time: a MemoryError
+    part way left the rest counted for good, lmr.free() refused for ever.  Now a retirement that
+    raises retires nothing, and the QP's Raw retires them once the QP is gone.)"""
+    import os
+    import weakref
+
+    package_dir = os.path.dirname(aiodat.__file__) + os.sep
+    unraisable: List[str] = []
+    pz = ia.create_pz()
+    stopped = [0]  # the rounds in which the finalizer's retirement raised
+    leaked = 0
+    try:
+        lmr = pz.register(bytearray(4096))
+        holder = ia.create_ep(pz, attrs=aiodat.EPAttr(max_recv_dtos=HIGH))
+        holder.post_recv_batch([(lmr[0:64], ("held", i)) for i in range(HIGH)])  # counts above 256
+        failures = through = 0
+        for n in range(PYTHON_ROUNDS):
+            ep = ia.create_ep(pz)
+            ep.post_recv_batch([(lmr[64:128], ("round", n, i)) for i in range(3)])
+            ep.post_recv(lmr[128:192], ("round", n))
+            assert lmr._inflight == HIGH + 4
+            real = ep._retire_all
+
+            def observed(real: Any = real) -> None:
+                try:
+                    real()
+                except BaseException:
+                    stopped[0] += 1  # (a small int: nothing allocated)
+                    raise
+
+            ep._retire_all = observed
+            ref = weakref.ref(ep)
+            held = [ep]
+            del real, observed, ep
+            gc.collect()  # earlier garbage first: the failing collection has the EP to itself
+            failed, seen = _collected_failing_at(n, held)
+            unraisable += _unraisable_from(package_dir, seen)
+            failures += failed
+            through = 0 if failed else through + 1
+            gc.collect()  # what a failure left to a retry
+            kept = ref()
+            if kept is not None:  # (CPython 3.11 can leak the reference a call that could not
+                leaked += 1       # allocate its frame held: the EP was never collected)
+                kept.close()
+                del kept
+            assert lmr._inflight == HIGH, f"allocation {n}, failed: {failed}, retirements stopped: {stopped[0]}"
+            if through == THROUGH:
+                break
+        assert failures and through == THROUGH and stopped[0], (failures, through, stopped[0])
+        assert leaked < failures, "every failing round leaked its EP: the finalizers were never tried"
+        assert not unraisable, f"{len(unraisable)} raised in aiodat's finalizers; the first:\n{unraisable[0]}"
+        holder.close()
+        assert lmr._inflight == 0
+        lmr.free()
+    finally:
+        gc.collect()
+        pz.close()

@@ -142,3 +142,55 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_then_that_raises_is_run_again_at_the_next_collection() -> None:
+    """(Pure.) A Raw's ``then`` (what the device held through it: a QP's requests, an SRQ's
+    receives) that raises when the Raw is finalized (a MemoryError in the collection of a dropped
+    EP, say) is kept, with the Raw on the deferred list, and run again after the next collection,
+    until it goes through; the object is destroyed once.  (It was lost: its Raw's finalizer
+    swallowed the exception, and the LMRs stayed counted for good.)  An exception that is no
+    Exception still goes on up, the ``then`` kept all the same."""
+    import weakref
+
+    import pytest
+
+    from aiodat import _handle
+
+    destroyed: List[int] = []
+    runs: List[bool] = []
+    failing = [True]
+
+    def then() -> None:
+        runs.append(failing[0])
+        if failing[0]:
+            raise MemoryError
+
+    raw = _handle.Raw(_handle.ffi.cast("void *", 21), lambda ptr: destroyed.append(1) or 0, "QP")
+    raw.then = then
+    ref = weakref.ref(raw)
+    del raw  # finalized: destroyed, its ``then`` fails
+    kept = ref()
+    assert kept is not None and kept in _handle._deferred and kept.then is then
+    assert kept.ptr == _handle.ffi.NULL and destroyed == [1] and runs and all(runs)
+    del kept
+    tried = len(runs)
+    gc.collect()  # fails again: still kept
+    assert len(runs) > tried and ref() is not None and ref() in _handle._deferred
+    failing[0] = False
+    gc.collect()
+    assert runs[-1] is False and runs.count(False) == 1 and ref() is None and destroyed == [1]
+
+    def interrupted() -> None:
+        runs.append(True)
+        if len(runs) == 1:
+            raise KeyboardInterrupt
+
+    runs.clear()
+    raw = _handle.Raw(_handle.ffi.cast("void *", 22), lambda ptr: 0, "SRQ")
+    raw.then = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        raw.release()
+    assert raw in _handle._deferred and raw.then is interrupted
+    gc.collect()
+    assert len(runs) == 2 and raw not in _handle._deferred and raw.then is None

@@ -172,3 +172,74 @@ def test_retire_all_releases_every_request_of_a_run() -> None:
     assert lmr._inflight == 33
     ep._retire_all()
     assert lmr._inflight == 0 and not ep._send_q and ep._sends_outstanding() == 0
+
+
+class FakeEVD:
+    def __init__(self) -> None:
+        self._awaited = 2  # the drain marker's and a wait's
+
+
+def _busy(high: int) -> Tuple[FakeEP, FakeLMR, FakeLMR, FakeEVD]:
+    """An EP holding sends (one on two LMRs, a zero-length one, a run, a drain marker) and receives
+    (one on two LMRs), UNSIGNALLED marks, and LMRs whose counts start at ``high``."""
+    from aiodat.wr import DrainMarker
+
+    a, b = FakeLMR(), FakeLMR()
+    a._inflight = b._inflight = high
+    ep = make_ep()
+    posted(ep, [(0, (FakeSeg(a),)), (2, (FakeSeg(a), FakeSeg(b))), (4, ())], quiet=(0, 2))
+    posted_run(ep, 6, 5, (FakeSeg(b),))
+    marker = DrainMarker(lambda status: None)
+    marker.evd = evd = FakeEVD()
+    ep._send_q.append((16, None, None, (), marker))
+    for wr_id, segs in ((1, (FakeSeg(a),)), (3, (FakeSeg(a), FakeSeg(b)))):
+        ep._recv_q.append((wr_id, f"cookie{wr_id}", segs))
+        for seg in segs:
+            seg.lmr._inflight += 1
+    return ep, a, b, evd
+
+
+def _queued_uses(ep: FakeEP, lmr: FakeLMR) -> int:
+    """The requests on ``lmr`` the EP's queues still hold (a segment, a use)."""
+    sends = sum((e[4].size(e[0]) if isinstance(e[4], SendRun) else 1) * sum(s.lmr is lmr for s in e[3])
+                for e in ep._send_q)
+    return sends + sum(sum(s.lmr is lmr for s in e[2]) for e in ep._recv_q)
+
+
+def test_a_retirement_that_runs_out_of_memory_part_way_is_finished_by_the_next() -> None:
+    """Each allocation of ``_retire_all`` fails in turn (CPython's ``_testcapi.set_nomemory``, the
+    collector off), the LMRs' counts above 256 so that each change of one allocates.  Wherever it
+    failed, every request still queued is counted and none retired is (nothing lowered twice by
+    the next call, which a dropped EP's QP makes: see EP.__del__), and the next call retires the
+    rest.  (It lowered the counts entry by entry and emptied the queues last: a MemoryError part
+    way left the entries it had lowered queued, to be lowered again, below what the device holds.)"""
+    import gc
+
+    import pytest
+
+    testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory)")
+    high = 300
+    failures = through = 0
+    for n in range(1000):
+        ep, a, b, evd = _busy(high)
+        gc.disable()
+        testcapi.set_nomemory(n, n + 1)
+        try:
+            ep._retire_all()
+            failed = False
+        except MemoryError:
+            failed = True
+        finally:
+            testcapi.remove_mem_hooks()
+            gc.enable()
+        failures += failed
+        through = 0 if failed else through + 1
+        for lmr in (a, b):
+            assert lmr._inflight == high + _queued_uses(ep, lmr), f"allocation {n}, failed: {failed}"
+        ep._retire_all()  # (the next call: the QP's Raw's, once the EP's finalizer raised)
+        assert a._inflight == b._inflight == high, f"allocation {n}"
+        assert not ep._send_q and not ep._recv_q and not ep._quiet
+        assert evd._awaited == 1, f"allocation {n}"  # the drain marker stopped waiting, once
+        if through == 10:
+            break
+    assert failures and through == 10
