@@ -206,7 +206,15 @@ class Raw:
         try:
             self.release()
         except Exception:  # a finalizer: never raise
-            pass
+            # A MemoryError before the destruction (the deps' iterator, say) must not drop a live
+            # object: its verbs object would leak and what it depends on stay counted for good (a
+            # device context, CQs, a PD never destroyed).  Resurrected on the deferred list, for the
+            # next retry (``in`` and an append that rarely grows: the allocation failed already).
+            try:
+                if self.ptr != ffi.NULL and self not in _deferred:
+                    _deferred.append(self)
+            except Exception:
+                pass
 
 
 def _retry_deferred() -> None:

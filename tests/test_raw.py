@@ -194,3 +194,29 @@ def test_a_then_that_raises_is_run_again_at_the_next_collection() -> None:
     assert raw in _handle._deferred and raw.then is interrupted
     gc.collect()
     assert len(runs) == 2 and raw not in _handle._deferred and raw.then is None
+
+
+def test_a_raw_whose_finalizer_runs_out_of_memory_before_the_destruction_is_destroyed_later() -> None:
+    """(Pure.) A dropped Raw whose release raises (a MemoryError before the destruction: the deps'
+    iterator, say) is kept on the deferred list and destroyed, once, after the next collection, and
+    what it depends on is let go.  (Its finalizer swallowed the exception and the Raw went: the
+    verbs object leaked and its CQs, PD and device context stayed counted for good, deferred for
+    ever once closed: a later test's ``assert not _handle._deferred`` failed.)"""
+    from aiodat import _handle
+
+    parent = _handle.Raw(_handle.ffi.cast("void *", 1), lambda ptr: 0, "CQ")
+    calls: List[int] = []
+
+    def destroy(ptr: Any) -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError
+        return 0
+
+    raw = _handle.Raw(_handle.ffi.cast("void *", 2), destroy, "QP", parent)
+    assert parent._users == 1
+    del raw  # its finalizer runs out of memory
+    assert [r.what for r in _handle._deferred] == ["QP"] and parent._users == 1
+    gc.collect()  # the retry
+    assert calls == [1, 1] and not _handle._deferred and parent._users == 0
+    assert parent.release() == 0 and parent.ptr == _handle.ffi.NULL
