@@ -40,6 +40,19 @@ PYTHON_ROUNDS = 1000  # at most, on the Python paths
 THROUGH = 10  # rounds in a row in which the Python post got through: past its allocations
 
 
+@pytest.fixture(autouse=True)
+def only_the_tests_objects_collected() -> Any:
+    """The run's other objects (hundreds of thousands in the whole suite) frozen for the test: the
+    many collections here then look at what the test made only (under emulation each full
+    collection took seconds, and the finalizer rounds ran to minutes)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def failing_the_nth_allocation(n: int, call: Any, *args: Any) -> bool:
     """Run ``call(*args)`` with its ``n``-th allocation failing: True if it raised MemoryError."""
     return raised_at(n, call, *args) is not None
