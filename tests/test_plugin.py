@@ -132,6 +132,11 @@ async def function_loop_pair(ia):
 '''
 
 
+#: options of every inner run: no cache files, and no hypothesis plugin (the sample suites use none,
+#: and importing it took about a third of each inner run's start-up under emulation)
+BARE = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+
+
 def _write_suite(pytester: pytest.Pytester) -> None:
     pytester.makeini(INI)
     pytester.makepyfile(test_user_suite=USER_SUITE, test_module_loop=MODULE_LOOP_SUITE)
@@ -159,7 +164,7 @@ def test_user_suite_passes_on_rxe(pytester: pytest.Pytester, request: pytest.Fix
     loop = request.config.getoption("--aiodat-loop") or "asyncio"
     monkeypatch.setenv("EXPECT_LOOP", loop)
     _write_suite(pytester)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--aiodat-loop={loop}", "-v",
+    result = pytester.runpytest_subprocess(*BARE, f"--aiodat-loop={loop}", "-v",
                                            timeout=600)
     result.stdout.fnmatch_lines([f"aiodat: loop={loop} *"])
     result.assert_outcomes(passed=8)
@@ -186,7 +191,7 @@ def test_ep_pair_in_pytest_asyncio_strict_mode(pytester: pytest.Pytester, reques
     pytester.makeini(INI.replace("asyncio_mode = auto", "asyncio_mode = strict"))
     pytester.makepyfile(test_strict=STRICT_SUITE)
     loop = request.config.getoption("--aiodat-loop") or "asyncio"
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--aiodat-loop={loop}", timeout=600)
+    result = pytester.runpytest_subprocess(*BARE, f"--aiodat-loop={loop}", timeout=600)
     result.assert_outcomes(passed=1)
 
 
@@ -228,7 +233,7 @@ def test_fixtures_leave_nothing_open_after_a_failure(pytester: pytest.Pytester,
     pytester.makeini(INI)
     pytester.makepyfile(test_teardown=TEARDOWN_SUITE)
     loop = request.config.getoption("--aiodat-loop") or "asyncio"
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", f"--aiodat-loop={loop}",
+    result = pytester.runpytest_subprocess(*BARE, "-p", "no:randomly", f"--aiodat-loop={loop}",
                                            "-W", "error::pytest.PytestUnraisableExceptionWarning", timeout=600)
     result.assert_outcomes(failed=1, passed=2)
     result.stdout.fnmatch_lines(["*this test fails on purpose*"])
@@ -298,7 +303,7 @@ def test_ep_pair_connects_on_the_tests_loop(pytester: pytest.Pytester, monkeypat
     pytester.makeini(INI.replace("= function", f"= {fixture_loop_scope}"))
     pytester.makeconftest(EP_PAIR_LOOP_CONFTEST)
     pytester.makepyfile(test_pair_loop=EP_PAIR_LOOP_SUITE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", timeout=300)
+    result = pytester.runpytest_subprocess(*BARE, "-p", "no:randomly", timeout=300)
     result.assert_outcomes(passed=3)
 
 
@@ -310,7 +315,7 @@ def test_user_suite_skips_without_device(pytester: pytest.Pytester, monkeypatch:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("EXPECT_LOOP", "uvloop")
     _write_suite(pytester)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--aiodat-loop=uvloop", "-rs", timeout=300)
+    result = pytester.runpytest_subprocess(*BARE, "--aiodat-loop=uvloop", "-rs", timeout=300)
     result.assert_outcomes(passed=2, skipped=6)
     result.stdout.fnmatch_lines(["*SKIPPED*no RDMA device here*aiodat rxe run -- python -m pytest*"])
 
@@ -325,7 +330,7 @@ def test_required_device_missing_is_an_error(pytester: pytest.Pytester, monkeypa
     monkeypatch.setenv("EXPECT_LOOP", "asyncio")
     pytester.makeini(INI)
     pytester.makepyfile(test_user_suite=USER_SUITE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result = pytester.runpytest_subprocess(*BARE, timeout=300)
     outcomes: Any = result.parseoutcomes()
     assert outcomes.get("skipped", 0) == 0
     assert outcomes.get("failed", 0) + outcomes.get("errors", 0) == 2 and outcomes.get("passed") == 2
@@ -402,13 +407,13 @@ def test_loop_chosen_only_for_aiodat_tests(pytester: pytest.Pytester, monkeypatc
     monkeypatch.delenv("AIODAT_LOOP", raising=False)
     pytester.makeini(INI)
     pytester.makepyfile(test_loops=LOOP_CHOICE_SUITE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--aiodat-loop=uvloop", "-v", timeout=300)
+    result = pytester.runpytest_subprocess(*BARE, "--aiodat-loop=uvloop", "-v", timeout=300)
     result.assert_outcomes(passed=11)
     # the address last: the test bed's scripts match "loop=... device=... testbed=" (tests/test_sample_project.py)
     result.stdout.fnmatch_lines(["aiodat: loop=uvloop device=fake0 testbed=* address=169.254.0.9"])
     # AIODAT_LOOP chooses the same way as the option
     monkeypatch.setenv("AIODAT_LOOP", "uvloop")
-    pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300).assert_outcomes(passed=11)
+    pytester.runpytest_subprocess(*BARE, timeout=300).assert_outcomes(passed=11)
 
 
 PARAMETER_VALUES_SUITE = '''
@@ -456,7 +461,7 @@ def test_parameter_values_are_neither_consumed_nor_misread(pytester: pytest.Pyte
     monkeypatch.delenv("AIODAT_LOOP", raising=False)
     pytester.makeini(INI)
     pytester.makepyfile(test_values=PARAMETER_VALUES_SUITE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", timeout=300)
+    result = pytester.runpytest_subprocess(*BARE, "-rs", timeout=300)
     result.assert_outcomes(passed=5)
 
 
@@ -467,12 +472,12 @@ def test_a_loop_without_pytest_asyncios_hook_is_refused(pytester: pytest.Pyteste
     monkeypatch.delenv("AIODAT_LOOP", raising=False)
     pytester.makeini(INI)
     pytester.makepyfile(test_sync="def test_sync():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio", "--aiodat-loop=uvloop",
+    result = pytester.runpytest_subprocess(*BARE, "-p", "no:asyncio", "--aiodat-loop=uvloop",
                                            timeout=300)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*needs pytest-asyncio >= 1.4*pytest-asyncio * is not loaded*"])
     # the default loop needs no hook
-    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio", timeout=300).assert_outcomes(passed=1)
+    pytester.runpytest_subprocess(*BARE, "-p", "no:asyncio", timeout=300).assert_outcomes(passed=1)
 
 
 def test_uvloop_not_installed_is_a_usage_error(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -483,7 +488,7 @@ def test_uvloop_not_installed_is_a_usage_error(pytester: pytest.Pytester, monkey
     # (the subprocess finds modules in the pytester directory first: this one stands for a missing uvloop)
     pytester.makepyfile(uvloop="raise ModuleNotFoundError(\"No module named 'uvloop'\", name='uvloop')\n",
                         test_loop="async def test_loop(aiodat_loop):\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--aiodat-loop=uvloop", timeout=300)
+    result = pytester.runpytest_subprocess(*BARE, "--aiodat-loop=uvloop", timeout=300)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "needs uvloop: No module named 'uvloop'; pip install 'aiodat[uvloop]'" in result.stderr.str()
 
@@ -499,7 +504,7 @@ def test_a_misread_environment_value_is_a_usage_error(pytester: pytest.Pytester,
     monkeypatch.setenv(name, value)
     pytester.makeini(INI)
     pytester.makepyfile(test_sync="def test_sync():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result = pytester.runpytest_subprocess(*BARE, timeout=300)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{name}='{value}'*"])
 
@@ -515,7 +520,7 @@ def test_require_device_takes_the_usual_spellings(pytester: pytest.Pytester, mon
     monkeypatch.delenv("AIODAT_LOOP", raising=False)
     pytester.makeini(INI)
     pytester.makepyfile(test_dev="import pytest\n\n@pytest.mark.rxe\ndef test_dev():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result = pytester.runpytest_subprocess(*BARE, timeout=300)
     result.assert_outcomes(errors=1)  # (the failure is the rxe marker's, at setup)
     result.stdout.fnmatch_lines(["*AIODAT_REQUIRE_DEVICE=true but no RDMA device is up: "
                                  "no active port matches AIODAT_RXE_DEVICE=nosuchdev9*"])
@@ -608,6 +613,6 @@ def test_another_plugins_loop_choice_comes_first(pytester: pytest.Pytester, monk
     monkeypatch.delenv("AIODAT_LOOP", raising=False)
     pytester.makeini(INI)
     pytester.makepyfile(other_loops=OTHER_LOOP_PLUGIN, test_order=HOOK_ORDER_SUITE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "other_loops", "--aiodat-loop=uvloop",
+    result = pytester.runpytest_subprocess(*BARE, "-p", "other_loops", "--aiodat-loop=uvloop",
                                            "-v", timeout=300)
     result.assert_outcomes(passed=5)
