@@ -799,6 +799,8 @@ def _collected_failing_at(n: int, held: List[Any]) -> Tuple[bool, List[Any]]:
 
     seen: List[Any] = []
     landed = "collection"
+    # (the hook and the failing written out, as in the test above: a context manager's exit would
+    # itself allocate while allocations fail)
     gc.disable()
     try:
         with warnings.catch_warnings():
