@@ -120,8 +120,10 @@ def _first_attempt_limit(args: Sequence[str], timeout: float) -> float:
     and no more than START_BOUND + ``-n`` x (MESSAGE_BOUND + ``-s`` x BYTE_BOUND) when ``-n`` is given
     (the tests' short runs: a hang cost them 150 s of a 300 s timeout)."""
     def option(name: str, default: int) -> int:
-        at = list(args).index(name) if name in args else -1
-        return int(args[at + 1]) if 0 <= at < len(args) - 1 and args[at + 1].isdigit() else default
+        for flag, value in zip(args, args[1:]):
+            if flag == name and value.isdigit():
+                return int(value)
+        return default
 
     iters = option("-n", 0)
     if not iters:
