@@ -200,6 +200,8 @@ def _parser() -> argparse.ArgumentParser:
     so.add_argument("--seconds", type=_positive_float, default=60.0, help="how long (default 60)")
     so.add_argument("--connections", "-c", type=_int_in(1), default=16, help="connections (default 16)")
     so.add_argument("--interval", type=_positive_float, default=5.0, help="reporting interval in seconds (default 5)")
+    so.add_argument("--timeout", type=_positive_float, default=30.0,
+                    help="bound on each connect, disconnect and completion wait, in seconds (default 30)")
     so.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop", help="event loop (default uvloop)")
     so.add_argument("--device", "-d", default=None, help="IA name (default: $AIODAT_RXE_DEVICE or the first)")
     so.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -617,7 +619,8 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     from aiodat import bench
 
     return _run_bench("aiodat bench soak", args, lambda: bench.soak(
-        args.seconds, args.connections, args.loop, interval=args.interval, device=args.device))
+        args.seconds, args.connections, args.loop, interval=args.interval, device=args.device,
+        timeout=args.timeout))
 
 
 def _positive(value: float) -> bool:

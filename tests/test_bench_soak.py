@@ -3,6 +3,7 @@ connection that cannot be made fails the soak."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from aiodat.cli import main
     (["--seconds", "0"], "argument --seconds: must be finite and > 0, got 0"),
     (["--interval", "nan"], "argument --interval: must be finite and > 0"),
     (["--interval=-inf"], "argument --interval: must be finite and > 0"),
+    (["--timeout", "0"], "argument --timeout: must be finite and > 0, got 0"),
     (["--connections", "0"], "argument --connections/-c: must be >= 1, got 0")])
 def test_bad_arguments_are_refused(argv: Any, said: str, capsys: Any) -> None:
     assert main(["bench", "soak", *argv]) == 2
@@ -25,7 +27,7 @@ def test_bad_arguments_are_refused(argv: Any, said: str, capsys: Any) -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"seconds": float("nan")}, {"interval": float("nan")},
-                                    {"seconds": float("inf")}])
+                                    {"seconds": float("inf")}, {"timeout": float("nan")}, {"timeout": 0.0}])
 def test_soak_refuses_non_finite_times(kwargs: Any) -> None:
     with pytest.raises(ValueError, match="finite"):
         bench.soak(**kwargs)
@@ -58,7 +60,10 @@ async def test_a_task_that_died_is_an_error() -> None:
 @pytest.mark.rxe
 def test_a_connection_never_made_fails_the_soak(rdma_device: Any) -> None:
     """Every connect goes to an address no device here reaches (TEST-NET-1): each worker dies in its
-    first connect, and that is an error."""
-    report = bench.soak(3.0, 2, "asyncio", interval=1.0, device=rdma_device.name, address="192.0.2.1")
+    first connect, and that is an error, within the soak's ``timeout`` (the default's 30 s would
+    cost the suite 30 s)."""
+    t0 = time.monotonic()
+    report = bench.soak(3.0, 2, "asyncio", interval=1.0, device=rdma_device.name, address="192.0.2.1", timeout=3.0)
+    assert time.monotonic() - t0 < 20, "the connect's timeout was not the soak's"
     assert not report.ok and report.errors, report.format()
     assert all(e.startswith("connection ") for e in report.errors), report.errors

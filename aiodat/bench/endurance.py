@@ -83,7 +83,7 @@ def _rss_kib() -> int:
 
 
 async def _soak(device: str, address: str, seconds: float, connections: int, interval: float,
-                report: SoakReport) -> None:
+                timeout: float, report: SoakReport) -> None:
     from aiodat import ConnectionRequestEvent, DATError, EvdFlags, Privileges, open_ia
 
     ia = open_ia(device)
@@ -119,15 +119,15 @@ async def _soak(device: str, address: str, seconds: float, connections: int, int
                 client.post_recv(lmr_c[0:64], "r")
                 pending[key] = fut
                 connecting = asyncio.ensure_future(
-                    client.connect(address, psp.port, key.to_bytes(4, "big"), timeout=30))
-                # a connect that fails says why at once, not as a missing request 30 s later
-                await asyncio.wait({fut, connecting}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+                    client.connect(address, psp.port, key.to_bytes(4, "big"), timeout=timeout))
+                # a connect that fails says why at once, not as a missing request `timeout` later
+                await asyncio.wait({fut, connecting}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if not fut.done():
                     if connecting.done():
                         connecting.result()  # (raises the connect's error)
-                    raise asyncio.TimeoutError("no connection request arrived within 30 s")
+                    raise asyncio.TimeoutError(f"no connection request arrived within {timeout:g} s")
                 cr = fut.result()
-                await cr.accept(server, timeout=30)
+                await cr.accept(server, timeout=timeout)
                 await connecting
             except BaseException:
                 pending.pop(key, None)
@@ -159,29 +159,29 @@ async def _soak(device: str, address: str, seconds: float, connections: int, int
                     kind = i % 4
                     if kind == 0:  # send/recv ping-pong (64 B each way)
                         client.post_send(lmr_c[64:128], "s")
-                        (await server.recv_evd.wait_one(timeout=30)).raise_for_status()
+                        (await server.recv_evd.wait_one(timeout=timeout)).raise_for_status()
                         server.post_recv(lmr_s[0:64], "r")
                         server.post_send(lmr_s[64:128], "s")
-                        (await client.recv_evd.wait_one(timeout=30)).raise_for_status()
+                        (await client.recv_evd.wait_one(timeout=timeout)).raise_for_status()
                         client.post_recv(lmr_c[0:64], "r")
                         for ep in (client, server):
-                            (await ep.request_evd.wait_one(timeout=30)).raise_for_status()
+                            (await ep.request_evd.wait_one(timeout=timeout)).raise_for_status()
                     elif kind == 1:  # RDMA write 4 KiB, then read it back and compare
                         stamp = i.to_bytes(8, "big") * 512
                         lmr_c.memoryview()[4096:8192] = stamp
                         client.post_rdma_write(lmr_c[4096:8192], remote[4096:8192], "w")
-                        (await client.request_evd.wait_one(timeout=30)).raise_for_status()
+                        (await client.request_evd.wait_one(timeout=timeout)).raise_for_status()
                         client.post_rdma_read(lmr_c[8192:12288], remote[4096:8192], "rd")
-                        (await client.request_evd.wait_one(timeout=30)).raise_for_status()
+                        (await client.request_evd.wait_one(timeout=timeout)).raise_for_status()
                         if bytes(lmr_c.memoryview()[8192:12288]) != stamp:
                             report.errors.append(f"connection {n}: RDMA read returned other data")
                     elif kind == 2:  # fetch-add
                         client.post_fetch_add(lmr_c[12288:12296], remote[12288:12296], 1, "fa")
-                        (await client.request_evd.wait_one(timeout=30)).raise_for_status()
+                        (await client.request_evd.wait_one(timeout=timeout)).raise_for_status()
                     else:  # one of the connections reconnects now and then
                         if i % (64 * connections) == 3 + 4 * n:
-                            await client.disconnect(timeout=30)
-                            await server.connect_evd.wait_one(timeout=30)
+                            await client.disconnect(timeout=timeout)
+                            await server.connect_evd.wait_one(timeout=timeout)
                             client.free()
                             server.free()
                             client = server = None  # (freed: not again below if the reconnect fails)
@@ -242,17 +242,18 @@ async def record_ended(report: SoakReport, tasks: Dict[str, "asyncio.Future[Any]
 
 
 def soak(seconds: float = 60.0, connections: int = 16, loop: str = "uvloop", *, interval: float = 5.0,
-         device: Optional[str] = None, address: Optional[str] = None) -> SoakReport:
+         device: Optional[str] = None, address: Optional[str] = None, timeout: float = 30.0) -> SoakReport:
     """``aiodat bench soak``: ``connections`` connections on one device doing mixed operations
     (send/recv ping-pong, 4 KiB RDMA write then read-back compare, fetch-add, and now and then a
     disconnect/reconnect) for ``seconds``; every ``interval`` seconds the throughput, p50/p99
     latency per operation, open fds and RSS.  The report's ``ok`` is False if an operation failed
     or fds/RSS grew from the first measured interval (the first is warm-up) to the last.
+    ``timeout`` bounds each connect, accept, disconnect and wait for a completion, in seconds.
     """
-    if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(interval) and interval > 0) \
+    if not all(math.isfinite(v) and v > 0 for v in (seconds, interval, timeout)) \
             or connections < 1:  # (a NaN deadline runs nothing and would say OK)
-        raise ValueError("seconds and interval must be finite and > 0, connections >= 1")
+        raise ValueError("seconds, interval and timeout must be finite and > 0, connections >= 1")
     device, address = device_and_address(device, address)
     report = SoakReport(seconds, connections, loop)
-    run_on_loop(loop, lambda: _soak(device, address, seconds, connections, interval, report))
+    run_on_loop(loop, lambda: _soak(device, address, seconds, connections, interval, timeout, report))
     return report
