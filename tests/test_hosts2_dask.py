@@ -1,15 +1,20 @@
 """Issue 16 item 5: Dask over ``rdma://`` between two real hosts (two QEMU guests, each with its own rxe).
 
 Run with ``aiodat rxe run --hosts 2 -- env AIODAT_REQUIRE_DEVICE=1 python -m pytest -m hosts2
-tests/test_hosts2_dask.py`` (once per loop: ``--aiodat-loop asyncio`` / ``uvloop``); CI runs it in
-the two-host boot of tests/test_faults.py.
+tests/test_hosts2_dask.py``; CI runs it in the two-host boot of tests/test_faults.py, once.
+
+Both kinds of loop in one run (marked ``both_loops``): the test's own process (host A's worker
+and the client) runs the loop ``--aiodat-loop`` chooses, the two command lines run the other.  So
+with asyncio chosen, as in CI's asyncio pass, the 64 MiB leave host B from a uvloop worker and
+arrive on an asyncio one, and the scheduler runs uvloop; the uvloop pass leaves the test out,
+as it would only swap the two (each start-up costs about two minutes under TCG).
 
 The real command lines: ``dask scheduler --protocol rdma --host A`` on host A (where the test runs)
 and ``dask worker rdma://A:PORT`` on host B (through :mod:`aiodat.testbed.hosts`).  Their start-up
 is mostly importing distributed (about a minute each under TCG), so both start first, at once,
 and the test imports distributed only then, on A's other vCPU (the worker retries until the
 scheduler listens).  Host A's worker is a :class:`distributed.Worker` in the test's own process
-and loop, which saves a third start-up.  The CLIs run distributed's event loop of the chosen kind
+and loop, which saves a third start-up.  The CLIs run distributed's event loop of the other kind
 (``distributed.admin.event-loop``).
 
 What crossing means here: 64 MiB made on B's worker (who_has: only B holds them) are compared
@@ -38,16 +43,20 @@ for _needed in ("numpy", "distributed"):
         pytest.skip(f"needs {_needed} (pip install aiodat[dask])", allow_module_level=True)
 
 # two_hosts (tests/conftest.py): skipped outside a two-host test bed, AIODAT_LOOP set
-pytestmark = [pytest.mark.hosts2, pytest.mark.usefixtures("two_hosts")]
+pytestmark = [pytest.mark.hosts2, pytest.mark.both_loops, pytest.mark.usefixtures("two_hosts")]
 
 SIZE = 64 << 20
 START_TIMEOUT = 150.0
 
 
+def other_loop(loop: str) -> str:
+    """The kind of loop the command lines run: not the test's own."""
+    return "asyncio" if loop == "uvloop" else "uvloop"
+
+
 def _env(loop: str) -> Dict[str, str]:
-    """What the dask command lines need on either host: our package first, the chosen loop."""
-    env = {"DASK_DISTRIBUTED__ADMIN__EVENT_LOOP": "uvloop" if loop == "uvloop" else "asyncio",
-           "AIODAT_LOOP": loop, "PYTHONUNBUFFERED": "1"}
+    """What the dask command lines need on either host: our package first, their loop."""
+    env = {"DASK_DISTRIBUTED__ADMIN__EVENT_LOOP": loop, "AIODAT_LOOP": loop, "PYTHONUNBUFFERED": "1"}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return env
@@ -87,18 +96,19 @@ async def test_scheduler_and_workers_on_two_hosts_move_64_mib(aiodat_loop: str, 
     port = 18786 + os.getpid() % 1000
     scheduler_addr = f"rdma://{a}:{port}"
     dask_cli = [sys.executable, "-m", "dask"]
+    cli_loop = other_loop(aiodat_loop)
     phases: Dict[str, float] = {}
     t0 = t = time.monotonic()
     # both command lines at once, one on each host
     sched = hosts.start_on(0, dask_cli + ["scheduler", "--protocol", "rdma", "--host", a, "--port", str(port),
-                                          "--no-dashboard", "--no-show"], env=_env(aiodat_loop))
+                                          "--no-dashboard", "--no-show"], env=_env(cli_loop))
     started.append(sched)
     remote = hosts.start_on(1, dask_cli + ["worker", scheduler_addr, "--name", "host-b", "--nthreads", "1",
-                                           "--no-nanny", "--no-dashboard"], env=_env(aiodat_loop))
+                                           "--no-nanny", "--no-dashboard"], env=_env(cli_loop))
     started.append(remote)
     from distributed import Client, Worker  # meanwhile (blocks this loop, which has nothing else to do)
 
-    make, verify_where, rdma_totals = _task_functions()
+    make, verify_where, rdma_totals, loop_kind = _task_functions()
     phases["import"] = time.monotonic() - t
     await _wait_logged(sched, "Scheduler at:", START_TIMEOUT)
     phases["scheduler up"] = time.monotonic() - t
@@ -116,6 +126,10 @@ async def test_scheduler_and_workers_on_two_hosts_move_64_mib(aiodat_loop: str, 
         assert by_name == {"host-a": worker_a.address, "host-b": by_name["host-b"]}, by_name
         on_a, on_b = by_name["host-a"], by_name["host-b"]
         assert on_a.startswith(f"rdma://{a}:") and on_b.startswith(f"rdma://{b}:"), by_name
+        # each side on its own kind of loop, as the docstring says
+        assert loop_kind() == aiodat_loop
+        assert await client.run(loop_kind, workers=[on_b]) == {on_b: cli_loop}
+        assert await client.run_on_scheduler(loop_kind) == cli_loop
 
         # 64 MiB made on B: only B holds them
         t = time.monotonic()
@@ -144,7 +158,7 @@ async def test_scheduler_and_workers_on_two_hosts_move_64_mib(aiodat_loop: str, 
         t = time.monotonic()
     phases["close"] = time.monotonic() - t
     mib_s = SIZE / (1 << 20) / fetched[0]["duration"]
-    print(f"\ndask on two hosts over rdma:// [{aiodat_loop}]: "
+    print(f"\ndask on two hosts over rdma:// [test {aiodat_loop}, command lines {cli_loop}]: "
           + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
           + f"; total {time.monotonic() - t0:.1f} s; B->A transfer {fetched[0]['duration']:.2f} s ({mib_s:.0f} MiB/s)")
 
@@ -176,4 +190,10 @@ def _task_functions() -> Any:
 
         return dict(RDMAComm.totals)
 
-    return make, verify_where, rdma_totals
+    def loop_kind() -> str:
+        """The kind of the running loop ("asyncio" or "uvloop"; runs on a worker or the scheduler)."""
+        import asyncio
+
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+    return make, verify_where, rdma_totals, loop_kind

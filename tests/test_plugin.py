@@ -132,9 +132,10 @@ async def function_loop_pair(ia):
 '''
 
 
-#: options of every inner run: no cache files, and no hypothesis plugin (the sample suites use none,
-#: and importing it took about a third of each inner run's start-up under emulation)
-BARE = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+#: options of every inner run: no cache files, and neither the hypothesis nor the anyio plugin (the
+#: sample suites use neither; importing hypothesis took about a third of each inner run's start-up
+#: under emulation, anyio's plugin about a tenth of pytest's start-up on the host)
+BARE = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio")
 
 
 def _write_suite(pytester: pytest.Pytester) -> None:
