@@ -591,6 +591,39 @@ def test_a_bench_child_ignores_ctrl_c(loop):
     assert port > 0 and ignored & (1 << (signal.SIGINT - 1)) and returncode is None
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_bench_child_interrupted_while_starting_ignores_it(loop, tmp_path, monkeypatch):
+    """Ctrl-C reaching a bench child while its interpreter still starts (its site import, before any
+    line of aiodat; here a sitecustomize that takes a second) is ignored too: the child goes on to
+    serve and prints nothing.  A child that ignored it from its first line of code died there with
+    "Fatal Python error: init_import_site" and a traceback (a busy host, 2026-11-30)."""
+    import asyncio
+    import signal
+
+    from aiodat.bench import peer
+    from aiodat.bench.harness import run_on_loop
+
+    pytest.importorskip(loop)
+    (tmp_path / "sitecustomize.py").write_text("import time\nprint('starting', flush=True)\ntime.sleep(1)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+    async def run():
+        proc = await asyncio.create_subprocess_exec(
+            *peer._CHILD, "stream-server", "tcp", "127.0.0.1", "0", "0", loop, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            first = await asyncio.wait_for(proc.stdout.readline(), 60)
+            os.kill(proc.pid, signal.SIGINT)  # (inside the site import)
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        finally:
+            await peer.kill_child(proc)
+        return first, line, await proc.stderr.read()
+
+    first, line, err = run_on_loop(loop, run)
+    assert first == b"starting\n" and not err, err.decode(errors="replace")
+    assert line.startswith(b"port "), line
+
+
 def test_docs_name_every_flag_in_its_section():
     """docs/cli.md and the parser agree: each subcommand has its section, and each of its flags is named
     there (the shared bench flags once, above)."""

@@ -7,16 +7,17 @@ import sys
 from typing import Any, List, Optional, Tuple
 
 
-#: ``python -m aiodat.bench`` with SIGINT ignored before any import: Ctrl-C reaches the whole process
-#: group, and a child interrupted even while importing prints a traceback; the interrupted parent kills
-#: it instead (a preexec_fn's SIG_IGN does not survive uvloop's spawn)
-_CHILD = ("import runpy, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-          "runpy.run_module('aiodat.bench', run_name='__main__', alter_sys=True)")
+#: ``python -m aiodat.bench``, exec'd by sh with SIGINT ignored: Ctrl-C reaches the whole process
+#: group, and the interrupted parent kills its children; a child it reached would print a traceback,
+#: even before its first line of code (a site import interrupted is a fatal error: seen on a busy host,
+#: 2026-11-30). An interpreter started with SIGINT ignored keeps it ignored. sh sets it because
+#: uvloop's spawn resets every signal after a preexec_fn (the exec keeps the pid).
+_CHILD = ["/bin/sh", "-c", "trap '' INT; exec \"$@\"", "sh", sys.executable, "-m", "aiodat.bench"]
 
 
 async def start_child(args: List[str], loop_name: str) -> Tuple[Any, int]:
     """Start ``python -m aiodat.bench ARGS... LOOP`` (as :data:`_CHILD`) and read the port it listens on."""
-    return await start_process([sys.executable, "-c", _CHILD, *args, loop_name], args[0])
+    return await start_process([*_CHILD, *args, loop_name], args[0])
 
 
 async def start_process(argv: List[str], what: str, timeout: float = 60.0) -> Tuple[Any, int]:
