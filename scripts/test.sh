@@ -8,7 +8,7 @@
 # on two CPUs through the whole one-guest device stage, 2026-11-30), so with two CPUs or more
 # lane B (the uvloop device pass, then ASan, each in its own guest) runs beside lane A (host
 # tests, the wheel, the asyncio device pass, docs). Lane B's log follows lane A's. On the
-# development VM each guest then ran at about 60% of its speed alone: 59 minutes instead of 61.
+# development VM each guest then ran at 50-60% of its speed alone: 59 minutes instead of 61.
 # The two-host stage runs last and alone: its loss windows and retry budgets are timed. One lane
 # where there is one CPU, or no guest at all: native runs share the host's one rxe device under a lock.
 set -euo pipefail
