@@ -7,8 +7,9 @@
 # Two lanes at once: a guest under TCG keeps about one host CPU busy (the host was 50-55% busy
 # on two CPUs through the whole one-guest device stage, 2026-11-30), so with two CPUs or more
 # lane B (the uvloop device pass, then ASan, each in its own guest) runs beside lane A (host
-# tests, the wheel, the asyncio device pass, docs). Lane B's log follows lane A's. On the
-# development VM each guest then ran at 50-60% of its speed alone: 59 minutes instead of 61.
+# tests, the wheel, the asyncio device pass, docs). Lane B's log follows lane A's; a failure in
+# either lane stops the other at once. On the development VM each guest then ran at 50-60% of
+# its speed alone: 52-59 minutes instead of 61.
 # The two-host stage runs last and alone: its loss windows and retry budgets are timed. One lane
 # where there is one CPU, or no guest at all: native runs share the host's one rxe device under a lock.
 set -euo pipefail
@@ -49,43 +50,66 @@ lane_b() {
   stage "lane B passed"
 }
 
-lane_b_log=""
+lane_a() {
+  stage "host-only tests (and the test bed's own boot tests)"
+  .venv/bin/python -m pytest -q -m "not rxe and not hosts2" "$@"
+
+  if [ "${AIODAT_SKIP_WHEEL:-0}" != 1 ]; then
+    stage "the wheel: contents, its extension's dynamic section, installed with no compiler (host + one guest)"
+    ./scripts/check_wheel.sh
+  fi
+
+  stage "device tests on rxe, asyncio (its own guest)"
+  device_pass asyncio rxe "$@"
+
+  if [ "${AIODAT_SKIP_DOCS:-0}" != 1 ]; then
+    stage "docs build (warnings are errors)"
+    .venv/bin/python -m mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/aiodat-site"
+  fi
+  stage "lane A passed"
+}
+
+# Both lanes, each in its own process group (so stopping a lane stops all of it, its guest
+# included), lane A's output live and lane B's in a file. The first lane to fail stops the
+# other at once and ends the run with lane B's log shown; when both pass, lane B's log follows.
+two_lanes() {
+  local lane_b_log lane_a_pid lane_b_pid done_pid status
+  lane_b_log=$(mktemp "${TMPDIR:-/tmp}/aiodat-lane-b.XXXXXX")
+  set -m
+  lane_b "$@" </dev/null >"$lane_b_log" 2>&1 &
+  lane_b_pid=$!
+  lane_a "$@" </dev/null &
+  lane_a_pid=$!
+  set +m
+  trap 'kill -TERM -- -"$lane_a_pid" -"$lane_b_pid" 2>/dev/null || true' EXIT
+  stage "lane B started beside lane A (its log follows lane A's)"
+  status=0
+  wait -n -p done_pid "$lane_a_pid" "$lane_b_pid" || status=$?
+  if [ "$status" = 0 ]; then  # one lane passed: wait for the other
+    [ "$done_pid" = "$lane_a_pid" ] && done_pid=$lane_b_pid || done_pid=$lane_a_pid
+    wait "$done_pid" || status=$?
+  fi
+  if [ "$status" != 0 ]; then
+    local lane=A
+    [ "$done_pid" = "$lane_b_pid" ] && lane=B
+    stage "lane $lane failed (exit $status): the run stops here, the other lane with it; lane B's log:"
+    kill -TERM -- -"$lane_a_pid" -"$lane_b_pid" 2>/dev/null || true
+    wait || true
+    cat "$lane_b_log"
+    rm -f "$lane_b_log"
+    exit "$status"
+  fi
+  trap - EXIT
+  cat "$lane_b_log"
+  rm -f "$lane_b_log"
+}
+
 method=$(.venv/bin/aiodat rxe status --json 2>/dev/null |
   .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["method"])' || true)
 if [ "$method" = qemu ] && [ "$(nproc)" -ge 2 ]; then
-  lane_b_log=$(mktemp "${TMPDIR:-/tmp}/aiodat-lane-b.XXXXXX")
-  set -m  # lane B in its own process group, so a failure of lane A stops all of it (and its guests)
-  lane_b "$@" </dev/null >"$lane_b_log" 2>&1 &
-  lane_b_pid=$!
-  set +m
-  trap 'kill -TERM -- -"$lane_b_pid" 2>/dev/null || true' EXIT
-  stage "lane B started beside lane A (its log follows lane A's)"
-fi
-
-stage "host-only tests (and the test bed's own boot tests)"
-.venv/bin/python -m pytest -q -m "not rxe and not hosts2" "$@"
-
-if [ "${AIODAT_SKIP_WHEEL:-0}" != 1 ]; then
-  stage "the wheel: contents, its extension's dynamic section, installed with no compiler (host + one guest)"
-  ./scripts/check_wheel.sh
-fi
-
-stage "device tests on rxe, asyncio (its own guest)"
-device_pass asyncio rxe "$@"
-
-if [ "${AIODAT_SKIP_DOCS:-0}" != 1 ]; then
-  stage "docs build (warnings are errors)"
-  .venv/bin/python -m mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/aiodat-site"
-fi
-
-if [ -n "$lane_b_log" ]; then
-  stage "lane A passed; waiting for lane B"
-  lane_b_status=0
-  wait "$lane_b_pid" || lane_b_status=$?
-  cat "$lane_b_log"
-  rm -f "$lane_b_log"
-  [ "$lane_b_status" = 0 ] || { stage "lane B failed (exit $lane_b_status)"; exit "$lane_b_status"; }
+  two_lanes "$@"
 else
+  lane_a "$@"
   lane_b "$@"
 fi
 
