@@ -69,40 +69,8 @@ lane_a() {
   stage "lane A passed"
 }
 
-# Both lanes, each in its own process group (so stopping a lane stops all of it, its guest
-# included), lane A's output live and lane B's in a file. The first lane to fail stops the
-# other at once and ends the run with lane B's log shown; when both pass, lane B's log follows.
-two_lanes() {
-  local lane_b_log lane_a_pid lane_b_pid done_pid status
-  lane_b_log=$(mktemp "${TMPDIR:-/tmp}/aiodat-lane-b.XXXXXX")
-  set -m
-  lane_b "$@" </dev/null >"$lane_b_log" 2>&1 &
-  lane_b_pid=$!
-  lane_a "$@" </dev/null &
-  lane_a_pid=$!
-  set +m
-  trap 'kill -TERM -- -"$lane_a_pid" -"$lane_b_pid" 2>/dev/null || true' EXIT
-  stage "lane B started beside lane A (its log follows lane A's)"
-  status=0
-  wait -n -p done_pid "$lane_a_pid" "$lane_b_pid" || status=$?
-  if [ "$status" = 0 ]; then  # one lane passed: wait for the other
-    [ "$done_pid" = "$lane_a_pid" ] && done_pid=$lane_b_pid || done_pid=$lane_a_pid
-    wait "$done_pid" || status=$?
-  fi
-  if [ "$status" != 0 ]; then
-    local lane=A
-    [ "$done_pid" = "$lane_b_pid" ] && lane=B
-    stage "lane $lane failed (exit $status): the run stops here, the other lane with it; lane B's log:"
-    kill -TERM -- -"$lane_a_pid" -"$lane_b_pid" 2>/dev/null || true
-    wait || true
-    cat "$lane_b_log"
-    rm -f "$lane_b_log"
-    exit "$status"
-  fi
-  trap - EXIT
-  cat "$lane_b_log"
-  rm -f "$lane_b_log"
-}
+# two_lanes: lane A and lane B at once, the first failure stopping both
+source scripts/lanes.sh
 
 method=$(.venv/bin/aiodat rxe status --json 2>/dev/null |
   .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["method"])' || true)

@@ -1,0 +1,72 @@
+"""scripts/lanes.sh, the two lanes of scripts/test.sh, run by bash with lanes of the test's own.
+
+What it must do: run both lanes at once; when one fails, stop the other at once (its whole
+process group) and exit with the failing lane's status; when both pass, show lane B's log after
+lane A's output and return.
+"""
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Tuple
+
+import pytest
+
+LANES = Path(__file__).resolve().parent.parent / "scripts" / "lanes.sh"
+
+
+def run_lanes(tmp_path: Path, lane_a: str, lane_b: str, timeout: float = 60) -> Tuple[subprocess.CompletedProcess, float]:
+    """Run two_lanes with these lane bodies; the lanes note their process groups in tmp_path."""
+    script = f"""
+set -euo pipefail
+stage() {{ echo "== $*"; }}
+source {LANES}
+pgid() {{ local _x; read -r _x _x _x _x pgid _x < /proc/$BASHPID/stat; echo "$pgid"; }}  # (bash: no spaces)
+lane_a() {{ pgid > {tmp_path}/a.pgid; {lane_a}; }}
+lane_b() {{ pgid > {tmp_path}/b.pgid; {lane_b}; }}
+two_lanes
+echo "after the lanes"
+"""
+    started = time.monotonic()
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "TMPDIR": str(tmp_path)}, stdin=subprocess.DEVNULL)
+    return done, time.monotonic() - started
+
+
+def group_alive(tmp_path: Path, lane: str) -> bool:
+    """Whether a process of the lane's group still runs (a zombie does not count: an orphan's
+    is reaped by init, which in a container may never do so)."""
+    pgid = int((tmp_path / f"{lane}.pgid").read_text())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def test_both_lanes_pass_and_lane_b_log_follows(tmp_path: Path) -> None:
+    done, _ = run_lanes(tmp_path, "sleep 0.5; echo lane-a-output", "echo lane-b-output")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.index("lane-a-output") < out.index("lane-b-output") < out.index("after the lanes")
+    assert not list(tmp_path.glob("aiodat-lane-b.*")), "lane B's log file was left behind"
+
+
+@pytest.mark.parametrize("failing", ["A", "B"])
+def test_a_failing_lane_stops_the_other_at_once(tmp_path: Path, failing: str) -> None:
+    fail, hang = "sleep 0.5; echo failing; exit 7", "sleep 300 & wait"  # (the sleep: a guest, say)
+    lane_a, lane_b = (fail, hang) if failing == "A" else (hang, fail)
+    done, took = run_lanes(tmp_path, lane_a, lane_b)
+    assert done.returncode == 7, (done.stdout, done.stderr)
+    assert took < 30, f"the run went on for {took:.0f} s after lane {failing} failed"
+    assert f"lane {failing} failed (exit 7)" in done.stdout
+    assert "after the lanes" not in done.stdout
+    other = "b" if failing == "A" else "a"
+    assert not group_alive(tmp_path, other), "the other lane's processes are still running"
+    if failing == "B":  # its log is shown
+        assert "failing" in done.stdout
+    assert not list(tmp_path.glob("aiodat-lane-b.*"))
