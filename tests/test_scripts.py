@@ -2,10 +2,11 @@
 
 What it must do: run both lanes at once; when one fails, stop the other at once (its whole
 process group) and exit with the failing lane's status; when both pass, show lane B's log after
-lane A's output and return.
+lane A's output and return; on Ctrl-C, which reaches only the script, take both lanes with it.
 """
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -16,9 +17,10 @@ import pytest
 LANES = Path(__file__).resolve().parent.parent / "scripts" / "lanes.sh"
 
 
-def run_lanes(tmp_path: Path, lane_a: str, lane_b: str, timeout: float = 60) -> Tuple[subprocess.CompletedProcess, float]:
-    """Run two_lanes with these lane bodies; the lanes note their process groups in tmp_path."""
-    script = f"""
+def lanes_script(tmp_path: Path, lane_a: str, lane_b: str) -> str:
+    """A bash script running two_lanes with these lane bodies; each lane first notes its process
+    group in tmp_path (a.pgid, b.pgid)."""
+    return f"""
 set -euo pipefail
 stage() {{ echo "== $*"; }}
 source {LANES}
@@ -28,9 +30,13 @@ lane_b() {{ pgid > {tmp_path}/b.pgid; {lane_b}; }}
 two_lanes
 echo "after the lanes"
 """
+
+
+def run_lanes(tmp_path: Path, lane_a: str, lane_b: str, timeout: float = 60) -> Tuple[subprocess.CompletedProcess, float]:
+    """Run two_lanes with these lane bodies to the end; also how long it took."""
     started = time.monotonic()
-    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "TMPDIR": str(tmp_path)}, stdin=subprocess.DEVNULL)
+    done = subprocess.run(["bash", "-c", lanes_script(tmp_path, lane_a, lane_b)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "TMPDIR": str(tmp_path)}, stdin=subprocess.DEVNULL)
     return done, time.monotonic() - started
 
 
@@ -70,3 +76,31 @@ def test_a_failing_lane_stops_the_other_at_once(tmp_path: Path, failing: str) ->
     if failing == "B":  # its log is shown
         assert "failing" in done.stdout
     assert not list(tmp_path.glob("aiodat-lane-b.*"))
+
+
+def test_ctrl_c_stops_both_lanes(tmp_path: Path) -> None:
+    """Ctrl-C at a terminal reaches only the script (the lanes are in process groups of their
+    own): it must take both lanes, guests and all, with it."""
+    script = lanes_script(tmp_path, "sleep 300 & wait", "sleep 300 & wait")
+    run = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                           env={**os.environ, "TMPDIR": str(tmp_path)},
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert run.stdout is not None
+        assert "lane B started" in run.stdout.readline()
+        deadline = time.monotonic() + 10
+        while not ((tmp_path / "a.pgid").exists() and (tmp_path / "b.pgid").exists()):
+            assert time.monotonic() < deadline, "the lanes did not start"
+            time.sleep(0.05)
+        time.sleep(0.2)  # (each lane writes its pgid before its sleep)
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=10) == -signal.SIGINT
+    finally:
+        run.kill()
+        run.wait()
+        if run.stdout is not None:
+            run.stdout.close()
+    deadline = time.monotonic() + 5
+    while group_alive(tmp_path, "a") or group_alive(tmp_path, "b"):
+        assert time.monotonic() < deadline, "a lane's processes outlived the Ctrl-C"
+        time.sleep(0.05)
