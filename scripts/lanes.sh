@@ -13,7 +13,8 @@ two_lanes() {
   lane_a "$@" </dev/null &
   lane_a_pid=$!
   set +m
-  trap 'kill -TERM -- -"$lane_a_pid" -"$lane_b_pid" 2>/dev/null || true' EXIT
+  # stopped from outside (Ctrl-C, CI's time limit): both lanes go, and lane B's log so far is shown
+  trap 'kill -TERM -- -"$lane_a_pid" -"$lane_b_pid" 2>/dev/null || true; cat "$lane_b_log" 2>/dev/null || true; rm -f "$lane_b_log"' EXIT
   stage "lane B started beside lane A (its log follows lane A's)"
   status=0
   wait -n -p done_pid "$lane_a_pid" "$lane_b_pid" || status=$?

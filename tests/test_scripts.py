@@ -81,7 +81,7 @@ def test_a_failing_lane_stops_the_other_at_once(tmp_path: Path, failing: str) ->
 def test_ctrl_c_stops_both_lanes(tmp_path: Path) -> None:
     """Ctrl-C at a terminal reaches only the script (the lanes are in process groups of their
     own): it must take both lanes, guests and all, with it."""
-    script = lanes_script(tmp_path, "sleep 300 & wait", "sleep 300 & wait")
+    script = lanes_script(tmp_path, "sleep 300 & wait", "echo lane-b-so-far; sleep 300 & wait")
     run = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                            env={**os.environ, "TMPDIR": str(tmp_path)},
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -95,11 +95,13 @@ def test_ctrl_c_stops_both_lanes(tmp_path: Path) -> None:
         time.sleep(0.2)  # (each lane writes its pgid before its sleep)
         run.send_signal(signal.SIGINT)
         assert run.wait(timeout=10) == -signal.SIGINT
+        assert "lane-b-so-far" in run.stdout.read(), "lane B's log was not shown"
     finally:
         run.kill()
         run.wait()
         if run.stdout is not None:
             run.stdout.close()
+    assert not list(tmp_path.glob("aiodat-lane-b.*")), "lane B's log file was left behind"
     deadline = time.monotonic() + 5
     while group_alive(tmp_path, "a") or group_alive(tmp_path, "b"):
         assert time.monotonic() < deadline, "a lane's processes outlived the Ctrl-C"
