@@ -13,7 +13,7 @@ two_lanes() {
   lane_a "$@" </dev/null &
   lane_a_pid=$!
   set +m
-  # stopped from outside (Ctrl-C, CI's time limit): both lanes go, and lane B's log so far is shown
+  # stopped from outside (Ctrl-C, a time limit's SIGTERM): both lanes go, and lane B's log so far is shown
   trap 'kill -TERM -- -"$lane_a_pid" -"$lane_b_pid" 2>/dev/null || true; cat "$lane_b_log" 2>/dev/null || true; rm -f "$lane_b_log"' EXIT
   stage "lane B started beside lane A (its log follows lane A's)"
   status=0
