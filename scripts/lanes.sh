@@ -27,9 +27,7 @@ two_lanes() {
     [ "$done_pid" = "$lane_b_pid" ] && lane=B
     stage "lane $lane failed (exit $status): the run stops here, the other lane with it; lane B's log:"
     kill -TERM -- -"$lane_a_pid" -"$lane_b_pid" 2>/dev/null || true
-    wait || true
-    cat "$lane_b_log"
-    rm -f "$lane_b_log"
+    wait || true  # (so the log is whole when the EXIT trap shows it)
     exit "$status"
   fi
   trap - EXIT
