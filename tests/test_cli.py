@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from procs import live_pids
 
 from aiodat import ProviderNotFound, bench
 from aiodat.cli import main
@@ -507,18 +508,12 @@ def test_echo_client_reports_a_missing_server(rdma_device):
 def _session(sid):
     """The live processes of session ``sid`` (pid, command line)."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in live_pids("sid", sid):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found.append((pid, f.read().replace(b"\0", b" ").decode(errors="replace")))
         except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append((int(entry), cmdline))
+            continue  # gone meanwhile
     return found
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Tuple
 
 import pytest
+from procs import live_pids
 
 LANES = Path(__file__).resolve().parent.parent / "scripts" / "lanes.sh"
 
@@ -41,17 +42,8 @@ def run_lanes(tmp_path: Path, lane_a: str, lane_b: str, timeout: float = 60) -> 
 
 
 def group_alive(tmp_path: Path, lane: str) -> bool:
-    """Whether a process of the lane's group still runs (a zombie does not count: an orphan's
-    is reaped by init, which in a container may never do so)."""
-    pgid = int((tmp_path / f"{lane}.pgid").read_text())
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    """Whether a process of the lane's group still runs."""
+    return bool(live_pids("pgid", int((tmp_path / f"{lane}.pgid").read_text())))
 
 
 def test_both_lanes_pass_and_lane_b_log_follows(tmp_path: Path) -> None:
