@@ -125,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
                     "rstream, in one guest: throughput of WRITE_SIZE writes + drain() and the median round "
                     "trip of SIZE-byte requests/responses; ratios aiodat / peer per round and their median.  "
                     "The servers run in a child process, as rstream's (--processes 1: on the client's loop).  "
-                    "--two-hosts (inside `aiodat rxe run --hosts 2`): the servers run on host B, aiodat and "
-                    "asyncio TCP over the same virtio link.")
+                    "--two-hosts (inside `aiodat rxe run --hosts 2`): the servers run on host B, rstream's "
+                    "too, aiodat, rstream and asyncio TCP over the same virtio link.")
     st.add_argument("--write-size", type=_int_in(1), default=65536, help="bytes per write (default 65536)")
     st.add_argument("--total", type=_int_in(1), default=8 << 20, help="bytes to send for throughput (default 8 MiB)")
     st.add_argument("--size", "-s", type=_int_in(1), default=64, help="request/response size (default 64)")
@@ -136,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="2 (default): the aiodat and TCP servers are a child process, as rstream's server is; "
                          "1: client and server on one loop")
     st.add_argument("--two-hosts", action="store_true",
-                    help="servers on host B of `aiodat rxe run --hosts 2`, client here (aiodat vs asyncio TCP)")
+                    help="servers on host B of `aiodat rxe run --hosts 2`, client here (aiodat vs rstream and "
+                         "asyncio TCP over the link)")
     st.add_argument("--busy-poll-us", type=_int_in(0, BUSY_POLL_MAX), default=1000,
                     help="also run aiodat with this busy_poll_us stream option on both sides, as rstream spins "
                          "before it sleeps (default 1000; 0: not run)")

@@ -116,11 +116,18 @@ def test_bench_streams_with_rstream(rdma_device: Any, request: Any, capsys: Any,
 
 @pytest.mark.hosts2
 def test_bench_streams_two_hosts(two_hosts: None, capsys: Any) -> None:
-    """Between the two hosts: the servers on host B, aiodat and asyncio TCP over the same link."""
+    """Between the two hosts: the servers on host B (rstream's too), aiodat, rstream and asyncio TCP over the
+    same link."""
     loop = os.environ["AIODAT_LOOP"]  # the loop the two_hosts fixture exported from --aiodat-loop
     assert main(["bench", "streams", "--two-hosts", "--loop", loop, "--total", str(1 << 20), "--iters", "30",
                  "--repeat", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["hosts"] == "2" and data["loop"] == loop
-    for key in ("aiodat_mb_s", "aiodat_busy_mb_s", "tcp_mb_s", "aiodat_rtt", "aiodat_busy_rtt", "tcp_rtt"):
-        assert 0 < data["figures"][key]["median"] < math.inf, (key, data["figures"][key])
+    for key in ("aiodat_mb_s", "aiodat_busy_mb_s", "tcp_mb_s", "rstream_mb_s", "aiodat_rtt", "aiodat_busy_rtt",
+                "tcp_rtt", "rstream_rtt"):
+        figure = data["figures"][key]
+        assert figure["errors"] is None and 0 < figure["median"] < math.inf, (key, figure)
+    # rstream's server ran on host B too: the same ratios as in one guest, each labelled with the link
+    assert len(data["ratios"]) == 10 and all(r["median"] and r["median"] > 0 for r in data["ratios"]), data["ratios"]
+    assert [r["label"] for r in data["ratios"][-2:]] == ["asyncio TCP / rstream 2 hosts throughput (reference)",
+                                                          "asyncio TCP / rstream 2 hosts round trip (reference)"]

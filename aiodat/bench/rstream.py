@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 @dataclass
@@ -85,9 +85,12 @@ def parse_rstream(output: str) -> Optional[Dict[str, float]]:
 
 
 def run_rstream_pair(address: str, args: Sequence[str], *, timeout: float = 300.0,
-                     prefix: Sequence[str] = (), start_delay: float = 1.0) -> RstreamResult:
+                     prefix: Sequence[str] = (), start_delay: float = 1.0,
+                     server_host: Optional[int] = None) -> RstreamResult:
     """Run ``rstream -b ADDRESS -p PORT ARGS`` (server) and ``rstream -s ADDRESS -p PORT ARGS`` (client).
 
+    ``server_host``: inside ``aiodat rxe run --hosts 2``, the host the server runs on
+    (:func:`aiodat.testbed.hosts.start_on`; ``ADDRESS`` is then that host's); None: here.
     Never raises for a failed run: the result's ``error`` says what went wrong.
     """
     path = shutil.which("rstream")
@@ -97,8 +100,7 @@ def run_rstream_pair(address: str, args: Sequence[str], *, timeout: float = 300.
         return RstreamResult(tuple(args), error=f"{prefix[0]} not found")
     port = str(random.randint(30000, 39999))
     deadline = time.monotonic() + timeout
-    server = subprocess.Popen([*prefix, path, "-b", address, "-p", port, *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+    server = _start_server([*prefix, path, "-b", address, "-p", port, *args], server_host)
     out, error = "", ""
     attempts = 5
     finished = False
@@ -127,12 +129,35 @@ def run_rstream_pair(address: str, args: Sequence[str], *, timeout: float = 300.
     finally:
         if not finished:  # Ctrl-C (or a failure): the server goes now, not at its deadline
             server.kill()
-        try:  # (after a failure the server is not waited for, as in perftest.py)
-            server.communicate(timeout=0 if error or not finished else max(5.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.communicate()
+        # (after a failure the server is not waited for, as in perftest.py)
+        _reap(server, 0 if error or not finished else max(5.0, deadline - time.monotonic()))
     row = parse_rstream(out)
     if not error and row is None:
         error = "rstream printed no result line"
     return RstreamResult(tuple(args), row, out, error)
+
+
+def _start_server(argv: List[str], host: Optional[int]) -> Any:
+    """The server process: a local one, or one on ``host`` of a two-host test bed (the same
+    ``poll``/``kill`` either way)."""
+    if host is None:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True)
+    from aiodat.testbed import hosts
+
+    return hosts.start_on(host, argv)
+
+
+def _reap(server: Any, wait_s: float) -> None:
+    """Let the server end by itself within ``wait_s`` seconds, else kill it; its output is not used."""
+    if isinstance(server, subprocess.Popen):
+        try:
+            server.communicate(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.communicate()
+        return
+    try:
+        server.wait(wait_s)
+    except TimeoutError:
+        server.kill()  # (its host's agent kills the process group and reaps it)

@@ -19,7 +19,9 @@ stream-server``); ``processes=1`` runs client and server on one loop.
 With ``two_hosts`` (inside ``aiodat rxe run --hosts 2``), the server of aiodat
 and of asyncio TCP runs on host B (``python -m aiodat.bench stream-server``,
 started through :mod:`aiodat.testbed.hosts`) and the client on host A, over
-the same virtio link (aiodat on B's rxe address, TCP on the same address).
+the same virtio link (aiodat on B's rxe address, TCP on the same address);
+so does rstream's server, which gives what RDMA streams over that link reach
+in C (rsockets) beside TCP.
 """
 from __future__ import annotations
 
@@ -198,8 +200,8 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
             address: Optional[str] = None, tcp_host: str = "127.0.0.1", rstream: bool = True,
             two_hosts: bool = False, processes: int = 2, busy_poll_us: int = 1000, timeout: float = 300.0,
             progress: Optional[Callable[[str], None]] = None) -> Comparison:
-    """``aiodat bench streams``: aiodat streams beside rstream and asyncio TCP (one guest), or beside asyncio
-    TCP between the two hosts of ``aiodat rxe run --hosts 2`` (``two_hosts``).
+    """``aiodat bench streams``: aiodat streams beside rstream and asyncio TCP, in one guest or between the
+    two hosts of ``aiodat rxe run --hosts 2`` (``two_hosts``: every server on host B).
 
     Each of ``repeat`` rounds takes throughput and the round-trip median of
     every transport; ratios are aiodat / peer within a round, and their median.
@@ -237,10 +239,10 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
         runs.insert(1, ("aiodat_busy", "rdma", f"aiodat streams, busy poll {busy_poll_us} us,", busy_poll_us))
     tput = {key: report.figure(f"{key}_mb_s", f"{label}{where} throughput", "MB/s") for key, _, label, _ in runs}
     rtt = {key: report.figure(f"{key}_rtt", f"{label}{where} round trip", "us") for key, _, label, _ in runs}
-    if rstream and not two_hosts:
-        tput["rstream"] = report.figure("rstream_mb_s", "rstream throughput", "MB/s")
-        rtt["rstream"] = report.figure("rstream_rtt", "rstream round trip (2 x usec/xfer)", "us")
-    for peer, peer_label in (("rstream", "rstream"), ("tcp", f"TCP{where}")):
+    if rstream:
+        tput["rstream"] = report.figure("rstream_mb_s", f"rstream{where} throughput", "MB/s")
+        rtt["rstream"] = report.figure("rstream_rtt", f"rstream{where} round trip (2 x usec/xfer)", "us")
+    for peer, peer_label in (("rstream", f"rstream{where}"), ("tcp", f"TCP{where}")):
         if peer not in tput:
             continue
         for mine, mine_label in (("aiodat", "aiodat"), ("aiodat_busy", "aiodat busy poll")):
@@ -248,9 +250,10 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
                 report.compare(f"{mine}_mb_s", f"{peer}_mb_s", f"{mine_label} / {peer_label} throughput")
                 report.compare(f"{mine}_rtt", f"{peer}_rtt", f"{mine_label} / {peer_label} round trip")
     if "rstream" in tput:
-        # what asyncio's own streams cost against rstream: a reference for any asyncio stream's round trip
-        report.compare("tcp_mb_s", "rstream_mb_s", "asyncio TCP / rstream throughput (reference)")
-        report.compare("tcp_rtt", "rstream_rtt", "asyncio TCP / rstream round trip (reference)")
+        # in one guest, what asyncio's own streams cost against rstream: a reference for any asyncio
+        # stream's round trip; between two hosts, also what RDMA over this link gives in C against TCP
+        report.compare("tcp_mb_s", "rstream_mb_s", f"asyncio TCP / rstream{where} throughput (reference)")
+        report.compare("tcp_rtt", "rstream_rtt", f"asyncio TCP / rstream{where} round trip (reference)")
 
     import aiodat
 
@@ -281,8 +284,12 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
             if progress:
                 progress(f"round {r + 1}: rstream")
             count = max(1, total // write_size)
-            res = run_rstream_pair(address, ["-S", str(write_size), "-C", str(count), "-I", "1"], timeout=timeout)
+            # between two hosts rstream's server runs on host B, as aiodat's and TCP's do
+            on = (peer_addr, hosts.peer()) if two_hosts else (address, None)
+            res = run_rstream_pair(on[0], ["-S", str(write_size), "-C", str(count), "-I", "1"], timeout=timeout,
+                                   server_host=on[1])
             tput["rstream"].record(res.mb_s, res.error or None)
-            res = run_rstream_pair(address, ["-S", str(size), "-C", "1", "-I", str(iters)], timeout=timeout)
+            res = run_rstream_pair(on[0], ["-S", str(size), "-C", "1", "-I", str(iters)], timeout=timeout,
+                                   server_host=on[1])
             rtt["rstream"].record(res.rtt_us, res.error or None)
     return report
