@@ -69,6 +69,20 @@ def test_rstream_whose_client_always_fails_is_not_waited_for(tmp_path: Any, monk
     assert not res.ok and res.error == "rstream client failed 5 times (last exit status 1)", res.error
 
 
+def test_rstream_server_on_a_host_outside_a_two_host_bed_is_an_error(tmp_path: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server asked on host B where there is no host B: an error naming it, no exception, no client run."""
+    fake = tmp_path / "rstream"
+    fake.write_text(f"#!/bin/sh\ntouch {tmp_path}/ran\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("AIODAT_HOSTS", raising=False)
+    res = bench.run_rstream_pair("192.0.2.1", ["-S", "64"], timeout=5.0, start_delay=0.05, server_host=1)
+    assert not res.ok and res.error.startswith("the rstream server did not start: "), res.error
+    assert "two-host" in res.error, res.error
+    assert not (tmp_path / "ran").exists()
+
+
 def test_rstream_prefix_missing_is_an_error() -> None:
     res = bench.run_rstream_pair("192.0.2.1", [], timeout=5.0, prefix=("aiodat-no-such-chrt",))
     assert not res.ok and "not found" in res.error

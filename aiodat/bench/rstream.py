@@ -100,7 +100,10 @@ def run_rstream_pair(address: str, args: Sequence[str], *, timeout: float = 300.
         return RstreamResult(tuple(args), error=f"{prefix[0]} not found")
     port = str(random.randint(30000, 39999))
     deadline = time.monotonic() + timeout
-    server = _start_server([*prefix, path, "-b", address, "-p", port, *args], server_host)
+    try:
+        server = _start_server([*prefix, path, "-b", address, "-p", port, *args], server_host)
+    except (OSError, RuntimeError) as exc:  # (RuntimeError: HostsUnavailable, host B's agent is not up)
+        return RstreamResult(tuple(args), error=f"the rstream server did not start: {exc}")
     out, error = "", ""
     attempts = 5
     finished = False
