@@ -285,11 +285,11 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
                 progress(f"round {r + 1}: rstream")
             count = max(1, total // write_size)
             # between two hosts rstream's server runs on host B, as aiodat's and TCP's do
-            on = (peer_addr, hosts.peer()) if two_hosts else (address, None)
-            res = run_rstream_pair(on[0], ["-S", str(write_size), "-C", str(count), "-I", "1"], timeout=timeout,
-                                   server_host=on[1])
+            server_addr, server_host = (peer_addr, hosts.peer()) if two_hosts else (address, None)
+            res = run_rstream_pair(server_addr, ["-S", str(write_size), "-C", str(count), "-I", "1"],
+                                   timeout=timeout, server_host=server_host)
             tput["rstream"].record(res.mb_s, res.error or None)
-            res = run_rstream_pair(on[0], ["-S", str(size), "-C", "1", "-I", str(iters)], timeout=timeout,
-                                   server_host=on[1])
+            res = run_rstream_pair(server_addr, ["-S", str(size), "-C", "1", "-I", str(iters)], timeout=timeout,
+                                   server_host=server_host)
             rtt["rstream"].record(res.rtt_us, res.error or None)
     return report
