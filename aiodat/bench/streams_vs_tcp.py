@@ -222,10 +222,13 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
     device, address = device_and_address(device, address)
     setup = {"device": device, "address": address, "loop": loop, "write_size": write_size, "total": total,
              "size": size, "iters": iters, "busy_poll_us": busy_poll_us}
+    # where rstream's server runs: between two hosts on host B, as aiodat's and TCP's do
+    rstream_addr, rstream_host = address, None
     if two_hosts:
         from aiodat.testbed import hosts
 
         peer_addr = hosts.address(hosts.peer())
+        rstream_addr, rstream_host = peer_addr, hosts.peer()
         setup.update(hosts="2", server=peer_addr)
     else:
         setup.update(processes=processes)
@@ -284,12 +287,10 @@ def streams(write_size: int = 65536, total: int = 8 << 20, size: int = 64, iters
             if progress:
                 progress(f"round {r + 1}: rstream")
             count = max(1, total // write_size)
-            # between two hosts rstream's server runs on host B, as aiodat's and TCP's do
-            server_addr, server_host = (peer_addr, hosts.peer()) if two_hosts else (address, None)
-            res = run_rstream_pair(server_addr, ["-S", str(write_size), "-C", str(count), "-I", "1"],
-                                   timeout=timeout, server_host=server_host)
+            res = run_rstream_pair(rstream_addr, ["-S", str(write_size), "-C", str(count), "-I", "1"],
+                                   timeout=timeout, server_host=rstream_host)
             tput["rstream"].record(res.mb_s, res.error or None)
-            res = run_rstream_pair(server_addr, ["-S", str(size), "-C", "1", "-I", str(iters)], timeout=timeout,
-                                   server_host=server_host)
+            res = run_rstream_pair(rstream_addr, ["-S", str(size), "-C", "1", "-I", str(iters)], timeout=timeout,
+                                   server_host=rstream_host)
             rtt["rstream"].record(res.rtt_us, res.error or None)
     return report
