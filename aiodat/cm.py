@@ -514,7 +514,8 @@ def _event_name(kind: int) -> str:
 
 class _Drain:
     """A graceful disconnect's drain under way (``conn.drain``, compared by identity: a later
-    reset, free or DREQ forgets it) and the DREP ``timeout`` its caller asked for."""
+    reset, free or DREQ forgets it) and the DREP ``timeout`` its caller asked for (or, where that
+    caller gave none, the first call that joined it with one: _join_disconnect)."""
 
     __slots__ = ("timeout",)
 
@@ -964,7 +965,7 @@ def _start_drain(ep: "EP", loop: asyncio.AbstractEventLoop, drain_timeout: float
             conn.drain_timer.cancel()
             conn.drain_timer = None
         if not ep.closed and conn.state in (EPState.DISCONNECT_PENDING, EPState.ERROR):
-            _send_dreq(ep, timeout)
+            _send_dreq(ep, token.timeout)  # (an awaited call that joined may have set it: see _join_disconnect)
 
     def post_marker() -> None:
         if conn.drain is not token or ep.closed:
@@ -989,18 +990,28 @@ def _join_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
                      timeout: Optional[float]) -> None:
     """A disconnect while one is under way (DISCONNECT_PENDING): an awaited call takes its outcome
     (one task at a time: the first awaited call may have been cancelled, or the disconnect started
-    with disconnect_nowait), and an abrupt one cuts a graceful drain short (QP to ERR, the DREQ now)."""
+    with disconnect_nowait), and an abrupt one cuts a graceful drain short (QP to ERR, the DREQ now).
+
+    The disconnect under way keeps its own bound on the wait for the DREP; where it has none (it
+    started with disconnect_nowait), ``timeout`` becomes it.  So a call's bound is never dropped:
+    an awaited call with a timeout returns by then, even if the peer never answers the DREQ."""
     conn = ep._conn
     if waiter is not None:
         if conn.waiter is not None and not conn.waiter.done():
             raise InvalidState("a task already awaits this EP's disconnect")
         conn.waiter = waiter
-    if not graceful and conn.drain is not None:
+    drain = conn.drain
+    if drain is not None and drain.timeout is None:
+        drain.timeout = timeout  # (the drain's end sends the DREQ with it)
+    if not graceful and drain is not None:
         conn.drain = None  # (the drain's completion or timer then does nothing)
         if conn.drain_timer is not None:
             conn.drain_timer.cancel()
             conn.drain_timer = None
-        _send_dreq(ep, timeout)
+        _send_dreq(ep, drain.timeout)
+    elif drain is None and conn.timer is None:
+        # the DREQ went with no bound (disconnect_nowait): this call's is the wait's bound now
+        _start_timer(ep, timeout, EventType.CONNECTION_EVENT_DISCONNECTED, "waiting for the DREP")
 
 
 def _send_dreq(ep: "EP", timeout: Optional[float]) -> None:

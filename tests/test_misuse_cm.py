@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any, List, Optional
 
 import pytest
@@ -391,6 +392,61 @@ async def test_a_disconnect_under_way_can_be_joined_or_cut_short(ia: Any, loop_e
         assert ev.type is EventType.CONNECTION_EVENT_DISCONNECTED
     finally:
         pair.close()
+
+
+async def _pair_with_a_peer_that_falls_silent(ia: Any, peer_ia: Any) -> Any:
+    """A client EP of ``ia`` connected to a server EP of ``peer_ia``, whose rdma_cm channel is then
+    no longer read: a DREQ reaches the peer's kernel but nobody answers it, as with a hung peer
+    process (nothing is mocked: the events wait in its channel).  Returns the client and an LMR."""
+    cr_evd = peer_ia.create_evd(4, EvdFlags.CR)
+    psp = peer_ia.create_psp_any(cr_evd)
+    client, server = ia.create_ep(ia.create_pz()), peer_ia.create_ep(peer_ia.create_pz())
+    connecting = asyncio.ensure_future(client.connect(psp.address, psp.port, timeout=T))
+    await (await cr_evd.wait_one(timeout=T)).cr.accept(server, timeout=T)
+    await asyncio.wait_for(connecting, T)
+    peer_ia._cm.watch.detach()  # (only the peer's IA: the client's calls attach their own IA)
+    return client, client.pz.register(bytearray(64))
+
+
+_BOUND = 1.0  # the timeout the awaited disconnect asks for
+
+
+@pytest.mark.parametrize("how", ["awaited-drain-cut-by-nowait", "nowait-then-awaited", "nowait-drain-then-awaited"])
+async def test_an_awaited_disconnect_returns_by_its_timeout_when_no_drep_comes(
+        ia: Any, rdma_device: Any, loop_errors: List[dict], monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """An awaited ``disconnect(timeout=...)`` that a disconnect_nowait (which has no bound) joins
+    or went before returns by its own bound, DISCONNECTED, when the peer never answers the DREQ:
+    a graceful drain cut short by ``disconnect_nowait(graceful=False)`` dropped the awaited call's
+    bound, and a call joining a DREQ that went with none started none; the task hung (over 40 s
+    on rxe) until the kernel CM gave up on its DREQ."""
+    from aiodat import cm
+
+    monkeypatch.setattr(cm, "GRACEFUL_DRAIN_TIMEOUT", 0.5)  # (the drain of a graceful disconnect_nowait)
+    peer_ia = aiodat.open_ia(rdma_device.name)
+    try:
+        client, lmr = await _pair_with_a_peer_that_falls_silent(ia, peer_ia)
+        if how == "nowait-then-awaited":
+            client.disconnect_nowait(graceful=False)  # the DREQ goes, with no bound
+            started = time.monotonic()
+            await asyncio.wait_for(client.disconnect(timeout=_BOUND), T)
+        else:
+            client.post_send(lmr[0:64], cookie="stuck")  # the peer posted no receive: RNR for ever
+            if how == "awaited-drain-cut-by-nowait":
+                awaited = asyncio.ensure_future(client.disconnect(timeout=_BOUND))
+                await asyncio.sleep(0.1)
+                assert client.state is EPState.DISCONNECT_PENDING and not awaited.done()
+                client.disconnect_nowait(graceful=False)  # cuts the drain short: the DREQ goes now
+                started = time.monotonic()
+            else:
+                client.disconnect_nowait()  # drains for GRACEFUL_DRAIN_TIMEOUT, then a DREQ with no bound
+                started = time.monotonic()
+                awaited = asyncio.ensure_future(client.disconnect(timeout=_BOUND))
+            await asyncio.wait_for(awaited, T)
+        took = time.monotonic() - started
+        assert client.state is EPState.DISCONNECTED
+        assert took < 0.5 + _BOUND + 8.0, f"the awaited disconnect took {took:.1f}s"
+    finally:
+        peer_ia.close()
 
 
 async def test_disconnecting_an_ep_in_error(ia: Any, loop_errors: List[dict]) -> None:
