@@ -76,6 +76,9 @@ class EvdFlags(enum.IntFlag):
     ALL = SOFTWARE | CR | DTO | CONNECTION | RMR_BIND
 
 
+_KNOWN_STREAMS = int(EvdFlags.ALL | EvdFlags.ASYNC)
+
+
 _new, _setattr = object.__new__, object.__setattr__  # build frozen events without their __init__
 
 #: an EP's ``_taken`` when no take of a completion of it is under way (wr.py notes the event there
@@ -293,13 +296,12 @@ class EVD(Handle, Generic[E]):
 
     def __init__(self, ia: "IA", qlen: int, streams: Optional[EvdFlags] = None, *, _is_async: bool = False,
                  comp_vector: Optional[int] = None, busy_poll_us: int = 0) -> None:
-        if not isinstance(qlen, int) or isinstance(qlen, bool) or qlen < 1:
-            raise InvalidParameter(f"qlen must be an int >= 1, got {qlen!r}")
-        max_qlen = ia._device_attr.max_cqe
-        if qlen > max_qlen:
-            raise InvalidParameter(f"qlen {qlen} exceeds the device's max_evd_qlen {max_qlen}")
+        _check_qlen(qlen, ia)
         if streams is not None and (not isinstance(streams, int) or isinstance(streams, bool)):
             raise InvalidParameter(f"streams must be EvdFlags, not {type(streams).__name__}")
+        if streams is not None and (streams <= 0 or streams & ~_KNOWN_STREAMS):
+            # (as an int, 0 would take nothing, -1 every stream, and an unknown bit would stay)
+            raise InvalidParameter(f"streams must be one or more EvdFlags, got {shown(streams)}")
         streams = EvdFlags.ALL if streams is None else EvdFlags(streams)
         vectors = ia._context.num_comp_vectors
         if comp_vector is not None and (not isinstance(comp_vector, int) or isinstance(comp_vector, bool)
@@ -307,11 +309,12 @@ class EVD(Handle, Generic[E]):
             raise InvalidParameter(f"comp_vector must be None or between 0 and {max(vectors, 1) - 1} "
                                    f"(the device has {vectors} completion vectors), got {comp_vector!r}")
         _check_busy_poll_us(busy_poll_us)
+        _check_busy_poll_streams(busy_poll_us, streams)
         super().__init__(ia)
         self._ia = ia
         self._qlen = qlen
         has_cq = int.__and__(streams, _CQ_STREAMS)  # (a plain int: IntFlag's & builds an enum member)
-        self._busy_poll_us = busy_poll_us if has_cq else 0  # (the C poller reads it every turn)
+        self._busy_poll_us = busy_poll_us  # (the C poller reads it every turn)
         #: a busy-polling EVD stays with the loop's poller until then (monotonic; see poller.py)
         self._busy_until = 0.0
         self._poller: Optional[Poller] = None  # the poller of the loop watching the channel
@@ -874,10 +877,9 @@ class EVD(Handle, Generic[E]):
     def busy_poll_us(self, value: int) -> None:
         # checked here: the loop's poller reads it each turn, and a bad one would stop that turn
         # for every EVD of the loop
+        self._check()
         _check_busy_poll_us(value)
-        if value and not int.__and__(self._streams, _CQ_STREAMS):
-            raise InvalidParameter("busy_poll_us: this EVD takes no completions (its streams have neither DTO "
-                                   "nor RMR_BIND), so there is no CQ to poll")
+        _check_busy_poll_streams(value, self._streams)
         self._busy_poll_us = value
 
     def dequeue(self) -> Optional[E]:
@@ -1315,8 +1317,7 @@ class EVD(Handle, Generic[E]):
         threshold a waiting task waits for, raises InvalidState.  The CQ grows to hold ``qlen``
         completions if it must, and never shrinks (its EPs may need more entries)."""
         self._check()
-        if not isinstance(qlen, int) or qlen < 1:
-            raise InvalidParameter(f"qlen must be an int >= 1, got {qlen!r}")
+        _check_qlen(qlen, self._ia)
         if qlen < len(self._queue):
             raise InvalidState(f"cannot resize to {qlen}: {len(self._queue)} events are queued")
         if self._waited() and qlen < self._threshold:
@@ -1448,6 +1449,21 @@ def _task_of_wait(loop: asyncio.AbstractEventLoop) -> Optional["asyncio.Task[Any
 
 _completions.configure_waits(_running_task)
 _NULL = ffi.NULL
+
+
+def _check_qlen(qlen: Any, ia: "IA") -> None:
+    """An EVD's queue length (create_evd, resize): an int from 1 to the device's max_cqe."""
+    if not isinstance(qlen, int) or isinstance(qlen, bool) or qlen < 1:
+        raise InvalidParameter(f"qlen must be an int >= 1, got {shown(qlen)}")
+    max_qlen = ia._device_attr.max_cqe
+    if qlen > max_qlen:
+        raise InvalidParameter(f"qlen {qlen} exceeds the device's max_evd_qlen {max_qlen}")
+
+
+def _check_busy_poll_streams(value: int, streams: EvdFlags) -> None:
+    if value and not int.__and__(streams, _CQ_STREAMS):
+        raise InvalidParameter("busy_poll_us: this EVD takes no completions (its streams have neither DTO "
+                               "nor RMR_BIND), so there is no CQ to poll")
 
 
 def _check_busy_poll_us(value: Any) -> None:

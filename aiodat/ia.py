@@ -439,7 +439,8 @@ class IA(RootHandle):
         ``busy_poll_us`` (like Linux's SO_BUSY_POLL): after its last
         completion the EVD keeps polling its CQ for up to that many
         microseconds before it arms the CQ and sleeps, in short slices that
-        yield to the loop (see docs/events.md, "Busy polling").
+        yield to the loop (see docs/events.md, "Busy polling"); an EVD of
+        neither the DTO nor the RMR_BIND stream has no CQ, and refuses it.
         """
         self._check()
         return EVD(self, qlen, streams, comp_vector=comp_vector, busy_poll_us=busy_poll_us)

@@ -122,6 +122,7 @@ class Segment:
 
     def remote(self) -> "RemoteRegion":
         """This slice as a region a peer can target (needs remote privileges on the LMR)."""
+        self.lmr._check()  # (a freed LMR's rkey names nothing, or another's registration later)
         return RemoteRegion(self.address, self.length, self.lmr.rmr_context)
 
 

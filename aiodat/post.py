@@ -17,6 +17,7 @@ connection's state (``_conn.state``, written only by cm.py).
 from __future__ import annotations
 
 import enum
+import errno
 import functools
 import itertools
 from itertools import repeat
@@ -159,6 +160,12 @@ class Posting(WorkRequests):
 
     def _init_posting(self) -> None:
         self._windows: set = set()  # RMRs bound through this QP (memory.py registers them here)
+        # How many requests (receives) may await their completions being taken: a device may take
+        # more (rxe frees a slot as it writes the completion, not when it is polled), but the CQs
+        # hold only this many of the EP's (cqsize.py), so a post past it is refused as a full
+        # queue (_room; _shim/posts.c's room_in for the fast paths), else a CQ would overrun.
+        self._send_limit: int = self.attrs.max_request_dtos
+        self._recv_limit: int = self.attrs.max_recv_dtos
 
     # The general post paths' C structures: made on an EP's first such post and kept (no
     # allocation per post), not with the EP: an EP is made per connection, and many never
@@ -238,6 +245,10 @@ class Posting(WorkRequests):
         if n == 0:
             return 0
         segs_column, same = self._checked(inputs, self.attrs.max_recv_iov, "post_recv_batch", writes=True)
+        room = self._room(self._recv_q)
+        if n > room:  # what fits goes, as a device posts until its queue is full
+            posted = self.post_recv_batch(list(zip(segs_column[:room], cookies[:room]))) if room > 0 else 0
+            raise self._refused_batch((posted, n, errno.ENOMEM), "post_recv_batch", True)
         if same:  # one scatter list shared by every receive
             first = segs_column[0]
             sges = ffi.new("struct aiodat_sge[]", max(1, len(first)))
@@ -299,7 +310,8 @@ class Posting(WorkRequests):
 
     def _post_error(self, err: int, what: str, outstanding: int, limit: int) -> Exception:
         if err == 12:  # ENOMEM from a full work queue
-            return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding)")
+            return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding; a request "
+                             f"counts until its completion is taken from the EVD)")
         return error_from_errno(err, what)
 
     # -- the records of a post, all made before it, as posts.c makes them --------------
@@ -314,7 +326,11 @@ class Posting(WorkRequests):
         function, with the EP's QP first: all looked up and made before, so that nothing between
         the records and the post can fail).  Returns the post's errno: 0, every request went;
         else the caller takes back what did not (:meth:`_take_back`).  An error raised: nothing
-        posted, nothing recorded."""
+        posted, nothing recorded.  ENOMEM with nothing done when the entries do not fit the
+        EP's :meth:`_room` (a batch's callers post what fits first)."""
+        if len(entries) > self._room(q):
+            self._posted[0] = 0
+            return errno.ENOMEM
         mark = q[-1] if q else None  # (the newest entry before these)
         _count(uses)
         try:
@@ -336,6 +352,11 @@ class Posting(WorkRequests):
         except MemoryError:  # the call could not be made: nothing went
             self._take_back(q, entries, 0, uses, quiet_id)
             raise
+
+    def _room(self, q: Deque[Any]) -> int:
+        """How many more entries the queue ``q`` (``_send_q``, ``_recv_q``) takes: its limit (see
+        _init_posting) less the entries whose completions are not taken yet."""
+        return (self._send_limit if q is self._send_q else self._recv_limit) - len(q)
 
     def _take_back(self, q: Deque[Any], entries: Sequence[Any], posted: int, uses: Dict[Any, int],
                    quiet_id: Optional[int] = None) -> None:
@@ -620,6 +641,14 @@ class Posting(WorkRequests):
         n = len(cookies)
         if n == 0:
             return 0
+        room = self._room(self._send_q)
+        if n > room and not (room > 0 and n > 1 and same and not bits[0][0] & SEND_SIGNALED):  # (a run: one entry)
+            # what fits goes, as a device posts until its queue is full, its last request with
+            # ``last_flags``: the batch's one completion, which retires the others, is not lost
+            posted = 0 if room <= 0 else self._post_many(
+                op, opcode, segs_column[:room], cookies[:room], same, flags, last_flags,
+                remotes[:room] if remotes is not None else None)
+            raise self._refused_batch((posted, n, errno.ENOMEM), f"post {op.value} batch")
         if n > 1 and same:
             return self._post_same(op, opcode, segs_column[0], cookies, bits,
                                    remotes[0] if remotes is not None else None)

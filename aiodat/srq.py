@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import functools
 import itertools
 import weakref
@@ -293,6 +294,11 @@ class SRQ(Handle):
         n = len(batch)
         if n == 0:
             return 0
+        # what fits goes, as a device posts until its queue is full: the EPs' CQs hold only the SRQ's
+        # size of its completions, and rxe would take more (_shim/posts.c's room_in)
+        take = min(n, self._max_wr - len(self._posted))
+        if take <= 0:
+            raise self._refused(0, n, errno.ENOMEM)
         sges = self._sges if total <= _SHIM_MAX_IOV else ffi.new("struct aiodat_sge[]", total)
         ids = ffi.new("uint64_t[]", n)
         starts = ffi.new("int[]", n)
@@ -305,8 +311,10 @@ class SRQ(Handle):
             ids[i], starts[i], counts[i] = wr_id, start, len(segs)
             fill_sges(sges, start, segs)
             start += len(segs)
-        err = lib.aiodat_post_recv(ffi.NULL, self._srq, ids, starts, counts, n, sges, self._posted_n)
+        err = lib.aiodat_post_recv(ffi.NULL, self._srq, ids, starts, counts, take, sges, self._posted_n)
         posted = self._posted_n[0]
+        if not err and posted < n:
+            err = errno.ENOMEM
         for i in range(posted):
             segs, cookie = batch[i]
             self._posted[wr_ids[i]] = (cookie, segs)

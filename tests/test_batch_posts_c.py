@@ -282,7 +282,8 @@ async def test_a_batch_the_queue_refuses_part_way_records_what_went(ia: Any) -> 
 async def test_a_pool_batch_the_queue_refuses_part_way_records_what_went(ia: Any) -> None:
     """RDMA writes each from a slice of its own, more than the queue has room for: QueueFull says how
     many went, exactly those are recorded (an entry each, the LMR counting them in flight), and they
-    complete and retire normally."""
+    complete and retire normally: the last that went carries ``last_flags``, so its completion
+    retires the others (a queue full of suppressed requests could take no signalled one)."""
     p = await make_ep_pair(ia, 8 * 128, EPAttr(max_request_dtos=16, max_recv_dtos=16))
     try:
         n = 4 * 16 + 64  # (the device may round a queue up)
@@ -294,10 +295,12 @@ async def test_a_pool_batch_the_queue_refuses_part_way_records_what_went(ia: Any
         assert 16 <= went < n
         assert [(e[1], e[3]) for e in p.client._send_q] == [(i, (items[i][0],)) for i in range(went)]
         assert p.client.query().outstanding_requests == went and p.client_lmr._inflight == went
-        p.client.post_rdma_write(p.client_lmr[0:8], whole[0:8], "after")  # retires the suppressed ones
+        (ev,) = await p.client.request_evd.wait(1, timeout=T)  # the last that went: it retires the others
+        assert ev.cookie == went - 1 and ev.ok
+        assert p.client.query().outstanding_requests == 0 and p.client_lmr._inflight == 0
+        p.client.post_rdma_write(p.client_lmr[0:8], whole[0:8], "after")
         (ev,) = await p.client.request_evd.wait(1, timeout=T)
         assert ev.cookie == "after" and ev.ok
-        assert p.client.query().outstanding_requests == 0 and p.client_lmr._inflight == 0
     finally:
         p.close()
 

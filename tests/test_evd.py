@@ -342,6 +342,17 @@ async def test_evd_query_and_resize(ia: Any, loop_errors: List[dict]) -> None:
         ia.create_evd(0)
     with pytest.raises(aiodat.InvalidParameter):
         ia.create_evd(10**9)  # beyond max_evd_qlen
+    # resize takes the same checks as create_evd: True was taken as a qlen, a qlen beyond the
+    # device's went on, and one beyond a C int raised cffi's OverflowError
+    for bad in (True, 0, 2**31, 10**9, 4.0):
+        with pytest.raises(aiodat.InvalidParameter, match="qlen"):
+            evd.resize(bad)
+    assert evd.qlen == 16 and evd.query().queued == 3
+    # streams: an int with no known stream, or with unknown bits, took nothing, every stream (-1)
+    # or kept the unknown bit
+    for bad in (0, -1, 1 << 20, EvdFlags.DTO | 0x2):
+        with pytest.raises(aiodat.InvalidParameter, match="streams must be one or more EvdFlags"):
+            ia.create_evd(4, bad)
     assert ia.async_evd.query().is_async
 
 
@@ -419,10 +430,13 @@ async def test_use_after_free_raises_invalid_handle(ia: Any, loop_errors: List[d
     pair.client_lmr.free()
     with pytest.raises(aiodat.InvalidHandle):
         pair.server.post_send(seg)  # a segment of a freed LMR
+    with pytest.raises(aiodat.InvalidHandle):
+        seg.remote()  # (it gave a region naming the freed registration's rkey)
     # EVD
     evd = ia.create_evd(2)
     evd.free()
-    for call in (evd.dequeue, lambda: evd.post_se(1), evd.query, lambda: evd.resize(4), evd.free):
+    for call in (evd.dequeue, lambda: evd.post_se(1), evd.query, lambda: evd.resize(4), evd.free,
+                 lambda: setattr(evd, "busy_poll_us", 50)):  # (the setter took it silently)
         with pytest.raises(aiodat.InvalidHandle):
             call()
     with pytest.raises(aiodat.InvalidHandle):

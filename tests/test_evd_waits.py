@@ -240,6 +240,10 @@ async def test_busy_poll_us_set_later_is_checked(ia: Any, loop_errors: List[dict
     with pytest.raises(aiodat.InvalidParameter, match="no CQ to poll"):
         cr.busy_poll_us = 20
     cr.busy_poll_us = 0
+    # create_evd refuses it as the setter does (it dropped the value silently)
+    with pytest.raises(aiodat.InvalidParameter, match="no CQ to poll"):
+        ia.create_evd(8, EvdFlags.SOFTWARE, busy_poll_us=10)
+    assert ia.create_evd(8, EvdFlags.SOFTWARE, busy_poll_us=0).busy_poll_us == 0
 
 
 async def test_recv_query_wakes_the_wait_whose_completion_it_took(ia: Any, loop_errors: List[dict]) -> None:

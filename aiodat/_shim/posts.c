@@ -41,7 +41,7 @@ static PyObject *count_type;  /* itertools.count: a batch reserves its request n
 static PyObject *s_writable, *s_srq, *s_closed, *s_lmr, *s_pz, *s_conn, *s_state, *s_ids, *s_address, *s_offset,
                 *s_length, *s_lkey, *s_inflight, *s_recv_q, *s_send_q, *s_quiet, *s_rc, *s_max_inline,
                 *s_append, *s_add, *s_extend, *s_pop, *s_discard, *s_qp_address, *s_srq_address, *s_rmr_context,
-                *s_srq_state, *s_posted;
+                *s_srq_state, *s_posted, *s_send_limit, *s_recv_limit, *s_max_wr;
 
 static PyObject *configure(PyObject *self, PyObject *args)
 {
@@ -260,6 +260,24 @@ static int still_at(PyObject *owner, PyObject *address_name, const void *target)
     return now == (unsigned long long)(uintptr_t)target;
 }
 
+/* How many more records the owner takes: its limit (``limit_name``: EPAttr's max_request_dtos or
+ * max_recv_dtos, the SRQ's max_recv_dtos) less its records whose completions are not taken yet
+ * (``queue_name``: an EP's deque, an SRQ's dict), as post.py's _room.  A device may take more (rxe
+ * frees a queue slot as it writes the completion, not when it is polled), but the CQs are sized
+ * for the limits (cqsize.py): past them a CQ overruns and its completions are lost.  A post past
+ * it is refused as the device refuses a full queue: ENOMEM, a batch's first ``room`` posted.
+ * -1 on error. */
+static Py_ssize_t room_in(PyObject *owner, PyObject *queue_name, PyObject *limit_name)
+{
+    unsigned long long limit;
+    PyObject *q = PyObject_GetAttr(owner, queue_name);
+    Py_ssize_t held = q != NULL ? PyObject_Length(q) : -1;
+    Py_XDECREF(q);
+    if (held < 0 || attr_ull(owner, limit_name, &limit) < 0)
+        return -1;
+    return limit > (unsigned long long)held ? (Py_ssize_t)(limit - (unsigned long long)held) : 0;
+}
+
 /* A single post's records, all made before it (count_before_post, record_before_post), and a last
  * look that the EP is open.  1: post; 0: closed (nothing done: post.py's path says so); -1: error. */
 static int prepare_post(PyObject *ep, struct ibv_qp *qp, PyObject *lmr, PyObject *queue_name, PyObject *method,
@@ -434,6 +452,11 @@ static PyObject *post_recv_one(PyObject *ep, PyObject *address, PyObject *seg, P
         Py_DECREF(lmr);
         return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
     }
+    Py_ssize_t room = room_in(ep, s_recv_q, s_recv_limit);
+    if (room <= 0) {
+        Py_DECREF(lmr);
+        return room < 0 ? NULL : PyLong_FromLong(ENOMEM);
+    }
     long long id = next_id(ep);
     unsigned long long wr_id = (unsigned long long)id * 2 + 1;
     if (id >= 0)  /* the entry first: once the request is posted, recording it must not need memory */
@@ -507,6 +530,11 @@ static PyObject *post_send_one(PyObject *ep, PyObject *address, PyObject *seg, P
         ok = send_side_ready(ep, address, seg, &lmr, &sge, &qp);
     if (ok <= 0)
         return ok < 0 ? NULL : PyLong_FromLong(-1);
+    Py_ssize_t room = room_in(ep, s_send_q, s_send_limit);
+    if (room <= 0) {
+        Py_DECREF(lmr);
+        return room < 0 ? NULL : PyLong_FromLong(ENOMEM);
+    }
     unsigned long long max_inline;
     long long id = -1;
     if (attr_ull(ep, s_max_inline, &max_inline) == 0)
@@ -964,11 +992,21 @@ static PyObject *same_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
     if (ok == 1)
         ok = batch_ready(remote, &sge, &remote_addr, &rkey);
     Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
+    int as_run = n > 1 && !(bits->flags & IBV_SEND_SIGNALED);  /* all but the last suppressed: a run */
+    Py_ssize_t room = ok == 1 ? room_in(ep, s_send_q, s_send_limit) : 0, take = n;
+    if (room < 0)
+        ok = -1;
+    else if (ok == 1 && (room == 0 || (!as_run && room < n))) {
+        if (room == 0) {
+            result = batch_result(0, n, ENOMEM);  /* nothing done */
+            goto done;
+        }
+        take = room;  /* (a run is one entry: it goes whole) */
+    }
     long long id = ok == 1 ? take_ids(ep, n) : -1;
     if (id >= 0)
         segs = PyTuple_Pack(1, seg);
     unsigned long long first = (unsigned long long)id * 2;
-    int as_run = n > 1 && !(bits->flags & IBV_SEND_SIGNALED);  /* all but the last suppressed: a run */
     if (segs != NULL)  /* made before the post: once it is posted, recording it must not need memory */
         queued = as_run ? run_entry(first, cookies, op, segs) : entries(first, cookies, n, op, segs, 0);
     int counted = queued != NULL && count_before_post(lmr, n) == 0, uncount = 1;
@@ -986,14 +1024,18 @@ static PyObject *same_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
     }
     struct ibv_send_wr tmpl = { .opcode = bits->opcode, .send_flags = bits->flags, .sg_list = &sge, .num_sge = 1,
                                 .wr.rdma.remote_addr = remote_addr, .wr.rdma.rkey = (uint32_t)rkey };
-    int err = post_copies(qp, NULL, &tmpl, NULL, NULL, NULL, bits->max_inline, bits->last_flags, first, n, &posted);
+    /* (past the EP's room, what fits goes, its last request with last_flags: the batch's one
+     * completion, which retires the others, is not lost with the rest) */
+    int err = post_copies(qp, NULL, &tmpl, NULL, NULL, NULL, bits->max_inline, bits->last_flags, first, take, &posted);
+    if (!err && posted < n)
+        err = ENOMEM;
     if (posted < n && (!as_run || posted == 0)) {  /* refused part way (rare): take back what did not go */
         unrecord(ep, s_send_q, as_run ? 1 : n - posted, NULL);
         uncount_unposted(lmr, n - posted);
     } else if (posted < n) {
         shorten_run(ep, lmr, queued, first, cookies, op, segs, posted, n);
     }
-    if (posted > 0 && mark_batch_quiet(ep, first, posted, n, bits) < 0)
+    if (posted > 0 && mark_batch_quiet(ep, first, posted, take, bits) < 0)
         drop_error();  /* (the batch went: a mark missing only makes a flushed request report) */
     result = batch_result(posted, n, err);
 done:
@@ -1011,6 +1053,13 @@ static PyObject *each_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
     struct items it;
     int ok = take_items(ep, items, bits->opcode == IBV_WR_SEND ? 2 : 3, bits->opcode == IBV_WR_RDMA_READ, &it);
     Py_ssize_t n = it.n, posted = 0;
+    Py_ssize_t room = ok == 1 ? room_in(ep, s_send_q, s_send_limit) : 0, take = room < n ? room : n;
+    if (room < 0)
+        ok = -1;
+    else if (ok == 1 && room == 0) {
+        result = batch_result(0, n, ENOMEM);  /* nothing done */
+        goto done;
+    }
     long long id = ok == 1 ? take_ids(ep, n) : -1;
     unsigned long long first = (unsigned long long)id * 2;
     if (id >= 0)  /* made before the post: once it is posted, recording it must not need memory */
@@ -1027,11 +1076,13 @@ static PyObject *each_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
         goto done;
     }
     struct ibv_send_wr tmpl = { .opcode = bits->opcode, .send_flags = bits->flags, .num_sge = 1 };
-    int err = post_copies(qp, NULL, &tmpl, NULL, it.sges, it.remotes, bits->max_inline, bits->last_flags, first, n,
-                          &posted);
+    int err = post_copies(qp, NULL, &tmpl, NULL, it.sges, it.remotes, bits->max_inline, bits->last_flags, first, take,
+                          &posted);  /* (past the EP's room, what fits goes: see same_send_batch) */
+    if (!err && posted < n)
+        err = ENOMEM;
     uncount_items(it.lmrs, posted, n);
     unrecord(ep, s_send_q, n - posted, NULL);
-    if (posted > 0 && mark_batch_quiet(ep, first, posted, n, bits) < 0)
+    if (posted > 0 && mark_batch_quiet(ep, first, posted, take, bits) < 0)
         drop_error();  /* (the batch went: a mark missing only makes a flushed request report) */
     result = batch_result(posted, n, err);
 done:
@@ -1124,6 +1175,14 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
         map = PyObject_GetAttr(owner, s_posted);
         ok = map == NULL ? -1 : PyDict_Check(map);
     }
+    Py_ssize_t room = ok != 1 ? 0 : srq != NULL ? room_in(owner, s_posted, s_max_wr) : room_in(owner, s_recv_q, s_recv_limit);
+    Py_ssize_t take = room < n ? room : n;
+    if (room < 0)
+        ok = -1;
+    else if (ok == 1 && room == 0) {
+        result = batch_result(0, n, ENOMEM);  /* nothing done */
+        goto done;
+    }
     long long id = ok == 1 ? take_ids(owner, n) : -1;
     unsigned long long first = (unsigned long long)id * 2 + 1;
     if (id >= 0)  /* the records before the post: once it is posted, recording must not need memory */
@@ -1158,7 +1217,9 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
         goto done;
     }
     struct ibv_recv_wr tmpl = { .next = NULL, .sg_list = NULL, .num_sge = 1 };
-    int err = post_copies(qp, srq, NULL, &tmpl, it.sges, NULL, -1, 0, first, n, &posted);
+    int err = post_copies(qp, srq, NULL, &tmpl, it.sges, NULL, -1, 0, first, take, &posted);
+    if (!err && posted < n)
+        err = ENOMEM;  /* (past the owner's room: room_in) */
     uncount_items(it.lmrs, posted, n);
     if (srq != NULL)
         unrecord_srq(map, records, posted, n);
@@ -1255,6 +1316,7 @@ PyMODINIT_FUNC PyInit__posts(void)
     INTERN(s_append, "append"); INTERN(s_add, "add"); INTERN(s_extend, "extend"); INTERN(s_pop, "pop"); INTERN(s_discard, "discard");
     INTERN(s_qp_address, "_qp_address"); INTERN(s_srq_address, "_srq_address");
     INTERN(s_rmr_context, "rmr_context"); INTERN(s_srq_state, "_state"); INTERN(s_posted, "_posted");
+    INTERN(s_send_limit, "_send_limit"); INTERN(s_recv_limit, "_recv_limit"); INTERN(s_max_wr, "_max_wr");
     if (count_type == NULL && (count_type = module_attr("itertools", "count")) == NULL)
         return NULL;
     return PyModule_Create(&module);
