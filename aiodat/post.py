@@ -201,7 +201,7 @@ class Posting(WorkRequests):
             if not err:
                 return
             if err > 0:
-                raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
+                raise self._post_error(err, "post_recv", recv=True)
         _flag_bits("flags", flags)  # (a CompletionFlags value, 0-15)
         if flags & CompletionFlags.SUPPRESS:  # a receive always completes (it carries the data's length)
             raise InvalidParameter("flags: SUPPRESS is for requests (sends, RDMA); a receive always completes")
@@ -220,7 +220,7 @@ class Posting(WorkRequests):
                                   (self._qp, _NULL, ids, starts, nums, 1, self._sges, self._posted), quiet_id)
         if err:
             self._take_back(self._recv_q, entries, 0, uses, quiet_id)
-            raise self._post_error(err, "post_recv", len(self._recv_q), self.attrs.max_recv_dtos)
+            raise self._post_error(err, "post_recv", recv=True)
 
     def post_recv_batch(self, items: Iterable[Tuple[Segments, Any]]) -> int:
         """Post many receives in one crossing into C; ``items`` are (segments, cookie) pairs.
@@ -308,11 +308,19 @@ class Posting(WorkRequests):
             return SEND_INLINE
         return 0
 
-    def _post_error(self, err: int, what: str, outstanding: int, limit: int) -> Exception:
-        if err == 12:  # ENOMEM from a full work queue
-            return QueueFull(f"{what}: the queue is full ({outstanding} of {limit} outstanding; a request "
-                             f"counts until its completion is taken from the EVD)")
-        return error_from_errno(err, what)
+    def _post_error(self, err: int, what: str, recv: bool = False) -> Exception:
+        """The error of a post of the send (``recv``: receive) queue refused with ``err``: for a full
+        queue, QueueFull naming the limit and the places held (_room), which are not requests: a
+        suppressed run on one segment holds one."""
+        if err != errno.ENOMEM:
+            return error_from_errno(err, what)
+        if recv:
+            held, limit, runs = len(self._recv_q), f"max_recv_dtos={self._recv_limit}", ""
+        else:
+            held, limit, requests = len(self._send_q), f"max_request_dtos={self._send_limit}", self._sends_outstanding()
+            runs = f" ({requests} requests: a suppressed batch on one segment holds one place)" if requests != held else ""
+        return QueueFull(f"{what}: the queue is full: {held} of {limit} places held{runs}; a request holds its "
+                         f"place until its completion is taken from the EVD")
 
     # -- the records of a post, all made before it, as posts.c makes them --------------
     # A request the device holds must be counted on its LMRs (else lmr.free() could take its
@@ -386,11 +394,7 @@ class Posting(WorkRequests):
     def _refused_batch(self, done: Tuple[int, int, int], what: str, recv: bool = False) -> Exception:
         """The error of a batch the queue refused part way: ``done`` is (posted, n, errno)."""
         posted, n, err = done
-        if recv:
-            return self._post_error(err, f"{what} (posted {posted} of {n})", len(self._recv_q),
-                                    self.attrs.max_recv_dtos)
-        return self._post_error(err, f"{what} (posted {posted} of {n})", self._sends_outstanding(),
-                                self.attrs.max_request_dtos)
+        return self._post_error(err, f"{what} (posted {posted} of {n})", recv)
 
     def _post_one(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookie: Any,
                   flags: CompletionFlags, *, imm_data: Optional[int] = None,
@@ -434,7 +438,7 @@ class Posting(WorkRequests):
                                   (self._qp, wr, 1, self._sges, self._posted), quiet_id)
         if err:
             self._take_back(self._send_q, entries, 0, uses, quiet_id)
-            raise self._post_error(err, f"post {op.value}", self._sends_outstanding(), self.attrs.max_request_dtos)
+            raise self._post_error(err, f"post {op.value}")
 
     def post_send(self, segments: Segments, cookie: Any = None,
                   flags: CompletionFlags = CompletionFlags.DEFAULT, *, imm_data: Optional[int] = None) -> None:
@@ -445,7 +449,7 @@ class Posting(WorkRequests):
             if not err:
                 return
             if err > 0:
-                raise self._post_error(err, "post send", self._sends_outstanding(), self.attrs.max_request_dtos)
+                raise self._post_error(err, "post send")
         segs = as_segments(segments)
         self._check_post(segs, self.attrs.max_request_iov, "post_send")
         check_imm_data(imm_data)
@@ -641,8 +645,10 @@ class Posting(WorkRequests):
         n = len(cookies)
         if n == 0:
             return 0
+        # the very same segments, all but the last suppressed: one entry, a run (wr.SendRun)
+        as_run = n > 1 and same and not bits[0][0] & SEND_SIGNALED
         room = self._room(self._send_q)
-        if n > room and not (room > 0 and n > 1 and same and not bits[0][0] & SEND_SIGNALED):  # (a run: one entry)
+        if n > room and not (room > 0 and as_run):  # (a run goes whole)
             # what fits goes, as a device posts until its queue is full, its last request with
             # ``last_flags``: the batch's one completion, which retires the others, is not lost
             posted = 0 if room <= 0 else self._post_many(
@@ -651,7 +657,7 @@ class Posting(WorkRequests):
             raise self._refused_batch((posted, n, errno.ENOMEM), f"post {op.value} batch")
         if n > 1 and same:
             return self._post_same(op, opcode, segs_column[0], cookies, bits,
-                                   remotes[0] if remotes is not None else None)
+                                   remotes[0] if remotes is not None else None, as_run)
         wrs = ffi.new("struct aiodat_send_wr[]", n)
         sges = ffi.new("struct aiodat_sge[]", max(1, sum(map(len, segs_column))))
         (send_flags, quiet), (last_send_flags, last_quiet) = bits
@@ -681,11 +687,12 @@ class Posting(WorkRequests):
         return n
 
     def _post_same(self, op: DTOOp, opcode: int, segs: Tuple[Segment, ...], cookies: Sequence[Any],
-                   bits: Tuple[Tuple[int, bool], Tuple[int, bool]], remote: Optional["RemoteRegion"]) -> int:
+                   bits: Tuple[Tuple[int, bool], Tuple[int, bool]], remote: Optional["RemoteRegion"],
+                   as_run: bool) -> int:
         """The batch fast path: n requests on the same segments (and remote): one scatter/gather
         list, the request written once and copied n times in C, only the wr_ids set one by one.
-        When the requests before the last are suppressed, the batch is one send-queue entry (a
-        wr.SendRun), which its last completion retires whole."""
+        ``as_run``: the requests before the last are suppressed, and the batch is one send-queue
+        entry (a wr.SendRun), which its last completion retires whole."""
         n = len(cookies)
         sges = ffi.new("struct aiodat_sge[]", max(1, len(segs)))
         fill_sges(sges, 0, segs)
@@ -699,7 +706,6 @@ class Posting(WorkRequests):
             wr.remote_addr, wr.rkey = remote.address, remote.rmr_context
         first = self._take_ids(n) * 2
         q = self._send_q
-        as_run = not send_flags & SEND_SIGNALED  # all but the last suppressed: one entry, a run
         if as_run:
             cookies = cookies if type(cookies) is tuple else tuple(cookies)
             entries: Sequence[Any] = ((first, cookies, op, segs, SendRun(first, first + 2 * (n - 1))),)

@@ -327,8 +327,9 @@ class SRQ(Handle):
     def _refused(self, posted: int, n: int, err: int) -> DATError:
         """The error of a batch the SRQ took only ``posted`` of ``n`` of (the rest refused with ``err``)."""
         if err == 12:  # ENOMEM: the SRQ is full
-            return QueueFull(f"post_recv: the SRQ is full ({len(self._posted)} buffers outstanding, "
-                             f"max_recv_dtos {self._max_wr}); posted {posted} of {n}")
+            return QueueFull(f"post_recv: the SRQ is full: {len(self._posted)} of max_recv_dtos={self._max_wr} "
+                             f"buffers held (a buffer holds its place until its completion is taken from the "
+                             f"EVD); posted {posted} of {n}")
         return error_from_errno(err, f"post_recv to the SRQ (posted {posted} of {n})")
 
     def query(self) -> SRQParam:

@@ -28,6 +28,7 @@ import aiodat.srq
 from aiodat._lib import ffi
 from aiodat.testing.plugin import make_ep_pair
 from aiodat.wr import retire_requests
+from completions import take
 
 _testcapi = pytest.importorskip("_testcapi", reason="needs CPython's _testcapi (set_nomemory) to fail allocations")
 
@@ -123,17 +124,9 @@ async def each_request_completes_with_its_cookie(pair: Any, sends: bool, queue: 
     expected = [entry[1] for entry in queue]
     if not sends:
         await send(pair, len(expected))
-    events = await events_of(evd, len(expected))
+    events = await take(evd, len(expected))
     assert [e.cookie for e in events] == expected
     assert lmr._inflight == 0
-
-
-async def events_of(evd: Any, count: int) -> List[Any]:
-    events: List[Any] = []
-    while len(events) < count:
-        events += await evd.wait(timeout=T)
-    assert all(e.ok for e in events)
-    return events
 
 
 async def send(pair: Any, count: int) -> None:
@@ -142,7 +135,7 @@ async def send(pair: Any, count: int) -> None:
     for sent in range(0, count, 32):
         batch = min(32, count - sent)
         pair.client.post_send_batch([(src, None) for _ in range(batch)])
-        await events_of(pair.client.request_evd, batch)
+        await take(pair.client.request_evd, batch)
 
 
 # The general paths, in Python (aiodat/post.py): several segments to a request, immediate data,
@@ -232,7 +225,7 @@ async def test_a_python_post_that_runs_out_of_memory_is_counted_and_recorded(ia:
         ep._plan_send = noting
         if not sends:
             await send(pair, len(expected))
-        events = await events_of(evd, len(expected))
+        events = await take(evd, len(expected))
         assert [e.cookie for e in events] == expected
         await asyncio.sleep(0.1)
         assert evd.dequeue() is None and not no_entry, f"completions of no request: {no_entry}"
@@ -269,12 +262,12 @@ async def _completions_waiting(ia: Any, sends: bool) -> Any:
     if sends:
         pair.server.post_recv_batch([(dst, None) for _ in range(total)])
         pair.client.post_send_batch([(src, c) for c in cookies])
-        await events_of(pair.server.recv_evd, total)  # received: the sends have completed too
+        await take(pair.server.recv_evd, total)  # received: the sends have completed too
         evd, lmr = pair.client.request_evd, pair.client_lmr
     else:
         pair.server.post_recv_batch([(dst, c) for c in cookies])
         pair.client.post_send_batch([(src, None) for _ in range(total)])
-        await events_of(pair.client.request_evd, total)  # sent: they were received
+        await take(pair.client.request_evd, total)  # sent: they were received
         evd, lmr = pair.server.recv_evd, pair.server_lmr
     assert lmr._inflight == total
     evd.resize(TAKE_QLEN)
@@ -492,7 +485,7 @@ async def test_completions_c_cannot_look_up_stay_for_python(ia: Any) -> None:
         finally:
             evd._qpn_refs = table
         assert len(evd._queue) == TAKE_QLEN
-        assert _taken_cookies(await events_of(evd, len(cookies))) == cookies
+        assert _taken_cookies(await take(evd, len(cookies))) == cookies
         assert lmr._inflight == 0
     finally:
         pair.close()

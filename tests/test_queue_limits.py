@@ -19,19 +19,9 @@ import aiodat
 from aiodat import CompletionFlags, EvdFlags
 from aiodat.cm import connect_pair
 from aiodat.testing.plugin import make_ep_pair
+from completions import take
 
 pytestmark = pytest.mark.rxe
-
-T = 30.0
-
-
-async def _take(evd: Any, n: int) -> List[Any]:
-    """Exactly ``n`` events of ``evd``, each one successful."""
-    got: List[Any] = []
-    while len(got) < n:
-        got += await evd.wait(timeout=T, max_events=n - len(got))
-    assert all(event.ok for event in got), [event.status for event in got if not event.ok]
-    return got
 
 
 def _no_cq_overrun(ia: Any) -> None:
@@ -51,7 +41,7 @@ async def test_requests_past_max_request_dtos_are_refused_until_completions_are_
             for i in range(limit):
                 post(lmr[0:8], remote[0:8], i)
             await asyncio.sleep(0.2)  # (rxe has completed them all: its queue would take more)
-            with pytest.raises(aiodat.QueueFull, match=f"{limit} of {limit} outstanding"):
+            with pytest.raises(aiodat.QueueFull, match=f"{limit} of max_request_dtos={limit} places held; a request"):
                 post(lmr[0:8], remote[0:8], "one too many")
         else:
             # a batch longer than the room: what fits goes, as a device posts until its queue is full
@@ -62,10 +52,10 @@ async def test_requests_past_max_request_dtos_are_refused_until_completions_are_
             await asyncio.sleep(0.2)
             with pytest.raises(aiodat.QueueFull, match="posted 0 of 1"):
                 client.post_rdma_write_batch(items[:1])
-        events = await _take(client.request_evd, limit)
+        events = await take(client.request_evd, limit)
         assert [event.cookie for event in events] == list(range(limit))  # none lost
         post(lmr[0:8], remote[0:8], "after")  # room again
-        assert (await _take(client.request_evd, 1))[0].cookie == "after"
+        assert (await take(client.request_evd, 1))[0].cookie == "after"
         _no_cq_overrun(ia)
         assert client.request_evd.dequeue() is None
         lmr.free()  # nothing left counted on it (it was refused for good)
@@ -75,7 +65,7 @@ async def test_requests_past_max_request_dtos_are_refused_until_completions_are_
 
 async def test_a_suppressed_batch_is_one_entry_of_the_limit(ia: Any, loop_errors: List[dict]) -> None:
     """A batch of requests all suppressed but the last makes one completion: it takes one place, so
-    a run longer than ``max_request_dtos`` goes while a place is free."""
+    a run longer than ``max_request_dtos`` goes while a place is free, and QueueFull counts places."""
     pair = await make_ep_pair(ia)
     try:
         client, lmr, remote = pair.client, pair.client_lmr, pair.server_lmr.remote()
@@ -85,7 +75,16 @@ async def test_a_suppressed_batch_is_one_entry_of_the_limit(ia: Any, loop_errors
         for _ in range(2):
             assert client.post_rdma_write_batch(items, CompletionFlags.SUPPRESS,
                                                 last_flags=CompletionFlags.DEFAULT) == n
-        assert [event.cookie for event in await _take(client.request_evd, 2)] == [n - 1, n - 1]
+        limit = client.attrs.max_request_dtos
+        await asyncio.sleep(1.0)  # (rxe has written the runs: its queue takes the singles)
+        for i in range(limit - 2):
+            client.post_rdma_write(local, there, f"single {i}")
+        # the refusal names the limit and the places held, and counts the runs' requests apart
+        with pytest.raises(aiodat.QueueFull, match=rf"{limit} of max_request_dtos={limit} places held "
+                                                   rf"\({2 * n + limit - 2} requests: a suppressed batch"):
+            client.post_rdma_write(local, there, "one too many")
+        cookies = [event.cookie for event in await take(client.request_evd, limit)]
+        assert cookies == [n - 1, n - 1] + [f"single {i}" for i in range(limit - 2)]
         _no_cq_overrun(ia)
     finally:
         pair.close()
@@ -101,15 +100,15 @@ async def test_receives_past_max_recv_dtos_are_refused_until_completions_are_tak
         assert server.post_recv_batch([(pair.server_lmr[0:8], i) for i in range(limit)]) == limit
         for i in range(limit):
             client.post_send(pair.client_lmr[0:8], i)
-        await _take(client.request_evd, limit)  # every receive has completed at the server
-        with pytest.raises(aiodat.QueueFull, match=f"{limit} of {limit} outstanding"):
+        await take(client.request_evd, limit)  # every receive has completed at the server
+        with pytest.raises(aiodat.QueueFull, match=f"{limit} of max_recv_dtos={limit} places held; a request"):
             server.post_recv(pair.server_lmr[0:8], "one too many")
         with pytest.raises(aiodat.QueueFull, match="posted 0 of 1"):
             server.post_recv_batch([(pair.server_lmr[0:8], "one too many")])
-        assert [event.cookie for event in await _take(server.recv_evd, limit)] == list(range(limit))
+        assert [event.cookie for event in await take(server.recv_evd, limit)] == list(range(limit))
         server.post_recv(pair.server_lmr[0:8], "after")
         client.post_send(pair.client_lmr[0:8], "after")
-        assert (await _take(server.recv_evd, 1))[0].cookie == "after"
+        assert (await take(server.recv_evd, 1))[0].cookie == "after"
         _no_cq_overrun(ia)
     finally:
         pair.close()
@@ -127,15 +126,15 @@ async def test_srq_buffers_past_max_recv_dtos_are_refused_until_completions_are_
         assert srq.post_recv_batch([(lmr[0:8], i) for i in range(limit)]) == limit
         for i in range(limit):
             client.post_send(lmr[64:72], i)
-        await _take(client.request_evd, limit)
+        await take(client.request_evd, limit)
         with pytest.raises(aiodat.QueueFull, match="posted 0 of 1"):
             srq.post_recv(lmr[0:8], "one too many")
         with pytest.raises(aiodat.QueueFull, match="posted 0 of 1"):
             srq.post_recv([lmr[0:4], lmr[4:8]], "one too many, general path")
-        assert [event.cookie for event in await _take(server.recv_evd, limit)] == list(range(limit))
+        assert [event.cookie for event in await take(server.recv_evd, limit)] == list(range(limit))
         srq.post_recv(lmr[0:8], "after")
         client.post_send(lmr[64:72], "after")
-        assert (await _take(server.recv_evd, 1))[0].cookie == "after"
+        assert (await take(server.recv_evd, 1))[0].cookie == "after"
         _no_cq_overrun(ia)
         psp.free()
         psp.cr_evd.free()
@@ -160,7 +159,7 @@ async def test_an_evd_shared_by_two_eps_holds_both_limits(ia: Any, loop_errors: 
                 client.post_rdma_write(lmr[0:8], lmr.remote()[8:16], (k, i))
             with pytest.raises(aiodat.QueueFull):
                 client.post_rdma_write(lmr[0:8], lmr.remote()[8:16], "one too many")
-        events = await _take(shared, 2 * limit)
+        events = await take(shared, 2 * limit)
         assert sorted(event.cookie for event in events) == sorted((k, i) for k in range(2) for i in range(limit))
         _no_cq_overrun(ia)
         for _, psp in pairs:

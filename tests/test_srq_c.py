@@ -143,7 +143,7 @@ async def test_an_srq_batch_the_srq_refuses_part_way_records_what_went(ia: Any) 
     lmr = pz.register(bytearray(4096))
     seg = lmr[0:64]
     n = 128
-    with pytest.raises(QueueFull, match=r"the SRQ is full \(\d+ buffers outstanding.*posted (\d+) of 128") as info:
+    with pytest.raises(QueueFull, match=r"the SRQ is full: \d+ of max_recv_dtos=\d+ buffers held.*posted (\d+) of 128") as info:
         srq.post_recv_batch([(seg, i) for i in range(n)])
     went = int(str(info.value).split("posted ")[1].split(" ")[0])
     assert 8 <= went < n

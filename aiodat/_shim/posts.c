@@ -278,6 +278,19 @@ static Py_ssize_t room_in(PyObject *owner, PyObject *queue_name, PyObject *limit
     return limit > (unsigned long long)held ? (Py_ssize_t)(limit - (unsigned long long)held) : 0;
 }
 
+/* A batch of ``n`` against the owner's room (room_in): 1 with ``*take``, how many go (all, or the
+ * first that fit; a run, one entry, goes ``whole``); 0 when nothing fits (nothing done: the caller
+ * answers ENOMEM); -1 on error. */
+static int batch_room(PyObject *owner, PyObject *queue_name, PyObject *limit_name, Py_ssize_t n, int whole,
+                      Py_ssize_t *take)
+{
+    Py_ssize_t room = room_in(owner, queue_name, limit_name);
+    if (room <= 0)
+        return room < 0 ? -1 : 0;
+    *take = whole || room >= n ? n : room;
+    return 1;
+}
+
 /* A single post's records, all made before it (count_before_post, record_before_post), and a last
  * look that the EP is open.  1: post; 0: closed (nothing done: post.py's path says so); -1: error. */
 static int prepare_post(PyObject *ep, struct ibv_qp *qp, PyObject *lmr, PyObject *queue_name, PyObject *method,
@@ -993,15 +1006,10 @@ static PyObject *same_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
         ok = batch_ready(remote, &sge, &remote_addr, &rkey);
     Py_ssize_t n = PyTuple_Size(cookies), posted = 0;
     int as_run = n > 1 && !(bits->flags & IBV_SEND_SIGNALED);  /* all but the last suppressed: a run */
-    Py_ssize_t room = ok == 1 ? room_in(ep, s_send_q, s_send_limit) : 0, take = n;
-    if (room < 0)
-        ok = -1;
-    else if (ok == 1 && (room == 0 || (!as_run && room < n))) {
-        if (room == 0) {
-            result = batch_result(0, n, ENOMEM);  /* nothing done */
-            goto done;
-        }
-        take = room;  /* (a run is one entry: it goes whole) */
+    Py_ssize_t take = n;
+    if (ok == 1 && (ok = batch_room(ep, s_send_q, s_send_limit, n, as_run, &take)) == 0) {
+        result = batch_result(0, n, ENOMEM);  /* nothing fits: nothing done */
+        goto done;
     }
     long long id = ok == 1 ? take_ids(ep, n) : -1;
     if (id >= 0)
@@ -1053,11 +1061,9 @@ static PyObject *each_send_batch(PyObject *ep, struct ibv_qp *qp, const struct b
     struct items it;
     int ok = take_items(ep, items, bits->opcode == IBV_WR_SEND ? 2 : 3, bits->opcode == IBV_WR_RDMA_READ, &it);
     Py_ssize_t n = it.n, posted = 0;
-    Py_ssize_t room = ok == 1 ? room_in(ep, s_send_q, s_send_limit) : 0, take = room < n ? room : n;
-    if (room < 0)
-        ok = -1;
-    else if (ok == 1 && room == 0) {
-        result = batch_result(0, n, ENOMEM);  /* nothing done */
+    Py_ssize_t take = n;
+    if (ok == 1 && (ok = batch_room(ep, s_send_q, s_send_limit, n, 0, &take)) == 0) {
+        result = batch_result(0, n, ENOMEM);  /* nothing fits: nothing done */
         goto done;
     }
     long long id = ok == 1 ? take_ids(ep, n) : -1;
@@ -1175,12 +1181,10 @@ static PyObject *each_recv_batch(PyObject *owner, struct ibv_qp *qp, struct ibv_
         map = PyObject_GetAttr(owner, s_posted);
         ok = map == NULL ? -1 : PyDict_Check(map);
     }
-    Py_ssize_t room = ok != 1 ? 0 : srq != NULL ? room_in(owner, s_posted, s_max_wr) : room_in(owner, s_recv_q, s_recv_limit);
-    Py_ssize_t take = room < n ? room : n;
-    if (room < 0)
-        ok = -1;
-    else if (ok == 1 && room == 0) {
-        result = batch_result(0, n, ENOMEM);  /* nothing done */
+    Py_ssize_t take = n;
+    if (ok == 1 && (ok = batch_room(owner, srq != NULL ? s_posted : s_recv_q, srq != NULL ? s_max_wr : s_recv_limit,
+                                    n, 0, &take)) == 0) {
+        result = batch_result(0, n, ENOMEM);  /* nothing fits: nothing done */
         goto done;
     }
     long long id = ok == 1 ? take_ids(owner, n) : -1;
