@@ -321,6 +321,14 @@ def test_cli_usage_errors(capsys):
     ["--timeout", "0"],
     ["--timeout", "-5"],
     ["--timeout", "soon"],
+    ["--cpus", "0"],
+    ["--cpus", "two"],
+    ["--hosts", "3"],
+    ["--hosts", "x"],
+    ["--memory", "lots"],
+    ["--memory", "0G"],
+    ["--memory", "-5"],
+    ["--share", "/nonexistent/aiodat-share"],
 ])
 def test_run_option_errors_exit_2_before_anything_runs(argv, monkeypatch, capsys):
     from aiodat.testbed import command
@@ -332,6 +340,7 @@ def test_run_option_errors_exit_2_before_anything_runs(argv, monkeypatch, capsys
     assert testbed.main(["run", *argv, "--", "true"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rxe run: ") and "usage: rxe" in err
+    assert argv[-1].partition("=")[0] in err.splitlines()[0]  # (the option, or its value, named)
 
 
 @pytest.mark.parametrize("argv, code", [

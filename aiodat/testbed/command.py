@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import threading
-from typing import List, Optional, Sequence, TypedDict
+from typing import Any, Callable, List, Optional, Sequence, TypedDict
 
 from ._common import msg
 from .runner import run
@@ -90,24 +90,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     raise ValueError("%s needs a value" % name)
                 val = rest[i]
             i += 1
-            if name == "--timeout":
-                opts["timeout"] = float(val)
-                if not (math.isfinite(opts["timeout"]) and opts["timeout"] > 0):  # (NaN: no deadline at all)
-                    raise ValueError("--timeout must be a finite number of seconds > 0, not %s" % val)
+            if name == "--timeout":  # (NaN: no deadline at all)
+                opts["timeout"] = _value(name, val, float, lambda t: math.isfinite(t) and t > 0,
+                                         "a finite number of seconds > 0")
             elif name == "--cpus":
-                opts["cpus"] = int(val)
+                opts["cpus"] = _value(name, val, int, lambda n: n >= 1, "a whole number >= 1")
             elif name == "--hosts":
-                opts["hosts"] = int(val)
-                if opts["hosts"] not in (1, 2):
-                    raise ValueError("--hosts must be 1 or 2")
-            elif name == "--share":
-                shares.append(os.path.abspath(val))
+                opts["hosts"] = _value(name, val, int, lambda n: n in (1, 2), "1 or 2")
+            elif name == "--share":  # (QEMU would refuse it only after the set-up)
+                shares.append(os.path.abspath(_value(name, val, str, os.path.isdir, "an existing directory")))
             elif name == "--memory":
-                opts["memory"] = val
-            else:  # --method
-                if val not in ("native", "qemu"):
-                    raise ValueError("--method must be native or qemu, not %r" % val)
-                opts["method"] = val
+                opts["memory"] = _value(name, val, str, _is_memory_size, "a size > 0 as QEMU's -m takes it (2G, 1536M)")
+            else:
+                opts["method"] = _value(name, val, str, lambda m: m in ("native", "qemu"), "native or qemu")
         if opts["hosts"] == 2 and opts["method"] == "native":
             raise ValueError("--hosts 2 boots two QEMU guests: it takes no --method native")
     except ValueError as e:
@@ -138,6 +133,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
+
+
+def _value(name: str, val: str, kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Any:
+    """``kind(val)`` if that works and is ``ok``, else ValueError: ``name`` must be ``what``."""
+    try:
+        parsed = kind(val)
+    except ValueError:
+        parsed = None
+    if parsed is None or not ok(parsed):
+        raise ValueError("%s must be %s, not %r" % (name, what, val))
+    return parsed
+
+
+def _is_memory_size(val: str) -> bool:
+    """A size QEMU's -m takes: MiB, or with a suffix k, M, G or T; more than nothing."""
+    number = val[:-1] if val[-1:] in ("k", "K", "m", "M", "g", "G", "t", "T") else val
+    try:
+        return float(number) > 0 and number.replace(".", "", 1).isdigit()
+    except ValueError:
+        return False
 
 
 class Terminated(BaseException):
