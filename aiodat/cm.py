@@ -223,8 +223,9 @@ def _check_family(ia: "IA", host: str) -> None:
     """rdma_cm binds a connection to the IA's address, so the peer must have the same family."""
     if ia.address and isinstance(host, str) and _is_numeric(host) and _family(host) != _family(ia.address):
         want = "IPv6" if _family(host) == socket.AF_INET6 else "IPv4"
+        of_family = [a for a in ia.addresses if _family(a) == _family(host)]
         raise InvalidAddress(f"{host} is {want} but the IA's address {ia.address} is not; open the IA "
-                             f"with address= one of its {want} addresses: {', '.join(ia.addresses) or 'none'}")
+                             f"with address= one of its {want} addresses: {', '.join(of_family) or 'none'}")
 
 
 def listen_address(ia: "IA", port: int) -> Any:
@@ -381,6 +382,10 @@ class CMChannel:
             obj = self.owner(ev.id)
             if isinstance(obj, Connection):
                 obj = obj.ep
+            elif hasattr(obj, "device_removed"):  # a datagram resolution or multicast join (datagram.py)
+                if kind == DEVICE_REMOVAL:
+                    obj.device_removed()
+                obj = obj.subject()
             evd._push(AsyncEvent(etype, evd, obj=obj, reason=_event_name(kind)))
             return
         owner = self.owner(ev.id)
@@ -560,9 +565,10 @@ def broken(ep: "EP", reason: str, retried: bool = True) -> None:
     """The device reported the EP's QP broken: the EP is in error; tell the connect EVD.
     ``retried``: a failure here is retried (a failed completion's: it stays in its EVD's backlog
     and breaks the EP again); False for the device's async event, which nothing retries: a BROKEN
-    it could not push is owed (CMChannel.owe_broken) and this returns."""
+    it could not push is owed (CMChannel.owe_broken) and this returns.  A UD EP, never connected,
+    breaks from UNCONNECTED: its QP in ERR takes no more datagrams until ``reset()``."""
     conn = ep._conn
-    if conn.state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING):
+    if conn.state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING) or (ep._ud and conn.state is EPState.UNCONNECTED):
         # The state changes last: a MemoryError before leaves it, and the retry pushes the BROKEN
         # again.  A push that failed after its append gives a duplicate BROKEN, better than a
         # lost one.
@@ -628,10 +634,16 @@ def freed(ep: "EP") -> None:
 # -- the active side and the events of an EP ---------------------------------------
 
 
+def _check_rc(ep: "EP", doing: str) -> None:
+    """Connections are RC's: a UD endpoint has none (it resolves its peers instead)."""
+    if ep.attrs.service_type is not ServiceType.RC:
+        raise InvalidParameter(f"only RC endpoints {doing}; UD endpoints have no connection (they use "
+                               f"resolve_datagram, and reset() after an error)")
+
+
 def _check_can_connect(ep: "EP") -> None:
     ep._check()
-    if ep.attrs.service_type is not ServiceType.RC:
-        raise InvalidParameter("only RC endpoints connect; UD endpoints use resolve_datagram")
+    _check_rc(ep, "connect")
     if ep._conn.state is not EPState.UNCONNECTED:
         hint = " (call ep.reset() first)" if ep._conn.state in (EPState.DISCONNECTED, EPState.ERROR) else ""
         raise InvalidState(f"cannot connect an EP in state {ep._conn.state.value}{hint}")
@@ -889,6 +901,7 @@ def start_disconnect(ep: "EP", graceful: bool, waiter: Optional["asyncio.Future[
     as rsockets' shutdown does: the peer has every byte before the DREQ.
     """
     ep._check()
+    _check_rc(ep, "disconnect")
     timeout = check_timeout(timeout)  # (refused before anything is torn down, in every state)
     conn = ep._conn
     if conn.state in (EPState.ACTIVE_CONNECTION_PENDING, EPState.PASSIVE_CONNECTION_PENDING):
@@ -1029,6 +1042,8 @@ def _send_dreq(ep: "EP", timeout: Optional[float]) -> None:
 
 async def disconnect(ep: "EP", graceful: bool, timeout: Optional[float]) -> None:
     """``await ep.disconnect()``: see :meth:`aiodat.EP.disconnect`."""
+    ep._check()
+    _check_rc(ep, "disconnect")
     check_timeout(timeout)
     if ep._conn.state in (EPState.DISCONNECTED, EPState.UNCONNECTED) and not ep.closed:
         return  # already down (the peer may have disconnected first)

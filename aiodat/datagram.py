@@ -63,6 +63,7 @@ from aiodat.errors import (
     InvalidHandle,
     InvalidParameter,
     InvalidState,
+    ProviderNotFound,
     TimeoutExpired,
     Unreachable,
     ConnectionRejected,
@@ -70,13 +71,11 @@ from aiodat.errors import (
 )
 from aiodat.evd import DTOOp
 from aiodat.memory import Privileges, as_segments
-from aiodat.post import WR_SEND, WR_SEND_WITH_IMM, check_imm_data
+from aiodat.post import GRH_SIZE, WR_SEND, WR_SEND_WITH_IMM, check_imm_data
 
 if TYPE_CHECKING:
     from aiodat.memory import PZ
 
-#: bytes of Global Route Header at the start of every UD receive
-GRH_SIZE = 40
 #: the QP number multicast sends go to
 MULTICAST_QPN = 0xFFFFFF
 #: private data a datagram resolution carries through rdma_cm on IB/RoCE: the SIDR REQ's 216
@@ -168,6 +167,15 @@ class _Resolution:
     def fail(self, exc: BaseException) -> None:
         fail_waiter(self.fut, exc)
         self.destroy()
+
+    def subject(self) -> Any:
+        """What a device event about this id names (cm.py): the EP."""
+        return self.ep
+
+    def device_removed(self) -> None:
+        """rdma_cm's DEVICE_REMOVAL on this id: a resolution under way fails (no other event ends it)."""
+        if not self.fut.done():
+            self.fail(ProviderNotFound(f"{self.what}: the device was removed"))
 
     def destroy(self) -> None:
         if not self.closed:
@@ -304,6 +312,16 @@ class DatagramPSP(Listener):
 
 
 class _Joiner(_Resolution):
+    def subject(self) -> Any:
+        return self.group  # type: ignore[attr-defined]
+
+    def device_removed(self) -> None:
+        group: "MulticastGroup" = self.group  # type: ignore[attr-defined]
+        if group.joined:  # (as a MULTICAST_ERROR after the join)
+            group.joined = False
+            group.error = "RDMA_CM_EVENT_DEVICE_REMOVAL"
+        super().device_removed()
+
     def _on_cm_event(self, ev: Any, pdata: bytes) -> None:
         kind = ev.event
         group: "MulticastGroup" = self.group  # type: ignore[attr-defined]
@@ -421,9 +439,13 @@ async def join_multicast(ep: "EP", group: str, timeout: Optional[float] = 10.0) 
     timeout = check_timeout(timeout)
     ia = ep._ia
     ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)
-    mg = MulticastGroup(ep, group)
     fut: "asyncio.Future[MulticastGroup]" = asyncio.get_running_loop().create_future()
-    joiner = _Joiner(ep, fut, f"join_multicast {group}")
+    mg = MulticastGroup(ep, group)
+    try:  # (the EP holds the group from here: a joiner that cannot be made must not leave it "joining")
+        joiner = _Joiner(ep, fut, f"join_multicast {group}")
+    except BaseException:
+        mg.close()
+        raise
     joiner.group = mg  # type: ignore[attr-defined]
     mg._joiner = joiner
     if lib.rdma_resolve_addr(joiner.cm_id, ia._cm.source(), ffi.cast("struct sockaddr *", mg._sockaddr),
@@ -492,6 +514,8 @@ def _check_fits_mtu(ep: Any, size: int) -> None:
 
 def max_message_size(ep: "EP") -> int:
     """The largest datagram the EP's port carries: its active MTU in bytes (InvalidHandle once it is closed)."""
+    if not isinstance(ep, EP):
+        raise InvalidParameter(f"max_message_size needs an EP, not {type(ep).__name__}")
     ep._check()
     pattr = ep._ia._port_attr()
     return 128 << pattr.active_mtu  # IBV_MTU_256 == 1 ... IBV_MTU_4096 == 5

@@ -757,6 +757,11 @@ for _cls, _sub, _names in (
     for _n in _errnos(*_names):
         _ERRNO_TABLE.setdefault(_n, (_cls, _sub))
 del _cls, _sub, _names, _n
+# The kernel's own ENOTSUPP (include/linux/errno.h), which some RDMA paths let out to user space
+# (rdma_join_multicast of an IPv6 group on rxe): not in libc's table, so named here.
+_KERNEL_ENOTSUPP = 524
+_ERRNO_TABLE[_KERNEL_ENOTSUPP] = (NotImplementedByProvider, None)
+_KERNEL_ERRNO_TEXT = {_KERNEL_ENOTSUPP: ("ENOTSUPP", "operation not supported (the kernel's ENOTSUPP)")}
 
 
 def error_from_errno(
@@ -777,13 +782,13 @@ def error_from_errno(
     ENETUNREACH, EHOSTUNREACH -> Unreachable; ENODEV, ENXIO ->
     ProviderNotFound; EACCES, EPERM -> PrivilegesViolation; EBUSY, ENOTCONN,
     EISCONN -> InvalidState; EBADF -> InvalidHandle; EINTR -> InterruptedCall;
-    ENOSYS, EOPNOTSUPP -> NotImplementedByProvider; EMSGSIZE, E2BIG ->
+    ENOSYS, EOPNOTSUPP, the kernel's ENOTSUPP (524) -> NotImplementedByProvider; EMSGSIZE, E2BIG ->
     LengthError; EOVERFLOW -> QueueFull; anything else -> ``default``.
     """
     if not isinstance(errno, int):
         raise TypeError(f"errno must be an int, got {errno!r}")
     err = abs(errno)
     cls, subtype = _ERRNO_TABLE.get(err, (default, None))
-    name = _errno.errorcode.get(err, f"errno {err}")
-    message = f"{what} failed: {_strerror(err)} ({name})"
+    name, text = _KERNEL_ERRNO_TEXT.get(err) or (_errno.errorcode.get(err, f"errno {err}"), _strerror(err))
+    message = f"{what} failed: {text} ({name})"
     return cls(message, errno=err, subtype=subtype)

@@ -135,7 +135,18 @@ def _flag_bits(name: str, value: Any) -> Tuple[int, bool]:
 
 
 # the hot paths compare by identity with these
+#: bytes of Global Route Header the device writes at the start of every UD receive
+GRH_SIZE = 40
+
 _NO_FLAGS = CompletionFlags.DEFAULT
+
+
+def _not_on_ud(what: str, opcode: int) -> InvalidParameter:
+    """The error of a connected-EP request (``what``, of ``opcode``) posted on a UD endpoint."""
+    if opcode in (WR_SEND, WR_SEND_WITH_IMM):
+        return InvalidParameter(f"{what} on a UD endpoint: a datagram goes to an address handle, post it with "
+                                f"post_send_to(segments, address_handle)")
+    return InvalidParameter(f"{what} on a UD endpoint: RDMA reads, writes and atomics need a connected (RC) endpoint")
 _UNSIGNALLED = CompletionFlags.UNSIGNALLED
 _NULL = ffi.NULL
 # the hot paths of post_recv and post_send, and of a batch on one segment, in C (_shim/posts.c), with
@@ -207,6 +218,8 @@ class Posting(WorkRequests):
             raise InvalidParameter("flags: SUPPRESS is for requests (sends, RDMA); a receive always completes")
         segs = as_segments(segments)
         self._check_post(segs, self.attrs.max_recv_iov, "post_recv", writes=True)
+        if self._ud:
+            self._check_holds_grh(segs, "post_recv")
         if self._srq is not None:
             raise InvalidState("this EP receives from an SRQ: post to srq.post_recv")
         if self._conn.state in (EPState.DISCONNECTED, EPState.ERROR):
@@ -245,6 +258,9 @@ class Posting(WorkRequests):
         if n == 0:
             return 0
         segs_column, same = self._checked(inputs, self.attrs.max_recv_iov, "post_recv_batch", writes=True)
+        if self._ud:
+            for segs in segs_column[:1] if same else segs_column:
+                self._check_holds_grh(segs, "post_recv_batch")
         room = self._room(self._recv_q)
         if n > room:  # what fits goes, as a device posts until its queue is full
             posted = self.post_recv_batch(list(zip(segs_column[:room], cookies[:room]))) if room > 0 else 0
@@ -301,6 +317,15 @@ class Posting(WorkRequests):
                 last_in = item
             column.append(checked)
         return column, False
+
+    def _check_holds_grh(self, segs: Tuple[Segment, ...], what: str) -> None:
+        """A UD receive holds the GRH before the payload: a smaller one is completed in error,
+        and that error breaks the QP (every other receive flushed)."""
+        size = sum(seg.length for seg in segs)
+        if size < GRH_SIZE:
+            raise InvalidParameter(
+                f"{what}: a receive on a UD endpoint gets the {GRH_SIZE}-byte GRH before the payload: "
+                f"{size} bytes cannot hold it (post_recv_datagram puts the GRH in a buffer of its own)")
 
     def _inline_bit(self, opcode: int, segs: Tuple[Segment, ...]) -> int:
         """IBV_SEND_INLINE for a send or RDMA write small enough to go inline, else 0."""
@@ -409,13 +434,13 @@ class Posting(WorkRequests):
         if (self._conn.state is not EPState.CONNECTED and self.attrs.service_type is ServiceType.RC
                 and opcode != WR_BIND_MW and not internal):
             raise InvalidState(f"cannot post {op.value} on an EP in state {self._conn.state.value} (connect it first)")
+        if self._ud and self._conn.state is EPState.ERROR:
+            raise InvalidState(f"cannot post {op.value} on a UD EP in state ERROR (an error completion broke its "
+                               f"queue pair: reset() it)")
         if self._ud and ah is None and opcode != WR_BIND_MW and opcode != WR_LOCAL_INV:
             # (a UD request's address handle shares its place with the RDMA fields: the device
             # would read a NULL or made-up one, and the process crash)
-            raise InvalidParameter(
-                f"{op.value} on a UD endpoint: a datagram goes to an address handle, post it with "
-                f"post_send_to(segments, address_handle)" if opcode in (WR_SEND, WR_SEND_WITH_IMM) else
-                f"{op.value} on a UD endpoint: RDMA reads, writes and atomics need a connected (RC) endpoint")
+            raise _not_on_ud(op.value, opcode)
         wr = self._wr
         wr_id = next(self._ids) * 2
         wr.wr_id = wr_id
@@ -640,6 +665,8 @@ class Posting(WorkRequests):
         """Post a checked batch; ``same``: every request has the very same segments (and remote)."""
         bits = (_flag_bits("flags", flags), _flag_bits("last_flags", flags if last_flags is None else last_flags))
         self._check()  # (an empty batch on a freed EP is refused too, not "0 posted")
+        if self._ud:  # (before the state: a UD EP never connects)
+            raise _not_on_ud(f"{op.value} batch", opcode)
         if self._conn.state is not EPState.CONNECTED:
             raise InvalidState(f"cannot post on an EP in state {self._conn.state.value} (connect it first)")
         n = len(cookies)

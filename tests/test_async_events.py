@@ -151,6 +151,12 @@ async def test_qp_error_from_a_transport_error_flushes_the_rest(ia: Any) -> None
     assert all(by_cookie[i] == "IBV_WC_WR_FLUSH_ERR" for i in range(1, 6))
     sent = await client.request_evd.wait_one(timeout=T)
     assert sent.cookie == "too long" and not sent.ok
+    # the failed receive broke the receiver's QP as a failed request does: the EP says so
+    assert server.state is EPState.ERROR
+    broken = await server.connect_evd.wait_one(timeout=T)
+    assert broken.type is EventType.CONNECTION_EVENT_BROKEN and "receive with cookie 0" in broken.reason
+    with pytest.raises(aiodat.InvalidState, match="ERROR"):
+        server.post_recv(pair.server_lmr[0:16], cookie="after")
 
 
 async def test_peer_disconnect_flushes_receives_and_requests_on_both_sides(ia: Any) -> None:

@@ -203,6 +203,13 @@ def test_error_from_errno(err: int, cls: str) -> None:
     assert errno.errorcode[err] in msg
 
 
+def test_the_kernels_enotsupp_is_named_and_not_supported() -> None:
+    """524, the kernel's ENOTSUPP (rxe's rdma_join_multicast of an IPv6 group), is not in libc's table."""
+    exc = E.error_from_errno(524, "rdma_join_multicast")
+    assert type(exc) is E.NotImplementedByProvider and exc.errno == 524
+    assert str(exc) == "rdma_join_multicast failed: operation not supported (the kernel's ENOTSUPP) (ENOTSUPP)"
+
+
 def test_error_from_errno_details() -> None:
     exc = E.error_from_errno(-errno.ENOMEM, "ibv_create_cq")  # verbs -errno returns are accepted
     assert isinstance(exc, E.InsufficientResources) and exc.errno == errno.ENOMEM

@@ -33,6 +33,9 @@
 #include "postcommon.h"
 #include "pyattrs.h"
 
+/* the Global Route Header the device writes at the start of every UD receive (post.py's GRH_SIZE) */
+#define UD_GRH_SIZE 40
+
 /* set once by configure() */
 static PyObject *segment_type, *flags_type, *send_bits, *op_send, *state_connected, *state_disconnected,
                 *state_error, *send_run_type, *remote_type;
@@ -458,6 +461,11 @@ static PyObject *post_recv_one(PyObject *ep, PyObject *address, PyObject *seg, P
         ok = state_allows(ep, 0);
     if (ok == 1)
         ok = check_segment(ep, seg, &lmr, &sge, 1);
+    if (ok == 1 && sge.length < UD_GRH_SIZE) {  /* a UD receive too small for the GRH: post.py refuses it */
+        ok = attr_is(ep, s_rc, Py_True);
+        if (ok != 1)
+            Py_DECREF(lmr);
+    }
     if (ok <= 0)
         return ok < 0 ? NULL : PyLong_FromLong(-1);
     struct ibv_qp *qp = qp_at(address);
@@ -1146,6 +1154,8 @@ static PyObject *post_batch(PyObject *self, PyObject *args)
 static int ep_receives(PyObject *ep, PyObject *address, struct ibv_qp **qp)
 {
     int ok = attr_is(ep, s_srq, Py_None);
+    if (ok == 1)
+        ok = attr_is(ep, s_rc, Py_True);  /* (a UD EP's receives must hold the GRH: post.py checks them) */
     if (ok == 1)
         ok = state_allows(ep, 0);
     if (ok == 1 && (*qp = qp_at(address)) == NULL)  /* (an open EP always has its QP's address) */
