@@ -263,3 +263,92 @@ async def test_rdma_cm_address_change_on_bond_failover(bonded_rxe: str, request:
             child.wait(10)
     assert child.returncode == 0, out + err
     assert "event RDMA_CM_EVENT_ADDR_CHANGE obj-is-psp" in out
+
+
+# rdma_cm's DEVICE_REMOVAL: an rxe device of the test's own, on a dummy netdev (which drops every
+# packet, so a datagram resolution's SIDR REQ is never answered and the resolution stays under way
+# for a minute of CM retries), deleted while a resolution is pending and a group joined.  As above,
+# the aiodat side runs in a child process: the deletion completes only once its contexts are closed.
+_REMOVAL_CHILD = r"""
+import asyncio, os, subprocess, sys
+import aiodat
+from aiodat import EPAttr, EventType, ServiceType
+
+async def main() -> int:
+    device, peer = sys.argv[1], sys.argv[2]
+    ia = aiodat.open_ia(device)
+    ep = ia.create_ep(ia.create_pz(), attrs=EPAttr(service_type=ServiceType.UD))
+    group = await ep.join_multicast("239.1.9.1", timeout=30)
+    pending = asyncio.ensure_future(ep.resolve_datagram(peer, 4791, timeout=None))
+    await asyncio.sleep(1.0)
+    print("pending" if not pending.done() else f"ended early: {pending}", flush=True)
+    remove = subprocess.Popen(["rdma", "link", "delete", device])
+    try:
+        await asyncio.wait_for(asyncio.shield(pending), 30)
+    except aiodat.ProviderNotFound as exc:
+        print("resolution failed:", exc, flush=True)
+    except BaseException as exc:
+        print("resolution ended otherwise:", type(exc).__name__, exc, flush=True)
+    print("group joined" if group.joined else f"group left: {group.error}", flush=True)
+    while (event := ia.async_evd.dequeue()) is not None:
+        if event.type is EventType.ASYNC_DEVICE_REMOVAL:
+            print("removal names", "the ep" if event.obj is ep else "the group" if event.obj is group
+                  else repr(event.obj), flush=True)
+    ia.close()
+    return 0
+
+if os.environ.get("AIODAT_LOOP") == "uvloop":
+    import uvloop
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+sys.exit(asyncio.run(main()))
+"""
+
+DUMMY, DUMMY_RXE, DUMMY_ADDR, DUMMY_PEER = "aiodatdm0", "aiodatrxe2", "169.254.79.1/24", "169.254.79.2"
+
+
+@pytest.fixture
+def removable_rxe(rdma_device: RdmaDevice) -> Iterator[str]:
+    """An rxe device on a dummy netdev, for the test to delete (only inside the test bed)."""
+    if os.geteuid() != 0 or subprocess.run(["modprobe", "dummy"], capture_output=True).returncode:
+        pytest.skip("needs root and the dummy module (the test bed guest has both)")
+    try:
+        _sh("ip", "link", "add", DUMMY, "type", "dummy")
+        _sh("ip", "link", "set", DUMMY, "up")
+        _sh("ip", "addr", "add", DUMMY_ADDR, "dev", DUMMY)
+        _sh("rdma", "link", "add", DUMMY_RXE, "type", "rxe", "netdev", DUMMY)
+        wait_port_active(DUMMY_RXE)
+        yield DUMMY_RXE
+    finally:
+        # the test deleted it (or tried): never wait on a removal the kernel might block for long
+        remove = subprocess.Popen(["rdma", "link", "delete", DUMMY_RXE], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        try:
+            remove.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+        subprocess.run(["ip", "link", "del", DUMMY], capture_output=True, timeout=30)
+
+
+async def test_device_removal_fails_a_pending_resolution_and_leaves_the_group(
+        removable_rxe: str, request: pytest.FixtureRequest) -> None:
+    """A resolution under way when its device goes ends with ProviderNotFound (nothing else would
+    end one with no timeout); a joined group is marked left; the async events name the EP and the
+    group, not aiodat's internal objects."""
+    import sys
+
+    loop = request.config.getoption("--aiodat-loop") or os.environ.get("AIODAT_LOOP") or "asyncio"
+    child = subprocess.Popen([sys.executable, "-c", _REMOVAL_CHILD, removable_rxe, DUMMY_PEER],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "AIODAT_LOOP": loop})
+    try:
+        out, err = await asyncio.get_running_loop().run_in_executor(None, lambda: child.communicate(timeout=90))
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    assert child.returncode == 0, out + err
+    lines = out.splitlines()
+    assert lines[0] == "pending", out + err
+    assert lines[1].startswith("resolution failed:") and "the device was removed" in lines[1], out + err
+    assert lines[2] == "group left: RDMA_CM_EVENT_DEVICE_REMOVAL", out + err
+    assert {"removal names the ep", "removal names the group"} <= set(lines[3:]), out + err
