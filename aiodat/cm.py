@@ -228,6 +228,17 @@ def _check_family(ia: "IA", host: str) -> None:
                              f"with address= one of its {want} addresses: {', '.join(of_family) or 'none'}")
 
 
+def check_peer(ia: "IA", host: str) -> None:
+    """A peer's address: of the IA's family (_check_family), and no loopback address.  rdma_cm
+    reaches a peer through an RDMA device, never the loopback interface: on rxe (kernel 6.1) a
+    connect to 127.0.0.1 never completed, and one to ::1 stopped every later connect of the device,
+    other processes' too, until reboot."""
+    _check_family(ia, host)
+    if isinstance(host, str) and _is_numeric(host) and ipaddress.ip_address(host.partition("%")[0]).is_loopback:
+        raise InvalidAddress(f"{host} is a loopback address, which RDMA does not reach (it goes through a device, "
+                             f"not the loopback interface): use the device's own address, {ia.address}")
+
+
 def listen_address(ia: "IA", port: int) -> Any:
     """The sockaddr a PSP binds: the IA's own address, never the wildcard (which would take every device's requests)."""
     return _sockaddr(require_address(ia, "listen on"), port)
@@ -654,7 +665,7 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     """Resolve, route and connect; the outcome goes to ``waiter`` or the connect EVD."""
     _check_can_connect(ep)
     require_address(ep._ia, "connect from")
-    _check_family(ep._ia, host)
+    check_peer(ep._ia, host)
     check_port(port, lowest=1)  # (port 0 is a listener's "pick one", never a peer's)
     pdata = _private(private_data, CONNECT_PRIVATE_DATA_MAX, "connect")
     timeout = check_timeout(timeout)
@@ -683,7 +694,7 @@ def _start_timer(ep: "EP", timeout: Optional[float], etype: EventType, what: str
         return  # no loop: rdma_cm's own retries bound the wait
     if timeout is not None:
         ep._conn.timer = loop.call_later(timeout, _timed_out, ep, ep._conn.cm_id, etype,
-                                         f"{what} timed out after {timeout}s")
+                                         f"{what} timed out after {timeout:g}s")
 
 
 def _cancel_timer(ep: "EP") -> None:
@@ -834,8 +845,8 @@ def _outcome(ep: "EP", event: ConnectionEvent, what: str) -> bytes:
     if t is EventType.CONNECTION_EVENT_NON_PEER_REJECTED:
         raise NonPeerRejected(f"{what}: rejected by the peer's CM ({event.reason}); "
                               f"is anything listening there?", private_data=event.private_data)
-    if t is EventType.CONNECTION_EVENT_TIMED_OUT:
-        raise ConnectionTimedOut(f"{what}: {event.reason}")
+    if t is EventType.CONNECTION_EVENT_TIMED_OUT:  # (aiodat's own timer's reason names the connect already)
+        raise ConnectionTimedOut(event.reason if event.reason.startswith(what) else f"{what}: {event.reason}")
     if t is EventType.CONNECTION_EVENT_ACCEPT_COMPLETION_ERROR:
         raise AcceptCompletionError(f"{what}: the connection did not complete ({event.reason})")
     raise Unreachable(f"{what}: {event.type.name} ({event.reason})")

@@ -46,6 +46,7 @@ from aiodat._lib import ffi, lib
 from aiodat.cm import (
     Listener,
     _check_family,
+    check_peer,
     _family,
     _private,
     _send_conn,
@@ -258,7 +259,7 @@ async def resolve_datagram(ep: "EP", host: str, port: int, private_data: bytes =
     ia = ep._ia
     host, timeout = await resolve_within(host, _family(ia.address or ""), timeout)
     _check_ud(ep, "resolve_datagram")  # again: the EP, its PZ or its IA may have closed during the lookup
-    _check_family(ia, host)
+    check_peer(ia, host)
     dst = ia._cm.sockaddr(host, port)  # (a pointer that owns its storage: held until rdma_resolve_addr)
     src = ia._cm.source()  # (before the resolver's cm_id: an InvalidAddress here must not leave one behind)
     ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)

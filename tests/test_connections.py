@@ -477,3 +477,37 @@ async def test_a_rejected_connect_flushes_the_receives_posted_before_it(ia: Any,
         assert all(e.status == "IBV_WC_WR_FLUSH_ERR" and e.flushed for e in flushed)
         client.close()
     lmr.free()
+
+
+async def test_a_loopback_peer_is_refused_before_anything_is_sent(ia: Any) -> None:
+    """rdma_cm reaches peers through a device, never the loopback interface: on rxe (kernel 6.1) a
+    connect to 127.0.0.1 never completed, and one to ::1 stopped every later connect of the device
+    until reboot.  Both are InvalidAddress at once, with no cm_id made; connections still work."""
+    import aiodat.streams
+
+    ep = ia.create_ep(ia.create_pz())
+    started = time.monotonic()
+    with pytest.raises(aiodat.InvalidAddress, match="127.0.0.1 is a loopback address"):
+        await ep.connect("127.0.0.1", 5000, timeout=T)
+    assert ep.state is EPState.UNCONNECTED and not ep._conn.cm_id
+    for host in ("127.0.0.1", "::1", "localhost"):
+        with pytest.raises(aiodat.InvalidAddress, match="is a loopback address"):
+            await aiodat.streams.open_connection(host, 5000, connect_timeout=T)
+    ud = ia.create_ep(ep._pz, attrs=EPAttr(service_type=aiodat.ServiceType.UD))
+    with pytest.raises(aiodat.InvalidAddress, match="127.0.0.1 is a loopback address"):
+        await ud.resolve_datagram("127.0.0.1", 5000, timeout=T)
+    assert time.monotonic() - started < T / 3  # (refused, not timed out)
+
+    async def echo(reader: Any, writer: Any) -> None:
+        writer.write(await reader.read(5))
+        await writer.drain()
+        writer.close()
+
+    server = await aiodat.streams.start_server(echo, ia.address, 0)
+    reader, writer = await aiodat.streams.open_connection(ia.address, server.sockets[0].getsockname()[1],
+                                                          connect_timeout=T)
+    writer.write(b"hello")
+    assert await asyncio.wait_for(reader.read(5), T) == b"hello"
+    writer.close()
+    server.close()
+    await server.wait_closed()

@@ -65,6 +65,37 @@ async def test_a_bad_option_is_refused_at_construction(case: str) -> None:
                 await result
 
 
+def _httpx_transport(**options: Any) -> Any:
+    pytest.importorskip("httpx")
+    from aiodat.integrations.httpx import RdmaHTTPTransport
+
+    return RdmaHTTPTransport(**options)
+
+
+@pytest.mark.parametrize("make", [_aiohttp_connector, _grpclib_channel, _httpx_backend, _httpx_transport])
+async def test_a_device_name_that_opens_no_port_is_refused_at_construction(make: Callable[..., Any]) -> None:
+    """Checked at a connect, every request failed as a connection error (httpx retried it)."""
+    with pytest.raises(aiodat.ProviderNotFound, match="ia='nosuchdev' opens no active port"):
+        make(ia="nosuchdev")
+
+
+async def test_a_grpclib_server_takes_accept_timeout() -> None:
+    """``RdmaServer.start(accept_timeout=...)`` reaches the stream server (it was a TypeError): a bad
+    value is refused, naming it, before anything listens."""
+    pytest.importorskip("grpclib")
+    from aiodat.integrations.grpclib import RdmaServer
+
+    server = RdmaServer([])
+    with pytest.raises(aiodat.InvalidParameter, match="accept_timeout"):
+        await server.start("10.0.0.1", 0, accept_timeout=float("nan"))
+    assert server.sockets == ()
+
+
+def test_httpx_names_its_own_connect_timeout() -> None:
+    with pytest.raises(TypeError, match=r"httpx.Timeout\(\.\.\., connect=SECONDS\)"):
+        _httpx_transport(connect_timeout=5)
+
+
 async def test_dask_does_not_retry_what_retrying_cannot_mend(monkeypatch: pytest.MonkeyPatch) -> None:
     """No RDMA device (ProviderNotFound) is FatalCommClosedError, which distributed's connect
     raises at once; it used to be a CommClosedError, retried until the connect timeout and then

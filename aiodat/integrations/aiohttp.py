@@ -47,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from aiodat.cm import check_port, check_timeout
 from aiodat.errors import DATError, HostNotFound, InvalidParameter
 from aiodat.streams import create_connection, create_server
-from aiodat.streams.pool import check_ia
+from aiodat.streams.pool import check_ia_option
 from aiodat.streams.protocol import CONFIG_KEYS, split_kwds
 
 __all__ = ["RdmaSite", "RdmaConnector"]
@@ -71,7 +71,7 @@ def _stream_options(options: Dict[str, Any], own: tuple, who: str) -> Dict[str, 
         raise TypeError(f"{who} got unexpected keyword argument(s): {', '.join(sorted(unknown))} "
                         f"(aiodat stream options are {', '.join(own + CONFIG_KEYS)})")
     # (here, not at each request: there aiohttp would report them as a connection error, and retry)
-    check_ia(options.get("ia"))
+    check_ia_option(options.get("ia"))
     for name in own:
         if name.endswith("_timeout"):
             check_timeout(options.get(name), name)

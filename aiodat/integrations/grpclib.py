@@ -57,7 +57,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from aiodat.cm import check_port, check_timeout
 from aiodat.errors import InvalidAddress, ModelNotSupported
 from aiodat.streams import ListenSocket, RdmaTransport, Server, create_connection, create_server, split_kwds
-from aiodat.streams.pool import check_ia
+from aiodat.streams.pool import check_ia_option
 
 __all__ = ["RdmaServer", "RdmaChannel"]
 
@@ -150,7 +150,7 @@ class RdmaServer(grpclib.server.Server):
 
     async def start(self, host: Optional[str] = None, port: Optional[int] = None, *,
                     backlog: int = 100, ssl: Any = None, ia: Any = None, close_timeout: Optional[float] = 10.0,
-                    **stream_options: Any) -> None:
+                    accept_timeout: Optional[float] = 30.0, **stream_options: Any) -> None:
         """Listen on ``host:port`` over RDMA (``port`` 0 or None: a free port, see :attr:`sockets`).
 
         ``host`` is the address of an RDMA device (None: the default device).
@@ -160,7 +160,8 @@ class RdmaServer(grpclib.server.Server):
         ``close_timeout``: how long :meth:`wait_closed` lets the clients'
         connections send what they hold and close before it drops them
         (None: as long as it takes); it is also each connection's
-        ``close_timeout`` stream option.
+        ``close_timeout`` stream option.  ``accept_timeout``: how long a
+        client's connection may take to be established (None: no bound).
         """
         if ssl is not None:
             raise ModelNotSupported("TLS over an aiodat RDMA stream is not supported: start RdmaServer without ssl")
@@ -168,7 +169,8 @@ class RdmaServer(grpclib.server.Server):
             raise RuntimeError("Server is already started")
         self._rdma_close_timeout = check_timeout(close_timeout, "close_timeout")
         options = _stream_options("RdmaServer.start()", dict(stream_options, close_timeout=close_timeout))
-        self._rdma_listener = await create_server(self._rdma_new_connection, host, port, ia=ia, backlog=backlog, **options)
+        self._rdma_listener = await create_server(self._rdma_new_connection, host, port, ia=ia, backlog=backlog,
+                                                  accept_timeout=accept_timeout, **options)
         self._rdma_close_called = asyncio.Event()
 
     @property
@@ -236,7 +238,7 @@ class RdmaChannel(grpclib.client.Channel):
             raise ModelNotSupported("TLS over an aiodat RDMA stream is not supported: RdmaChannel has no ssl")
         stream_options.setdefault("close_timeout", CLOSE_TIMEOUT)
         self._rdma_options = _stream_options("RdmaChannel()", stream_options)
-        check_ia(ia)  # (here, not at the first call)
+        check_ia_option(ia)  # (here, not at the first call)
         check_timeout(connect_timeout, "connect_timeout")
         self._rdma_address = (host, port)
         self._rdma_ia = ia

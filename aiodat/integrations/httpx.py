@@ -38,7 +38,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
 from aiodat.errors import DATError, ModelNotSupported
 from aiodat.streams import open_connection, split_kwds
-from aiodat.streams.pool import check_ia
+from aiodat.streams.pool import check_ia_option
 
 __all__ = ["RdmaNetworkBackend", "RdmaNetworkStream", "RdmaHTTPTransport", "TLSNotSupported"]
 
@@ -176,9 +176,12 @@ class RdmaNetworkBackend(httpcore.AsyncNetworkBackend):
     def __init__(self, *, ia: Any = None, **stream_options: Any) -> None:
         stream_options.setdefault("close_timeout", CLOSE_TIMEOUT)
         cfg, rest = split_kwds(stream_options)
+        if "connect_timeout" in rest:  # (a stream option elsewhere: named, as RdmaHTTPTransport passes it on)
+            raise TypeError("connect_timeout is httpx's here: each connect takes httpx's connect timeout "
+                            "(httpx.Timeout(..., connect=SECONDS))")
         if rest:
             raise TypeError(f"RdmaNetworkBackend() got unexpected keyword argument(s): {', '.join(sorted(rest))}")
-        check_ia(ia)  # (here: at a connect, httpcore would take it for a connection error, and retry)
+        check_ia_option(ia)  # (here: at a connect, httpcore would take it for a connection error, and retry)
         self._ia = ia
         self._options: Dict[str, Any] = dataclasses.asdict(cfg)
         self.connections_opened = 0

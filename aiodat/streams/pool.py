@@ -177,6 +177,22 @@ def check_ia(ia: Any) -> None:
         raise InvalidParameter(f"ia must be None, a device name or an aiodat.IA, not {type(ia).__name__}")
 
 
+def check_ia_option(ia: Any) -> None:
+    """``ia`` as the integrations take it when they are made: :func:`check_ia`, and a name must open
+    an active port (ProviderNotFound), since at a connect a framework would take the failure of
+    every request for a network error, and retry it."""
+    from aiodat.ia import _names_port, _parse_name
+
+    check_ia(ia)
+    if isinstance(ia, str):
+        _parse_name(ia)  # (InvalidParameter for what is no IA name at all)
+        if not any(_names_port(ia, p) for p in _active_providers()):
+            ports = _active_providers(refresh=True)  # (it may have come up since)
+            if not any(_names_port(ia, p) for p in ports):
+                have = ", ".join(p.name for p in ports) or "none (run under `aiodat rxe run`)"
+                raise ProviderNotFound(f"ia={ia!r} opens no active port with an address; there are: {have}")
+
+
 class IARef:
     """The IA a connection or server uses: pooled (for the running loop) or the caller's own IA object."""
 
