@@ -511,3 +511,14 @@ async def test_a_loopback_peer_is_refused_before_anything_is_sent(ia: Any) -> No
     writer.close()
     server.close()
     await server.wait_closed()
+
+
+async def test_a_connect_that_times_out_says_so_once(ia: Any) -> None:
+    """The timeout's message names the connect once, and the timeout as given (it named the
+    connect twice, and printed a float's long tail after a name lookup)."""
+    if ia.address != "169.254.77.1":
+        pytest.skip("needs the test bed's link, where 169.254.77.99 is no host (run under `aiodat rxe run`)")
+    ep = ia.create_ep(ia.create_pz())
+    with pytest.raises(aiodat.ConnectionTimedOut) as info:
+        await ep.connect("169.254.77.99", 5000, timeout=1.5)
+    assert str(info.value) == "connect to 169.254.77.99:5000 timed out after 1.5s"
