@@ -233,10 +233,10 @@ def check_peer(ia: "IA", host: str) -> None:
     reaches a peer through an RDMA device, never the loopback interface: on rxe (kernel 6.1) a
     connect to 127.0.0.1 never completed, and one to ::1 stopped every later connect of the device,
     other processes' too, until reboot."""
-    _check_family(ia, host)
     if isinstance(host, str) and _is_numeric(host) and ipaddress.ip_address(host.partition("%")[0]).is_loopback:
         raise InvalidAddress(f"{host} is a loopback address, which RDMA does not reach (it goes through a device, "
                              f"not the loopback interface): use the device's own address, {ia.address}")
+    _check_family(ia, host)  # (after: another family's address would not help a loopback one)
 
 
 def listen_address(ia: "IA", port: int) -> Any:
