@@ -5,7 +5,7 @@ import asyncio
 import os
 import subprocess
 import time
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Tuple
 
 import pytest
 
@@ -216,6 +216,19 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, timeout=30, capture_output=True)
 
 
+def _remove_rxe(device: str, netdevs: Tuple[str, ...]) -> None:
+    """Delete a test's own rxe device and its netdevs.  Never wait on a removal the kernel might
+    block (while a process holds the device open): give it 20 s, then leave it."""
+    remove = subprocess.Popen(["rdma", "link", "delete", device], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        remove.wait(20)
+    except subprocess.TimeoutExpired:
+        pass
+    for dev in netdevs:
+        subprocess.run(["ip", "link", "del", dev], capture_output=True, timeout=30)
+
+
 @pytest.fixture
 def bonded_rxe(netdev: str) -> Iterator[str]:
     """An rxe device on an active-backup bond of two dummies (only inside the test bed)."""
@@ -234,15 +247,7 @@ def bonded_rxe(netdev: str) -> Iterator[str]:
         wait_port_active(BOND_RXE)
         yield BOND_RXE
     finally:
-        # never wait on a removal the kernel might block: give it 20 s, then leave it
-        remove = subprocess.Popen(["rdma", "link", "delete", BOND_RXE], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-        try:
-            remove.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
-        for dev in (BOND,) + SLAVES:
-            subprocess.run(["ip", "link", "del", dev], capture_output=True, timeout=30)
+        _remove_rxe(BOND_RXE, (BOND,) + SLAVES)
 
 
 async def test_rdma_cm_address_change_on_bond_failover(bonded_rxe: str, request: pytest.FixtureRequest) -> None:
@@ -319,14 +324,7 @@ def removable_rxe(rdma_device: RdmaDevice) -> Iterator[str]:
         wait_port_active(DUMMY_RXE)
         yield DUMMY_RXE
     finally:
-        # the test deleted it (or tried): never wait on a removal the kernel might block for long
-        remove = subprocess.Popen(["rdma", "link", "delete", DUMMY_RXE], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-        try:
-            remove.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
-        subprocess.run(["ip", "link", "del", DUMMY], capture_output=True, timeout=30)
+        _remove_rxe(DUMMY_RXE, (DUMMY,))  # (the test deleted it, or tried)
 
 
 async def test_device_removal_fails_a_pending_resolution_and_leaves_the_group(
