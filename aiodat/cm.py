@@ -35,7 +35,7 @@ import ipaddress
 import os
 import socket
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Set, Tuple, Union
 
 from aiodat._fdwatch import FdWatch
 from aiodat._handle import Handle, Raw, fail_waiter
@@ -228,14 +228,34 @@ def _check_family(ia: "IA", host: str) -> None:
                              f"with address= one of its {want} addresses: {', '.join(of_family) or 'none'}")
 
 
+def _ip(host: str) -> Any:
+    """A numeric host as an ipaddress object: its scope dropped, an IPv4-mapped IPv6 one as IPv4."""
+    addr = ipaddress.ip_address(host.partition("%")[0])
+    return getattr(addr, "ipv4_mapped", None) or addr
+
+
+def loopback_kind(host: str) -> Optional[str]:
+    """"a loopback" or "the unspecified" for such a numeric address (IPv4-mapped too), else None:
+    rdma_cm sends both through its loopback path, never through a device to a peer."""
+    if not (isinstance(host, str) and _is_numeric(host)):
+        return None
+    addr = _ip(host)
+    return "a loopback" if addr.is_loopback else "the unspecified" if addr.is_unspecified else None
+
+
+def refuse_loopback(host: str, own: Iterable[str], use: str) -> None:
+    """InvalidAddress for a loopback or unspecified peer that is none of the ``own`` addresses (a
+    device on ``lo`` may be one).  On rxe (kernel 6.1) a connect to 127.0.0.1 never completed, and
+    one to ::1 stopped every later connect of the device, other processes' too, until reboot."""
+    kind = loopback_kind(host)
+    if kind and not any(_is_numeric(a) and _ip(a) == _ip(host) for a in own):
+        raise InvalidAddress(f"{host} is {kind} address, which RDMA does not reach (it goes through a device, "
+                             f"not the loopback interface): use {use}")
+
+
 def check_peer(ia: "IA", host: str) -> None:
-    """A peer's address: of the IA's family (_check_family), and no loopback address.  rdma_cm
-    reaches a peer through an RDMA device, never the loopback interface: on rxe (kernel 6.1) a
-    connect to 127.0.0.1 never completed, and one to ::1 stopped every later connect of the device,
-    other processes' too, until reboot."""
-    if isinstance(host, str) and _is_numeric(host) and ipaddress.ip_address(host.partition("%")[0]).is_loopback:
-        raise InvalidAddress(f"{host} is a loopback address, which RDMA does not reach (it goes through a device, "
-                             f"not the loopback interface): use the device's own address, {ia.address}")
+    """A peer's numeric address: no loopback one (refuse_loopback), and of the IA's family."""
+    refuse_loopback(host, ia.addresses, f"the device's own address, {ia.address}")
     _check_family(ia, host)  # (after: another family's address would not help a loopback one)
 
 
@@ -577,7 +597,10 @@ def broken(ep: "EP", reason: str, retried: bool = True) -> None:
     ``retried``: a failure here is retried (a failed completion's: it stays in its EVD's backlog
     and breaks the EP again); False for the device's async event, which nothing retries: a BROKEN
     it could not push is owed (CMChannel.owe_broken) and this returns.  A UD EP, never connected,
-    breaks from UNCONNECTED: its QP in ERR takes no more datagrams until ``reset()``."""
+    breaks from UNCONNECTED: its QP in ERR takes no more datagrams until ``reset()``.  An EP being
+    closed or reset, whose old QP's completions are polled on the way, breaks no more."""
+    if ep._closed or ep._resetting:
+        return
     conn = ep._conn
     if conn.state in (EPState.CONNECTED, EPState.DISCONNECT_PENDING) or (ep._ud and conn.state is EPState.UNCONNECTED):
         # The state changes last: a MemoryError before leaves it, and the retry pushes the BROKEN
@@ -672,6 +695,8 @@ def start_connect(ep: "EP", host: str, port: int, private_data: bytes, timeout: 
     ia = ep._ia
     cm = ia._cm
     dst = cm.sockaddr(host, port)
+    if not _is_numeric(host):  # (a name, looked up here as no loop runs: the address it gave)
+        check_peer(ia, (_address(dst) or ("",))[0])
     src = cm.source()  # (before the cm_id: an InvalidAddress here must not leave one behind)
     ia._attach_loop()  # (InvalidState if another loop owns the IA: before anything is sent)
     cm_id = cm.create_id(ep._conn, lib.RDMA_PS_TCP)
@@ -694,7 +719,7 @@ def _start_timer(ep: "EP", timeout: Optional[float], etype: EventType, what: str
         return  # no loop: rdma_cm's own retries bound the wait
     if timeout is not None:
         ep._conn.timer = loop.call_later(timeout, _timed_out, ep, ep._conn.cm_id, etype,
-                                         f"{what} timed out after {timeout:g}s")
+                                         f"{what} timed out after {f'{timeout:.3f}'.rstrip('0').rstrip('.')}s")
 
 
 def _cancel_timer(ep: "EP") -> None:

@@ -59,7 +59,7 @@ from aiodat.cm import (
     resolve_within,
 )
 from aiodat.ep import EP, CompletionFlags, Segments
-from aiodat.epattr import ServiceType
+from aiodat.epattr import EPState, ServiceType
 from aiodat.errors import (
     InvalidHandle,
     InvalidParameter,
@@ -301,7 +301,7 @@ class DatagramPSP(Listener):
     def _on_cm_request(self, ev: Any, pdata: bytes) -> None:
         """A SIDR REQ: accept it with the EP's QP number, then drop the request's id."""
         cm_id = ev.id
-        if self.ep.closed:
+        if self.ep.closed or self.ep._conn.state is EPState.ERROR:  # (its QP takes no datagram: reset() first)
             lib.rdma_reject(cm_id, ffi.NULL, 0)
             lib.rdma_destroy_id(cm_id)
             return

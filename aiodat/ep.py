@@ -129,6 +129,7 @@ class EP(Posting, Handle):
         self._init_posting()
         self._rc = attrs.service_type is ServiceType.RC  # the post fast paths are for RC only
         self._ud = attrs.service_type is ServiceType.UD
+        self._resetting = False  # reset() polls the old QP: an error met there breaks nothing (cm.broken)
         try:  # EVDs passed in may be shared: grow their CQs so what feeds them fits (docs/events.md)
             own = self._own_evds  # fed by this EP alone: checked without looking at the IA's other EPs
             fit_cqs(ia, [share for share in self._cq_shares() if share[0] not in own or share[2] > cq_entries(share[0])])
@@ -427,12 +428,14 @@ class EP(Posting, Handle):
             if evd.closed:
                 continue
             evd._awaited += 1  # polled even when the EVD is full: after this, no EP claims them
+            self._resetting = reset
             try:
                 notified = evd._drain_cq(rearm=False, arm_if_unarmed=False)
             except DATError:
                 continue  # (the close goes on; the EVD's next wait meets the broken CQ itself)
             finally:
                 evd._awaited -= 1
+                self._resetting = False
             if notified and (reset or evd not in self._own_evds):
                 evd._queued_aside()
 

@@ -265,7 +265,7 @@ class WorkRequests:
                         _RECV_IMM if wc[2] == WC_RECV_RDMA_WITH_IMM else _RECV,
                         wc[5] if wc[8] & 2 else None,  # imm_data, with IBV_WC_WITH_IMM
                         wc[3], wc[7] if self._ud else None, not marked or bool(code))
-                    if code and code != _WC_WR_FLUSH_ERR:  # a failed receive breaks the QP as a request does
+                    if code and code != _WC_WR_FLUSH_ERR:  # a failed receive breaks the QP (RC and UD: ERR)
                         self._on_async_error(f"receive with cookie {shown(entry[1])} completed with {event.status}")
                     # after the last step that can run Python (the event's allocations: a
                     # collection's finalizer may have reset the EP, or posted on it): the head
@@ -304,9 +304,10 @@ class WorkRequests:
                 marked = quiet and wr_id in quiet
                 event = DTOCompletionEvent._completed(evd, self, entry[1], status, length, op, None, wc[3],
                                                       None, not marked or bool(code))
-                if code and code != _WC_WR_FLUSH_ERR:
-                    # An error completion puts the queue pair in ERR: the EP is broken (DAT: an RC EP
-                    # leaves CONNECTED, a UD EP goes to ERROR; the connect EVD gets CONNECTION_EVENT_BROKEN).
+                if code and code != _WC_WR_FLUSH_ERR and self._rc:
+                    # An error completion puts an RC queue pair in ERR: the connection is broken (DAT:
+                    # the EP leaves CONNECTED and the connect EVD gets CONNECTION_EVENT_BROKEN).  (A UD
+                    # send's error puts its QP in SQE, where receives still work: it breaks nothing.)
                     # (Before the entry is taken: a retry after a failure here breaks it again, a no-op.)
                     self._on_async_error(f"{op.value} with cookie {shown(entry[1])} completed with {status}")
                 # (after the last step that can run Python: the head checked, then the count
@@ -401,7 +402,7 @@ class WorkRequests:
             length = segs[0].length if len(segs) == 1 else sum(s.length for s in segs)
         event = DTOCompletionEvent._completed(evd, self, cookie, status, length, op, None, vendor_err, None,
                                               not (self._quiet and wr_id in self._quiet) or bool(code))
-        if code and code != _WC_WR_FLUSH_ERR:
+        if code and code != _WC_WR_FLUSH_ERR and self._rc:  # (a UD send's: see above)
             # (before the entry is taken: a retry after a failure here breaks it again, a no-op)
             self._on_async_error(f"{op.value} with cookie {shown(cookie)} completed with {status}")
         self._take(q, first, pops, head, released, quiet, None, event)

@@ -294,11 +294,17 @@ async def main() -> int:
         print("resolution failed:", exc, flush=True)
     except BaseException as exc:
         print("resolution ended otherwise:", type(exc).__name__, exc, flush=True)
+    named = []
+    for _ in range(200):  # (the group's id has an event of its own: it may come after the resolution's)
+        while (event := ia.async_evd.dequeue()) is not None:
+            if event.type is EventType.ASYNC_DEVICE_REMOVAL:
+                named.append("the ep" if event.obj is ep else "the group" if event.obj is group else repr(event.obj))
+        if not group.joined and len(named) >= 2:
+            break
+        await asyncio.sleep(0.05)
     print("group joined" if group.joined else f"group left: {group.error}", flush=True)
-    while (event := ia.async_evd.dequeue()) is not None:
-        if event.type is EventType.ASYNC_DEVICE_REMOVAL:
-            print("removal names", "the ep" if event.obj is ep else "the group" if event.obj is group
-                  else repr(event.obj), flush=True)
+    for name in named:
+        print("removal names", name, flush=True)
     ia.close()
     return 0
 

@@ -490,6 +490,9 @@ async def test_a_loopback_peer_is_refused_before_anything_is_sent(ia: Any) -> No
     with pytest.raises(aiodat.InvalidAddress, match="127.0.0.1 is a loopback address"):
         await ep.connect("127.0.0.1", 5000, timeout=T)
     assert ep.state is EPState.UNCONNECTED and not ep._conn.cm_id
+    for host in ("::1", "0.0.0.0", "::", "::ffff:127.0.0.1"):
+        with pytest.raises(aiodat.InvalidAddress, match=f"{host} is (a loopback|the unspecified) address"):
+            await ep.connect(host, 5000, timeout=T)
     for host in ("127.0.0.1", "::1", "localhost"):
         with pytest.raises(aiodat.InvalidAddress, match="is a loopback address"):
             await aiodat.streams.open_connection(host, 5000, connect_timeout=T)
@@ -520,5 +523,13 @@ async def test_a_connect_that_times_out_says_so_once(ia: Any) -> None:
         pytest.skip("needs the test bed's link, where 169.254.77.99 is no host (run under `aiodat rxe run`)")
     ep = ia.create_ep(ia.create_pz())
     with pytest.raises(aiodat.ConnectionTimedOut) as info:
-        await ep.connect("169.254.77.99", 5000, timeout=1.5)
-    assert str(info.value) == "connect to 169.254.77.99:5000 timed out after 1.5s"
+        await ep.connect("169.254.77.99", 5000, timeout=2.5)  # (past the 2 s given to each resolution)
+    assert str(info.value) == "connect to 169.254.77.99:5000 timed out after 2.5s"
+
+
+def test_a_name_looked_up_with_no_loop_is_checked_too(ia: Any) -> None:
+    """connect_nowait with no running loop looks a name up itself: localhost is refused as well."""
+    ep = ia.create_ep(ia.create_pz())
+    with pytest.raises(aiodat.InvalidAddress, match="is a loopback address"):
+        ep.connect_nowait("localhost", 5000)
+    assert ep.state is EPState.UNCONNECTED and not ep._conn.cm_id

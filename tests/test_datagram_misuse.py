@@ -3,6 +3,7 @@ datagram larger than its receive (which breaks the QP), requests that need a con
 that fails before it starts, and UD receives through an SRQ."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -78,6 +79,9 @@ async def test_a_datagram_larger_than_its_receive_breaks_the_ud_ep_until_reset(i
         server.post_send_to(lmr[0:8], ah, "after")
     assert not server._recv_q and not server._send_q and lmr._inflight == 0
     assert client.state is EPState.UNCONNECTED  # (the sender's QP is fine: UD has no acknowledgement)
+    # its PSP hands out no QP that drops everything (a SIDR reject: rdma_cm says UNREACHABLE, status 2)
+    with pytest.raises((aiodat.ConnectionRejected, aiodat.Unreachable)):
+        await client.resolve_datagram(ia.address, psp.port, timeout=T)
 
     server.reset()
     assert server.state is EPState.UNCONNECTED
@@ -152,5 +156,44 @@ async def test_ud_receives_through_an_srq(ia: Any) -> None:
     assert got.cookie == "from the srq" and got.ep is server and got.src_qp == client.qp_num
     assert got.transferred_length == GRH_SIZE + 5 and bytes(lmr.memoryview()[GRH_SIZE:GRH_SIZE + 5]) == b"hello"
     psp.free()
+    ah.free()
+    pz.close()
+
+
+async def test_a_failed_receive_met_by_a_reset_or_a_close_breaks_nothing(ia: Any) -> None:
+    """A receive's error still in the CQ when the program resets or frees the EP is polled on the
+    way: its event keeps its cookie, but it breaks nothing, as the QP is going (a BROKEN after a
+    reset would name the new QP; on a freed EP it made the poll fail and an SRQ kept the buffer)."""
+    pz = ia.create_pz()
+    lmr = pz.register(bytearray(8192), Privileges.LOCAL_WRITE)
+    client = ia.create_ep(pz, attrs=UD)
+    recv_evd = ia.create_evd(16)
+    server = ia.create_ep(pz, recv_evd=recv_evd, attrs=UD)
+    psp = server.serve_datagram(0)
+    ah = await client.resolve_datagram(ia.address, psp.port, timeout=T)
+    server.post_recv_datagram(lmr[0:16], "small")
+    client.post_send_to(lmr[4096:4196], ah, "100 bytes")
+    (await _one(client.request_evd)).raise_for_status()
+    await asyncio.sleep(0.5)  # (arrived: its error completion waits in the CQ, not polled)
+    server.reset()
+    assert server.state is EPState.UNCONNECTED and server.connect_evd.dequeue() is None
+    failed = recv_evd.dequeue()
+    assert failed.cookie == "small" and not failed.ok and not failed.flushed
+    psp.free()
+    ah.free()
+
+    srq = ia.create_srq(pz, 8, 1)  # (an SRQ does not know its EPs are UD: a buffer short of the GRH goes)
+    on_srq = ia.create_ep(pz, recv_evd=recv_evd, attrs=UD, srq=srq)
+    psp = on_srq.serve_datagram(0)
+    ah = await client.resolve_datagram(ia.address, psp.port, timeout=T)
+    srq.post_recv(lmr[0:16], "short")
+    client.post_send_to(lmr[4096:4196], ah, "100 bytes")
+    (await _one(client.request_evd)).raise_for_status()
+    await asyncio.sleep(0.5)
+    psp.free()
+    on_srq.free()
+    failed = recv_evd.dequeue()
+    assert failed is not None and failed.cookie == "short" and not failed.ok
+    assert not srq._posted and lmr._inflight == 0  # the SRQ has its buffer back
     ah.free()
     pz.close()

@@ -147,12 +147,10 @@ def _value(name: str, val: str, kind: Callable[[str], Any], ok: Callable[[Any], 
 
 
 def _is_memory_size(val: str) -> bool:
-    """A size QEMU's -m takes: MiB, or with a suffix k, M, G or T; more than nothing."""
-    number = val[:-1] if val[-1:] in ("k", "K", "m", "M", "g", "G", "t", "T") else val
-    try:
-        return float(number) > 0 and number.replace(".", "", 1).isdigit()
-    except ValueError:
-        return False
+    """A size QEMU's -m takes: MiB, or with a suffix (B, k, M, G, T, P, E); more than nothing."""
+    number = val[:-1] if val[-1:] and val[-1:] in "bBkKmMgGtTpPeE" else val
+    digits = number.replace(".", "", 1)
+    return digits.isascii() and digits.isdigit() and float(number) > 0
 
 
 class Terminated(BaseException):
