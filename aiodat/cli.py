@@ -471,9 +471,9 @@ def cmd_ping(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.server is not None and (args.host is not None or args.port is not None):
         _err(usage + "aiodat ping: error: --server PORT listens: it takes no HOST or PORT")
         return 2
-    for what, port in (("PORT", args.port), ("--server PORT", args.server)):
-        if port is not None and not 0 <= port <= 65535:
-            _err(usage + f"aiodat ping: error: {what} must be between 0 and 65535, got {port}")
+    for what, port, lowest in (("PORT", args.port, 1), ("--server PORT", args.server, 0)):  # (0: pick a free one)
+        if port is not None and not lowest <= port <= 65535:
+            _err(usage + f"aiodat ping: error: {what} must be between {lowest} and 65535, got {port}")
             return 2
     try:
         device = args.device or default_device()

@@ -63,6 +63,8 @@ def test_usage_errors_exit_2(argv, capsys):
     (["bench", "dask", "--size", "0"], "argument --size/-s: must be >= 1, got 0"),
     (["ping", "1.2.3.4", "7471", "--count", "0"], "argument --count/-c: must be >= 1, got 0"),
     (["ping", "1.2.3.4", "7471", "--size", "5000"], "argument --size/-s: must be between 1 and 4096, got 5000"),
+    (["ping", "1.2.3.4", "0"], "PORT must be between 1 and 65535, got 0"),  # (0 is a listener's "pick one")
+    (["ping", "--server", "70000"], "--server PORT must be between 0 and 65535, got 70000"),
 ])
 def test_out_of_range_values_name_the_flag(argv, said, capsys):
     """A value out of range is a usage error naming that flag and value (not a list of every rule),
