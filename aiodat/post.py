@@ -134,11 +134,8 @@ def _flag_bits(name: str, value: Any) -> Tuple[int, bool]:
     return _SEND_BITS[value]
 
 
-# the hot paths compare by identity with these
 #: bytes of Global Route Header the device writes at the start of every UD receive
 GRH_SIZE = 40
-
-_NO_FLAGS = CompletionFlags.DEFAULT
 
 
 def _not_on_ud(what: str, opcode: int) -> InvalidParameter:
@@ -147,6 +144,10 @@ def _not_on_ud(what: str, opcode: int) -> InvalidParameter:
         return InvalidParameter(f"{what} on a UD endpoint: a datagram goes to an address handle, post it with "
                                 f"post_send_to(segments, address_handle)")
     return InvalidParameter(f"{what} on a UD endpoint: RDMA reads, writes and atomics need a connected (RC) endpoint")
+
+
+# the hot paths compare by identity with these
+_NO_FLAGS = CompletionFlags.DEFAULT
 _UNSIGNALLED = CompletionFlags.UNSIGNALLED
 _NULL = ffi.NULL
 # the hot paths of post_recv and post_send, and of a batch on one segment, in C (_shim/posts.c), with
