@@ -150,14 +150,10 @@ def device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optio
     family6 = bool(host) and ":" in str(host)
     env = os.environ.get(DEVICE_ENV) or None
     # (as environment_port reads it: "rxe0", "rxe0:1" and "RO_AWARE_rxe0" name the same port)
-    if env and not any(_names_port(env, p) for p in candidates):
-        candidates = _active_providers(refresh=True)  # (it may have come up since: as a listener's host)
-        if not any(_names_port(env, p) for p in candidates):
-            # a name that matches nothing is a mistake to report, not a preference to pass over
-            # (the CLI, the benchmarks and the pytest plugin refuse it too)
-            ports = ", ".join(p.name for p in candidates) or "none (run under `aiodat rxe run`)"
-            raise ProviderNotFound(f"no active port with an address matches {DEVICE_ENV}={env} (set in the "
-                                   f"environment); the RDMA ports with an address here: {ports}")
+    if env:  # a name that matches nothing is a mistake to report, not a preference to pass over
+        # (the CLI, the benchmarks and the pytest plugin refuse it too)
+        candidates = _with_port_named(env, candidates, f"no active port with an address matches {DEVICE_ENV}={env} "
+                                                       f"(set in the environment)")
     candidates.sort(key=lambda p: not (env and _names_port(env, p)))
     for p in candidates:
         for addr in p.addresses:
@@ -167,6 +163,25 @@ def device_for(host: Optional[str], listening: bool = False) -> Tuple[str, Optio
         return env, None
     raise ProviderNotFound("no active RDMA device with an IP address%s; aiodat streams need one "
                            "(run under `aiodat rxe run -- ...` for Soft-RoCE)" % (" of that family" if candidates else ""))
+
+
+def _with_port_named(name: str, candidates: List[Any], refusal: str) -> List[Any]:
+    """``candidates`` (the active ports with an address), read again if none is the port the IA name
+    ``name`` opens (it may have come up since); ProviderNotFound, ``refusal`` and the ports there
+    are, if none is still."""
+    from aiodat.ia import _names_port
+
+    if not any(_names_port(name, p) for p in candidates):
+        candidates = _active_providers(refresh=True)
+        if not any(_names_port(name, p) for p in candidates):
+            ports = ", ".join(p.name for p in candidates) or "none (run under `aiodat rxe run`)"
+            raise ProviderNotFound(f"{refusal}; the RDMA ports with an address here: {ports}")
+    return candidates
+
+
+def device_addresses() -> List[str]:
+    """Every address of the active device ports (cached, as device_for reads them)."""
+    return [a for p in _active_providers() for a in p.addresses]
 
 
 def check_ia(ia: Any) -> None:
@@ -181,16 +196,12 @@ def check_ia_option(ia: Any) -> None:
     """``ia`` as the integrations take it when they are made: :func:`check_ia`, and a name must open
     an active port (ProviderNotFound), since at a connect a framework would take the failure of
     every request for a network error, and retry it."""
-    from aiodat.ia import _names_port, _parse_name
+    from aiodat.ia import _parse_name
 
     check_ia(ia)
     if isinstance(ia, str):
         _parse_name(ia)  # (InvalidParameter for what is no IA name at all)
-        if not any(_names_port(ia, p) for p in _active_providers()):
-            ports = _active_providers(refresh=True)  # (it may have come up since)
-            if not any(_names_port(ia, p) for p in ports):
-                have = ", ".join(p.name for p in ports) or "none (run under `aiodat rxe run`)"
-                raise ProviderNotFound(f"ia={ia!r} opens no active port with an address; there are: {have}")
+        _with_port_named(ia, _active_providers(), f"ia={ia!r} opens no active port with an address")
 
 
 class IARef:

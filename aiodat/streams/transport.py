@@ -20,8 +20,7 @@ from aiodat._shim._streamcore import Receiver, Sender
 from aiodat.cm import check_port, check_timeout, loopback_kind, refuse_loopback, resolve_within
 from aiodat.errors import ConnectionBroken, DATError, InvalidAddress, InvalidParameter
 from aiodat.evd import EVD, ConnectionEvent, DTOCompletionEvent, EventType
-from aiodat.ia import list_providers
-from aiodat.streams.pool import IARef
+from aiodat.streams.pool import IARef, device_addresses
 from aiodat.streams.protocol import (
     DEFAULT_LIMIT,
     HEADER,
@@ -839,7 +838,7 @@ async def create_connection(protocol_factory: Callable[[], asyncio.BaseProtocol]
     loop = asyncio.get_running_loop()
     host, timeout = await resolve_within(host, 0, timeout)  # (the lookup counts against the timeout)
     if loopback_kind(host):  # (before an IA is opened for it: no device may have an address of that family)
-        refuse_loopback(host, [a for p in list_providers() for a in p.addresses], "an RDMA device's own address")
+        refuse_loopback(host, device_addresses(), "an RDMA device's own address")
     iaref = IARef(ia, host)
     res = None
     try:
