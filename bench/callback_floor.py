@@ -1,7 +1,7 @@
 """The floor of a Python callback per message: what any design that calls Python for each completion
 can reach in this guest, whatever aiodat does around it.  A developer's tool, run in the rxe guest:
 
-    aiodat rxe run -- .venv/bin/python bench/callback_floor.py [uvloop|asyncio] [ROUND_TRIPS]
+    aiodat rxe run -- .venv/bin/python bench/callback_floor.py [uvloop|asyncio] [ROUND_TRIPS] [MODES]
 
 It sets up the one-process 64-byte ping-pong of ``bench/modes_pingpong.py`` with aiodat (two
 connected EPs, each with one EVD), takes the CQs away from aiodat (its reader callbacks detached),
@@ -16,7 +16,8 @@ and then runs it with nothing but the shim's cffi calls (``aiodat_post_recv1``,
   same kind of ``call_soon`` poller completes when a receive arrives on its CQ, and then posting
   the next receive and the reply, as ``await evd.wait()`` does with none of aiodat around it.
 
-It prints the p50 round trip (us) of each; compare with pyverbs' event mode in the same boot
+MODES (comma-separated, default all three) picks some, e.g. one alone under a profiler.  It
+prints the p50 round trip (us) of each; compare with pyverbs' event mode in the same boot
 (``aiodat/bench/pyverbs_pingpong.py --mode event``).  See docs/performance.md, "The floor of a
 Python callback".
 """
@@ -174,7 +175,8 @@ async def run(mode: str, n: int) -> float:
 def main() -> None:
     loop = sys.argv[1] if len(sys.argv) > 1 else "uvloop"
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
-    for mode in ("plain", "callback", "await"):
+    modes = sys.argv[3].split(",") if len(sys.argv) > 3 else ("plain", "callback", "await")
+    for mode in modes:
         print(f"{loop} {mode}: p50 round trip {run_on_loop(loop, lambda: run(mode, n)):.1f} us", flush=True)
 
 

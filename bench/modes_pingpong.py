@@ -7,7 +7,8 @@ A developer's tool for a quiet host, where the full benchmark takes too long to 
         --address 169.254.77.1 --mode event'
 
 Arguments: loop (asyncio|uvloop), iterations, one send in how many signalled (docs/performance.md
-took its quiet-host table with 8; pyverbs's default is 16).
+took its quiet-host table with 8; pyverbs's default is 16), and the modes to run (comma-separated,
+default all three; one alone under a profiler).
 """
 import asyncio, sys, time, statistics
 import aiodat
@@ -76,5 +77,5 @@ async def run(mode):
         return statistics.median(rtt)
 
 loop = sys.argv[1] if len(sys.argv) > 1 else "asyncio"
-for mode in ("await", "callback", "busypoll"):
+for mode in sys.argv[4].split(",") if len(sys.argv) > 4 else ("await", "callback", "busypoll"):
     print(f"{loop} {mode}: p50 RTT {run_on_loop(loop, lambda: run(mode)):.1f} us", flush=True)
