@@ -285,9 +285,11 @@ class SRQ(Handle):
             return done
         if done is not None:
             raise self._refused(*done)
-        self._check_usable("post_recv")
         segs_column, cookies = _columns(items, 2, "post_recv_batch", "(segments, cookie) pairs")
         batch = [(as_segments(segs), cookie) for segs, cookie in zip(segs_column, cookies)]
+        # (once the items are made: a generator or segments iterable runs the program's code, which
+        # may have closed the SRQ, and a post to its freed queue would crash the process)
+        self._check_usable("post_recv")
         for segs, _ in batch:
             check_post_segments(segs, self._pz, "post_recv", "SRQ", self._max_sge, "max_recv_iov", writes=True)
         total = sum(len(segs) for segs, _ in batch)

@@ -173,6 +173,38 @@ async def test_srq_post_recv_batch_of_the_wrong_shape_is_refused(ia: Any, loop_e
 
 
 @pytest.mark.rxe
+@pytest.mark.parametrize("how", ["generator", "segments iterable"])
+async def test_an_srq_closed_while_its_post_reads_the_items_is_invalid_handle(ia: Any, loop_errors: List[dict],
+                                                                              how: str) -> None:
+    """The program's own code run while srq.post_recv_batch reads its items (a generator) or
+    post_recv its segments (an iterable) closes the SRQ: InvalidHandle, nothing posted or counted.
+    The SRQ was checked before the items were read, and the post went to the freed queue: the
+    process died of a segmentation fault."""
+    pz = ia.create_pz()
+    srq = ia.create_srq(pz, 8)
+    lmr = pz.register(bytearray(256))
+
+    def items() -> Any:
+        yield lmr[0:64], "a"
+        srq.close()
+        yield lmr[64:128], "b"
+
+    class Segments:
+        def __iter__(self) -> Any:
+            srq.close()
+            return iter([lmr[0:64]])
+
+    with pytest.raises(aiodat.InvalidHandle, match="srq is closed"):
+        if how == "generator":
+            srq.post_recv_batch(items())
+        else:
+            srq.post_recv(Segments(), "a")  # type: ignore[arg-type]
+    assert srq.closed and not srq._posted and lmr._inflight == 0
+    lmr.free()
+    pz.free()
+
+
+@pytest.mark.rxe
 async def test_a_bad_low_watermark_timeout_is_refused_and_loses_no_event(ia: Any, loop_errors: List[dict]) -> None:
     """srq.low_watermark with a NaN, huge, negative or non-number timeout raises InvalidParameter
     naming the timeout and leaves no waiter behind.  A huge one used to raise OverflowError from the
