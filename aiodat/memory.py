@@ -78,7 +78,7 @@ def _privileges(value: Any) -> "Privileges":
     """``value`` as Privileges (None: the default); anything else is an InvalidParameter."""
     if value is None:
         return Privileges.DEFAULT
-    if not isinstance(value, int):
+    if not isinstance(value, int) or isinstance(value, bool):  # (True would be LOCAL_READ, False NONE)
         raise InvalidParameter(f"privileges must be Privileges flags, not {type(value).__name__}")
     if value < 0 or value & ~int(Privileges.ALL):  # (IntFlag keeps unknown bits; -1 would grant every privilege)
         raise InvalidParameter(f"invalid privileges {shown(value)}: only the bits of Privileges.ALL "

@@ -362,6 +362,27 @@ async def test_privileges_outside_the_flags_are_refused(ia: Any, loop_errors: Li
 
 
 @pytest.mark.rxe
+async def test_privileges_of_the_wrong_type_are_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """A bool is not Privileges: register and a window's bind refuse True and False with
+    InvalidParameter naming the type, as every int argument of aiodat refuses a bool.  register used
+    to take True as LOCAL_READ and False as NONE (a read-only registration), saying nothing."""
+    pair = await make_ep_pair(ia)
+    pz = pair.pz
+    children = len(pz._children)
+    for bad in (True, False, 1.0, "LOCAL_WRITE"):
+        with pytest.raises(aiodat.InvalidParameter, match="privileges must be Privileges flags, not"):
+            pz.register(bytearray(64), bad)
+        with pytest.raises(aiodat.InvalidParameter, match="privileges must be Privileges flags, not"):
+            await pz.register_async(bytearray(64), bad)
+    assert len(pz._children) == children
+    exposed = pz.register(bytearray(256), WINDOWED)
+    rmr = pz.create_rmr()
+    with pytest.raises(aiodat.InvalidParameter, match="privileges must be"):
+        rmr.bind_nowait(exposed[0:64], True, pair.server)
+    assert not rmr.bound and exposed._inflight == 0 and pair.server.query().outstanding_requests == 0
+
+
+@pytest.mark.rxe
 async def test_a_bind_from_another_loop_is_refused_before_it_is_posted(ia: Any, loop_errors: List[dict]) -> None:
     """rmr.bind / rmr.unbind awaited in another thread's loop raise InvalidState (the EP's request EVD
     belongs to this loop) before the bind or invalidation goes.  The bind used to be posted first:
