@@ -362,6 +362,8 @@ class Posting(WorkRequests):
         else the caller takes back what did not (:meth:`_take_back`).  An error raised: nothing
         posted, nothing recorded.  ENOMEM with nothing done when the entries do not fit the
         EP's :meth:`_room` (a batch's callers post what fits first)."""
+        for lmr in uses:  # checked as each item was read, but reading a later one (a generator, a
+            lmr._check()  # segments iterable) runs the program's code, which may have closed it since
         if len(entries) > self._room(q):
             self._posted[0] = 0
             return errno.ENOMEM

@@ -786,3 +786,45 @@ async def test_the_device_writes_only_into_an_lmr_with_local_write(ep_pair: Any,
     assert not ep._recv_q and not ep._send_q and ro._inflight == 0 and srq.query().outstanding_dto_count == 0
     assert ep.state is aiodat.EPState.CONNECTED
     srq.free()
+
+
+@pytest.mark.rxe
+async def test_an_lmr_closed_while_a_batch_reads_its_items_is_invalid_handle(ep_pair: Any,
+                                                                             loop_errors: List[dict]) -> None:
+    """The program's code run while an EP's batch reads its items (a generator, a segments iterable)
+    closes the LMR of an item read before: InvalidHandle, nothing posted or counted, on every batch
+    that reads its items one by one.  That item's LMR was checked when it was read, and its request
+    went with the closed LMR's address and lkey: an 8-byte write, inlined, was copied from the buffer
+    the closed LMR no longer held (it could have been freed) and completed successfully."""
+    pair = ep_pair
+    ep, remote = pair.client, pair.server_lmr.remote()
+
+    def lmrs() -> Tuple[Any, Any]:
+        return pair.pz.register(bytearray(64), Privileges.ALL), pair.pz.register(bytearray(64), Privileges.ALL)
+
+    def items(a: Any, b: Any) -> Any:
+        yield a[0:8], remote[0:8], "a"
+        a.close()
+        yield b[0:8], remote[8:16], "b"
+
+    class Closing:
+        def __init__(self, a: Any, b: Any) -> None:
+            self.a, self.b = a, b
+
+        def __iter__(self) -> Any:
+            self.a.close()
+            return iter([self.b[0:8]])
+
+    for post in (lambda a, b: ep.post_rdma_write_batch(items(a, b)),
+                 lambda a, b: ep.post_rdma_read_batch(items(a, b)),
+                 lambda a, b: ep.post_send_batch([(a[0:8], "a"), (Closing(a, b), "b")])):
+        a, b = lmrs()
+        with pytest.raises(aiodat.InvalidHandle, match="lmr is closed"):
+            post(a, b)
+        assert a.closed and not ep._send_q and a._inflight == 0 and b._inflight == 0
+        b.free()
+    assert ep.state is aiodat.EPState.CONNECTED
+    a, b = lmrs()
+    a.memoryview()[0:4] = b"good"
+    ep.post_rdma_write_batch(iter([(a[0:4], remote[0:4], "ok")]))
+    assert (await ep.request_evd.wait_one(timeout=T)).ok and bytes(pair.server_lmr.memoryview()[0:4]) == b"good"
