@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import struct
 from collections import deque
 from dataclasses import dataclass, field
@@ -1104,6 +1105,12 @@ class EVD(Handle, Generic[E]):
         if on_error is not None and (fn is None or not callable(on_error)):
             raise InvalidParameter("on_error must be a callable, given together with a callback"
                                    f" (got on_error={on_error!r} with fn={fn!r})")
+        for given in (fn, on_error):
+            # (it would be called, and what it returns never awaited: its events lost unseen)
+            if _is_coroutine_function(given):
+                raise InvalidParameter(f"set_callback takes plain functions, not the coroutine function "
+                                       f"{given!r}: the EVD calls it from the loop's reader callback and "
+                                       "awaits nothing (start a task from a plain function instead)")
         if self._waited():
             raise InvalidState("a task is waiting on this EVD: a callback cannot be set while it waits")
         if fn is None:
@@ -1449,6 +1456,11 @@ def _task_of_wait(loop: asyncio.AbstractEventLoop) -> Optional["asyncio.Task[Any
 
 _completions.configure_waits(_running_task)
 _NULL = ffi.NULL
+
+
+def _is_coroutine_function(fn: Any) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def _check_qlen(qlen: Any, ia: "IA") -> None:

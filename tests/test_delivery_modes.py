@@ -131,6 +131,29 @@ async def test_set_callback_rejects_what_it_cannot_use(ep_pair: Any) -> None:
         evd.set_callback(None)
 
 
+async def test_set_callback_refuses_a_coroutine_function(ep_pair: Any, loop_errors: List[dict]) -> None:
+    """An ``async def`` callback (or on_error, or an object with an async ``__call__``) is refused
+    with InvalidParameter, changing nothing.  It used to be accepted: each batch went to a coroutine
+    that nobody awaited, so its events were lost with only a RuntimeWarning."""
+    evd = ep_pair.server.recv_evd
+
+    async def on_events(events: List[Any]) -> None:
+        pass
+
+    class AsyncCallable:
+        async def __call__(self, events: List[Any]) -> None:
+            pass
+
+    for fn, on_error in ((on_events, None), (AsyncCallable(), None), (list.clear, on_events)):
+        with pytest.raises(aiodat.InvalidParameter, match="coroutine function"):
+            evd.set_callback(fn, on_error=on_error)  # type: ignore[arg-type]
+    assert evd._callback is None  # refused: the completion goes to the wait
+    ep_pair.server.post_recv(ep_pair.server_lmr[0:8], "r")
+    ep_pair.client.post_send(put(ep_pair.client_lmr, b"x"))
+    (ev,) = await evd.wait(timeout=T)
+    assert ev.ok and ev.cookie == "r"
+
+
 def test_set_callback_outside_a_loop_names_what_it_needs(ia: Any) -> None:
     evd = ia.create_evd(8)
     try:
