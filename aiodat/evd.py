@@ -687,7 +687,9 @@ class EVD(Handle, Generic[E]):
             self._callback_wakeup()
             return
         try:
-            if self._wake_due(self._drain_cq(napi=True)):
+            # (_solicited_hit: the channel event of a solicited completion the poller has taken
+            # already, which this drain finds no more; _wake ends a solicited wait with it)
+            if self._wake_due(self._drain_cq(napi=True)) or self._solicited_hit:
                 self._wake()
         except Exception as exc:
             self._wake(exc)

@@ -333,6 +333,35 @@ async def test_a_solicited_wait_right_after_a_wake_up_ends_at_the_solicited_comp
     assert [e.cookie for e in events] == ["r1"] and loop.time() - began < T / 2
 
 
+@pytest.mark.parametrize("busy_poll_us", [0, 500_000])
+async def test_a_solicited_completion_the_poller_took_first_still_ends_the_solicited_wait(
+        ia: Any, loop_errors: List[dict], busy_poll_us: int) -> None:
+    """A solicited wait whose CQ the loop's poller still polls (its idle turns after a wake-up, or
+    busy polling) ends at the solicited completion, though the poller took it from the CQ before
+    the reader callback read its channel event.  That channel event used to wake nobody (the
+    drain behind it found nothing new), and the wait slept to its timeout."""
+    from aiodat import CompletionFlags
+
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(8, EvdFlags.DTO, busy_poll_us=busy_poll_us))
+    rx = server.recv_evd
+    for i in range(4):
+        server.post_recv(slmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
+    first = asyncio.ensure_future(rx.wait(1, timeout=T))
+    await asyncio.sleep(0.2)
+    client.post_send(clmr[0:8], "a")
+    # (awaited as is, its own timeout bounding it: wait_for's turns would use up the poller's)
+    assert [e.cookie for e in await first] == ["r0"]
+    assert rx in rx._poller._hot  # (the wake-up left the CQ to the poller)
+    loop = asyncio.get_running_loop()
+    # (the poller's next turn polls the completion, before the channel's reader callback runs; a
+    # busy-polling one, from its spinning a little later)
+    send = (client.post_send, clmr[0:8], "b", CompletionFlags.SOLICITED_WAIT)
+    loop.call_later(0.05, *send) if busy_poll_us else loop.call_soon(*send)
+    began = loop.time()
+    events = await rx.wait(3, timeout=T, solicited_only=True)
+    assert [e.cookie for e in events] == ["r1"] and loop.time() - began < T / 2
+
+
 async def _solicited_armed(client: Any, rx: Any, clmr: Any, how: str) -> None:
     """Leave ``rx``'s CQ armed for solicited completions only, by a solicited wait that ends through
     the reader callback (``how == "woken"``) or times out (``"timed_out"``); r0 and r1 are taken."""
