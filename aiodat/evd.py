@@ -1337,6 +1337,8 @@ class EVD(Handle, Generic[E]):
         if self._cq != ffi.NULL and qlen > self._cq.cqe and lib.ibv_resize_cq(self._cq, qlen):
             raise error_from_errno(ffi.errno, f"resizing the CQ to {qlen}")
         self._qlen = qlen
+        if len(self._queue) >= qlen:  # full now: a waiter its UNSIGNALLED events satisfy is woken (_wake_due)
+            self._wake()
 
     def free(self) -> None:
         """Free the EVD (dat_evd_free); refused while an EP or PSP still uses it."""

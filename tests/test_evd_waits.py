@@ -280,6 +280,29 @@ async def test_a_queue_full_of_unsignalled_completions_wakes_its_waiter(ia: Any,
     assert [e.cookie for e in await server.recv_evd.wait(1, timeout=T)] == ["r2"]
 
 
+async def test_a_resize_that_fills_the_queue_wakes_its_waiter(ia: Any, loop_errors: List[dict]) -> None:
+    """UNSIGNALLED completions that meet a wait's threshold wake it once they fill the EVD, also
+    when a resize down to their number fills it.  The resize used to wake nobody: the wait slept
+    to its timeout (for ever without one), the signalled completion that would end it stuck in
+    the CQ behind the full queue."""
+    from aiodat import CompletionFlags
+
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(8, EvdFlags.DTO))
+    server.post_recv(slmr[0:64], cookie="r0", flags=CompletionFlags.UNSIGNALLED)
+    server.post_recv(slmr[64:128], cookie="r1", flags=CompletionFlags.UNSIGNALLED)
+    waiting = asyncio.ensure_future(server.recv_evd.wait(2, timeout=T))
+    await asyncio.sleep(0.2)
+    client.post_send(clmr[0:8])
+    client.post_send(clmr[0:8])
+    await until(lambda: server.recv_evd.query().queued == 2, "both completions queued", turns=100000)
+    await asyncio.sleep(0.3)  # the poller's turns are over: it armed the CQ, and nothing looks at the queue
+    # (unsignalled: they wake no one by themselves)
+    assert not waiting.done() and server.recv_evd not in server.recv_evd._poller._hot
+    server.recv_evd.resize(2)
+    events = await asyncio.wait_for(waiting, 5)
+    assert [e.cookie for e in events] == ["r0", "r1"]
+
+
 @pytest.mark.parametrize("first", ["queued", "taken_by_a_wait"])
 async def test_a_callback_gets_what_the_cq_still_holds(ia: Any, loop_errors: List[dict], first: str) -> None:
     """Completions that came while the EVD was full stay in the CQ, for which an armed CQ raises no
