@@ -957,11 +957,11 @@ class EVD(Handle, Generic[E]):
             raise InvalidParameter(f"max_events must be None or an int >= 1, got {shown(max_events)}")
         if self._waited():
             raise InvalidState("another task is already waiting on this EVD")
-        if self._pending_error is not None:
-            self._raise_pending()
         loop = _get_running_loop()
         if loop is not self._attached_loop or self._sharers:
-            self._attach(loop)
+            self._attach(loop)  # (before the pending failure: a wait of another loop must not take it)
+        if self._pending_error is not None:
+            self._raise_pending()
         try:
             if solicited_only or self._armed_solicited:
                 # (self._solicited is False here: only a wait sets it, and every way out clears it)

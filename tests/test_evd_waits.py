@@ -161,6 +161,51 @@ async def test_post_se_from_another_thread_to_a_waited_evd_is_refused(ia: Any, l
     assert [e.payload for e in await asyncio.wait_for(task, T)] == ["handed over"]
 
 
+async def test_a_wait_from_another_loop_leaves_the_pending_failure_to_this_one(
+        ia: Any, loop_errors: List[dict], aiodat_loop: str) -> None:
+    """A failure of the reader callback that no task received waits for the next wait of the EVD's
+    loop.  A wait from another thread's loop is refused with InvalidState naming the loop, and
+    leaves it there.  That wait used to raise the failure instead, and take it: the EVD's own
+    consumer never learnt of it."""
+    from aiodat._lib import lib
+    from aiodat.testing.plugin import _loop_factory, make_ep_pair
+
+    pair = await make_ep_pair(ia)
+    evd = pair.server.recv_evd
+    try:
+        pair.server.post_recv(pair.server_lmr[0:8], cookie="r")
+        with pytest.raises(aiodat.TimeoutExpired):
+            await evd.wait(timeout=0.01)  # this loop watches the channel
+        lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL, 1)  # the reader callback's poll fails
+        try:
+            pair.client.post_send(pair.client_lmr[0:8])
+            await until(lambda: evd._pending_error is not None, "the reader callback failed", turns=100000)
+        finally:
+            lib.aiodat_inject_fault(lib.AIODAT_FAULT_POLL, 0)
+        outcome: List[BaseException] = []
+
+        def other_loop() -> None:
+            loop = _loop_factory(aiodat_loop)()
+            try:
+                loop.run_until_complete(evd.wait(timeout=0.01))
+            except BaseException as exc:
+                outcome.append(exc)
+            finally:
+                loop.close()
+
+        thread = threading.Thread(target=other_loop)
+        thread.start()
+        thread.join(T)
+        assert len(outcome) == 1 and isinstance(outcome[0], aiodat.InvalidState), outcome
+        assert "event loop" in str(outcome[0])
+        with pytest.raises(aiodat.InternalError, match="polling the CQ"):
+            await evd.wait(timeout=T)
+        (event,) = await evd.wait(timeout=T)  # the completion itself is not lost
+        assert event.cookie == "r" and event.ok
+    finally:
+        pair.close()
+
+
 async def test_max_events_must_be_a_positive_int(ia: Any, loop_errors: List[dict]) -> None:
     """wait(max_events=0) used to return [] at once (a loop over it spins) and "x" raised TypeError;
     both are InvalidParameter, and nothing is taken."""
