@@ -121,8 +121,9 @@ class Segment:
         return self.lmr.memoryview()[self.offset:self.offset + self.length]
 
     def remote(self) -> "RemoteRegion":
-        """This slice as a region a peer can target (needs remote privileges on the LMR)."""
-        self.lmr._check()  # (a freed LMR's rkey names nothing, or another's registration later)
+        """This slice as a region a peer can target (needs remote privileges on the LMR:
+        PrivilegesViolation without)."""
+        self.lmr._check_remote()
         return RemoteRegion(self.address, self.length, self.lmr.rmr_context)
 
 
@@ -352,9 +353,20 @@ class LMR(Handle):
         return self._view.cast("B") if self._view.format != "B" or self._view.ndim != 1 else self._view[:]
 
     def remote(self) -> RemoteRegion:
-        """The whole LMR as a region a peer can target with RDMA."""
-        self._check()
+        """The whole LMR as a region a peer can target with RDMA (needs remote privileges:
+        PrivilegesViolation without)."""
+        self._check_remote()
         return RemoteRegion(self.address, self.length, self.rmr_context)
+
+    def _check_remote(self) -> None:
+        """InvalidHandle once freed (its rkey names nothing, or another's registration later);
+        PrivilegesViolation if no peer may reach it: every RDMA a peer aimed at the region would
+        fail on the device and break that peer's connection, far from the mistake."""
+        self._check()
+        if not self.privileges & (Privileges.REMOTE_READ | Privileges.REMOTE_WRITE | Privileges.REMOTE_ATOMIC):
+            raise PrivilegesViolation(f"remote(): this LMR was registered with {self.privileges!r}, which lets no peer "
+                                      "reach it: register it with Privileges.REMOTE_READ, REMOTE_WRITE or "
+                                      "REMOTE_ATOMIC (or bind a memory window to it and use rmr.remote())")
 
     def query(self) -> LMRParam:
         """Return the LMR's parameters (dat_lmr_query)."""

@@ -383,6 +383,30 @@ async def test_privileges_of_the_wrong_type_are_refused(ia: Any, loop_errors: Li
 
 
 @pytest.mark.rxe
+async def test_remote_of_an_lmr_no_peer_may_reach_is_privileges_violation(ia: Any, loop_errors: List[dict]) -> None:
+    """lmr.remote() and segment.remote() of an LMR registered without any remote privilege raise
+    PrivilegesViolation naming the privileges: the region would only make every RDMA a peer aims at
+    it fail on the device and break that peer's connection.  They used to hand it out.  With one
+    remote privilege, remote() works; a window bound to such an LMR is the way to lend it."""
+    pz = ia.create_pz()
+    for local in (Privileges.DEFAULT, Privileges.LOCAL_READ, Privileges.LOCAL_WRITE | Privileges.MW_BIND):
+        lmr = pz.register(bytearray(128), local)
+        with pytest.raises(aiodat.PrivilegesViolation, match="lets no peer reach it"):
+            lmr.remote()
+        with pytest.raises(aiodat.PrivilegesViolation, match="lets no peer reach it"):
+            lmr[0:64].remote()
+        lmr.close()
+    for remote in (Privileges.REMOTE_READ, Privileges.REMOTE_WRITE | Privileges.LOCAL_WRITE,
+                   Privileges.REMOTE_ATOMIC | Privileges.LOCAL_WRITE):
+        lmr = pz.register(bytearray(128), remote)
+        region = lmr[8:72].remote()
+        assert (region.address, region.length, region.rmr_context) == (lmr.address + 8, 64, lmr.rmr_context)
+        lmr.close()
+        with pytest.raises(aiodat.InvalidHandle):
+            lmr.remote()
+
+
+@pytest.mark.rxe
 async def test_a_bind_from_another_loop_is_refused_before_it_is_posted(ia: Any, loop_errors: List[dict]) -> None:
     """rmr.bind / rmr.unbind awaited in another thread's loop raise InvalidState (the EP's request EVD
     belongs to this loop) before the bind or invalidation goes.  The bind used to be posted first:
@@ -663,7 +687,7 @@ async def test_imm_data_no_repr_can_show_is_invalid_parameter_on_every_post(ia: 
     pz = ia.create_pz()
     ep = ia.create_ep(pz)
     lmr = pz.register(bytearray(64))
-    region = lmr.remote()
+    region = aiodat.RemoteRegion(lmr.address, lmr.length, lmr.rmr_context)  # (no remote privilege: remote() refuses)
     with pytest.raises(aiodat.InvalidParameter, match=f"imm_data must be .* got {HUGE_WORDS}"):
         ep.post_send(lmr[0:8], imm_data=HUGE)
     with pytest.raises(aiodat.InvalidParameter, match=f"imm_data must be .* got {HUGE_WORDS}"):
