@@ -361,14 +361,15 @@ class Handle:
             root = root._parent
         return root._serving_loop() if root is not self else None
 
-    def _refuse_foreign_thread(self) -> None:
-        """A close from a thread other than the one running the loop that serves the object would
-        free what the loop's callbacks may be using at that moment (a CQ being drained): refused,
-        before anything is freed."""
+    def _refuse_foreign_thread(self, call: str = "close") -> None:
+        """A close (or another ``call`` that changes what the loop's callbacks use, such as a resize)
+        from a thread other than the one running the loop that serves the object would change what
+        those callbacks may be using at that moment (a CQ being drained): refused, before anything
+        is done."""
         loop = self._serving_loop()
         if loop is not None and loop.is_running() and asyncio._get_running_loop() is not loop:
-            raise InvalidState(f"close: this {self._kind} is served by an event loop running in another "
-                               f"thread; close it in that thread, e.g. loop.call_soon_threadsafe(obj.close)")
+            raise InvalidState(f"{call}: this {self._kind} is served by an event loop running in another "
+                               f"thread; call it in that thread, e.g. loop.call_soon_threadsafe(obj.{call}, ...)")
 
     def _abandon(self) -> None:
         """In a forked child: mark this tree unusable without touching the device."""

@@ -1327,6 +1327,8 @@ class EVD(Handle, Generic[E]):
         completions if it must, and never shrinks (its EPs may need more entries)."""
         self._check()
         _check_qlen(qlen, self._ia)
+        # (the loop's reader callback may be draining the CQ, and a waiter's Future is the loop's)
+        self._refuse_foreign_thread("resize")
         if qlen < len(self._queue):
             raise InvalidState(f"cannot resize to {qlen}: {len(self._queue)} events are queued")
         if self._waited() and qlen < self._threshold:

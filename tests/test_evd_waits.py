@@ -348,6 +348,41 @@ async def test_a_resize_that_fills_the_queue_wakes_its_waiter(ia: Any, loop_erro
     assert [e.cookie for e in events] == ["r0", "r1"]
 
 
+async def test_a_resize_from_another_thread_is_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """evd.resize from a thread other than the one running the EVD's loop raises InvalidState saying
+    how to hand it over, and changes nothing: the loop's reader callback may be draining the CQ
+    meanwhile, and a resize that fills the queue completes the waiter's Future, which only its
+    loop's thread may do.  Handed over with call_soon_threadsafe, the same resize wakes the wait."""
+    from aiodat import CompletionFlags
+
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(8, EvdFlags.DTO))
+    rx = server.recv_evd
+    server.post_recv(slmr[0:64], cookie="r0", flags=CompletionFlags.UNSIGNALLED)
+    server.post_recv(slmr[64:128], cookie="r1", flags=CompletionFlags.UNSIGNALLED)
+    waiting = asyncio.ensure_future(rx.wait(2, timeout=T))
+    await until(lambda: rx._waiter is not None, "the wait started")  # (else it would find both queued)
+    client.post_send(clmr[0:8])
+    client.post_send(clmr[0:8])
+    await until(lambda: rx.query().queued == 2, "both completions queued", turns=100000)
+    outcome: List[BaseException] = []
+
+    def from_thread() -> None:
+        try:
+            rx.resize(2)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=from_thread)
+    thread.start()
+    thread.join(T)
+    assert len(outcome) == 1 and isinstance(outcome[0], aiodat.InvalidState), outcome
+    assert "resize: this evd is served by an event loop running in another thread" in str(outcome[0])
+    assert rx.query().qlen == 8 and not waiting.done()
+    loop = asyncio.get_running_loop()
+    threading.Thread(target=lambda: loop.call_soon_threadsafe(rx.resize, 2)).start()
+    assert [e.cookie for e in await asyncio.wait_for(waiting, 5)] == ["r0", "r1"]
+
+
 @pytest.mark.parametrize("first", ["queued", "taken_by_a_wait"])
 async def test_a_callback_gets_what_the_cq_still_holds(ia: Any, loop_errors: List[dict], first: str) -> None:
     """Completions that came while the EVD was full stay in the CQ, for which an armed CQ raises no
