@@ -617,3 +617,26 @@ def test_another_plugins_loop_choice_comes_first(pytester: pytest.Pytester, monk
     result = pytester.runpytest_subprocess(*BARE, "-p", "other_loops", "--aiodat-loop=uvloop",
                                            "-v", timeout=300)
     result.assert_outcomes(passed=5)
+
+
+@pytest.mark.rxe
+async def test_ep_pair_close_goes_on_past_a_close_that_raises(ia) -> None:
+    """EPPair.close frees everything it can when one handle's close raises, then raises that error:
+    it used to stop at the first, leaving the EPs, LMRs and PZ registered until the IA closed."""
+    from aiodat.testing.plugin import make_ep_pair
+
+    pair = await make_ep_pair(ia, 256)
+    real_psp = pair.psp
+
+    class FailingClose:
+        closed = False
+
+        def close(self) -> None:
+            raise RuntimeError("this close fails")
+
+    pair.psp = FailingClose()  # (the first handle it closes)
+    with pytest.raises(RuntimeError, match="this close fails"):
+        pair.close()
+    assert pair.client.closed and pair.server.closed and pair.pz.closed and pair.cr_evd.closed
+    assert pair.client_lmr.closed and pair.server_lmr.closed
+    real_psp.close()

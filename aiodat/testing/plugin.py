@@ -334,10 +334,17 @@ class EPPair:
         return self.server.recv_evd, self.server.request_evd, self.server.connect_evd
 
     def close(self) -> None:
-        """Free the EPs (dropping the connection), the LMRs, the PZ, the PSP and its EVD. Idempotent."""
+        """Free the EPs (dropping the connection), the LMRs, the PZ, the PSP and its EVD. Idempotent.
+        A close that raises does not stop the others: the first error is raised once all were tried."""
+        first_error: Optional[Exception] = None
         for handle in (self.psp, self.client, self.server, self.pz, self.cr_evd):
             if handle is not None and not handle.closed:
-                handle.close()
+                try:
+                    handle.close()
+                except Exception as exc:  # (the rest would stay registered until the IA closes)
+                    first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
 
 
 async def make_ep_pair(ia: Any, buffer_size: int = 4096, attrs: Any = None) -> EPPair:
