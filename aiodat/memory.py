@@ -583,8 +583,6 @@ class RMR(Handle):
             raise InvalidParameter("the LMR belongs to another PZ than the RMR")
         if segment.length == 0:
             raise LengthError("cannot bind a window to an empty segment (unbind instead)")
-        if not isinstance(privileges, (int, Privileges)):
-            raise InvalidParameter(f"privileges must be aiodat.Privileges, not {type(privileges).__name__}")
         privileges = _privileges(privileges)
         if not privileges & _BIND_PRIVILEGES:
             raise InvalidParameter("a window needs at least one remote privilege (REMOTE_READ, REMOTE_WRITE, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import pytest
 
@@ -136,6 +136,22 @@ async def test_a_wait_left_in_a_closed_loop_does_not_hold_the_evd(ia: Any, loop_
     assert [e.payload for e in await evd.wait(timeout=T)] == ["here"]
 
 
+def _raised_in_thread(call: Any) -> List[BaseException]:
+    """Run ``call()`` in a thread of its own; what it raised, if anything."""
+    outcome: List[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(T)
+    return outcome
+
+
 async def test_post_se_from_another_thread_to_a_waited_evd_is_refused(ia: Any, loop_errors: List[dict]) -> None:
     """post_se from another thread while a task of this loop waits raises InvalidState saying how
     to hand it over (call_soon_threadsafe), and queues nothing; it used to queue the event without
@@ -143,17 +159,7 @@ async def test_post_se_from_another_thread_to_a_waited_evd_is_refused(ia: Any, l
     evd = ia.create_evd(8, EvdFlags.SOFTWARE)
     task = asyncio.ensure_future(evd.wait(timeout=T))
     await until(lambda: evd._waiter is not None, "the wait started")
-    outcome: List[BaseException] = []
-
-    def from_thread() -> None:
-        try:
-            evd.post_se("wrong thread")
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=from_thread)
-    thread.start()
-    thread.join(T)
+    outcome = _raised_in_thread(lambda: evd.post_se("wrong thread"))
     assert len(outcome) == 1 and isinstance(outcome[0], aiodat.InvalidState), outcome
     assert "call_soon_threadsafe" in str(outcome[0]) and not task.done()
     loop = asyncio.get_running_loop()
@@ -364,17 +370,7 @@ async def test_a_resize_from_another_thread_is_refused(ia: Any, loop_errors: Lis
     client.post_send(clmr[0:8])
     client.post_send(clmr[0:8])
     await until(lambda: rx.query().queued == 2, "both completions queued", turns=100000)
-    outcome: List[BaseException] = []
-
-    def from_thread() -> None:
-        try:
-            rx.resize(2)
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=from_thread)
-    thread.start()
-    thread.join(T)
+    outcome = _raised_in_thread(lambda: rx.resize(2))
     assert len(outcome) == 1 and isinstance(outcome[0], aiodat.InvalidState), outcome
     assert "resize: this evd is served by an event loop running in another thread" in str(outcome[0])
     assert rx.query().qlen == 8 and not waiting.done()
@@ -412,6 +408,21 @@ async def test_a_callback_gets_what_the_cq_still_holds(ia: Any, loop_errors: Lis
     rx.set_callback(None)
 
 
+async def _one_wake_up_of_four_receives(ia: Any, evd: Any) -> Tuple[Any, Any, Any]:
+    """An EP pair whose server receives on ``evd``, four receives (r0-r3) posted there, and one wait
+    woken by the first message (r0); returns (client EP, the server's recv EVD, client LMR)."""
+    client, server, clmr, slmr = await _pair_on(ia, evd)
+    rx = server.recv_evd
+    for i in range(4):
+        server.post_recv(slmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
+    first = asyncio.ensure_future(rx.wait(1, timeout=T))
+    await asyncio.sleep(0.2)
+    client.post_send(clmr[0:8], "a")
+    # (awaited as is, its own timeout bounding it: wait_for's turns would use up the poller's)
+    assert [e.cookie for e in await first] == ["r0"]
+    return client, rx, clmr
+
+
 async def test_a_solicited_wait_right_after_a_wake_up_ends_at_the_solicited_completion(
         ia: Any, loop_errors: List[dict]) -> None:
     """A solicited wait that starts while the CQ is still unarmed after a wake-up (the poller's
@@ -419,14 +430,7 @@ async def test_a_solicited_wait_right_after_a_wake_up_ends_at_the_solicited_comp
     Its arm used to be taken for a broad one, and the wait slept to its timeout."""
     from aiodat import CompletionFlags
 
-    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(8, EvdFlags.DTO))
-    rx = server.recv_evd
-    for i in range(4):
-        server.post_recv(slmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
-    first = asyncio.ensure_future(rx.wait(1, timeout=T))
-    await asyncio.sleep(0.2)
-    client.post_send(clmr[0:8], "a")
-    assert [e.cookie for e in await asyncio.wait_for(first, T)] == ["r0"]
+    client, rx, clmr = await _one_wake_up_of_four_receives(ia, ia.create_evd(8, EvdFlags.DTO))
     assert rx._unarmed  # (the wake-up left the CQ to the poller)
     loop = asyncio.get_running_loop()
     loop.call_later(0.2, client.post_send, clmr[0:8], "b", CompletionFlags.SOLICITED_WAIT)
@@ -445,15 +449,8 @@ async def test_a_solicited_completion_the_poller_took_first_still_ends_the_solic
     drain behind it found nothing new), and the wait slept to its timeout."""
     from aiodat import CompletionFlags
 
-    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(8, EvdFlags.DTO, busy_poll_us=busy_poll_us))
-    rx = server.recv_evd
-    for i in range(4):
-        server.post_recv(slmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
-    first = asyncio.ensure_future(rx.wait(1, timeout=T))
-    await asyncio.sleep(0.2)
-    client.post_send(clmr[0:8], "a")
-    # (awaited as is, its own timeout bounding it: wait_for's turns would use up the poller's)
-    assert [e.cookie for e in await first] == ["r0"]
+    client, rx, clmr = await _one_wake_up_of_four_receives(
+        ia, ia.create_evd(8, EvdFlags.DTO, busy_poll_us=busy_poll_us))
     assert rx in rx._poller._hot  # (the wake-up left the CQ to the poller)
     loop = asyncio.get_running_loop()
     # (the poller's next turn polls the completion, before the channel's reader callback runs; a
