@@ -252,22 +252,58 @@ async def test_a_write_cancelled_mid_rdma_write_frees_the_queue_pair_before_the_
     assert closed_with_ep_open == []
 
 
-async def test_a_read_whose_connection_ended_is_comm_closed(echo: Tuple[Any, List[Any]]) -> None:
+async def test_a_read_whose_connection_ended_is_comm_closed(echo: Tuple[Any, List[Any]],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A message announced just before the connection ended: its frames' registration on the
     stream's (now closed) PZ fails, and the read raises CommClosedError, which distributed takes
     for a lost connection (it retries elsewhere).  It raised aiodat's InvalidHandle, which
     distributed's gather_dep takes for a failed task."""
     listener, _ = echo
     comm = await connect(listener.contact_address)
-    await comm.write({"data": to_serialize(_array(1 << 20, 3))})  # echoed: announced, its frame granted on read
-    end = time.monotonic() + 30
-    while comm._inbox.messages.qsize() == 0:
-        assert time.monotonic() < end, "the echo never announced its message"
-        await asyncio.sleep(0.01)
-    comm._transport.abort()  # the connection ends, as on a DISCONNECTED: its PZ is closed
+    real_register = rdma_dask._register
+
+    async def register_once_lost(pz: Any, buffer: Any, privileges: Any) -> Any:
+        if pz is comm._ep.pz and privileges & rdma_dask.Privileges.REMOTE_WRITE:  # the echo announced it
+            comm._transport.abort()  # the connection ends, as on a DISCONNECTED: its PZ is closed
+        return await real_register(pz, buffer, privileges)
+
+    monkeypatch.setattr(rdma_dask, "_register", register_once_lost)
+    await comm.write({"data": to_serialize(_array(1 << 20, 3))})  # echoed: announced, its frame granted
     with pytest.raises(CommClosedError, match="receiving the frames"):
         await comm.read()
     assert comm.closed()
+
+
+async def test_both_ends_may_write_a_large_message_before_they_read(address: str) -> None:
+    """Each end writes a message with a zero-copy frame, then reads it, as over tcp://, whose
+    write() returns once the bytes are buffered.  The receiver granted a frame only when its
+    read() reached the message, so each write() waited for the other's read() for ever."""
+    mine, theirs = _array(1 << 20, 11), _array(1 << 20, 12)
+    got: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
+    accepted: List[Any] = []
+
+    async def handle(comm: Any) -> None:
+        accepted.append(comm)
+        try:
+            await comm.write({"data": to_serialize(theirs)})
+            got.set_result(await comm.read())
+        except BaseException as exc:
+            if not got.done():
+                got.set_exception(exc)
+            raise
+
+    listener = await listen(f"rdma://{address}:0", handle)
+    comm = await connect(listener.contact_address)
+    try:
+        await asyncio.wait_for(comm.write({"data": to_serialize(mine)}), 10)
+        reply = await asyncio.wait_for(comm.read(), 10)
+        assert np.array_equal(reply["data"], theirs)
+        assert np.array_equal((await asyncio.wait_for(got, 10))["data"], mine)
+    finally:
+        comm.abort()
+        listener.stop()
+        for other in accepted:
+            other.abort()
 
 
 async def test_inline_frames_arrive_in_buffers_of_their_own(echo: Tuple[Any, List[Any]]) -> None:

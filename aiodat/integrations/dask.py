@@ -82,14 +82,15 @@ class _Closed:
 class _Inbox:
     """Reads the stream in a task of its own and sorts what arrives.
 
-    MSG (with its inline frames) go to ``messages`` for ``read()``; GRANT and ACK answer our own
-    write (``for_writer``); WRITTEN belongs to the message ``read()`` is receiving
-    (``for_reader``).  It holds no reference to the comm, so a comm the program drops can be
-    collected (its finalizer aborts the stream).
+    MSG go to ``messages`` for ``read()``: their frames when all came inline, else the task that
+    receives the others (:meth:`_receive`); GRANT and ACK answer our own write (``for_writer``);
+    WRITTEN belongs to the message being received (``for_reader``).  It holds no reference to the
+    comm, so a comm the program drops can be collected (its finalizer aborts the stream).
     """
 
-    def __init__(self, reader: asyncio.StreamReader, name: str) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str) -> None:
         self.reader = reader
+        self.writer = writer
         self.name = name
         self.messages: "asyncio.Queue[Any]" = asyncio.Queue()
         self.for_writer: "asyncio.Queue[Any]" = asyncio.Queue()
@@ -111,7 +112,16 @@ class _Inbox:
                     return
                 kind, ident, count = _HEAD.unpack(head)
                 if kind == _MSG:
-                    self.messages.put_nowait(await self._read_msg(ident, count))
+                    lengths, modes, inline = await self._read_msg(count)
+                    if _REMOTE in modes:
+                        # received now, not when read() reaches it: the peer's write() waits for
+                        # the GRANT, and a peer that writes before it reads would wait for ever
+                        # (tcp://'s write() returns once the bytes are buffered)
+                        task = asyncio.get_running_loop().create_task(self._receive(ident, lengths, modes, inline))
+                        task.add_done_callback(_retrieve)  # (read() raises its error, if one comes)
+                        self.messages.put_nowait(task)
+                    else:
+                        self.messages.put_nowait(inline)
                 elif kind == _GRANT:
                     regions = await reader.readexactly(_REGION * count)
                     self.for_writer.put_nowait((kind, ident, [RemoteRegion.from_bytes(regions[i:i + _REGION])
@@ -130,7 +140,7 @@ class _Inbox:
         except Exception as exc:  # a protocol error: nothing more on this stream can be trusted
             self.end(f"the control stream failed: {exc!r}")
 
-    async def _read_msg(self, ident: int, count: int) -> Tuple[int, List[int], bytes, List[bytearray]]:
+    async def _read_msg(self, count: int) -> Tuple[List[int], bytes, List[bytearray]]:
         reader = self.reader
         lengths = list(struct.unpack(f"!{count}Q", await reader.readexactly(8 * count))) if count else []
         modes = await reader.readexactly(count)
@@ -139,7 +149,51 @@ class _Inbox:
         # (distributed's tcp comm reads such buffers into arrays of their own for the same reason).
         inline = [bytearray(await reader.readexactly(n)) if n else bytearray()
                   for n, m in zip(lengths, modes) if m == _INLINE]
-        return ident, lengths, modes, inline
+        return lengths, modes, inline
+
+    async def _receive(self, ident: int, lengths: Sequence[int], modes: bytes,
+                       inline: List[bytearray]) -> List[Union[memoryview, bytearray]]:
+        """The frames of message ``ident``: the inline ones, and the others granted to the peer's
+        RDMA writes.  A failure aborts the stream: the peer would wait for our GRANT or ACK for ever."""
+        inline_frames = iter(inline)
+        frames: List[Any] = []
+        remote: List[memoryview] = []
+        for n, mode in zip(lengths, modes):
+            if mode == _INLINE:
+                frames.append(next(inline_frames))
+            else:
+                buf = host_array(n)
+                frames.append(buf)
+                remote.append(buf)
+        transport = self.writer.transport
+        ep = transport.get_extra_info("aiodat_ep")
+        lmrs = []
+        try:
+            for buf in remote:
+                lmrs.append(await _register(ep.pz, buf, Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE))
+            _send(self.writer, self.name, _GRANT, ident, len(lmrs), b"".join(lmr.remote().to_bytes() for lmr in lmrs))
+            # the sender writes, then says WRITTEN; we answer each one (one write in flight at a time)
+            while True:
+                kind, got, last = await self.get(self.for_reader)
+                if got != ident:
+                    raise CommClosedError(f"{self.name}: protocol error: WRITTEN for message {got} "
+                                          f"while receiving message {ident}")
+                _send(self.writer, self.name, _ACK, ident, 0)
+                if last:
+                    break
+        except DATError as exc:
+            ended = ep.closed or transport.is_closing()  # the connection ended: its teardown closed the PZ
+            transport.abort()
+            if ended:
+                raise CommClosedError(f"{self.name}: receiving the frames of message {ident} failed: {exc}") from exc
+            raise  # (not the connection's doing, say the memlock limit: distributed must not retry it elsewhere)
+        except BaseException:
+            transport.abort()
+            raise
+        finally:
+            for lmr in lmrs:
+                _close_quietly(lmr)
+        return frames
 
     def end(self, reason: str) -> None:
         """The connection is over: wake every waiter with CommClosedError (once: each getter puts
@@ -204,7 +258,7 @@ class RDMAComm(Comm):
         self._closing: "Optional[asyncio.Future[None]]" = None  # done when a graceful close() ends
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
-        self._inbox = _Inbox(reader, f"{PREFIX} comm {local_addr} -> {peer_addr}")
+        self._inbox = _Inbox(reader, writer, f"{PREFIX} comm {local_addr} -> {peer_addr}")
         self._finalizer = weakref.finalize(self, _abort_transport, asyncio.get_running_loop(), self._transport,
                                            self._inbox)
         self._finalizer.atexit = False
@@ -239,52 +293,15 @@ class RDMAComm(Comm):
         if self._closed:
             raise CommClosedError(f"{self!r}: read on a closed comm")
         with _abort_on_failure(self):
-            ident, lengths, modes, inline = await self._inbox.get(self._inbox.messages)
-            frames = await self._receive_frames(ident, lengths, modes, inline)
+            frames = await self._inbox.get(self._inbox.messages)
+            if isinstance(frames, asyncio.Task):
+                frames = await frames
         try:
             return await from_frames(frames, deserialize=self.deserialize, deserializers=deserializers,
                                      allow_offload=self.allow_offload)
         except EOFError:
             self.abort()
             raise CommClosedError(f"{self!r}: aborted on truncated data")
-
-    async def _receive_frames(self, ident: int, lengths: Sequence[int], modes: bytes,
-                              inline: List[bytearray]) -> List[Union[memoryview, bytearray]]:
-        inline_frames = iter(inline)
-        frames: List[Any] = []
-        remote: List[memoryview] = []
-        for n, mode in zip(lengths, modes):
-            if mode == _INLINE:
-                frames.append(next(inline_frames))
-            else:
-                buf = host_array(n)
-                frames.append(buf)
-                remote.append(buf)
-        if not remote:
-            return frames
-        pz = self._ep.pz
-        lmrs = []
-        try:
-            for buf in remote:
-                lmrs.append(await _register(pz, buf, Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE))
-            self._send(_GRANT, ident, len(lmrs), b"".join(lmr.remote().to_bytes() for lmr in lmrs))
-            # the sender writes, then says WRITTEN; we answer each one (one write in flight at a time)
-            while True:
-                kind, got, last = await self._inbox.get(self._inbox.for_reader)
-                if got != ident:
-                    raise CommClosedError(f"{self!r}: protocol error: WRITTEN for message {got} "
-                                          f"while receiving message {ident}")
-                self._send(_ACK, ident, 0)
-                if last:
-                    break
-        except DATError as exc:
-            if self._ep.closed or self._transport.is_closing():  # the connection ended: its teardown closed the PZ
-                raise CommClosedError(f"{self!r}: receiving the frames of message {ident} failed: {exc}") from exc
-            raise  # (not the connection's doing, say the memlock limit: distributed must not retry it elsewhere)
-        finally:
-            for lmr in lmrs:
-                _close_quietly(lmr)
-        return frames
 
     # -- writing --------------------------------------------------------------------------
     async def write(self, msg: Any, serializers: Any = None, on_error: str = "message") -> int:
@@ -359,9 +376,7 @@ class RDMAComm(Comm):
             # deregister memory a queue pair might still read
 
     def _send(self, kind: int, ident: int, count: int, *payload: Any) -> None:
-        if self._transport.is_closing():
-            raise CommClosedError(f"{self!r}: the connection is closing")
-        self._writer.writelines([_HEAD.pack(kind, ident, count), *payload])
+        _send(self._writer, self, kind, ident, count, *payload)
 
     # -- the end --------------------------------------------------------------------------
     async def close(self) -> None:
@@ -397,6 +412,18 @@ class RDMAComm(Comm):
         self._inbox.task.cancel()
         self._inbox.end("the comm was aborted")
         self._transport.abort()
+
+
+def _send(writer: asyncio.StreamWriter, who: object, kind: int, ident: int, count: int, *payload: Any) -> None:
+    """Write one control message; CommClosedError naming ``who`` (the comm) once the stream is closing."""
+    if writer.transport.is_closing():
+        raise CommClosedError(f"{who}: the connection is closing")
+    writer.writelines([_HEAD.pack(kind, ident, count), *payload])
+
+
+def _retrieve(task: "asyncio.Task[Any]") -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _byte_view(frame: Any) -> memoryview:
