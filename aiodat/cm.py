@@ -1279,6 +1279,7 @@ class CR(Handle):
 
     def _accept(self, ep: "EP", private_data: bytes, waiter: Any, timeout: Optional[float] = None) -> None:
         self._check()
+        self._refuse_foreign_thread("accept")  # (as reject: before the REP; check_loop lets a loop-less thread by)
         timeout = check_timeout(timeout)  # before the REP goes: a bad one leaves the CR answerable
         if not isinstance(getattr(ep, "_conn", None), Connection):  # an EP (ep.py is above this module)
             raise InvalidParameter(f"accept needs an EP, not {type(ep).__name__}")
@@ -1323,6 +1324,9 @@ class CR(Handle):
         peer's ``ConnectionRejected.private_data`` is the CM's zero-filled block.
         """
         self._check()
+        # Another thread is refused before the REJ, not by the close() after it: that left the CR
+        # open with no cm_id, and the next accept or reject crashed on it.
+        self._refuse_foreign_thread("reject")
         pdata = _private(private_data, REJECT_PRIVATE_DATA_MAX, "reject")
         keep = ffi.new("char[]", pdata) if pdata else ffi.NULL
         lib.rdma_reject(self._cm_id, keep, len(pdata))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from typing import Any, List, Optional
 
@@ -179,6 +180,49 @@ async def test_a_connection_call_from_another_loop_is_refused_before_anything_is
     await caller.disconnect(timeout=T)
     pair.close()
 
+
+
+async def test_reject_or_accept_from_another_thread_is_refused_and_the_request_stays_answerable(
+        ia: Any, loop_errors: List[dict]) -> None:
+    """cr.reject and cr.accept_nowait from another thread (a loop's or a plain one) raise
+    InvalidState before anything goes on the wire: the client still waits, the EP stays
+    UNCONNECTED, and the CR is answered afterwards in the loop's thread.  Both used to send the
+    REJ or REP and raise from their close() after, leaving the CR open with no cm_id: the next
+    accept or reject on it crashed the interpreter (segmentation fault)."""
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    connecting = asyncio.ensure_future(client.connect(ia.address, psp.port, timeout=T))
+    cr = (await cr_evd.wait_one(timeout=T)).cr
+    for name, call in (("reject", lambda: cr.reject(b"no")), ("accept_nowait", lambda: cr.accept_nowait(server))):
+        for plain in (False, True):  # (checked after each call: a second call on the broken CR crashed)
+            exc = await _raised_in_another_thread(call, plain)
+            await asyncio.sleep(0.5)  # a REJ or REP that went would have reached the client by now
+            seen = (name, plain, repr(exc)[:70], connecting.done(), server.state, cr.closed)
+            assert not connecting.done() and server.state is EPState.UNCONNECTED and not cr.closed, seen
+            assert isinstance(exc, aiodat.InvalidState), seen
+    await cr.accept(server, timeout=T)
+    await asyncio.wait_for(connecting, T)
+    await client.disconnect(timeout=T)
+
+
+async def _raised_in_another_thread(call: Any, plain: bool) -> Optional[BaseException]:
+    """What ``call`` raised in another thread: one running an event loop, or a ``plain`` one."""
+    if not plain:
+        return (await in_another_loop([("call", call)], 2 * T))[0][1]
+    raised: List[Optional[BaseException]] = [None]
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            raised[0] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    await asyncio.get_running_loop().run_in_executor(None, thread.join, T)
+    return raised[0]
 
 
 async def test_a_backlog_no_c_int_holds_is_refused_and_the_port_left_free(ia: Any, loop_errors: List[dict]) -> None:
