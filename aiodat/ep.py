@@ -357,6 +357,8 @@ class EP(Posting, Handle):
     def reset(self) -> None:
         """Return a disconnected EP to UNCONNECTED so it can connect again (dat_ep_reset)."""
         self._check()
+        # it polls the EP's EVDs and replaces the QP the loop's callbacks look completions up by, as close does
+        self._refuse_foreign_thread("reset")
         state = self._conn.state
         if state not in (EPState.DISCONNECTED, EPState.ERROR, EPState.UNCONNECTED):
             raise InvalidState(f"cannot reset an EP in state {state.value}")

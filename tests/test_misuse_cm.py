@@ -207,6 +207,22 @@ async def test_reject_or_accept_from_another_thread_is_refused_and_the_request_s
     await client.disconnect(timeout=T)
 
 
+async def test_a_reset_from_another_thread_is_refused(ia: Any, loop_errors: List[dict]) -> None:
+    """ep.reset from another thread (a loop's or a plain one) raises InvalidState, as close does,
+    before it touches the EP: it polls the EP's EVDs and replaces the QP that the loop's callbacks
+    look completions up by.  It used to go ahead in that thread."""
+    pair = await make_ep_pair(ia)
+    await pair.client.disconnect(timeout=T)
+    qp_num = pair.client.qp_num
+    for plain in (False, True):
+        exc = await _raised_in_another_thread(pair.client.reset, plain)
+        assert isinstance(exc, aiodat.InvalidState), (plain, exc)
+        assert pair.client.state is EPState.DISCONNECTED and pair.client.qp_num == qp_num, plain
+    pair.client.reset()
+    assert pair.client.state is EPState.UNCONNECTED
+    pair.close()
+
+
 async def _raised_in_another_thread(call: Any, plain: bool) -> Optional[BaseException]:
     """What ``call`` raised in another thread: one running an event loop, or a ``plain`` one."""
     if not plain:
