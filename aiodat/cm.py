@@ -1211,7 +1211,7 @@ class PSP(Listener):
             raise InvalidParameter("cr_evd belongs to another IA")
         if not cr_evd.streams & EvdFlags.CR:
             raise InvalidParameter("cr_evd does not accept the CR (connection request) stream")
-        if not isinstance(backlog, int) or not 1 <= backlog <= 0x7FFFFFFF:  # (rdma_listen takes a C int)
+        if not isinstance(backlog, int) or isinstance(backlog, bool) or not 1 <= backlog <= 0x7FFFFFFF:  # (a C int)
             raise InvalidParameter(f"backlog must be an int between 1 and {0x7FFFFFFF}, got {backlog!r}")
         addr = listen_address(ia, port)
         super().__init__(ia)

@@ -250,7 +250,7 @@ async def test_a_backlog_no_c_int_holds_is_refused_and_the_port_left_free(ia: An
     port = probe.port
     probe.free()
     routes, children = _routes(ia), len(ia._children)
-    for bad in (2**31, 2**64, 10**400):
+    for bad in (2**31, 2**64, 10**400, True, False):  # (a bool, as for the port: True was taken as 1)
         with pytest.raises(aiodat.InvalidParameter, match="backlog"):
             ia.create_psp(port, cr_evd, backlog=bad)
         with pytest.raises(aiodat.InvalidParameter, match="backlog"):
