@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import pytest
 
@@ -58,18 +58,24 @@ async def test_a_bad_connect_timeout_is_refused_before_anything_starts(ia: Any, 
     await client.disconnect(timeout=T)
 
 
+async def _a_pending_request(ia: Any) -> Tuple[Any, Any, "asyncio.Future[None]", Any, Any]:
+    """A client EP connecting to a PSP of ``ia``, and the CR it made there, not answered yet;
+    returns (client EP, a fresh server EP, the connect's future, the CR, the PSP)."""
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    client, server = ia.create_ep(pz), ia.create_ep(pz)
+    connecting = asyncio.ensure_future(client.connect(psp.address, psp.port, timeout=T))
+    return client, server, connecting, (await cr_evd.wait_one(timeout=T)).cr, psp
+
+
 async def test_a_bad_accept_timeout_is_refused_and_the_request_stays_answerable(
         ia: Any, loop_errors: List[dict]) -> None:
     """cr.accept with a bad timeout raises InvalidParameter before the REP goes: the CR is still
     open (it used to be consumed: the REP was sent, then the timer raised TypeError/ValueError, or
     a negative timeout dropped the connection at once), the EP still UNCONNECTED; accepting it
     properly then works."""
-    pz = ia.create_pz()
-    cr_evd = ia.create_evd(8, EvdFlags.CR)
-    psp = ia.create_psp_any(cr_evd)
-    client, server = ia.create_ep(pz), ia.create_ep(pz)
-    connecting = asyncio.ensure_future(client.connect(psp.address, psp.port, timeout=T))
-    cr = (await cr_evd.wait_one(timeout=T)).cr
+    client, server, connecting, cr, _psp = await _a_pending_request(ia)
     for bad in BAD_TIMEOUTS:
         with pytest.raises(aiodat.InvalidParameter, match="timeout"):
             await cr.accept(server, timeout=bad)
@@ -189,12 +195,7 @@ async def test_reject_or_accept_from_another_thread_is_refused_and_the_request_s
     UNCONNECTED, and the CR is answered afterwards in the loop's thread.  Both used to send the
     REJ or REP and raise from their close() after, leaving the CR open with no cm_id: the next
     accept or reject on it crashed the interpreter (segmentation fault)."""
-    pz = ia.create_pz()
-    cr_evd = ia.create_evd(8, EvdFlags.CR)
-    psp = ia.create_psp_any(cr_evd)
-    client, server = ia.create_ep(pz), ia.create_ep(pz)
-    connecting = asyncio.ensure_future(client.connect(ia.address, psp.port, timeout=T))
-    cr = (await cr_evd.wait_one(timeout=T)).cr
+    client, server, connecting, cr, _psp = await _a_pending_request(ia)
     for name, call in (("reject", lambda: cr.reject(b"no")), ("accept_nowait", lambda: cr.accept_nowait(server))):
         for plain in (False, True):  # (checked after each call: a second call on the broken CR crashed)
             exc = await _raised_in_another_thread(call, plain)
