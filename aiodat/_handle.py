@@ -369,7 +369,8 @@ class Handle:
         loop = self._serving_loop()
         if loop is not None and loop.is_running() and asyncio._get_running_loop() is not loop:
             raise InvalidState(f"{call}: this {self._kind} is served by an event loop running in another "
-                               f"thread; call it in that thread, e.g. loop.call_soon_threadsafe(obj.{call}, ...)")
+                               f"thread; call it in that thread (loop.call_soon_threadsafe, or "
+                               f"asyncio.run_coroutine_threadsafe for a coroutine such as cr.accept)")
 
     def _abandon(self) -> None:
         """In a forked child: mark this tree unusable without touching the device."""

@@ -366,7 +366,8 @@ class LMR(Handle):
         if not self.privileges & (Privileges.REMOTE_READ | Privileges.REMOTE_WRITE | Privileges.REMOTE_ATOMIC):
             raise PrivilegesViolation(f"remote(): this LMR was registered with {self.privileges!r}, which lets no peer "
                                       "reach it: register it with Privileges.REMOTE_READ, REMOTE_WRITE or "
-                                      "REMOTE_ATOMIC (or bind a memory window to it and use rmr.remote())")
+                                      "REMOTE_ATOMIC (or register it with MW_BIND, bind a memory window to it and use "
+                                      "rmr.remote())")
 
     def query(self) -> LMRParam:
         """Return the LMR's parameters (dat_lmr_query)."""

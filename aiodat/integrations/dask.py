@@ -158,17 +158,17 @@ class _Inbox:
         inline_frames = iter(inline)
         frames: List[Any] = []
         remote: List[memoryview] = []
-        for n, mode in zip(lengths, modes):
-            if mode == _INLINE:
-                frames.append(next(inline_frames))
-            else:
-                buf = host_array(n)
-                frames.append(buf)
-                remote.append(buf)
         transport = self.writer.transport
         ep = transport.get_extra_info("aiodat_ep")
         lmrs = []
         try:
+            for n, mode in zip(lengths, modes):  # (inside: a length no memory holds fails here, and aborts)
+                if mode == _INLINE:
+                    frames.append(next(inline_frames))
+                else:
+                    buf = host_array(n)
+                    frames.append(buf)
+                    remote.append(buf)
             for buf in remote:
                 lmrs.append(await _register(ep.pz, buf, Privileges.LOCAL_WRITE | Privileges.REMOTE_WRITE))
             _send(self.writer, self.name, _GRANT, ident, len(lmrs), b"".join(lmr.remote().to_bytes() for lmr in lmrs))
@@ -183,12 +183,12 @@ class _Inbox:
                     break
         except DATError as exc:
             ended = ep.closed or transport.is_closing()  # the connection ended: its teardown closed the PZ
-            transport.abort()
+            _abort_unless_closing(transport)
             if ended:
                 raise CommClosedError(f"{self.name}: receiving the frames of message {ident} failed: {exc}") from exc
             raise  # (not the connection's doing, say the memlock limit: distributed must not retry it elsewhere)
         except BaseException:
-            transport.abort()
+            _abort_unless_closing(transport)
             raise
         finally:
             for lmr in lmrs:
@@ -419,6 +419,14 @@ def _send(writer: asyncio.StreamWriter, who: object, kind: int, ident: int, coun
     if writer.transport.is_closing():
         raise CommClosedError(f"{who}: the connection is closing")
     writer.writelines([_HEAD.pack(kind, ident, count), *payload])
+
+
+def _abort_unless_closing(transport: asyncio.WriteTransport) -> None:
+    """End the stream of a failed reception, so the peer does not wait for its GRANT or ACK for
+    ever; unless it is closing already (the peer's end, or our own graceful close, whose last
+    writes an abort would throw away: the peer learns of the end from it)."""
+    if not transport.is_closing():
+        transport.abort()
 
 
 def _retrieve(task: "asyncio.Task[Any]") -> None:
