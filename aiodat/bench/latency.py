@@ -330,7 +330,7 @@ def perftest_rtt(res: PerftestResult) -> Tuple[Optional[float], Optional[str]]:
         return None, res.error
     typical = res.value("t_typical[usec]")
     if typical is None or not typical > 0 or typical == float("inf"):
-        return None, f"{res.tool} printed t_typical {typical} (its cycle counter failed)"
+        return None, f"{res.tool} printed t_typical[usec] = {typical} (its cycle counter failed)"
     return 2 * typical, None
 
 
