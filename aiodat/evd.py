@@ -1047,7 +1047,9 @@ class EVD(Handle, Generic[E]):
             look_error = exc
         if fut.done():  # (the look queued an event that woke the wait)
             return
-        if look_error is None and len(self._queue) >= self._threshold:
+        # (a solicited hit: the look read the channel event of the narrow arm, which uvloop, running
+        # its timers before its I/O, had not yet handed to the reader callback)
+        if look_error is None and (len(self._queue) >= self._threshold or (self._solicited and self._solicited_hit)):
             fut.set_result(None)
             return
         expired = TimeoutExpired(f"EVD wait for {self._threshold} event(s) timed out after {timeout}s "
@@ -1494,9 +1496,10 @@ def is_timeout(value: Any) -> bool:
     """A wait's timeout: seconds >= 0 (inf included) as the loop's timer takes them (cm.py's
     connection calls take the same, above 0).  NaN and an int too large for a float are not: they
     would fail in the timer (uvloop), or schedule a NaN deadline (asyncio), after the wait took
-    the EVD."""
+    the EVD.  Nor is a bool: ``timeout=True`` is a mistake (a flag in the wrong place), not 1 s."""
     try:
-        return isinstance(value, (int, float)) and 0 <= float(value) <= _INF  # (NaN compares False)
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and 0 <= float(value) <= _INF)  # (NaN compares False)
     except OverflowError:
         return False
 

@@ -485,6 +485,30 @@ async def _solicited_armed(client: Any, rx: Any, clmr: Any, how: str) -> None:
     assert rx._armed_solicited and not rx._unarmed, "the test needs the CQ armed for solicited completions only"
 
 
+async def test_a_solicited_completion_found_at_the_deadline_ends_the_wait(ia: Any, loop_errors: List[dict]) -> None:
+    """A solicited wait's timer that runs while the solicited message's channel event is pending
+    (it landed after the loop's poll and before its timers) makes a last look, which reads that
+    event: a solicited hit.  The wait still timed out, with the completion queued.  Now it returns
+    it.  The timer is run by hand here, at the one moment it can be (no loop orders it so on
+    demand): the message landed, the loop not yet back."""
+    import time
+
+    from aiodat import CompletionFlags
+
+    client, server, clmr, slmr = await _pair_on(ia, ia.create_evd(8, EvdFlags.DTO))
+    rx = server.recv_evd
+    for i in range(4):
+        server.post_recv(slmr[i * 64:(i + 1) * 64], cookie=f"r{i}")
+    await _solicited_armed(client, rx, clmr, "timed_out")  # (r0 and r1 taken)
+    waiter = asyncio.ensure_future(rx.wait(2, timeout=T, solicited_only=True))
+    await asyncio.sleep(0.1)
+    assert not waiter.done() and rx._armed_solicited
+    client.post_send(clmr[0:8], "c", CompletionFlags.SOLICITED_WAIT)
+    time.sleep(1.0)  # (the loop blocked on purpose: the message lands, its channel event unread)
+    rx._expire(rx._waiter, T)  # what the wait's timer runs at its deadline
+    assert [e.cookie for e in await waiter] == ["r2"]
+
+
 @pytest.mark.parametrize("how", ["woken", "timed_out"])
 async def test_a_callback_set_after_a_solicited_wait_gets_plain_completions(
         ia: Any, loop_errors: List[dict], how: str) -> None:

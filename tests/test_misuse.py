@@ -398,7 +398,7 @@ async def test_a_bad_wait_timeout_is_refused_and_leaves_the_evd_free(rdma_device
     try:
         pair = await make_ep_pair(ia)
         evd = pair.server.recv_evd
-        for bad in (float("nan"), 10**400, -10**400, 10**5000):  # (10**5000: too long for repr)
+        for bad in (float("nan"), 10**400, -10**400, 10**5000, True, False):  # (10**5000: too long for repr)
             with pytest.raises(aiodat.InvalidParameter, match="timeout"):
                 await evd.wait(timeout=bad)
             assert not evd.query().waiting

@@ -19,7 +19,7 @@ T = 30.0  # generous bound for every wait: the QEMU guest runs under TCG
 HUGE = 10**5000  # an int too long for repr(): a message built with it would raise ValueError
 HUGE_WORDS = "an int of 16610 bits"
 #: timeouts no loop timer takes: NaN, ints no float holds, negative, not a number
-BAD_TIMEOUTS = (float("nan"), 10**400, 10**5000, -10**400, -1, "10", b"1")
+BAD_TIMEOUTS = (float("nan"), 10**400, 10**5000, -10**400, -1, "10", b"1", True, False)
 UD = EPAttr(service_type=ServiceType.UD, max_recv_iov=2, max_request_iov=2)
 WINDOWED = Privileges.LOCAL_WRITE | Privileges.MW_BIND
 

@@ -329,7 +329,7 @@ async def test_a_host_name_that_does_not_resolve_is_oserror_as_in_asyncio(rdma_d
     assert aiodat_streams.shared_ia_count() == 0
 
 
-@pytest.mark.parametrize("bad", ["x", -1, 0, float("nan")])
+@pytest.mark.parametrize("bad", ["x", -1, 0, float("nan"), True])
 async def test_a_bad_accept_or_connect_timeout_is_refused_at_the_call(rdma_device: Any, bad: Any) -> None:
     """start_server(accept_timeout=bad) raised nothing: each connection then failed at its accept, into
     the loop's handler with an error not naming the argument ("'<' not supported...", "cannot convert
