@@ -66,6 +66,7 @@ class FdWatch:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
+            self._refuse_outside_owner()
             return None
         if loop is not self._loop:
             self._check_owner(loop)
@@ -86,9 +87,22 @@ class FdWatch:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
+            self._refuse_outside_owner()
             return
         if loop is not self._loop:
             self._check_owner(loop)
+
+    def _refuse_outside_owner(self) -> None:
+        """A call with no loop running here (a plain thread) while the owner runs, in another
+        thread: its reader callback may be handling this fd's events at that moment (a connect
+        from here would add a cm_id that the loop's events look up), so refuse it.  With the
+        owner stopped, or no owner yet, the call goes ahead (a script with no loop)."""
+        owner = self._owner
+        if owner is not None and owner.is_running():
+            raise InvalidState(
+                f"this aiodat object belongs to an event loop running in another thread ({owner!r}); "
+                f"its {self._what} events are handled there: make the call in that thread "
+                "(loop.call_soon_threadsafe, or asyncio.run_coroutine_threadsafe for a coroutine)")
 
     def _check_owner(self, loop: asyncio.AbstractEventLoop) -> None:
         owner = self._owner

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.rxe
 T = 30.0  # generous bound for every wait: the QEMU guest runs under TCG
 
 #: timeouts no loop timer takes: NaN, ints no float holds, negative, not a number
-BAD_TIMEOUTS = (float("nan"), 10**400, 10**5000, -10**400, -1, "10", b"1")
+BAD_TIMEOUTS = (float("nan"), 10**400, 10**5000, -10**400, -1, "10", b"1", True, False)
 
 
 def _routes(ia: Any) -> int:
@@ -221,6 +221,39 @@ async def test_a_reset_from_another_thread_is_refused(ia: Any, loop_errors: List
         assert pair.client.state is EPState.DISCONNECTED and pair.client.qp_num == qp_num, plain
     pair.client.reset()
     assert pair.client.state is EPState.UNCONNECTED
+    pair.close()
+
+
+async def test_connection_calls_from_a_plain_thread_are_refused_while_the_loop_runs(
+        ia: Any, loop_errors: List[dict]) -> None:
+    """connect_nowait, disconnect_nowait and create_psp from a thread with no loop, while the IA's
+    loop runs in its own thread, raise InvalidState before anything is sent or bound.  They used to
+    go ahead there: the new cm_id's events reached the loop's reader while that thread was still
+    filling in the EP, and a DREQ went out from under the loop's handling of the same connection."""
+    pz = ia.create_pz()
+    cr_evd = ia.create_evd(8, EvdFlags.CR)
+    psp = ia.create_psp_any(cr_evd)
+    pair = await make_ep_pair(ia)
+    client = ia.create_ep(pz)
+    probe = ia.create_psp_any(cr_evd)
+    free_port = probe.port
+    probe.free()
+    routes, children = _routes(ia), len(ia._children)
+    for name, call in (("connect_nowait", lambda: client.connect_nowait(ia.address, psp.port, timeout=T)),
+                       ("disconnect_nowait", pair.client.disconnect_nowait),
+                       ("create_psp", lambda: ia.create_psp(free_port, cr_evd))):
+        exc = await _raised_in_another_thread(call, plain=True)
+        assert isinstance(exc, aiodat.InvalidState) and "another thread" in str(exc), (name, exc)
+    await asyncio.sleep(0.5)  # a request or DREQ that went would have arrived by now
+    assert client.state is EPState.UNCONNECTED and _routes(ia) == routes and len(ia._children) == children
+    assert pair.client.state is EPState.CONNECTED and pair.server.state is EPState.CONNECTED
+    with pytest.raises(aiodat.TimeoutExpired):
+        await cr_evd.wait_one(timeout=0.5)
+    ia.create_psp(free_port, cr_evd).free()  # the port was left free
+    client.connect_nowait(ia.address, psp.port, timeout=T)  # and each call works from the loop's thread
+    cr = (await cr_evd.wait_one(timeout=T)).cr
+    cr.reject()
+    await pair.client.disconnect(timeout=T)
     pair.close()
 
 
