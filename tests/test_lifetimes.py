@@ -293,8 +293,9 @@ def test_development_mode_names_where_a_leaked_object_was_made(rdma_device: Any,
         "gc.collect()\n"
         "pz.close()\n"
         "ia.close()\n")
+    # (T * 4: a new interpreter under ASan and TCG once took more than 30 s on a loaded host)
     proc = subprocess.run([sys.executable, "-X", "dev", str(script)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=T)
+                          stderr=subprocess.STDOUT, text=True, timeout=T * 4)
     assert proc.returncode == 0, proc.stdout
     assert "ResourceWarning: unclosed lmr" in proc.stdout, proc.stdout
     assert f'File "{script}", line 4' in proc.stdout, proc.stdout
