@@ -102,7 +102,9 @@ class Raw:
     __slots__ = ("ptr", "what", "_destroy", "_deps", "_generation", "_users", "then", "__weakref__")
 
     def __init__(self, ptr: Any, destroy: Callable[[Any], int], what: str, *deps: Any) -> None:
-        self.ptr = ptr
+        # ``ptr`` is stored last: a Raw whose set-up failed (a MemoryError) owns nothing, so its
+        # finalizer destroys nothing, and the caller that made the object still frees it
+        self.ptr = ffi.NULL
         self.what = what
         self._destroy = destroy
         self._deps = deps
@@ -115,6 +117,7 @@ class Raw:
         for dep in deps:
             if isinstance(dep, Raw):
                 dep._users += 1
+        self.ptr = ptr
 
     def need(self, dep: Any) -> bool:
         """Also keep ``dep`` alive until this object is destroyed (a window bound through a QP);

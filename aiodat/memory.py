@@ -467,20 +467,32 @@ class RMR(Handle):
 
     def __init__(self, pz: "PZ") -> None:
         pz._check()
-        mw = lib.ibv_alloc_mw(pz._pd, lib.IBV_MW_TYPE_2)
-        if mw == ffi.NULL:
-            err = ffi.errno
+        # (through a cell made first: a MemoryError making the result's Python object would lose the window)
+        cell = ffi.new("struct ibv_mw **")
+        err = lib.aiodat_alloc_mw(pz._pd, cell)
+        if err:
             if err in (95, 38):  # EOPNOTSUPP, ENOSYS
                 from aiodat.errors import NotImplementedByProvider
 
                 raise NotImplementedByProvider(f"{pz.ia.device_name} does not support type-2 memory windows "
                                                f"(ibv_alloc_mw errno {err})")
             raise error_from_errno(err, "allocating a memory window (ibv_alloc_mw)")
-        super().__init__(pz)
-        self._pz = pz
-        self._mw = mw
-        self._raw = Raw(mw, lib.ibv_dealloc_mw, "MW", pz._raw)
-        self._rkey: int = mw.rkey
+        raw: Optional[Raw] = None
+        try:
+            mw = cell[0]
+            raw = Raw(mw, lib.ibv_dealloc_mw, "MW", pz._raw)
+            super().__init__(pz)
+            self._raw = raw
+            self._pz = pz
+            self._mw = mw
+            self._rkey: int = mw.rkey
+        except BaseException:  # (a MemoryError) at once: the traceback keeps this frame, and a window alive
+            # holds its PD (ibv_dealloc_pd: EBUSY, the PZ's close deferred)
+            if raw is None:
+                lib.aiodat_dealloc_mw_at(cell)
+            else:
+                raw.release()
+            raise
         self._bound: Optional[Tuple[Segment, Privileges]] = None
         # The EP the window is bound through, or has its bind or unbind pending on (None: neither).
         # A type-2B window belongs to that QP: it alone may unbind it, and only its destruction

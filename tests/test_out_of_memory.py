@@ -927,3 +927,33 @@ async def test_an_ep_dropped_unclosed_out_of_memory_leaves_none_of_its_requests_
     finally:
         gc.collect()
         pz.close()
+
+
+async def test_an_rmr_whose_creation_runs_out_of_memory_leaves_no_window(ia: Any) -> None:
+    """Each allocation of pz.create_rmr() fails in turn.  One that failed after ibv_alloc_mw lost the
+    window: its PD could never be deallocated (EBUSY), so the PZ's close left it deferred for good.
+    That took two fixes: the Python object's set-up frees the window when it fails, and the window
+    comes back through a cell made before the call (cffi's object for a returned pointer is an
+    allocation too, after the window exists).  Now every failed creation has freed its window at
+    once, and the PZ closes."""
+    import warnings
+
+    from aiodat import _handle
+
+    failures = through = 0
+    for n in range(PYTHON_ROUNDS):
+        pz = ia.create_pz()
+        with warnings.catch_warnings():  # (a creation that got through: its RMR is dropped unclosed)
+            warnings.simplefilter("ignore", ResourceWarning)
+            error = raised_at(n, pz.create_rmr)
+        failures += error is not None
+        through = 0 if error is not None else through + 1
+        where = "".join(traceback.format_exception(error)) if error is not None else "(no MemoryError)"
+        del error  # (its traceback holds the frame of the call)
+        gc.collect()  # a successful creation's RMR, dropped: its window goes with it
+        pz.close()
+        assert pz._raw.ptr == ffi.NULL and not any(r is pz._raw for r in _handle._deferred), \
+            f"allocation {n}: the PZ's PD is still held (a memory window leaked); the failure:\n{where}"
+        if through == THROUGH:
+            break
+    assert failures and through == THROUGH

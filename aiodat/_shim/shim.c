@@ -28,6 +28,19 @@ int aiodat_set_nonblocking(int fd)
     return 0;
 }
 
+int aiodat_alloc_mw(struct ibv_pd *pd, struct ibv_mw **cell)
+{
+    *cell = ibv_alloc_mw(pd, IBV_MW_TYPE_2);
+    return *cell ? 0 : errno;
+}
+
+int aiodat_dealloc_mw_at(struct ibv_mw **cell)
+{
+    struct ibv_mw *mw = *cell;
+    *cell = NULL;
+    return mw ? ibv_dealloc_mw(mw) : 0;
+}
+
 static void fill_sges(struct ibv_sge *dst, const struct aiodat_sge *src, int n)
 {
     for (int i = 0; i < n; i++) {

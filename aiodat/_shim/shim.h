@@ -243,6 +243,11 @@ struct aiodat_async_event {
 };
 
 int aiodat_set_nonblocking(int fd);
+/* A type-2 memory window into *cell, which the caller made first: if making the Python object for
+ * the pointer then fails (MemoryError), the window is still reachable through the cell.  0 or errno. */
+int aiodat_alloc_mw(struct ibv_pd *pd, struct ibv_mw **cell);
+/* Deallocate the window in *cell (from aiodat_alloc_mw) without a new Python object; 0 or errno. */
+int aiodat_dealloc_mw_at(struct ibv_mw **cell);
 int aiodat_post_send(struct ibv_qp *qp, const struct aiodat_send_wr *wrs, int n,
                      const struct aiodat_sge *sges, int *n_posted);
 int aiodat_post_send1(struct ibv_qp *qp, uint64_t wr_id, int opcode, unsigned int send_flags,
