@@ -17,9 +17,10 @@ import pytest
 
 np = pytest.importorskip("numpy")
 distributed = pytest.importorskip("distributed")
+dask = pytest.importorskip("dask")
 
 from distributed.comm import CommClosedError, connect, listen  # noqa: E402
-from distributed.protocol import to_serialize  # noqa: E402
+from distributed.protocol import dask_deserialize, dask_serialize, to_serialize  # noqa: E402
 
 from aiodat.integrations import dask as rdma_dask  # noqa: E402
 
@@ -304,6 +305,75 @@ async def test_both_ends_may_write_a_large_message_before_they_read(address: str
         listener.stop()
         for other in accepted:
             other.abort()
+
+
+async def test_a_comm_nobody_reads_takes_in_no_more_than_receive_ahead(address: str) -> None:
+    """With receive-ahead at 1 MiB, a writer's messages of 600 KiB frames: the first is granted at
+    once (nothing waits to be read), the second waits until the reader's read() takes the first,
+    so its write() waits too, as a tcp:// writer waits on full buffers.  Before, every message was
+    received ahead at once, without bound.  Then everything arrives, in order."""
+    n, sent = 600 << 10, [_array(600 << 10, i) for i in range(3)]
+    accepted: "asyncio.Queue[Any]" = asyncio.Queue()
+
+    async def handle(comm: Any) -> None:
+        await accepted.put(comm)
+
+    with dask.config.set({"distributed.comm.rdma.receive-ahead": "1 MiB"}):
+        listener = await listen(f"rdma://{address}:0", handle)
+        comm = await connect(listener.contact_address)
+        server = await asyncio.wait_for(accepted.get(), 10)
+        try:
+            await asyncio.wait_for(comm.write({"data": to_serialize(sent[0])}), 10)
+            second = asyncio.ensure_future(comm.write({"data": to_serialize(sent[1])}))
+            await asyncio.sleep(1.0)
+            assert not second.done(), "the second message was taken in beyond receive-ahead"
+            assert server._inbox.ahead == n
+            got = [await asyncio.wait_for(server.read(), 10)]
+            await asyncio.wait_for(second, 10)  # granted once the first was read
+            third = asyncio.ensure_future(comm.write({"data": to_serialize(sent[2])}))
+            got += [await asyncio.wait_for(server.read(), 10), await asyncio.wait_for(server.read(), 10)]
+            await asyncio.wait_for(third, 10)
+            assert all(np.array_equal(g["data"], s) for g, s in zip(got, sent))
+            assert server._inbox.ahead == 0
+        finally:
+            comm.abort()
+            server.abort()
+            listener.stop()
+
+
+class _Strided:
+    """A type whose custom serializer hands distributed a strided (non-contiguous) frame."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+@dask_serialize.register(_Strided)
+def _serialize_strided(obj: _Strided) -> Tuple[dict, List[memoryview]]:
+    doubled = bytearray(2 * len(obj.data))
+    doubled[::2] = obj.data
+    return {}, [memoryview(doubled)[::2]]
+
+
+@dask_deserialize.register(_Strided)
+def _deserialize_strided(header: dict, frames: List[Any]) -> _Strided:
+    return _Strided(bytes(frames[0]))
+
+
+@pytest.mark.parametrize("n", [1000, rdma_dask.ZERO_COPY_THRESHOLD + 1])
+async def test_a_strided_frame_from_a_custom_serializer_is_sent_as_its_bytes(
+        echo: Tuple[Any, List[Any]], n: int) -> None:
+    """A custom serializer's non-contiguous frame, inline or large, arrives as its bytes, as over
+    tcp:// (which copies it).  Its write used to fail, aborting the comm."""
+    listener, _ = echo
+    comm = await connect(listener.contact_address)
+    try:
+        data = bytes(_array(n, 5))
+        await asyncio.wait_for(comm.write({"x": to_serialize(_Strided(data))}), 10)
+        reply = await asyncio.wait_for(comm.read(), 10)
+        assert reply["x"].data == data
+    finally:
+        await comm.close()
 
 
 async def test_inline_frames_arrive_in_buffers_of_their_own(echo: Tuple[Any, List[Any]]) -> None:

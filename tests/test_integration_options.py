@@ -119,6 +119,24 @@ async def test_dask_does_not_retry_what_retrying_cannot_mend(monkeypatch: pytest
     assert loop.time() - started < 10
 
 
+@pytest.mark.parametrize("value, limit", [("1 MiB", 1 << 20), (5, 5), ("0", 0), ("2 GB", 2_000_000_000),
+                                          ("abc", None), (-3, None), (True, None), (None, None)])
+def test_dask_receive_ahead_takes_a_size_and_names_the_key_otherwise(value: Any, limit: Any) -> None:
+    """distributed.comm.rdma.receive-ahead: a number of bytes or a size string; anything else is
+    InvalidParameter naming the key (each comm reads it when it is made)."""
+    dask = pytest.importorskip("dask")
+    pytest.importorskip("distributed")
+    from aiodat.integrations.dask import RECEIVE_AHEAD, receive_ahead
+
+    assert receive_ahead() == RECEIVE_AHEAD == 256 << 20
+    with dask.config.set({"distributed.comm.rdma.receive-ahead": value}):
+        if limit is None:
+            with pytest.raises(aiodat.InvalidParameter, match="distributed.comm.rdma.receive-ahead"):
+                receive_ahead()
+        else:
+            assert receive_ahead() == limit
+
+
 @pytest.mark.parametrize("port", [8080.9, 8080.0, "80a", "", "\u00b2", True, 0, 70000, None, b"80"])
 async def test_a_stream_port_of_the_wrong_kind_is_refused_at_the_call(port: Any) -> None:
     """create_connection takes a port as asyncio's does, an int or its digits as a str, and refuses

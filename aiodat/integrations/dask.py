@@ -36,7 +36,7 @@ from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
 from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.protocol.utils import host_array
-from distributed.utils import ensure_ip, get_ip
+from distributed.utils import ensure_ip, ensure_memoryview, get_ip
 
 from aiodat.errors import DATError, InvalidParameter, ModelNotSupported, ProviderNotFound
 from aiodat.memory import Privileges, RemoteRegion
@@ -56,6 +56,11 @@ ZERO_COPY_THRESHOLD = 256 * 1024
 ASYNC_REGISTER_FROM = 4 << 20
 #: One RDMA write moves at most this many bytes (within every device's max_msg_sz of 2 GiB).
 MAX_WRITE = 1 << 30
+#: Bytes of large frames a comm takes in ahead of ``read()``: past them, the next message is granted
+#: once ``read()`` takes one (its writer waits, as a ``tcp://`` writer waits on full kernel
+#: buffers).  A message is always granted when nothing waits to be read, whatever its size.
+#: ``distributed.comm.rdma.receive-ahead`` in dask's config overrides it.
+RECEIVE_AHEAD = 256 << 20
 
 # control messages: type, message id, count
 _HEAD = struct.Struct("!BQI")
@@ -72,6 +77,19 @@ def zero_copy_threshold() -> int:
     return int(dask.config.get("distributed.comm.rdma.zero-copy-threshold", ZERO_COPY_THRESHOLD))
 
 
+def receive_ahead() -> int:
+    """The bytes of large frames a comm takes in ahead of ``read()`` (dask config, else the default;
+    a size such as "64 MiB" is taken too).  InvalidParameter names the key if it is no size."""
+    value = dask.config.get("distributed.comm.rdma.receive-ahead", RECEIVE_AHEAD)
+    try:
+        limit = dask.utils.parse_bytes(value)
+    except (ValueError, TypeError, AttributeError):  # (parse_bytes of None: AttributeError)
+        limit = -1
+    if isinstance(value, bool) or limit < 0:
+        raise InvalidParameter(f"distributed.comm.rdma.receive-ahead must be a size in bytes, got {value!r}")
+    return limit
+
+
 class _Closed:
     """Queued into an inbox when the connection ends: getters raise CommClosedError."""
 
@@ -83,8 +101,8 @@ class _Inbox:
     """Reads the stream in a task of its own and sorts what arrives.
 
     MSG go to ``messages`` for ``read()``: their frames when all came inline, else the task that
-    receives the others (:meth:`_receive`); GRANT and ACK answer our own write (``for_writer``);
-    WRITTEN belongs to the message being received (``for_reader``).  It holds no reference to the
+    receives the others (:meth:`_receive`) and their size, which ``limit`` bounds; GRANT and ACK
+    answer our own write (``for_writer``); WRITTEN belongs to the message being received (``for_reader``).  It holds no reference to the
     comm, so a comm the program drops can be collected (its finalizer aborts the stream).
     """
 
@@ -96,6 +114,9 @@ class _Inbox:
         self.for_writer: "asyncio.Queue[Any]" = asyncio.Queue()
         self.for_reader: "asyncio.Queue[Any]" = asyncio.Queue()
         self.closed: Optional[_Closed] = None
+        #: bytes of large frames granted (or being granted) and not yet taken by read(), and their bound
+        self.ahead, self.limit = 0, receive_ahead()
+        self._room = asyncio.Event()  # set when read() takes such a message, or the comm ends
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -117,9 +138,11 @@ class _Inbox:
                         # received now, not when read() reaches it: the peer's write() waits for
                         # the GRANT, and a peer that writes before it reads would wait for ever
                         # (tcp://'s write() returns once the bytes are buffered)
-                        task = asyncio.get_running_loop().create_task(self._receive(ident, lengths, modes, inline))
+                        size = sum(n for n, m in zip(lengths, modes) if m == _REMOTE)
+                        task = asyncio.get_running_loop().create_task(
+                            self._receive(ident, lengths, modes, inline, size))
                         task.add_done_callback(_retrieve)  # (read() raises its error, if one comes)
-                        self.messages.put_nowait(task)
+                        self.messages.put_nowait((task, size))
                     else:
                         self.messages.put_nowait(inline)
                 elif kind == _GRANT:
@@ -152,9 +175,10 @@ class _Inbox:
         return lengths, modes, inline
 
     async def _receive(self, ident: int, lengths: Sequence[int], modes: bytes,
-                       inline: List[bytearray]) -> List[Union[memoryview, bytearray]]:
-        """The frames of message ``ident``: the inline ones, and the others granted to the peer's
-        RDMA writes.  A failure aborts the stream: the peer would wait for our GRANT or ACK for ever."""
+                       inline: List[bytearray], size: int) -> List[Union[memoryview, bytearray]]:
+        """The frames of message ``ident``: the inline ones, and the others (``size`` bytes) granted
+        to the peer's RDMA writes once there is room ahead of read().  A failure aborts the stream:
+        the peer would wait for our GRANT or ACK for ever."""
         inline_frames = iter(inline)
         frames: List[Any] = []
         remote: List[memoryview] = []
@@ -162,6 +186,7 @@ class _Inbox:
         ep = transport.get_extra_info("aiodat_ep")
         lmrs = []
         try:
+            await self._make_room(size)
             for n, mode in zip(lengths, modes):  # (inside: a length no memory holds fails here, and aborts)
                 if mode == _INLINE:
                     frames.append(next(inline_frames))
@@ -195,6 +220,21 @@ class _Inbox:
                 _close_quietly(lmr)
         return frames
 
+    async def _make_room(self, size: int) -> None:
+        """Wait until ``size`` more bytes fit within ``limit`` of what read() has not taken
+        (at once when it has taken everything), then count them."""
+        while self.ahead and self.ahead + size > self.limit:
+            if self.closed is not None:
+                raise CommClosedError(f"{self.name}: {self.closed.reason}")
+            self._room.clear()
+            await self._room.wait()
+        self.ahead += size
+
+    def taken(self, size: int) -> None:
+        """read() took a message whose large frames (``size`` bytes) were received ahead."""
+        self.ahead -= size
+        self._room.set()
+
     def end(self, reason: str) -> None:
         """The connection is over: wake every waiter with CommClosedError (once: each getter puts
         the one marker back for the next)."""
@@ -203,6 +243,7 @@ class _Inbox:
         self.closed = _Closed(reason)
         for queue in (self.messages, self.for_writer, self.for_reader):
             queue.put_nowait(self.closed)
+        self._room.set()
 
     async def get(self, queue: "asyncio.Queue[Any]") -> Any:
         item = await queue.get()
@@ -294,8 +335,10 @@ class RDMAComm(Comm):
             raise CommClosedError(f"{self!r}: read on a closed comm")
         with _abort_on_failure(self):
             frames = await self._inbox.get(self._inbox.messages)
-            if isinstance(frames, asyncio.Task):
-                frames = await frames
+            if isinstance(frames, tuple):  # (its large frames' reception, and their size)
+                reception, size = frames
+                frames = await reception
+                self._inbox.taken(size)
         try:
             return await from_frames(frames, deserialize=self.deserialize, deserializers=deserializers,
                                      allow_offload=self.allow_offload)
@@ -312,9 +355,10 @@ class RDMAComm(Comm):
             msg, allow_offload=self.allow_offload, serializers=serializers, on_error=on_error,
             context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
             frame_split_size=self.max_shard_size)
-        views = [_byte_view(f) for f in frames]
+        # (flat bytes, as tcp:// sends them: a strided frame, from a custom serializer, is copied)
+        views = [ensure_memoryview(f) for f in frames]
         threshold = max(1, zero_copy_threshold())
-        modes = bytes(_REMOTE if v.nbytes >= threshold and v.c_contiguous else _INLINE for v in views)
+        modes = bytes(_REMOTE if v.nbytes >= threshold else _INLINE for v in views)
         totals = RDMAComm.totals
         for v, m in zip(views, modes):
             kind = "rdma" if m == _REMOTE else "inline"
@@ -432,13 +476,6 @@ def _abort_unless_closing(transport: asyncio.WriteTransport) -> None:
 def _retrieve(task: "asyncio.Task[Any]") -> None:
     if not task.cancelled():
         task.exception()
-
-
-def _byte_view(frame: Any) -> memoryview:
-    view = frame if isinstance(frame, memoryview) else memoryview(frame)
-    if view.c_contiguous and (view.format != "B" or view.ndim != 1):
-        view = view.cast("B")
-    return view
 
 
 async def _register(pz: Any, buffer: Any, privileges: Privileges) -> Any:
