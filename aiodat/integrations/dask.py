@@ -102,8 +102,9 @@ class _Inbox:
 
     MSG go to ``messages`` for ``read()``: their frames when all came inline, else the task that
     receives the others (:meth:`_receive`) and their size, which ``limit`` bounds; GRANT and ACK
-    answer our own write (``for_writer``); WRITTEN belongs to the message being received (``for_reader``).  It holds no reference to the
-    comm, so a comm the program drops can be collected (its finalizer aborts the stream).
+    answer our own write (``for_writer``); WRITTEN belongs to the message being received
+    (``for_reader``).  It holds no reference to the comm, so a comm the program drops can be
+    collected (its finalizer aborts the stream).
     """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str) -> None:
